@@ -1,0 +1,27 @@
+# The README's commands: `make demo` and `make test`. Everything runs from .venv.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m bench.micro
+
+demo: $(STAMP)
+	$(VENV)/bin/laswrr demo --out demo-out
+
+clean:
+	rm -rf $(VENV) .laswrr demo-out bench-out
