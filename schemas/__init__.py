@@ -1,0 +1,1 @@
+"""The one vocabulary: subject names, input facts, outputs, and their codec."""

@@ -1,0 +1,106 @@
+"""Decode inputs by subject and encode outputs; one typed error for every bad payload.
+
+``decode_event(subject, data)`` returns ``(key, event)`` where ``key`` is the subject's last
+token (node id or proxy name, None for subject-wide events). Anything that cannot be applied
+(not JSON, wrong type, value out of range, missing field, unknown subject) raises
+``SchemaError`` whose message is the rejection reason recorded on ``lb.out.rejected``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from schemas import events as ev
+from schemas import subjects as sj
+
+MAX_PAYLOAD_BYTES = 1 << 20
+
+
+class SchemaError(ValueError):
+    """A payload or subject that does not satisfy the wire contract."""
+
+
+class Envelope(msgspec.Struct, frozen=True):
+    """One input as the core sees it: stream sequence, event time, subject, raw payload."""
+
+    seq: int
+    ts_ns: int
+    subject: str
+    data: bytes
+
+
+class Output(msgspec.Struct, frozen=True):
+    """One output message: subject, encoded payload, and the cause it derives from."""
+
+    subject: str
+    data: bytes
+    as_of_seq: int
+
+    @property
+    def msg_id(self) -> str:
+        """De-duplication id: the same input yields the same id on every replica."""
+        return f"{self.as_of_seq}:{self.subject}"
+
+
+_BY_PREFIX: dict[str, type[ev.Event]] = {
+    sj.ADMIN_NODE: ev.NodeRegistered,
+    sj.ADMIN_REMOVE: ev.NodeRemoveRequested,
+    sj.ADMIN_CAPACITY: ev.CapacitySet,
+    sj.ADMIN_DRAIN: ev.DrainRequested,
+    sj.ADMIN_UNDRAIN: ev.UndrainRequested,
+    sj.METRICS_ENGINE: ev.EngineSampled,
+    sj.METRICS_NPU: ev.NpuSampled,
+    sj.HEALTH: ev.HealthProbed,
+    sj.REQ_STARTED: ev.RequestStarted,
+    sj.REQ_FINISHED: ev.RequestFinished,
+    sj.PROXY_HEARTBEAT: ev.ProxyHeartbeat,
+    sj.PROXY_STOPPED: ev.ProxyStopped,
+}
+_WHOLE_SUBJECT: dict[str, type[ev.Event]] = {
+    sj.CLOCK_TICK: ev.ClockTicked,
+    sj.ADMIN_CONFIG: ev.ConfigChanged,
+}
+_DECODERS: dict[type[ev.Event], msgspec.json.Decoder[Any]] = {
+    cls: msgspec.json.Decoder(cls) for cls in (*_BY_PREFIX.values(), *_WHOLE_SUBJECT.values())
+}
+_ENCODER = msgspec.json.Encoder()
+
+
+def event_type(subject: str) -> tuple[type[ev.Event], str | None]:
+    """The struct a subject's payload decodes into, and the subject's key token."""
+    if subject in _WHOLE_SUBJECT:
+        return _WHOLE_SUBJECT[subject], None
+    prefix, _, key = subject.rpartition(".")
+    cls = _BY_PREFIX.get(prefix)
+    if cls is None:
+        raise SchemaError(f"unknown subject {subject!r}: no event kind is published there")
+    try:
+        sj.check_token(key)
+    except sj.SubjectError as exc:
+        raise SchemaError(str(exc)) from None
+    return cls, key
+
+
+def decode_event(subject: str, data: bytes) -> tuple[str | None, ev.Event]:
+    cls, key = event_type(subject)
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise SchemaError(f"payload of {len(data)} bytes exceeds the {MAX_PAYLOAD_BYTES}-byte limit")
+    if not data.strip():
+        data = b"{}"
+    try:
+        return key, _DECODERS[cls].decode(data)
+    except msgspec.ValidationError as exc:
+        raise SchemaError(f"invalid {cls.KIND} payload: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise SchemaError(f"payload is not valid JSON: {exc}") from None
+
+
+def encode(obj: Any) -> bytes:
+    """The one encoder for everything published or recorded."""
+    return _ENCODER.encode(obj)
+
+
+def encode_event(event: ev.Event) -> bytes:
+    return _ENCODER.encode(event)

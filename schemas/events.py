@@ -1,0 +1,166 @@
+"""Input facts (stream LB_EVENTS), one msgspec struct per subject family.
+
+Every struct carries a stable ``KIND`` tag (a past-tense domain name, never a class or module
+name); the subject decides which struct a payload decodes into (see ``schemas.codec``).
+Payloads are plain JSON as ``nats pub`` sends them. Unknown extra fields are ignored, so
+producers may add fields; new fields here go last and have defaults. Constraints that are part
+of the contract (capacity >= 0, kv_cache_usage in 0..1, ...) are declared with ``Meta`` so the
+decoder itself rejects bad values with a precise message.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar
+
+import msgspec
+from msgspec import Meta
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosInt = Annotated[int, Meta(gt=0)]
+Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
+NonNegFloat = Annotated[float, Meta(ge=0.0)]
+Name = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-]+$")]
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True):
+    KIND: ClassVar[str] = "event"
+
+
+class NodeRegistered(Event, frozen=True, kw_only=True):
+    """``lb.admin.node.<node>``: register an instance, or update a registered one."""
+
+    KIND: ClassVar[str] = "admin.node_registered"
+    url: Annotated[str, Meta(min_length=1, max_length=2048)]
+    capacity: PosInt
+    pool: Name = "default"
+    chip: Annotated[str, Meta(max_length=64)] = "unknown"
+
+
+class NodeRemoveRequested(Event, frozen=True, kw_only=True):
+    """``lb.admin.remove.<node>``: drain, then forget the node once drained."""
+
+    KIND: ClassVar[str] = "admin.node_remove_requested"
+
+
+class CapacitySet(Event, frozen=True, kw_only=True):
+    """``lb.admin.capacity.<node>``: the instance's current capacity; 0 drains it."""
+
+    KIND: ClassVar[str] = "admin.capacity_set"
+    capacity: NonNegInt
+
+
+class DrainRequested(Event, frozen=True, kw_only=True):
+    """``lb.admin.drain.<node>``: admit no new requests; in-flight ones finish."""
+
+    KIND: ClassVar[str] = "admin.drain_requested"
+
+
+class UndrainRequested(Event, frozen=True, kw_only=True):
+    """``lb.admin.undrain.<node>``: return a draining or drained node, with slow start."""
+
+    KIND: ClassVar[str] = "admin.undrain_requested"
+
+
+class ConfigChanged(Event, frozen=True, kw_only=True):
+    """``lb.admin.config``: a partial scheduler configuration, ``{"set": {"key": value}}``."""
+
+    KIND: ClassVar[str] = "admin.config_changed"
+    set: dict[str, float | int | bool | str]
+
+
+class EngineSampled(Event, frozen=True, kw_only=True):
+    """``lb.metrics.engine.<node>``: one scrape of the engine's own metrics."""
+
+    KIND: ClassVar[str] = "metrics.engine_sampled"
+    running: NonNegInt
+    waiting: NonNegInt
+    kv_cache_usage: Fraction
+    ttft_ms: NonNegFloat | None = None
+    e2e_ms: NonNegFloat | None = None
+    engine: str | None = None
+    ts_ns: int | None = None
+
+
+class NpuChip(msgspec.Struct, frozen=True, kw_only=True):
+    npu_id: NonNegInt
+    chip_id: NonNegInt
+    aicore_util: Fraction | None = None
+    hbm_used_mb: NonNegInt | None = None
+    hbm_total_mb: NonNegInt | None = None
+    health: str | None = None
+    name: str | None = None
+    power_w: float | None = None
+    temp_c: float | None = None
+    memory_used_mb: NonNegInt | None = None
+    memory_total_mb: NonNegInt | None = None
+
+
+class NpuSampled(Event, frozen=True, kw_only=True):
+    """``lb.metrics.npu.<node>``: the chips of ``npu-smi info`` that serve this node."""
+
+    KIND: ClassVar[str] = "metrics.npu_sampled"
+    chips: list[NpuChip]
+    ts_ns: int | None = None
+
+
+class HealthProbed(Event, frozen=True, kw_only=True):
+    """``lb.health.<node>``: result of one health probe."""
+
+    KIND: ClassVar[str] = "health.probed"
+    ok: bool
+    latency_ms: NonNegFloat | None = None
+    error: str | None = None
+    ts_ns: int | None = None
+
+
+class RequestStarted(Event, frozen=True, kw_only=True):
+    """``lb.req.started.<node>``: a proxy admitted a request to this node."""
+
+    KIND: ClassVar[str] = "req.started"
+    request_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    proxy: Name
+    pool: Name = "default"
+    snapshot_seq: int | None = None
+    ts_ns: int | None = None
+
+
+OUTCOMES = ("completed", "client_cancelled", "upstream_error", "router_aborted", "rejected")
+
+
+class RequestFinished(Event, frozen=True, kw_only=True):
+    """``lb.req.finished.<node>``: the request admitted to this node ended."""
+
+    KIND: ClassVar[str] = "req.finished"
+    request_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    proxy: Name
+    outcome: str
+    pool: Name = "default"
+    ttft_ms: NonNegFloat | None = None
+    duration_ms: NonNegFloat | None = None
+    prompt_tokens: NonNegInt | None = None
+    completion_tokens: NonNegInt | None = None
+    status: int | None = None
+    error: str | None = None
+    ts_ns: int | None = None
+
+
+class ProxyHeartbeat(Event, frozen=True, kw_only=True):
+    """``lb.proxy.heartbeat.<proxy>``: a proxy is alive; ``inflight`` is its own count."""
+
+    KIND: ClassVar[str] = "proxy.heartbeat"
+    inflight: NonNegInt = 0
+    ts_ns: int | None = None
+
+
+class ProxyStopped(Event, frozen=True, kw_only=True):
+    """``lb.proxy.stopped.<proxy>``: a proxy shut down; its open requests are void."""
+
+    KIND: ClassVar[str] = "proxy.stopped"
+    ts_ns: int | None = None
+
+
+class ClockTicked(Event, frozen=True, kw_only=True):
+    """``lb.clock.tick``: time passes (one per period, de-duplicated by the stream)."""
+
+    KIND: ClassVar[str] = "clock.ticked"
+    tick: NonNegInt

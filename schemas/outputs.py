@@ -1,0 +1,66 @@
+"""Outputs (stream LB_OUT, and the LB_WEIGHTS bucket for snapshots).
+
+These are what proxies route on and what replay compares byte for byte, so they are encoded
+with one fixed encoder (``schemas.codec.encode``): field order is declaration order, floats are
+produced by the core already rounded, and no field depends on a clock or on dict ordering
+outside the core's control.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+
+
+class LoadView(msgspec.Struct, frozen=True, kw_only=True):
+    queue: float
+    running: float
+    kv: float
+    npu: float
+    latency: float
+    load: float
+    sample_age_ms: int | None
+    stale: bool
+
+
+class NodeView(msgspec.Struct, frozen=True, kw_only=True):
+    node: str
+    url: str
+    phase: str
+    routable: bool
+    capacity: int
+    target_weight: float
+    effective_weight: float
+    inflight: int
+    chip: str
+    health: float
+    load: LoadView
+    phase_reason: str = ""
+
+
+class WeightSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    KIND: ClassVar[str] = "out.weight_snapshot"
+    pool: str
+    as_of_seq: int
+    tick: int
+    ts_ns: int
+    panic: bool
+    nodes: list[NodeView]
+
+
+class Rejected(msgspec.Struct, frozen=True, kw_only=True):
+    KIND: ClassVar[str] = "out.rejected"
+    seq: int
+    subject: str
+    reason: str
+
+
+class PhaseChanged(msgspec.Struct, frozen=True, kw_only=True):
+    KIND: ClassVar[str] = "out.phase_changed"
+    node: str
+    from_: str = msgspec.field(name="from")
+    to: str
+    as_of_seq: int
+    reason: str
+    pool: str = "default"
