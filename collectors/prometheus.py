@@ -1,0 +1,379 @@
+"""Pure parser for an inference engine's Prometheus ``/metrics`` text.
+
+Rules
+-----
+* Pure functions of ``str``: no I/O, clock, randomness or logging here; the scraper lives
+  elsewhere. Parsing is done by ``prometheus_client.parser.text_string_to_metric_families``;
+  this module only picks and aggregates series.
+* Every malformed input raises ``collectors.errors.ParseError`` (one line), never another
+  exception type.
+
+Names (tests/fixtures/real/METRIC-NAMES.md)
+-------------------------------------------
+* vLLM (V0, V1 and vLLM-Ascend, which keeps upstream names): ``vllm:num_requests_running``,
+  ``vllm:num_requests_waiting``, KV ``vllm:kv_cache_usage_perc`` (>= 0.9) preferred over the
+  older/deprecated alias ``vllm:gpu_cache_usage_perc``; histograms
+  ``vllm:time_to_first_token_seconds``, ``vllm:e2e_request_latency_seconds``.
+* SGLang: ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, KV = ``sglang:token_usage``,
+  same histogram names with the ``sglang:`` prefix.
+* MindIE: no prefix: ``num_requests_running``, ``num_requests_waiting``,
+  ``npu_cache_usage_perc``, ``time_to_first_token_seconds`` (exposed WITHOUT ``_sum``),
+  ``e2e_request_latency_seconds``.
+
+Aggregation
+-----------
+* Counts (running, waiting) and histogram ``_sum``/``_count``/buckets are SUMMED over the
+  series that remain (vLLM V1 has one series per ``engine`` label = DP rank).
+* KV usage is the MEAN over series, and the max is kept as ``kv_cache_usage_max``. Mean,
+  because DP ranks of one instance have equal-sized KV pools, so the mean is the fraction of
+  the instance's KV capacity in use (consistent with running/waiting being summed), and
+  vLLM's DP coordinator steers new requests away from a full rank, so one full rank does
+  not make the instance full.
+* SGLang (and any engine) with ``tp_rank``/``pp_rank``/``moe_ep_rank`` labels: only the
+  series of the lowest rank is kept (TP/PP/EP ranks repeat the same scheduler numbers);
+  ``dp_rank``/``engine_type`` series are aggregated as above.
+* ``*_created`` samples are ignored; samples without HELP/TYPE are used like any other;
+  label order, integer vs ``.0`` vs scientific values do not matter (prometheus_client).
+
+Bad, empty and truncated input
+------------------------------
+* Empty body -> ParseError. HELP/TYPE-only body (vLLM multiprocess mis-config) or a body
+  with none of the engine names above -> ParseError("no engine metrics ..."). An engine
+  before its first request exposes its gauges at 0; that is a valid sample of zeros.
+* Truncated scrapes (cut mid-line, mid-histogram, dangling ``# HELP``): an unterminated last
+  line is dropped (a value cut short would still parse, wrongly). If prometheus_client
+  raises, the LONGEST VALID PREFIX OF LINES is parsed instead and ``truncated`` is set, so a
+  cut tail does not lose the whole scrape. A histogram cut before ``_count`` and ``+Inf`` has
+  no total and is reported as absent. If not even the first line parses -> ParseError.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from collectors.errors import ParseError
+from schemas.events import EngineSampled
+
+__all__ = [
+    "EngineKind",
+    "EngineMetrics",
+    "Histogram",
+    "ParseError",
+    "engine_sample",
+    "parse_engine_metrics",
+]
+
+EngineKind = Literal["vllm", "mindie", "sglang"]
+_RANK_LABELS = ("tp_rank", "pp_rank", "moe_ep_rank")
+_KV_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class _Names:
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    kv: tuple[str, ...]  # first name with samples wins
+    ttft: str
+    e2e: str
+
+    def all(self) -> tuple[str, ...]:
+        return (*self.running, *self.waiting, *self.kv, self.ttft, self.e2e)
+
+
+_NAMES: dict[EngineKind, _Names] = {
+    "vllm": _Names(
+        running=("vllm:num_requests_running",),
+        waiting=("vllm:num_requests_waiting",),
+        kv=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        ttft="vllm:time_to_first_token_seconds",
+        e2e="vllm:e2e_request_latency_seconds",
+    ),
+    "sglang": _Names(
+        running=("sglang:num_running_reqs",),
+        waiting=("sglang:num_queue_reqs",),
+        kv=("sglang:token_usage",),
+        ttft="sglang:time_to_first_token_seconds",
+        e2e="sglang:e2e_request_latency_seconds",
+    ),
+    "mindie": _Names(
+        running=("num_requests_running",),
+        waiting=("num_requests_waiting",),
+        kv=("npu_cache_usage_perc",),
+        ttft="time_to_first_token_seconds",
+        e2e="e2e_request_latency_seconds",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Cumulative totals of one latency histogram (seconds), summed over series.
+
+    ``sum`` is None when the engine exposes no ``_sum`` (MindIE TTFT). ``buckets`` are
+    ``(le, cumulative count)`` sorted by ``le``; ``math.inf`` is the ``+Inf`` bucket.
+    """
+
+    sum: float | None
+    count: float
+    buckets: tuple[tuple[float, float], ...]
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """One scrape, reduced to what the router uses. None = the scrape has no such metric."""
+
+    engine: EngineKind
+    running: int | None
+    waiting: int | None
+    kv_cache_usage: float | None  # mean over series, 0..1
+    kv_cache_usage_max: float | None  # max over series, 0..1
+    ttft: Histogram | None
+    e2e: Histogram | None
+    models: tuple[str, ...] = ()
+    truncated: bool = False
+
+
+# --------------------------------------------------------------------------- text -> samples
+
+
+def _parse_samples(text: str) -> list[Sample]:
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def _parses(text: str) -> bool:
+    try:
+        _parse_samples(text)
+    except Exception:  # noqa: BLE001 - prometheus_client raises ValueError, IndexError, ...
+        return False
+    return True
+
+
+def _longest_valid_prefix(lines: list[str]) -> int:
+    """Number of leading lines that prometheus_client accepts as a whole."""
+    end = next((i for i, line in enumerate(lines) if not _parses(line + "\n")), len(lines))
+    while end > 0 and not _parses("\n".join(lines[:end]) + "\n"):
+        end -= 1
+    return end
+
+
+def _samples(text: str) -> tuple[list[Sample], bool]:
+    text = text.replace("\r\n", "\n")
+    cut = False
+    if not text.endswith("\n") and "\n" in text:
+        # A complete exposition ends with a newline; an unterminated last line may be a value
+        # cut short ("3" of "38.0") that would still parse, so it is dropped.
+        text, cut = text[: text.rindex("\n") + 1], True
+    try:
+        return _parse_samples(text), cut
+    except Exception as exc:  # noqa: BLE001 - recover from a truncated tail below
+        lines = text.split("\n")
+        end = _longest_valid_prefix(lines)
+        if end == 0:
+            raise ParseError(f"not a Prometheus text exposition: line 1: {exc}") from None
+        return _parse_samples("\n".join(lines[:end]) + "\n"), True
+
+
+# --------------------------------------------------------------------------- selection
+
+
+def _rank_key(value: str) -> tuple[int, float, str]:
+    try:
+        return (0, float(value), value)
+    except ValueError:
+        return (1, 0.0, value)
+
+
+def _lowest_ranks(samples: list[Sample]) -> list[Sample]:
+    for label in _RANK_LABELS:
+        values = {s.labels[label] for s in samples if label in s.labels}
+        if values:
+            keep = min(values, key=_rank_key)
+            samples = [s for s in samples if s.labels.get(label, keep) == keep]
+    return samples
+
+
+def _by_name(samples: Iterable[Sample], name: str) -> list[Sample]:
+    return [s for s in samples if s.name == name]
+
+
+def _finite(sample: Sample) -> float:
+    value = float(sample.value)
+    if math.isnan(value) or math.isinf(value):
+        raise ParseError(f"{sample.name}{dict(sample.labels)} = {value}: not a finite number")
+    return value
+
+
+def _count_gauge(samples: list[Sample], names: tuple[str, ...]) -> int | None:
+    for name in names:
+        series = _by_name(samples, name)
+        if series:
+            total = sum(_finite(s) for s in series)
+            if total < 0:
+                raise ParseError(f"{name} = {total:g}: a request count cannot be negative")
+            return int(round(total))
+    return None
+
+
+def _kv(samples: list[Sample], names: tuple[str, ...]) -> tuple[float | None, float | None]:
+    for name in names:
+        values = [_finite(s) for s in _by_name(samples, name)]
+        if values:
+            bad = [v for v in values if not -_KV_TOLERANCE <= v <= 1.0 + _KV_TOLERANCE]
+            if bad:
+                raise ParseError(f"{name} = {bad[0]:g}: KV usage must be a fraction 0..1")
+            clamped = [min(1.0, max(0.0, v)) for v in values]
+            return sum(clamped) / len(clamped), max(clamped)
+    return None, None
+
+
+def _le(sample: Sample) -> float:
+    raw = sample.labels.get("le")
+    try:
+        return float(raw) if raw is not None else math.nan
+    except ValueError:
+        raise ParseError(f"{sample.name}: bucket bound le={raw!r} is not a number") from None
+
+
+def _histogram(samples: list[Sample], base: str) -> Histogram | None:
+    sums = _by_name(samples, base + "_sum")
+    counts = _by_name(samples, base + "_count")
+    bucket_totals: dict[float, float] = {}
+    for sample in _by_name(samples, base + "_bucket"):
+        le = _le(sample)
+        if not math.isnan(le):
+            bucket_totals[le] = bucket_totals.get(le, 0.0) + _finite(sample)
+    if counts:
+        count = sum(_finite(s) for s in counts)
+    elif math.inf in bucket_totals:
+        count = bucket_totals[math.inf]
+    else:
+        return None  # absent, or cut before _count and +Inf
+    series = {_series_key(s) for s in (*counts, *_by_name(samples, base + "_bucket"))}
+    has_all_sums = bool(sums) and {_series_key(s) for s in sums} >= series
+    total = sum(_finite(s) for s in sums) if has_all_sums else None
+    return Histogram(sum=total, count=count, buckets=tuple(sorted(bucket_totals.items())))
+
+
+def _series_key(sample: Sample) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+
+
+def _detect(samples: list[Sample], engine: EngineKind | Literal["auto"]) -> EngineKind:
+    present = {s.name for s in samples}
+    candidates: tuple[EngineKind, ...] = ("vllm", "sglang", "mindie") if engine == "auto" else (engine,)
+    for kind in candidates:
+        names = _NAMES[kind]
+        wanted = set(names.all()) | {f"{names.ttft}_count", f"{names.e2e}_count", f"{names.ttft}_bucket",
+                                     f"{names.e2e}_bucket", f"{names.ttft}_sum", f"{names.e2e}_sum"}
+        if present & wanted:
+            return kind
+    which = "vLLM/SGLang/MindIE" if engine == "auto" else engine
+    raise ParseError(f"no engine metrics: none of the {which} running/waiting/KV/latency names found")
+
+
+def _models(samples: list[Sample]) -> tuple[str, ...]:
+    return tuple(sorted({s.labels["model_name"] for s in samples if s.labels.get("model_name")}))
+
+
+# --------------------------------------------------------------------------- public
+
+
+def parse_engine_metrics(
+    text: str, engine: EngineKind | Literal["auto"] = "auto"
+) -> EngineMetrics:
+    """Reduce one ``/metrics`` body to running, waiting, KV usage and latency histograms.
+
+    ``engine="auto"`` detects vLLM (``vllm:``), SGLang (``sglang:``) or MindIE (unprefixed
+    names). Raises ParseError for an empty body, text that is not an exposition, or one with
+    none of the selected engine's metrics.
+    """
+    if engine not in ("auto", *_NAMES):
+        raise ParseError(f"unknown engine {engine!r}: expected vllm, mindie, sglang or auto")
+    if not text.strip():
+        raise ParseError("empty /metrics body")
+    samples, truncated = _samples(text)
+    samples = _lowest_ranks([s for s in samples if not s.name.endswith("_created")])
+    if not samples:
+        raise ParseError("no engine metrics: the body has only HELP/TYPE lines, no samples")
+    kind = _detect(samples, engine)
+    names = _NAMES[kind]
+    kv_mean, kv_max = _kv(samples, names.kv)
+    return EngineMetrics(
+        engine=kind,
+        running=_count_gauge(samples, names.running),
+        waiting=_count_gauge(samples, names.waiting),
+        kv_cache_usage=kv_mean,
+        kv_cache_usage_max=kv_max,
+        ttft=_histogram(samples, names.ttft),
+        e2e=_histogram(samples, names.e2e),
+        models=_models(samples),
+        truncated=truncated,
+    )
+
+
+def _bucket_mean(prev: Histogram, cur: Histogram) -> float | None:
+    """Mean of the new observations from bucket deltas, each at its bucket's midpoint.
+
+    The first bucket counts at half its bound; the ``+Inf`` bucket at the last finite bound
+    (so a heavy tail is under-estimated). None when the bucket bounds changed or a bucket
+    went down (reset).
+    """
+    if [le for le, _ in prev.buckets] != [le for le, _ in cur.buckets] or not cur.buckets:
+        return None
+    total = weighted = 0.0
+    lower = previous_cum = 0.0
+    for (le, cum_cur), (_, cum_prev) in zip(cur.buckets, prev.buckets, strict=True):
+        delta_cum = cum_cur - cum_prev
+        in_bucket = delta_cum - previous_cum
+        if delta_cum < 0 or in_bucket < 0:
+            return None
+        point = lower if math.isinf(le) else (lower + le) / 2.0
+        weighted += in_bucket * point
+        total += in_bucket
+        previous_cum = delta_cum
+        lower = lower if math.isinf(le) else le
+    return weighted / total if total > 0 else None
+
+
+def _mean_ms(prev: Histogram | None, cur: Histogram | None) -> float | None:
+    if prev is None or cur is None:
+        return None
+    new = cur.count - prev.count
+    if new <= 0:  # no finished requests, or a counter reset (count went down)
+        return None
+    if cur.sum is not None and prev.sum is not None:
+        spent = cur.sum - prev.sum
+        return None if spent < 0 else spent / new * 1000.0
+    mean = _bucket_mean(prev, cur)
+    return None if mean is None else mean * 1000.0
+
+
+def engine_sample(prev: EngineMetrics | None, cur: EngineMetrics, *, ts_ns: int | None = None) -> EngineSampled:
+    """The ``EngineSampled`` event for scrape ``cur``, latencies averaged since ``prev``.
+
+    ``ttft_ms``/``e2e_ms`` are the MEAN over requests finished between the two scrapes
+    (``_sum``/``_count`` deltas); None with no ``prev``, no new requests, a counter reset,
+    or a different engine kind in ``prev``. Without ``_sum`` (MindIE TTFT) the mean is
+    ESTIMATED from bucket deltas at bucket midpoints (see ``_bucket_mean``). Raises
+    ParseError when ``cur`` lacks running, waiting or KV usage.
+    """
+    running, waiting, kv = cur.running, cur.waiting, cur.kv_cache_usage
+    if running is None or waiting is None or kv is None:
+        missing = [f for f in ("running", "waiting", "kv_cache_usage") if getattr(cur, f) is None]
+        raise ParseError(f"{cur.engine} metrics lack {', '.join(missing)}: cannot build EngineSampled")
+    base = prev if prev is not None and prev.engine == cur.engine else None
+    return EngineSampled(
+        running=running,
+        waiting=waiting,
+        kv_cache_usage=kv,
+        ttft_ms=_mean_ms(base.ttft if base else None, cur.ttft),
+        e2e_ms=_mean_ms(base.e2e if base else None, cur.e2e),
+        engine=cur.engine,
+        ts_ns=ts_ns,
+    )
