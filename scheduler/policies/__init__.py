@@ -1,0 +1,28 @@
+"""Pick policies as peers behind one protocol, chosen by name (Envoy's layout)."""
+
+from __future__ import annotations
+
+from scheduler.policies.base import WEIGHT_UNIT, Candidate, Policy
+from scheduler.policies.la_swrr import LaSwrr
+from scheduler.policies.least_request import LeastRequest
+from scheduler.policies.p2c import PowerOfTwo
+from scheduler.policies.round_robin import RoundRobin
+from scheduler.rng import Rng
+
+POLICIES: dict[str, type[LaSwrr] | type[RoundRobin] | type[LeastRequest] | type[PowerOfTwo]] = {
+    LaSwrr.name: LaSwrr,
+    RoundRobin.name: RoundRobin,
+    LeastRequest.name: LeastRequest,
+    PowerOfTwo.name: PowerOfTwo,
+}
+
+
+def make_policy(name: str, seed: int = 0) -> Policy:
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+    return cls(Rng(seed))
+
+
+__all__ = ["Candidate", "Policy", "POLICIES", "WEIGHT_UNIT", "make_policy"]

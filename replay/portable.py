@@ -1,0 +1,80 @@
+"""The portable log form (design §7): one ``{"seq", "ts_ns", "subject", "data"}`` JSON object
+per line, for inputs and outputs alike. ``data`` is the payload as JSON; a payload that was not
+valid JSON when recorded is carried as a JSON string of its raw text.
+
+``read_events`` yields envelopes, or a ``LineError`` for a line that cannot become one (it is
+reported with its line number and becomes a rejection; reading goes on). ``replay_lines`` runs
+the lines through a fresh core and yields output lines, byte-identical for identical input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import msgspec
+
+from scheduler.config import SchedulerConfig
+from scheduler.core import Scheduler
+from schemas import subjects as sj
+from schemas.codec import Envelope, Output, encode
+from schemas.outputs import Rejected
+
+
+class LogLine(msgspec.Struct, frozen=True):
+    seq: int
+    ts_ns: int
+    subject: str
+    data: msgspec.Raw
+
+
+@dataclass(frozen=True)
+class LineError:
+    line_no: int
+    seq: int
+    reason: str
+
+
+_LINE = msgspec.json.Decoder(LogLine)
+_STRING = msgspec.json.Decoder(str)
+
+
+def payload_bytes(raw: bytes) -> bytes:
+    """A JSON string carries a raw (possibly malformed) payload; anything else is the payload."""
+    raw = raw.strip()
+    if raw.startswith(b'"'):
+        return _STRING.decode(raw).encode()
+    return raw
+
+
+def read_events(lines: Iterable[bytes]) -> Iterator[Envelope | LineError]:
+    last_seq = 0
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = _LINE.decode(line)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            yield LineError(line_no, last_seq + 1, f"line {line_no}: not a log entry: {exc}")
+            last_seq += 1
+            continue
+        last_seq = entry.seq
+        yield Envelope(entry.seq, entry.ts_ns, entry.subject, payload_bytes(bytes(entry.data)))
+
+
+def output_line(output: Output, ts_ns: int) -> bytes:
+    return encode(LogLine(output.as_of_seq, ts_ns, output.subject, msgspec.Raw(output.data))) + b"\n"
+
+
+def replay_lines(lines: Iterable[bytes], config: SchedulerConfig | None = None,
+                 errors: list[LineError] | None = None) -> Iterator[bytes]:
+    scheduler = Scheduler(config)
+    for item in read_events(lines):
+        if isinstance(item, LineError):
+            if errors is not None:
+                errors.append(item)
+            rejected = Rejected(seq=item.seq, subject="", reason=item.reason)
+            yield output_line(Output(sj.OUT_REJECTED, encode(rejected), item.seq), scheduler.state.now_ns)
+            continue
+        for output in scheduler.apply(item):
+            yield output_line(output, scheduler.state.now_ns)

@@ -1,0 +1,101 @@
+"""Scheduler configuration: every coefficient, step, window and threshold of the core.
+
+The configuration is part of the event log: the scheduler service publishes the file it was
+started with as an ``lb.admin.config`` event, and operators may change single keys the same way,
+so a replay always runs with the configuration that was in force. Unknown keys are rejected
+(a typo must not pass silently). Durations are in milliseconds of event time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from schemas.codec import SchemaError
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Load -> target weight. load = Σ w_k·signal_k / Σ w_k, each signal in 0..1.
+    w_queue: float = 0.35
+    w_running: float = 0.25
+    w_kv: float = 0.15
+    w_npu: float = 0.05
+    w_latency: float = 0.20
+    max_load_cut: float = 0.9  # a fully loaded node keeps (1 - max_load_cut) of its capacity
+    floor_fraction: float = 0.05  # a routable node never drops below this share of its capacity
+    unknown_load: float = 0.5  # what a missing or stale signal counts as (never "idle")
+    stale_after_ms: int = 3_000  # samples older than this start decaying toward unknown_load
+    stale_full_ms: int = 10_000  # ... and count as fully unknown at this age
+    latency_alpha: float = 0.2  # EWMA factor for TTFT / end-to-end latency
+    warning_health: float = 0.7  # health factor of an NPU reporting Warning
+    # Easing of effective toward target, once per tick.
+    ease_alpha: float = 0.5
+    ease_max_step: float = 0.25  # per tick, as a fraction of the node's largest capacity
+    ease_deadband: float = 0.01
+    capacity_ramp_ratio: float = 1.5  # capacity raised by this factor or more -> slow start
+    # Phases.
+    drain_deadline_ms: int = 60_000
+    slow_start_window_ms: int = 5_000
+    slow_start_aggression: float = 1.0
+    slow_start_min_pct: float = 0.1
+    health_fail_threshold: int = 3  # consecutive failed probes -> ejected until a probe passes
+    consecutive_failures: int = 5  # consecutive upstream errors -> outlier ejection
+    base_ejection_ms: int = 30_000
+    max_ejection_ms: int = 300_000
+    max_ejection_percent: float = 10.0  # of a pool's nodes; at least one may always be ejected
+    backoff_decay_ms: int = 10_000
+    panic_threshold: float = 0.5  # fewer routable nodes than this share -> route to ejected too
+    proxy_timeout_ms: int = 15_000  # a proxy silent this long has its open requests expired
+
+
+_DECODER = msgspec.json.Decoder(SchedulerConfig)
+_FIELDS = set(SchedulerConfig.__struct_fields__)
+
+
+def with_changes(config: SchedulerConfig, changes: dict[str, Any]) -> SchedulerConfig:
+    """A new configuration with ``changes`` applied; a bad key or value raises SchemaError."""
+    unknown = sorted(set(changes) - _FIELDS)
+    if unknown:
+        raise SchemaError(f"unknown configuration key(s): {', '.join(unknown)}")
+    merged = msgspec.structs.asdict(config) | changes
+    try:
+        new = msgspec.convert(merged, SchedulerConfig)
+    except msgspec.ValidationError as exc:
+        raise SchemaError(f"invalid configuration: {exc}") from None
+    _check(new)
+    return new
+
+
+def _check(config: SchedulerConfig) -> None:
+    weights = (config.w_queue, config.w_running, config.w_kv, config.w_npu, config.w_latency)
+    if min(weights) < 0 or sum(weights) <= 0:
+        raise SchemaError("invalid configuration: load weights must be >= 0 with a positive sum")
+    for name in ("max_load_cut", "floor_fraction", "unknown_load", "latency_alpha", "warning_health",
+                 "ease_alpha", "ease_max_step", "slow_start_min_pct", "panic_threshold"):
+        value = getattr(config, name)
+        if not 0.0 <= value <= 1.0:
+            raise SchemaError(f"invalid configuration: {name}={value} must be within 0..1")
+    if config.slow_start_aggression <= 0:
+        raise SchemaError("invalid configuration: slow_start_aggression must be > 0")
+    if config.stale_full_ms < config.stale_after_ms:
+        raise SchemaError("invalid configuration: stale_full_ms must be >= stale_after_ms")
+    if config.ease_max_step <= 0:
+        raise SchemaError("invalid configuration: ease_max_step must be > 0")
+
+
+def load_file(path: str) -> SchedulerConfig:
+    """Read a TOML file of configuration keys (a ``[scheduler]`` table or top-level keys)."""
+    import tomllib
+
+    with open(path, "rb") as handle:
+        raw = tomllib.load(handle)
+    return with_changes(SchedulerConfig(), raw.get("scheduler", raw))
+
+
+def encode(config: SchedulerConfig) -> bytes:
+    return msgspec.json.encode(config)
+
+
+def decode(data: bytes) -> SchedulerConfig:
+    return _DECODER.decode(data)

@@ -1,0 +1,451 @@
+"""The sans-IO LA-SWRR scheduler: ``Scheduler.apply(envelope) -> list[Output]``.
+
+Theory of operation. The scheduler's state after input n is a pure function of inputs 1..n
+(design §3). Each input is an ``Envelope`` (stream sequence, event time, subject, raw bytes);
+``apply`` decodes it by subject, checks it against the current state, and only then mutates, so
+a rejected input changes nothing and yields one ``lb.out.rejected`` output with the reason.
+Time is the envelope's ``ts_ns`` (the stream's timestamp, kept monotonic); timers (drain
+deadlines, slow start, ejection, proxy expiry, sample staleness) are read on ``lb.clock.tick``.
+Each tick recomputes every node's target from its signals and eases the effective weight toward
+it, then emits one snapshot per pool; phase changes between ticks emit their pool's snapshot at
+once, so a drain is visible to proxies without waiting for the next tick.
+
+Rules kept here: no clock, randomness, IO, logging or asyncio; dicts iterate in insertion order
+and pools and nodes are emitted sorted, so two replicas given the same log emit the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from scheduler import config as config_mod
+from scheduler import weights as wt
+from scheduler.phases import ROUTABLE, Phase, PhaseError, Trigger, next_phase
+from scheduler.state import CoreState, NodeState, OpenRequest
+from schemas import events as ev
+from schemas import subjects as sj
+from schemas.codec import Envelope, Output, SchemaError, decode_event, encode
+from schemas.outputs import LoadView, NodeView, PhaseChanged, Rejected, WeightSnapshot
+
+MS = wt.MS
+HEALTH_ORDER = {"OK": 0, "Warning": 1, "Alarm": 2, "Critical": 3, "UNKNOWN": 4}
+
+
+class Rejection(ValueError):
+    """An input that is well-formed but cannot be applied to the current state."""
+
+
+class Scheduler:
+    def __init__(self, config: config_mod.SchedulerConfig | None = None, state: CoreState | None = None) -> None:
+        self.state = state or CoreState(config=config or config_mod.SchedulerConfig())
+        self._outputs: list[Output] = []
+        self._touched: set[str] = set()
+        self._seq = 0
+        self._handlers: dict[type[ev.Event], Callable[[Any, Any], None]] = {
+            ev.NodeRegistered: self._on_registered,
+            ev.NodeRemoveRequested: self._on_remove,
+            ev.CapacitySet: self._on_capacity,
+            ev.DrainRequested: self._on_drain,
+            ev.UndrainRequested: self._on_undrain,
+            ev.ConfigChanged: self._on_config,
+            ev.EngineSampled: self._on_engine,
+            ev.NpuSampled: self._on_npu,
+            ev.HealthProbed: self._on_health,
+            ev.RequestStarted: self._on_started,
+            ev.RequestFinished: self._on_finished,
+            ev.ProxyHeartbeat: self._on_heartbeat,
+            ev.ProxyStopped: self._on_proxy_stopped,
+            ev.ClockTicked: self._on_tick,
+        }
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def config(self) -> config_mod.SchedulerConfig:
+        return self.state.config
+
+    def apply(self, envelope: Envelope) -> list[Output]:
+        state = self.state
+        self._seq = envelope.seq
+        self._outputs = []
+        self._touched = set()
+        state.last_seq = envelope.seq
+        state.now_ns = max(state.now_ns, envelope.ts_ns)
+        try:
+            key, event = decode_event(envelope.subject, envelope.data)
+            self._handlers[type(event)](key, event)
+        except (SchemaError, Rejection, PhaseError) as exc:
+            return [self._output(sj.OUT_REJECTED, Rejected(seq=envelope.seq, subject=envelope.subject, reason=str(exc)))]
+        for pool in sorted(self._touched):
+            self._outputs.append(self._output(sj.out_snapshot(pool), self.snapshot(pool)))
+        return self._outputs
+
+    def snapshot(self, pool: str) -> WeightSnapshot:
+        state = self.state
+        members = sorted((n for n in state.nodes.values() if n.pool == pool), key=lambda n: n.node)
+        panic = self._panic(members)
+        return WeightSnapshot(
+            pool=pool, as_of_seq=state.last_seq, tick=state.tick, ts_ns=state.now_ns, panic=panic,
+            nodes=[self._view(n, panic) for n in members],
+        )
+
+    def pools(self) -> list[str]:
+        return sorted({n.pool for n in self.state.nodes.values()})
+
+    def checkpoint(self) -> bytes:
+        return msgspec.msgpack.encode(self.state)
+
+    @classmethod
+    def restore(cls, data: bytes) -> "Scheduler":
+        return cls(state=msgspec.msgpack.decode(data, type=CoreState))
+
+    # -- outputs ------------------------------------------------------------------------------
+
+    def _output(self, subject: str, payload: Any) -> Output:
+        return Output(subject=subject, data=encode(payload), as_of_seq=self._seq)
+
+    def _view(self, node: NodeState, panic: bool) -> NodeView:
+        routable = self._routable(node, panic)
+        return NodeView(
+            node=node.node, url=node.url, phase=node.phase, routable=routable, capacity=node.capacity,
+            target_weight=node.target, effective_weight=node.effective if routable else 0.0,
+            inflight=node.inflight, chip=node.chip, health=node.health,
+            load=node.load or self._signals_view(node, None), phase_reason=node.phase_reason,
+        )
+
+    def _routable(self, node: NodeState, panic: bool) -> bool:
+        if node.capacity <= 0:
+            return False
+        return node.phase in ROUTABLE or (panic and node.phase == Phase.EJECTED)
+
+    def _panic(self, members: list[NodeState]) -> bool:
+        """Envoy's panic rail: too few routable nodes -> ejected ones take traffic again."""
+        considered = [n for n in members if n.capacity > 0 and n.phase not in (Phase.DRAINING, Phase.DRAINED)]
+        routable = sum(1 for n in considered if n.phase in ROUTABLE)
+        return bool(considered) and routable < self.config.panic_threshold * len(considered)
+
+    # -- phases -------------------------------------------------------------------------------
+
+    def _require(self, key: str | None) -> NodeState:
+        node = self.state.nodes.get(key or "")
+        if node is None:
+            raise Rejection(f"unknown node {key!r}: register it first with lb.admin.node.{key}")
+        return node
+
+    def _transition(self, node: NodeState, trigger: Trigger, reason: str, floor: float = 0.0) -> None:
+        new = next_phase(Phase(node.phase), trigger)
+        now = self.state.now_ns
+        self._outputs.append(self._output(sj.out_phase(node.node), PhaseChanged(
+            node=node.node, from_=node.phase, to=new.value, as_of_seq=self._seq, reason=reason, pool=node.pool)))
+        self._touched.add(node.pool)
+        node.phase, node.phase_reason, node.phase_since_ns = new.value, reason, now
+        if new == Phase.REMOVED:
+            del self.state.nodes[node.node]
+        elif new in (Phase.DRAINING, Phase.DRAINED, Phase.EJECTED):
+            node.effective = 0.0
+            if new == Phase.DRAINING:
+                node.drain_deadline_ns = now + self.config.drain_deadline_ms * MS
+        elif new == Phase.RECOVERING:
+            self._start_slow_start(node, floor)
+
+    def _start_slow_start(self, node: NodeState, floor: float) -> None:
+        cfg = self.config
+        node.slow_start_since_ns = self.state.now_ns
+        node.slow_start_floor = wt.r3(min(1.0, max(cfg.slow_start_min_pct, floor)))
+        start = wt.r3(node.slow_start_floor * node.capacity)
+        node.effective = start if node.effective <= 0 else min(node.effective, start)
+        node.target = start
+
+    def _drain(self, node: NodeState, cause: str, reason: str) -> None:
+        self._transition(node, Trigger.DRAIN, reason)
+        node.drain_cause = cause
+        self._check_drained(node)
+
+    def _undrain(self, node: NodeState, reason: str) -> None:
+        self._transition(node, Trigger.UNDRAIN, reason)
+        node.drain_cause = ""
+        node.remove_pending = False
+
+    def _check_drained(self, node: NodeState) -> None:
+        if node.phase == Phase.DRAINING and node.inflight == 0:
+            self._transition(node, Trigger.DRAINED, "in-flight reached 0")
+        if node.phase == Phase.DRAINED and node.remove_pending:
+            self._transition(node, Trigger.FORGET, "removed after drain")
+
+    def _eject(self, node: NodeState, cause: str, reason: str, until_ns: int = 0) -> None:
+        self._transition(node, Trigger.EJECT, reason)
+        node.eject_cause, node.ejected_until_ns = cause, until_ns
+        node.last_decay_ns = self.state.now_ns
+
+    def _uneject(self, node: NodeState, reason: str) -> None:
+        self._transition(node, Trigger.UNEJECT, reason)
+        node.eject_cause = ""
+        node.consecutive_failures = 0
+        node.last_decay_ns = self.state.now_ns
+
+    # -- admin --------------------------------------------------------------------------------
+
+    def _on_registered(self, key: str, event: ev.NodeRegistered) -> None:
+        node = self.state.nodes.get(key)
+        if node is None:
+            self._register(key, event)
+            return
+        if event.pool != node.pool:
+            self._touched.add(node.pool)
+        node.url, node.chip, node.pool = event.url, event.chip, event.pool
+        self._touched.add(node.pool)
+        if node.remove_pending:
+            node.remove_pending = False
+            if node.phase in (Phase.DRAINING, Phase.DRAINED) and node.drain_cause == "remove":
+                self._undrain(node, "registered again")
+        self._set_capacity(node, event.capacity)
+
+    def _register(self, key: str, event: ev.NodeRegistered) -> None:
+        now, cfg = self.state.now_ns, self.config
+        window = cfg.slow_start_window_ms * MS
+        # Slow start is useless when every node is new (Envoy, HAProxy): a cold pool starts active.
+        cold = all(now - n.registered_ns < window for n in self.state.nodes.values() if n.pool == event.pool)
+        node = NodeState(node=key, url=event.url, pool=event.pool, chip=event.chip, capacity=event.capacity,
+                         max_capacity=event.capacity, registered_ns=now, phase_since_ns=now)
+        self.state.nodes[key] = node
+        phase = Phase.ACTIVE if cold else Phase.RECOVERING
+        node.phase = phase.value
+        self._outputs.append(self._output(sj.out_phase(key), PhaseChanged(
+            node=key, from_="new", to=phase.value, as_of_seq=self._seq, reason="registered", pool=node.pool)))
+        self._touched.add(node.pool)
+        if cold:
+            node.target = node.effective = float(event.capacity)
+        else:
+            self._start_slow_start(node, 0.0)
+
+    def _set_capacity(self, node: NodeState, capacity: int) -> None:
+        old = node.capacity
+        if capacity == node.capacity:
+            return
+        node.capacity = capacity
+        node.max_capacity = max(node.max_capacity, capacity)
+        self._touched.add(node.pool)
+        if capacity == 0:
+            if node.phase in ROUTABLE or node.phase == Phase.EJECTED:
+                self._drain(node, "capacity", "capacity set to 0")
+            return
+        if node.phase in (Phase.DRAINING, Phase.DRAINED) and node.drain_cause == "capacity":
+            self._undrain(node, f"capacity restored to {capacity}")
+        elif node.phase == Phase.ACTIVE and old > 0 and capacity >= old * self.config.capacity_ramp_ratio:
+            self._transition(node, Trigger.RAMP, f"capacity raised {old} -> {capacity}",
+                             floor=node.effective / capacity)
+
+    def _on_capacity(self, key: str, event: ev.CapacitySet) -> None:
+        node = self._require(key)
+        self._set_capacity(node, event.capacity)
+        self._reweigh(node.pool, ease=False)
+
+    def _on_drain(self, key: str, event: ev.DrainRequested) -> None:
+        self._drain(self._require(key), "operator", "operator drain")
+
+    def _on_undrain(self, key: str, event: ev.UndrainRequested) -> None:
+        node = self._require(key)
+        if node.capacity == 0:
+            raise Rejection(f"node {key!r} has capacity 0: publish lb.admin.capacity.{key} to return it")
+        self._undrain(node, "operator undrain")
+
+    def _on_remove(self, key: str, event: ev.NodeRemoveRequested) -> None:
+        node = self._require(key)
+        if node.phase in (Phase.DRAINING, Phase.DRAINED):
+            node.remove_pending = True
+            self._touched.add(node.pool)
+            self._check_drained(node)
+            return
+        self._transition(node, Trigger.DRAIN, "remove requested")
+        node.drain_cause, node.remove_pending = "remove", True
+        self._check_drained(node)
+
+    def _on_config(self, key: None, event: ev.ConfigChanged) -> None:
+        self.state.config = config_mod.with_changes(self.config, dict(event.set))
+
+    # -- samples ------------------------------------------------------------------------------
+
+    def _on_engine(self, key: str, event: ev.EngineSampled) -> None:
+        node = self._require(key)
+        node.running, node.waiting, node.kv = event.running, event.waiting, event.kv_cache_usage
+        node.engine_ns = self.state.now_ns
+        if event.ttft_ms is not None:
+            self._observe_latency(node, event.ttft_ms)
+
+    def _observe_latency(self, node: NodeState, ttft_ms: float) -> None:
+        alpha = self.config.latency_alpha
+        previous = node.ttft_ewma
+        node.ttft_ewma = wt.r3(ttft_ms if previous is None else previous + alpha * (ttft_ms - previous))
+
+    def _on_npu(self, key: str, event: ev.NpuSampled) -> None:
+        node = self._require(key)
+        utils = [c.aicore_util for c in event.chips if c.aicore_util is not None]
+        node.npu_util = wt.r3(sum(utils) / len(utils)) if utils else None
+        states = [c.health if c.health in HEALTH_ORDER else "UNKNOWN" for c in event.chips if c.health]
+        worst = max(states, key=HEALTH_ORDER.__getitem__) if states else None
+        node.npu_health = worst
+        if worst in ("Critical", "UNKNOWN") and node.phase in ROUTABLE:
+            self._eject(node, "npu", f"npu health {worst}")
+        elif worst == "Alarm" and node.phase in ROUTABLE:
+            self._drain(node, "npu", "npu health Alarm")
+        elif worst in (None, "OK", "Warning"):
+            if node.phase == Phase.EJECTED and node.eject_cause == "npu":
+                self._uneject(node, f"npu health back to {worst or 'unreported'}")
+            elif node.phase in (Phase.DRAINING, Phase.DRAINED) and node.drain_cause == "npu":
+                self._undrain(node, f"npu health back to {worst or 'unreported'}")
+
+    def _on_health(self, key: str, event: ev.HealthProbed) -> None:
+        node = self._require(key)
+        if event.ok:
+            node.probe_failures = 0
+            if node.phase == Phase.EJECTED and node.eject_cause == "probe":
+                self._uneject(node, "health probe passed")
+            return
+        node.probe_failures += 1
+        if node.probe_failures >= self.config.health_fail_threshold and node.phase in ROUTABLE:
+            detail = f": {event.error}" if event.error else ""
+            self._eject(node, "probe", f"{node.probe_failures} failed health probes{detail}")
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def _on_started(self, key: str, event: ev.RequestStarted) -> None:
+        node = self._require(key)
+        if event.request_id in self.state.open_requests:
+            raise Rejection(f"duplicate request_id {event.request_id!r}: already in flight")
+        self.state.open_requests[event.request_id] = OpenRequest(node=key, proxy=event.proxy)
+        self.state.proxies[event.proxy] = self.state.now_ns
+        node.inflight += 1
+
+    def _on_finished(self, key: str, event: ev.RequestFinished) -> None:
+        request = self.state.open_requests.pop(event.request_id, None)
+        if request is None:
+            raise Rejection(f"unknown request_id {event.request_id!r}: never started, already finished, or expired")
+        self.state.proxies[event.proxy] = self.state.now_ns
+        node = self.state.nodes.get(request.node)
+        if node is None:
+            return
+        node.inflight -= 1
+        if event.ttft_ms is not None and event.outcome == "completed":
+            self._observe_latency(node, event.ttft_ms)
+        if event.outcome == "upstream_error":
+            node.consecutive_failures += 1
+            if node.consecutive_failures >= self.config.consecutive_failures and node.phase in ROUTABLE:
+                self._outlier_eject(node)
+        elif event.outcome == "completed":
+            node.consecutive_failures = 0
+        self._check_drained(node)
+
+    def _outlier_eject(self, node: NodeState) -> None:
+        """Envoy consecutive-error ejection with growing time and the max-ejected rail."""
+        cfg = self.config
+        members = [n for n in self.state.nodes.values() if n.pool == node.pool]
+        ejected = sum(1 for n in members if n.phase == Phase.EJECTED)
+        allowed = max(1, int(cfg.max_ejection_percent * len(members) // 100))
+        if ejected >= allowed:
+            return
+        if cfg.base_ejection_ms * node.ejections < cfg.max_ejection_ms + cfg.base_ejection_ms:
+            node.ejections += 1
+        duration_ms = min(cfg.base_ejection_ms * node.ejections, max(cfg.max_ejection_ms, cfg.base_ejection_ms))
+        failures = node.consecutive_failures
+        node.consecutive_failures = 0
+        self._eject(node, "outlier", f"{failures} consecutive upstream errors; ejected for {duration_ms / 1000:g} s",
+                    until_ns=self.state.now_ns + duration_ms * MS)
+
+    def _on_heartbeat(self, key: str, event: ev.ProxyHeartbeat) -> None:
+        self.state.proxies[key] = self.state.now_ns
+
+    def _on_proxy_stopped(self, key: str, event: ev.ProxyStopped) -> None:
+        self._expire_proxy(key)
+
+    def _expire_proxy(self, proxy: str) -> None:
+        """Void a dead proxy's open requests (design §8, phantom in-flight)."""
+        self.state.proxies.pop(proxy, None)
+        open_requests = self.state.open_requests
+        for request_id in [rid for rid, req in open_requests.items() if req.proxy == proxy]:
+            node = self.state.nodes.get(open_requests.pop(request_id).node)
+            if node is not None:
+                node.inflight -= 1
+                self._touched.add(node.pool)
+                self._check_drained(node)
+
+    # -- time ---------------------------------------------------------------------------------
+
+    def _on_tick(self, key: None, event: ev.ClockTicked) -> None:
+        state, cfg = self.state, self.config
+        state.tick = max(state.tick, event.tick)
+        timeout = cfg.proxy_timeout_ms * MS
+        for proxy in [p for p, seen in state.proxies.items() if state.now_ns - seen > timeout]:
+            self._expire_proxy(proxy)
+        for node in list(state.nodes.values()):
+            self._advance_timers(node)
+        for pool in self.pools():
+            self._reweigh(pool)
+            self._touched.add(pool)
+
+    def _advance_timers(self, node: NodeState) -> None:
+        now, cfg = self.state.now_ns, self.config
+        if node.phase == Phase.DRAINING and now >= node.drain_deadline_ns:
+            self._transition(node, Trigger.DRAINED, f"drain deadline reached with {node.inflight} in flight")
+            self._check_drained(node)
+        elif node.phase == Phase.EJECTED and node.eject_cause == "outlier" and now >= node.ejected_until_ns:
+            self._uneject(node, "ejection time elapsed")
+        elif node.phase == Phase.RECOVERING and now - node.slow_start_since_ns >= cfg.slow_start_window_ms * MS:
+            self._transition(node, Trigger.WARMED, "slow start window elapsed")
+        if node.phase != Phase.EJECTED and node.ejections > 0 and now - node.last_decay_ns >= cfg.backoff_decay_ms * MS:
+            node.ejections -= 1
+            node.last_decay_ns = now
+
+    def _reweigh(self, pool: str, ease: bool = True) -> None:
+        """Recompute targets from the signals; on a tick also ease effective weights one step."""
+        members = [n for n in self.state.nodes.values() if n.pool == pool]
+        panic = self._panic(members)
+        latencies = [n.ttft_ewma for n in members if n.ttft_ewma is not None and n.phase in ROUTABLE]
+        best = min(latencies) if latencies else None
+        for node in members:
+            signals = self._signals(node, best)
+            node.load = self._signals_view(node, signals)
+            node.health = self._health_factor(node)
+            if not self._routable(node, panic):
+                node.target = node.effective = 0.0
+                continue
+            target = wt.target_weight(node.capacity, node.health, signals.load(self.config), self.config)
+            if node.phase == Phase.RECOVERING:
+                factor = wt.slow_start_factor(self.state.now_ns - node.slow_start_since_ns,
+                                              node.slow_start_floor, self.config)
+                target = wt.r3(target * factor)
+            node.target = target
+            if ease:
+                node.effective = wt.ease(node.effective, target, node.max_capacity, self.config)
+
+    def _health_factor(self, node: NodeState) -> float:
+        if node.probe_failures >= self.config.health_fail_threshold:
+            return 0.0
+        if node.npu_health in (None, "OK"):
+            return 1.0
+        return self.config.warning_health if node.npu_health == "Warning" else 0.0
+
+    def _signals(self, node: NodeState, best_latency: float | None) -> wt.Signals:
+        cfg, now = self.config, self.state.now_ns
+        age = None if node.engine_ns is None else now - node.engine_ns
+        stale = wt.staleness(age, cfg)
+        sampled = None if node.running is None or stale >= 1.0 else node.running + (node.waiting or 0)
+        queue, running = wt.occupancy_signals(node.capacity, sampled, node.inflight)
+        return wt.Signals(
+            queue=queue, running=running,
+            kv=wt.blend(node.kv, stale, cfg.unknown_load),
+            npu=wt.blend(node.npu_util, stale if node.npu_util is not None else 1.0, cfg.unknown_load),
+            latency=wt.latency_signal(node.ttft_ewma, best_latency),
+            staleness=stale, sample_age_ms=None if age is None else age // MS,
+        )
+
+    def _signals_view(self, node: NodeState, signals: wt.Signals | None) -> LoadView:
+        if signals is None:
+            return LoadView(queue=0.0, running=0.0, kv=0.0, npu=0.0, latency=0.0, load=0.0,
+                            sample_age_ms=None, stale=True)
+        r3 = wt.r3
+        return LoadView(queue=r3(signals.queue), running=r3(signals.running), kv=r3(signals.kv),
+                        npu=r3(signals.npu), latency=r3(signals.latency), load=r3(signals.load(self.config)),
+                        sample_age_ms=signals.sample_age_ms, stale=signals.staleness >= 1.0)

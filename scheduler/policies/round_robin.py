@@ -1,0 +1,31 @@
+"""Round robin: each eligible node in turn, weights ignored (the baseline LA-SWRR must beat).
+
+The starting offset comes from the seed so replicas do not move in lockstep (Envoy seeds its
+rr_index randomly for the same reason).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Mapping, Sequence
+from typing import ClassVar
+
+from scheduler.policies.base import Candidate, eligible
+from scheduler.rng import Rng
+
+
+class RoundRobin:
+    name: ClassVar[str] = "rr"
+
+    def __init__(self, rng: Rng) -> None:
+        self.candidates: list[Candidate] = []
+        self.index = rng.below(1 << 16)
+
+    def set_candidates(self, candidates: Sequence[Candidate]) -> None:
+        self.candidates = list(candidates)
+
+    def pick(self, inflight: Mapping[str, int], exclude: Container[str] = ()) -> str | None:
+        pool = eligible(self.candidates, exclude)
+        if not pool:
+            return None
+        self.index += 1
+        return pool[self.index % len(pool)].node

@@ -1,0 +1,61 @@
+"""The scheduler's whole state as msgspec structs, so a checkpoint is one encode and a
+restore one decode (design §8: a restarting scheduler starts from a checkpoint plus the tail)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from scheduler.config import SchedulerConfig
+from scheduler.phases import Phase
+from schemas.outputs import LoadView
+
+
+class NodeState(msgspec.Struct, kw_only=True):
+    node: str
+    url: str
+    pool: str
+    chip: str
+    capacity: int
+    max_capacity: int
+    registered_ns: int
+    phase: str = Phase.ACTIVE.value
+    phase_reason: str = "registered"
+    phase_since_ns: int = 0
+    drain_cause: str = ""  # capacity | operator | remove | npu
+    drain_deadline_ns: int = 0
+    remove_pending: bool = False
+    eject_cause: str = ""  # outlier | probe | npu
+    ejected_until_ns: int = 0
+    ejections: int = 0  # consecutive-ejection multiplier (Envoy's ejectTimeBackoff)
+    last_decay_ns: int = 0
+    slow_start_since_ns: int = 0
+    slow_start_floor: float = 0.0
+    target: float = 0.0
+    effective: float = 0.0
+    inflight: int = 0
+    running: int | None = None
+    waiting: int | None = None
+    kv: float | None = None
+    engine_ns: int | None = None
+    npu_util: float | None = None
+    npu_health: str | None = None
+    ttft_ewma: float | None = None
+    probe_failures: int = 0
+    consecutive_failures: int = 0
+    health: float = 1.0
+    load: LoadView | None = None
+
+
+class OpenRequest(msgspec.Struct, frozen=True):
+    node: str
+    proxy: str
+
+
+class CoreState(msgspec.Struct, kw_only=True):
+    config: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    nodes: dict[str, NodeState] = msgspec.field(default_factory=dict)
+    open_requests: dict[str, OpenRequest] = msgspec.field(default_factory=dict)
+    proxies: dict[str, int] = msgspec.field(default_factory=dict)  # proxy -> last seen (ns)
+    now_ns: int = 0
+    tick: int = 0
+    last_seq: int = 0

@@ -1,0 +1,113 @@
+"""Load -> target weight, easing, and slow start: the arithmetic of LA-SWRR.
+
+Signals, each normalised to 0..1 (design §4):
+  queue    = waiting / (waiting + capacity)      waiting beyond the decode slots
+  running  = min(running, capacity) / capacity   slot occupancy
+  kv       = KV-cache use reported by the engine
+  npu      = mean AICore (or NPU) utilisation of the node's chips
+  latency  = 1 - best_ewma / own_ewma            TTFT EWMA against the pool's fastest node
+Occupancy is dead-reckoned: max(engine's running + waiting, in-flight counted from request
+events), so a burst admitted since the last scrape already counts. Sampled signals (kv, npu, and
+the engine's share of occupancy) decay toward ``unknown_load`` between ``stale_after_ms`` and
+``stale_full_ms``: a node whose samples stopped is not mistaken for an idle one.
+
+  load   = Σ w_k·signal_k / Σ w_k
+  target = clamp(capacity · health · (1 - max_load_cut·load), floor_fraction·capacity, capacity)
+
+Easing, once per tick (time-driven, unlike nginx's traffic-driven +1 per pass):
+  eff ← eff + clip(ease_alpha·(target - eff), -step, +step),  step = ease_max_step·max_capacity
+  snapped to target inside the dead band. Worked example (defaults, max capacity 10, target 1):
+  10 → 7.5 → 5 → 2.5 → 1.75 → 1.375 → 1.188 → ... a ramp, never a cliff.
+
+Slow start (Envoy): factor = max(min_pct, (t / window)^(1/aggression)); 2.5 s into a 5 s window
+with aggression 1 → 0.5. Values are rounded to 1e-3 so snapshots are short and exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.config import SchedulerConfig
+
+MS = 1_000_000
+
+
+def r3(value: float) -> float:
+    return round(value, 3)
+
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    queue: float
+    running: float
+    kv: float
+    npu: float
+    latency: float
+    staleness: float  # 0 fresh .. 1 fully unknown
+    sample_age_ms: int | None
+
+    def load(self, config: SchedulerConfig) -> float:
+        weights = (config.w_queue, config.w_running, config.w_kv, config.w_npu, config.w_latency)
+        values = (self.queue, self.running, self.kv, self.npu, self.latency)
+        return sum(w * v for w, v in zip(weights, values)) / sum(weights)
+
+
+def staleness(age_ns: int | None, config: SchedulerConfig) -> float:
+    """0 while fresh, rising linearly to 1 between stale_after_ms and stale_full_ms."""
+    if age_ns is None:
+        return 1.0
+    after, full = config.stale_after_ms * MS, config.stale_full_ms * MS
+    if age_ns <= after:
+        return 0.0
+    if age_ns >= full or full == after:
+        return 1.0
+    return (age_ns - after) / (full - after)
+
+
+def blend(value: float | None, stale: float, unknown: float) -> float:
+    if value is None:
+        return unknown
+    return (1.0 - stale) * value + stale * unknown
+
+
+def occupancy_signals(capacity: int, sampled: int | None, inflight: int) -> tuple[float, float]:
+    """(queue, running) from the larger of the sampled occupancy and the in-flight count."""
+    if capacity <= 0:
+        return 1.0, 1.0
+    occupancy = max(sampled or 0, inflight)
+    running = min(occupancy, capacity)
+    waiting = occupancy - running
+    return waiting / (waiting + capacity), running / capacity
+
+
+def latency_signal(own_ewma: float | None, best_ewma: float | None) -> float:
+    if own_ewma is None or best_ewma is None or own_ewma <= 0:
+        return 0.0
+    return max(0.0, 1.0 - best_ewma / own_ewma)
+
+
+def target_weight(capacity: int, health: float, load: float, config: SchedulerConfig) -> float:
+    if capacity <= 0 or health <= 0:
+        return 0.0
+    raw = capacity * health * (1.0 - config.max_load_cut * min(max(load, 0.0), 1.0))
+    return r3(min(float(capacity), max(config.floor_fraction * capacity, raw)))
+
+
+def ease(effective: float, target: float, max_capacity: int, config: SchedulerConfig) -> float:
+    delta = target - effective
+    if abs(delta) <= config.ease_deadband:
+        return target
+    step_cap = config.ease_max_step * max(max_capacity, 1)
+    step = max(-step_cap, min(step_cap, config.ease_alpha * delta))
+    return r3(max(0.0, effective + step))
+
+
+def slow_start_factor(elapsed_ns: int, floor: float, config: SchedulerConfig) -> float:
+    """Envoy: max(min_pct, (max(t, 1 ms) / window)^(1/aggression)), here with a floor >= min_pct."""
+    window = config.slow_start_window_ms * MS
+    if window <= 0:
+        return 1.0
+    time_factor = min(1.0, max(elapsed_ns, MS) / window)
+    if config.slow_start_aggression != 1.0 and time_factor < 1.0:
+        time_factor = time_factor ** (1.0 / config.slow_start_aggression)
+    return max(config.slow_start_min_pct, floor, time_factor)

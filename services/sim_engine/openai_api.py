@@ -1,0 +1,196 @@
+"""OpenAI wire format for the simulated engine: request parsing and response/chunk shaping.
+
+Models what vLLM's OpenAI-compatible server accepts and returns for ``/v1/chat/completions``
+and ``/v1/completions``: prompt length is a cheap estimate (chars / 4, plus one per chat
+message), the output is deterministic filler words (one word = one token) seeded by the
+engine seed and the prompt text, and errors use the ``{"error": {message, type, code}}``
+shape. Non-standard request field ``"sim": {"output_tokens": N, "prompt_tokens": N}``
+overrides the lengths (for load generators). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import zlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Kind = Literal["chat", "completion"]
+
+DEFAULT_MAX_TOKENS = 64
+FILLER_WORDS: tuple[str, ...] = (
+    "tok", "sim", "npu", "ascend", "batch", "slot", "kv", "cache",
+    "decode", "prefill", "step", "queue", "route", "weight", "token", "pool",
+)
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: HTTP status plus the JSON error body."""
+
+    def __init__(self, status: int, message: str, err_type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.err_type,
+                          "code": self.code, "param": self.param}}
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    kind: Kind
+    model: str
+    prompt_text: str
+    prompt_tokens: int
+    output_tokens: int
+    finish_reason: str  # "length" when max_tokens bounds the output, else "stop"
+    stream: bool
+    include_usage: bool
+
+
+def estimate_tokens(text: str) -> int:
+    """Rough tokenizer: ~4 characters per token, at least one."""
+    return max(1, math.ceil(len(text) / 4))
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, code="invalid_value" if param else "bad_request", param=param)
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    raise _bad("message content must be a string or a list of content parts", "messages")
+
+
+def _chat_prompt(body: dict[str, Any]) -> tuple[str, int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    parts: list[str] = []
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message:
+            raise _bad("each message must be an object with a 'role'", "messages")
+        parts.append(_content_text(message.get("content")))
+    text = "\n".join(parts)
+    return text, estimate_tokens(text) + len(messages)
+
+
+def _completion_prompt(body: dict[str, Any]) -> tuple[str, int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt, estimate_tokens(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return " ".join(map(str, prompt)), len(prompt)  # pre-tokenised prompt
+    raise _bad("'prompt' must be a string (or a list of token ids)", "prompt")
+
+
+def _positive_int(value: Any, param: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad(f"'{param}' must be a positive integer, got {value!r}", param)
+    return value
+
+
+def parse_request(body: Any, kind: Kind, default_model: str) -> CompletionRequest:
+    """Validate a decoded JSON body; ApiError(400) on anything we do not accept."""
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    text, prompt_tokens = _chat_prompt(body) if kind == "chat" else _completion_prompt(body)
+    model = body.get("model", default_model)
+    if model != default_model:
+        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model_not_found", "model")
+    if body.get("n", 1) != 1:
+        raise _bad("only n=1 is supported", "n")
+    max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(max_key)
+    max_tokens = None if max_tokens is None else _positive_int(max_tokens, max_key)
+    sim = body.get("sim") or {}
+    if not isinstance(sim, dict):
+        raise _bad("'sim' must be an object", "sim")
+    if "prompt_tokens" in sim:
+        prompt_tokens = _positive_int(sim["prompt_tokens"], "sim.prompt_tokens")
+    output_tokens, finish = _output_length(max_tokens, sim)
+    stream = bool(body.get("stream", False))
+    options = body.get("stream_options") or {}
+    include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
+    return CompletionRequest(kind, model, text, prompt_tokens, output_tokens, finish, stream, include_usage)
+
+
+def _output_length(max_tokens: int | None, sim: dict[str, Any]) -> tuple[int, str]:
+    if "output_tokens" in sim:
+        wanted = _positive_int(sim["output_tokens"], "sim.output_tokens")
+        if max_tokens is not None and wanted >= max_tokens:
+            return max_tokens, "length"
+        return wanted, "stop"
+    if max_tokens is None:
+        return DEFAULT_MAX_TOKENS, "stop"
+    return max_tokens, "length"
+
+
+def filler_tokens(seed: int, prompt_text: str, count: int) -> list[str]:
+    """Deterministic output words (each ends with a space) for a seed and a prompt."""
+    rng = random.Random(f"{seed}:{zlib.crc32(prompt_text.encode())}")
+    return [rng.choice(FILLER_WORDS) + " " for _ in range(count)]
+
+
+def _choice(kind: Kind, text: str | None, finish: str | None, first: bool) -> dict[str, Any]:
+    if kind == "completion":
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    delta: dict[str, Any] = {}
+    if first:
+        delta["role"] = "assistant"
+    if text is not None:
+        delta["content"] = text
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+def _envelope(kind: Kind, rid: str, created: int, model: str, streaming: bool) -> dict[str, Any]:
+    if kind == "chat":
+        obj = "chat.completion.chunk" if streaming else "chat.completion"
+    else:
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def stream_chunk(kind: Kind, rid: str, created: int, model: str, text: str | None,
+                 finish: str | None = None, first: bool = False) -> dict[str, Any]:
+    chunk = _envelope(kind, rid, created, model, True)
+    chunk["choices"] = [_choice(kind, text, finish, first)]
+    return chunk
+
+
+def usage_chunk(kind: Kind, rid: str, created: int, model: str, prompt: int, completion: int) -> dict[str, Any]:
+    chunk = _envelope(kind, rid, created, model, True)
+    chunk["choices"] = []
+    chunk["usage"] = usage(prompt, completion)
+    return chunk
+
+
+def full_response(kind: Kind, rid: str, created: int, model: str, text: str, finish: str,
+                  prompt: int, completion: int) -> dict[str, Any]:
+    body = _envelope(kind, rid, created, model, False)
+    if kind == "chat":
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "logprobs": None, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    body["choices"] = [choice]
+    body["usage"] = usage(prompt, completion)
+    return body
