@@ -16,6 +16,7 @@ from collections.abc import Sequence
 COMMAND_MODULES: tuple[str, ...] = (
     "replay.cli",
     "collectors.cli",
+    "services.sim_engine.cli",
 )
 
 

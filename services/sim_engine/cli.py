@@ -1,0 +1,94 @@
+"""`laswrr sim-engine` (run a simulated Ascend engine) and `laswrr sim-npu-smi` (its npu-smi).
+
+``sim-engine`` binds, prints ``sim-engine listening on http://HOST:PORT`` as its first stdout
+line (flushed, so a parent process can read the port when --port 0), then serves until
+SIGINT/SIGTERM. Runnable without the dispatcher too: ``python -m services.sim_engine.cli``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Sequence
+
+from services.sim_engine import npu_smi
+from services.sim_engine.app import start_server
+from services.sim_engine.config import SimConfig
+from services.sim_engine.profiles import PROFILES
+
+LISTEN_PREFIX = "sim-engine listening on "
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    engine = subparsers.add_parser("sim-engine", help="run a simulated Ascend inference engine (HTTP)",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    engine.add_argument("--port", type=int, required=True, help="TCP port; 0 picks a free one")
+    engine.add_argument("--chip", default="910B", choices=list(PROFILES), help="chip profile (default 910B)")
+    engine.add_argument("--capacity", type=int, default=8, help="concurrent decode slots (default 8)")
+    engine.add_argument("--host", default="127.0.0.1")
+    engine.add_argument("--model", default=None, help="served model id (default sim-<chip>)")
+    engine.add_argument("--seed", type=int, default=0, help="seed of the filler text")
+    engine.add_argument("--node-id", default=None, help="x-sim-node header value (default <chip>-<port>)")
+    engine.add_argument("--speed", type=float, default=1.0, help="multiplies every speed (tests: 20)")
+    engine.add_argument("--kv-tokens", type=int, default=None, help="KV-cache room in tokens (default: profile)")
+    engine.set_defaults(func=run_engine)
+
+    smi = subparsers.add_parser("sim-npu-smi", help="print `npu-smi info` for a running sim-engine")
+    smi.add_argument("--url", required=True, help="sim-engine base URL, e.g. http://127.0.0.1:8001")
+    smi.add_argument("--npu-id", type=int, default=0, help="NPU id to print (default 0)")
+    smi.set_defaults(func=run_npu_smi)
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(chip=args.chip, capacity=args.capacity, host=args.host, port=args.port, model=args.model,
+                     seed=args.seed, node_id=args.node_id, speed=args.speed, kv_tokens=args.kv_tokens)
+
+
+async def serve(config: SimConfig) -> None:
+    server = await start_server(config)
+    print(f"{LISTEN_PREFIX}{server.url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.close()
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+        config.validate()
+    except ValueError as exc:
+        print(f"sim-engine: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        print(f"sim-engine: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_npu_smi(args: argparse.Namespace) -> int:
+    return npu_smi.run(args.url, args.npu_id)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sim-engine")
+    register(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
