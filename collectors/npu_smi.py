@@ -313,8 +313,8 @@ def _chip_rows(chip: NpuChip, bus_id: str) -> list[str]:
 
 def _check_renderable(chip: NpuChip) -> None:
     for text, width in ((chip.name or "", 20), (chip.health or "", 13)):
-        if len(text) > width or (text and len(text.split()) != 1):
-            raise ValueError(f"cannot render {text!r}: must be one word of at most {width} characters")
+        if len(text) > width or (text and len(text.split()) != 1) or text.isdigit():
+            raise ValueError(f"cannot render {text!r}: must be one non-numeric word of at most {width} characters")
 
 
 def render_info(
@@ -332,7 +332,8 @@ def render_info(
     exactly for integer percents and one-decimal powers. ``bus_ids`` default to
     ``0000:<npu_id hex>:00.0``. With ``process_table`` an empty process section follows,
     as printed by an idle real npu-smi. Raises ValueError for a name/health that would break
-    the layout (more than one word or too wide).
+    the layout (more than one word, too wide, or all digits, which would read as a chip row).
+    A None name/health prints as ``NA``/``UNKNOWN`` and reads back as that string.
     """
     buses = list(bus_ids) if bus_ids is not None else [f"0000:{c.npu_id:02X}:00.0" for c in chips]
     if len(buses) != len(chips):
