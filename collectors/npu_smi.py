@@ -421,7 +421,9 @@ _KEYS_TEMP = ("NPU Temperature (C)", "NPU Temperature(C)", "Temperature(C)", "Te
 
 
 def _is_mcu(block: dict[str, str]) -> bool:
-    return block.get("Chip Name", "").lower() == "mcu"
+    # A block with a Chip ID is a chip even if a paste without blank lines glued the MCU's
+    # "Chip Name : mcu" onto it.
+    return block.get("Chip Name", "").lower() == "mcu" and "Chip ID" not in block
 
 
 def _first(fields: dict[str, str], keys: tuple[str, ...]) -> str | None:
