@@ -231,7 +231,7 @@ async def get_admin(request: web.Request) -> web.Response:
 
 def _validate_admin(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict) or not body:
-        raise ApiError(400, "admin body must be a non-empty JSON object")
+        raise ApiError(400, "admin body must be a non-empty JSON object", code="bad_request")
     checks: dict[str, Callable[[Any], bool]] = {
         "capacity": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
         "slowdown": lambda v: isinstance(v, int | float) and not isinstance(v, bool) and v > 0,
@@ -243,9 +243,9 @@ def _validate_admin(body: Any) -> dict[str, Any]:
              "health": " | ".join(HEALTH_STATES), "cut_after": "an integer >= 1"}
     for key, value in body.items():
         if key not in checks:
-            raise ApiError(400, f"unknown admin field {key!r}; known: {', '.join(checks)}", param=key)
+            raise ApiError(400, f"unknown admin field {key!r}; known: {', '.join(checks)}", code="invalid_value", param=key)
         if not checks[key](value):
-            raise ApiError(400, f"admin field {key!r} must be {hints[key]}, got {value!r}", param=key)
+            raise ApiError(400, f"admin field {key!r} must be {hints[key]}, got {value!r}", code="invalid_value", param=key)
     return body
 
 

@@ -12,8 +12,10 @@ What it models (vLLM-style continuous batching with chunk-free mixed steps):
 * a step lasts ``decode_step_s(batch) + prefill_s(prompt tokens admitted this step)``, times
   ``slowdown / speed``; every request in the step's batch gets one token at its end (the
   newly admitted ones get their first token, so TTFT = queue + front-end + prefill + 1 step);
-* TPOT grows with the batch: ``base_tpot / decode_speed * (1 + growth * (n - 1) / capacity)``
-  (~32 ms alone, ~150 ms with a full batch on a 910B);
+* TPOT grows with the batch: ``base_tpot / decode_speed * (1 + growth * (n - 1) / ref)``
+  where ``ref`` is the chip's ``base_capacity`` (hardware batch scale, not the admission
+  limit, so tokens/s still rise with the batch at any capacity): ~32 ms alone, ~150 ms
+  with 10 running on a 910B (ascend.md 6.3 light/saturated anchors);
 * KV use = tokens held by running requests (prompt + generated, rounded up to 16-token
   blocks) / the chip's KV room;
 * lowering ``capacity`` never cuts running requests; it only stops admissions until the batch
@@ -172,7 +174,7 @@ class EngineSim:
         """Unscaled time of one decode step with ``batch`` running requests."""
         if batch <= 0:
             return 0.0
-        load = (batch - 1) / max(self._capacity, 1)
+        load = (batch - 1) / self.profile.base_capacity
         base = self.params.base_tpot_s / self.profile.decode_speed
         return base * (1.0 + self.params.tpot_growth * load)
 

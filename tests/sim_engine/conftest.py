@@ -1,0 +1,42 @@
+"""Fixtures: real sim-engine HTTP servers on free ports (aiohttp AppRunner, port 0)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+
+import aiohttp
+import pytest
+
+from services.sim_engine.app import RunningServer, start_server
+from services.sim_engine.config import SimConfig
+
+FAST = SimConfig(chip="910B", capacity=4, port=0, speed=20.0, node_id="node-a")
+
+StartEngine = Callable[..., Awaitable[RunningServer]]
+
+
+@pytest.fixture
+async def start_engine() -> AsyncIterator[StartEngine]:
+    """Factory: ``await start_engine(capacity=2, ...)`` -> a running server (stopped after the test)."""
+    servers: list[RunningServer] = []
+
+    async def _start(**overrides: object) -> RunningServer:
+        server = await start_server(replace(FAST, **overrides))
+        servers.append(server)
+        return server
+
+    yield _start
+    for server in servers:
+        await server.close()
+
+
+@pytest.fixture
+async def engine(start_engine: StartEngine) -> RunningServer:
+    return await start_engine()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
