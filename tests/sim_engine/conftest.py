@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
 import aiohttp
+import openai
 import pytest
 
 from services.sim_engine.app import RunningServer, start_server
@@ -40,3 +41,21 @@ async def engine(start_engine: StartEngine) -> RunningServer:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
+
+
+MakeClient = Callable[[RunningServer], openai.AsyncOpenAI]
+
+
+@pytest.fixture
+async def make_client() -> AsyncIterator[MakeClient]:
+    """Factory of official OpenAI clients for a server (closed after the test)."""
+    clients: list[openai.AsyncOpenAI] = []
+
+    def _make(server: RunningServer) -> openai.AsyncOpenAI:
+        oai = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=10)
+        clients.append(oai)
+        return oai
+
+    yield _make
+    for oai in clients:
+        await oai.close()

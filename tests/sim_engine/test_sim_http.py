@@ -15,12 +15,11 @@ from services.sim_engine.app import RunningServer
 StartEngine = Callable[..., Awaitable[RunningServer]]
 
 
-def client(server: RunningServer) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=10)
+MakeClient = Callable[[RunningServer], openai.AsyncOpenAI]
 
 
-async def test_chat_non_streamed_with_openai_client(engine: RunningServer) -> None:
-    raw = await client(engine).chat.completions.with_raw_response.create(
+async def test_chat_non_streamed_with_openai_client(make_client: MakeClient, engine: RunningServer) -> None:
+    raw = await make_client(engine).chat.completions.with_raw_response.create(
         model="sim-910B", messages=[{"role": "user", "content": "hello " * 40}], max_tokens=7)
     assert raw.headers["x-sim-node"] == "node-a"
     resp = raw.parse()
@@ -31,8 +30,8 @@ async def test_chat_non_streamed_with_openai_client(engine: RunningServer) -> No
     assert resp.usage.prompt_tokens == 61  # 240 chars / 4 + 1 message
 
 
-async def test_chat_streamed_with_openai_client(engine: RunningServer) -> None:
-    stream = await client(engine).chat.completions.create(
+async def test_chat_streamed_with_openai_client(make_client: MakeClient, engine: RunningServer) -> None:
+    stream = await make_client(engine).chat.completions.create(
         model="sim-910B", messages=[{"role": "user", "content": "hi"}], max_tokens=12, stream=True,
         stream_options={"include_usage": True})
     texts, finish, usage = [], None, None
@@ -47,8 +46,8 @@ async def test_chat_streamed_with_openai_client(engine: RunningServer) -> None:
     assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (2, 12)
 
 
-async def test_completions_stream_and_text(engine: RunningServer, http: aiohttp.ClientSession) -> None:
-    resp = await client(engine).completions.create(model="sim-910B", prompt="abc", max_tokens=5)
+async def test_completions_stream_and_text(make_client: MakeClient, engine: RunningServer, http: aiohttp.ClientSession) -> None:
+    resp = await make_client(engine).completions.create(model="sim-910B", prompt="abc", max_tokens=5)
     assert len(resp.choices[0].text.split()) == 5
     async with http.post(f"{engine.url}/v1/completions",
                          json={"prompt": "abc", "max_tokens": 3, "stream": True}) as r:
@@ -60,17 +59,17 @@ async def test_completions_stream_and_text(engine: RunningServer, http: aiohttp.
     assert '"finish_reason":"length"' in events[-2]
 
 
-async def test_output_is_deterministic_given_seed_and_prompt(start_engine: StartEngine) -> None:
+async def test_output_is_deterministic_given_seed_and_prompt(make_client: MakeClient, start_engine: StartEngine) -> None:
     a, b = await start_engine(seed=7), await start_engine(seed=8)
     texts = []
     for server in (a, a, b):
-        resp = await client(server).completions.create(model="sim-910B", prompt="same prompt", max_tokens=20)
+        resp = await make_client(server).completions.create(model="sim-910B", prompt="same prompt", max_tokens=20)
         texts.append(resp.choices[0].text)
     assert texts[0] == texts[1] != texts[2]
 
 
-async def test_sim_field_sets_lengths_and_stop(engine: RunningServer) -> None:
-    resp = await client(engine).completions.create(
+async def test_sim_field_sets_lengths_and_stop(make_client: MakeClient, engine: RunningServer) -> None:
+    resp = await make_client(engine).completions.create(
         model="sim-910B", prompt="x", max_tokens=50, extra_body={"sim": {"output_tokens": 3, "prompt_tokens": 900}})
     assert resp.choices[0].finish_reason == "stop"
     assert resp.usage is not None and (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (900, 3)
@@ -98,8 +97,8 @@ async def test_bad_requests_get_openai_style_errors(engine: RunningServer, http:
     assert error["code"] == code and error["message"] and error["type"]
 
 
-async def test_models_health_and_node_header(engine: RunningServer, http: aiohttp.ClientSession) -> None:
-    models = await client(engine).models.list()
+async def test_models_health_and_node_header(make_client: MakeClient, engine: RunningServer, http: aiohttp.ClientSession) -> None:
+    models = await make_client(engine).models.list()
     assert [m.id for m in models.data] == ["sim-910B"]
     async with http.get(f"{engine.url}/health") as r:
         assert r.status == 200 and r.headers["x-sim-node"] == "node-a"
@@ -120,8 +119,8 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return out
 
 
-async def test_metrics_count_the_requests_served(engine: RunningServer, http: aiohttp.ClientSession) -> None:
-    oai = client(engine)
+async def test_metrics_count_the_requests_served(make_client: MakeClient, engine: RunningServer, http: aiohttp.ClientSession) -> None:
+    oai = make_client(engine)
     await asyncio.gather(*(oai.completions.create(model="sim-910B", prompt="abcd" * 10, max_tokens=4)
                            for _ in range(6)))
     await oai.completions.create(model="sim-910B", prompt="x", extra_body={"sim": {"output_tokens": 2}})
@@ -141,9 +140,9 @@ async def test_metrics_count_the_requests_served(engine: RunningServer, http: ai
     assert s[("vllm:kv_cache_usage_perc", m)] == s[("vllm:gpu_cache_usage_perc", m)] == 0
 
 
-async def test_metrics_show_load_and_queue(start_engine: StartEngine, http: aiohttp.ClientSession) -> None:
+async def test_metrics_show_load_and_queue(make_client: MakeClient, start_engine: StartEngine, http: aiohttp.ClientSession) -> None:
     server = await start_engine(capacity=2, kv_tokens=5000)
-    oai = client(server)
+    oai = make_client(server)
     tasks = [asyncio.create_task(oai.completions.create(
         model="sim-910B", prompt="x", max_tokens=200, extra_body={"sim": {"prompt_tokens": 1000}}))
         for _ in range(4)]
