@@ -1,0 +1,230 @@
+"""Benchmark metrics (pure): latency percentiles per phase and load balance over time.
+
+Definitions (semantics.md §8 "Go beyond" 10):
+
+* **Percentiles** use linear interpolation between closest ranks (numpy's default "linear"):
+  for sorted x[0..n-1], the q-th percentile sits at rank (n-1)·q/100.
+* **Phase** of a request = the phase its *start* falls into (phases are half-open [start, end)).
+  TTFT counts every request that received a first token; E2E counts completed requests only.
+* **Load balance** is measured on *utilisation*: at each sample time t (every ``step_s``),
+  u_i(t) = in-flight_i(t) / capacity_i(t), where in-flight is what the clients had open on node i
+  (from send until the stream ended; queued requests count) and capacity is the node's *true*
+  engine capacity at t (from the scenario timeline, not what the scheduler believes). Nodes with
+  capacity 0 (crashed, drained to 0) are left out of that sample; samples where no request is in
+  flight are skipped. Over the remaining nodes:
+    CoV(t)      = population std(u) / mean(u)
+    max/mean(t) = max(u) / mean(u)
+    Jain(t)     = (Σu)² / (n · Σu²)        (1 = perfectly even, 1/n = all on one node)
+  and the reported figures are their time averages over the samples of a phase or the whole run.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+OUTCOMES: tuple[str, ...] = ("completed", "client_cancelled", "error", "interrupted")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestResult:
+    """What the client saw of one request (times in seconds from the start of the run)."""
+
+    index: int
+    start_s: float
+    end_s: float
+    ttft_s: float | None  # first content chunk, from start
+    e2e_s: float | None  # [DONE], from start; None unless completed
+    node: str | None  # x-laswrr-node
+    outcome: str  # one of OUTCOMES
+    status: int | None = None  # HTTP status, None when the connection failed
+    tokens: int = 0
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    name: str
+    start_s: float
+    end_s: float
+
+    def contains(self, t: float) -> bool:
+        return self.start_s <= t < self.end_s
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """q in [0, 100]; None for no values."""
+    if not values:
+        return None
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be within 0..100, got {q}")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def cov(values: Sequence[float]) -> float | None:
+    """Coefficient of variation (population std / mean); None if empty or the mean is 0."""
+    m = mean(values)
+    if m is None or m == 0:
+        return None
+    variance = sum((v - m) ** 2 for v in values) / len(values)
+    return math.sqrt(variance) / m
+
+
+def max_over_mean(values: Sequence[float]) -> float | None:
+    m = mean(values)
+    if m is None or m == 0:
+        return None
+    return max(values) / m
+
+
+def jain(values: Sequence[float]) -> float | None:
+    """Jain's fairness index (Σx)² / (n·Σx²); None if empty or all zero."""
+    squares = sum(v * v for v in values)
+    if not values or squares == 0:
+        return None
+    return sum(values) ** 2 / (len(values) * squares)
+
+
+# --------------------------------------------------------------------------- latency
+
+
+def phase_of(t: float, phases: Sequence[Phase]) -> str | None:
+    for phase in phases:
+        if phase.contains(t):
+            return phase.name
+    return None
+
+
+def latency_summary(results: Sequence[RequestResult]) -> dict[str, Any]:
+    """Counts by outcome and P50/P90/P99 of TTFT and E2E (seconds) for one group of requests."""
+    ttft = [r.ttft_s for r in results if r.ttft_s is not None]
+    e2e = [r.e2e_s for r in results if r.outcome == "completed" and r.e2e_s is not None]
+    summary: dict[str, Any] = {"requests": len(results)}
+    for outcome in OUTCOMES:
+        summary[outcome] = sum(1 for r in results if r.outcome == outcome)
+    for name, values in (("ttft", ttft), ("e2e", e2e)):
+        for q in (50, 90, 99):
+            summary[f"{name}_p{q}"] = _round(percentile(values, q))
+        summary[f"{name}_max"] = _round(max(values) if values else None)
+    return summary
+
+
+def by_phase(results: Sequence[RequestResult], phases: Sequence[Phase]) -> dict[str, dict[str, Any]]:
+    groups: dict[str, list[RequestResult]] = {p.name: [] for p in phases}
+    for result in results:
+        name = phase_of(result.start_s, phases)
+        if name is not None:
+            groups[name].append(result)
+    return {name: latency_summary(group) for name, group in groups.items()}
+
+
+# --------------------------------------------------------------------------- load balance
+
+
+CapacityAt = Callable[[str, float], float]
+
+
+def inflight_series(results: Iterable[RequestResult], nodes: Sequence[str], times: Sequence[float]
+                    ) -> dict[str, list[int]]:
+    """In-flight count per node at each time in ``times`` (sorted), from request intervals."""
+    starts: dict[str, list[float]] = {n: [] for n in nodes}
+    ends: dict[str, list[float]] = {n: [] for n in nodes}
+    for r in results:
+        if r.node in starts:
+            starts[r.node].append(r.start_s)
+            ends[r.node].append(r.end_s)
+    series: dict[str, list[int]] = {}
+    for node in nodes:
+        s, e = sorted(starts[node]), sorted(ends[node])
+        series[node] = [bisect_right(s, t) - bisect_right(e, t) for t in times]
+    return series
+
+
+def sample_times(start_s: float, end_s: float, step_s: float) -> list[float]:
+    count = max(0, math.floor((end_s - start_s) / step_s))
+    return [round(start_s + i * step_s, 6) for i in range(count)]
+
+
+def utilisation_samples(results: Sequence[RequestResult], nodes: Sequence[str], capacity_at: CapacityAt,
+                        times: Sequence[float]) -> list[tuple[float, list[float]]]:
+    """(t, [u_i for nodes with capacity > 0]) for every t with something in flight."""
+    series = inflight_series(results, nodes, times)
+    samples: list[tuple[float, list[float]]] = []
+    for k, t in enumerate(times):
+        utils = [series[n][k] / capacity_at(n, t) for n in nodes if capacity_at(n, t) > 0]
+        if utils and sum(utils) > 0:
+            samples.append((t, utils))
+    return samples
+
+
+def balance_summary(samples: Sequence[tuple[float, list[float]]]) -> dict[str, Any]:
+    """Time averages of CoV, max/mean and Jain's index, plus the mean utilisation."""
+    covs = [c for _, u in samples if (c := cov(u)) is not None]
+    ratios = [r for _, u in samples if (r := max_over_mean(u)) is not None]
+    jains = [j for _, u in samples if (j := jain(u)) is not None]
+    utils = [m for _, u in samples if (m := mean(u)) is not None]
+    return {"samples": len(samples), "cov": _round(mean(covs)), "max_mean": _round(mean(ratios)),
+            "jain": _round(mean(jains)), "mean_util": _round(mean(utils))}
+
+
+def balance(results: Sequence[RequestResult], nodes: Sequence[str], capacity_at: CapacityAt,
+            phases: Sequence[Phase], step_s: float = 0.1) -> dict[str, Any]:
+    """Balance over the whole run and per phase."""
+    if not phases:
+        return {"overall": balance_summary([])}
+    times = sample_times(phases[0].start_s, phases[-1].end_s, step_s)
+    samples = utilisation_samples(results, nodes, capacity_at, times)
+    out: dict[str, Any] = {"overall": balance_summary(samples)}
+    for phase in phases:
+        out[phase.name] = balance_summary([s for s in samples if phase.contains(s[0])])
+    return out
+
+
+def node_shares(results: Sequence[RequestResult]) -> dict[str, int]:
+    """Requests per node (as routed), sorted by node."""
+    counts: dict[str, int] = {}
+    for r in results:
+        if r.node is not None:
+            counts[r.node] = counts.get(r.node, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, None when either is missing or b is 0."""
+    if a is None or b is None or b == 0:
+        return None
+    return _round(a / b)
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def capacity_timeline(initial: Mapping[str, float], changes: Sequence[tuple[float, str, float]]) -> CapacityAt:
+    """A ``capacity_at(node, t)`` from initial capacities and (t, node, new capacity) changes."""
+    ordered = sorted(changes)
+
+    def capacity_at(node: str, t: float) -> float:
+        value = initial.get(node, 0.0)
+        for when, who, cap in ordered:
+            if when > t:
+                break
+            if who == node:
+                value = cap
+        return value
+
+    return capacity_at
