@@ -1,0 +1,198 @@
+"""Open-loop load generator: sends a pre-generated workload as streaming chat completions.
+
+Theory of operation:
+
+* **Open loop.** A dispatcher sleeps until each request's arrival offset (on the event loop's
+  monotonic clock, from a shared ``t0`` so scenario actions line up) and starts it as its own
+  task; a slow system does not slow the arrivals (closed-loop generators hide tail latency).
+* **Per request** the client records start, TTFT (first data chunk with content), E2E (``[DONE]``),
+  the node that served it (``x-laswrr-node``; ``x-sim-node`` when talking to an engine directly)
+  and the outcome:
+    - ``completed``: ``data: [DONE]`` arrived;
+    - ``client_cancelled``: the workload's cancel delay passed first and the client hung up;
+    - ``error``: non-200 status, connection failure before the response, or an SSE error event;
+    - ``interrupted``: the stream ended (EOF or a broken connection) without [DONE] or an error
+      event: the failure the router must never cause.
+* No model is sent unless asked: the proxy then routes to pool ``default`` and every engine
+  accepts the request whatever its own model id is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from bench.metrics import RequestResult
+from bench.workload import RequestSpec, prompt_text
+
+NODE_HEADERS = ("x-laswrr-node", "x-sim-node")
+DONE = b"data: [DONE]"
+OnDone = Callable[[RequestResult], None]
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What one in-flight request has seen so far (survives cancellation of its task)."""
+
+    start: float
+    node: str | None = None
+    status: int | None = None
+    ttft: float | None = None
+    tokens: int = 0
+    outcome: str = "interrupted"
+    error: str = ""
+    ended: float | None = None
+
+
+@dataclass(slots=True)
+class LoadRun:
+    """The results of one run, in workload order once ``run`` returns."""
+
+    results: list[RequestResult] = field(default_factory=list)
+    launched: int = 0
+
+
+def request_body(spec: RequestSpec, model: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": prompt_text(spec)}],
+        "max_tokens": spec.max_tokens,
+        "stream": True,
+    }
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+def _error_message(payload: bytes) -> str:
+    try:
+        data = msgspec.json.decode(payload)
+    except msgspec.DecodeError:
+        return payload[:200].decode(errors="replace")
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        return str(data["error"].get("message", ""))[:200]
+    return payload[:200].decode(errors="replace")
+
+
+def _has_content(payload: bytes) -> bool:
+    try:
+        chunk = msgspec.json.decode(payload)
+    except msgspec.DecodeError:
+        return False
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    if not choices:
+        return False
+    choice = choices[0]
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, progress: _Progress, now: Callable[[], float]) -> None:
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        if line.startswith(DONE):
+            progress.outcome = "completed"
+            return
+        payload = line[5:].strip()
+        if b'"error"' in payload and b'"choices"' not in payload:
+            progress.outcome, progress.error = "error", _error_message(payload)
+            return
+        progress.tokens += 1
+        if progress.ttft is None and _has_content(payload):
+            progress.ttft = now() - progress.start
+    progress.error = "stream ended without [DONE]"
+
+
+async def _exchange(session: aiohttp.ClientSession, url: str, body: dict[str, Any], progress: _Progress,
+                    now: Callable[[], float]) -> None:
+    try:
+        async with session.post(url, json=body) as resp:
+            progress.status = resp.status
+            progress.node = next((resp.headers[h] for h in NODE_HEADERS if h in resp.headers), None)
+            if resp.status != 200:
+                progress.outcome, progress.error = "error", _error_message(await resp.read())
+                return
+            await _read_stream(resp, progress, now)
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+        # a broken stream after the response started is an interruption, before it an error
+        if progress.status is None:
+            progress.outcome = "error"
+        progress.error = f"{type(exc).__name__}: {exc}"[:200]
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        progress.outcome = "error" if progress.status is None else "interrupted"
+        progress.error = f"{type(exc).__name__}: {exc}"[:200]
+    finally:
+        progress.ended = now()
+
+
+async def send_one(session: aiohttp.ClientSession, url: str, spec: RequestSpec, t0: float,
+                   model: str | None = None) -> RequestResult:
+    """Send one request now; honour its cancel delay; return what the client saw."""
+    loop = asyncio.get_running_loop()
+
+    def now() -> float:
+        return loop.time() - t0
+
+    progress = _Progress(start=now())
+    task = asyncio.create_task(_exchange(session, url, request_body(spec, model), progress, now))
+    if spec.cancel_after_s is None:
+        await task
+    else:
+        done, _ = await asyncio.wait({task}, timeout=spec.cancel_after_s)
+        if not done:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            progress.outcome, progress.error = "client_cancelled", ""
+    end = progress.ended if progress.ended is not None else now()
+    e2e = end - progress.start if progress.outcome == "completed" else None
+    return RequestResult(index=spec.index, start_s=round(progress.start, 6), end_s=round(end, 6),
+                         ttft_s=None if progress.ttft is None else round(progress.ttft, 6),
+                         e2e_s=None if e2e is None else round(e2e, 6), node=progress.node,
+                         outcome=progress.outcome, status=progress.status, tokens=progress.tokens,
+                         error=progress.error)
+
+
+def make_session(timeout_s: float = 600.0) -> aiohttp.ClientSession:
+    """A session with no connection cap (open loop) and no pooling surprises."""
+    connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                 auto_decompress=False)
+
+
+async def run_load(base_url: str, workload: Sequence[RequestSpec], t0: float, *, model: str | None = None,
+                   on_done: OnDone | None = None, session: aiohttp.ClientSession | None = None) -> LoadRun:
+    """Send ``workload`` to ``base_url`` (a proxy or an engine), each at ``t0 + offset``."""
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    run = LoadRun()
+    own_session = session is None
+    session = session or make_session()
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task[RequestResult]] = []
+
+    def finished(task: asyncio.Task[RequestResult]) -> None:
+        if on_done is not None and not task.cancelled() and task.exception() is None:
+            on_done(task.result())
+
+    try:
+        for spec in workload:
+            delay = t0 + spec.offset_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(send_one(session, url, spec, t0, model))
+            task.add_done_callback(finished)
+            tasks.append(task)
+            run.launched += 1
+        run.results = sorted(await asyncio.gather(*tasks), key=lambda r: r.index)
+    finally:
+        for task in tasks:
+            task.cancel()
+        if own_session:
+            await session.close()
+    return run

@@ -1,0 +1,51 @@
+"""The load generator against a real simulated engine over HTTP (no proxy needed)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from bench.load import run_load
+from bench.workload import RequestSpec
+from services.sim_engine.app import start_server
+from services.sim_engine.config import SimConfig
+
+FAST = SimConfig(chip="910B", capacity=4, port=0, speed=20.0, node_id="node-a")
+
+
+async def test_outcomes_completed_cancelled_and_timings() -> None:
+    server = await start_server(FAST)
+    try:
+        workload = [RequestSpec(0, 0.0, 50, 20, None), RequestSpec(1, 0.05, 50, 400, 0.2),
+                    RequestSpec(2, 0.1, 50, 10, None)]
+        loop = asyncio.get_running_loop()
+        seen: list[int] = []
+        run = await run_load(server.url, workload, loop.time(), on_done=lambda r: seen.append(r.index))
+    finally:
+        await server.close()
+    done, cancelled, short = run.results
+    assert [r.outcome for r in run.results] == ["completed", "client_cancelled", "completed"]
+    assert sorted(seen) == [0, 1, 2]
+    assert done.node == "node-a" and done.tokens >= 20 and done.status == 200
+    assert done.ttft_s is not None and done.e2e_s is not None and 0 < done.ttft_s < done.e2e_s
+    assert 0.2 <= cancelled.end_s - cancelled.start_s < 0.5 and cancelled.e2e_s is None
+    assert short.start_s >= 0.1  # open loop: sent at its offset
+
+
+async def test_cut_stream_is_interrupted_and_refusal_is_error() -> None:
+    server = await start_server(FAST)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{server.url}/admin", json={"fail": "cut_stream", "cut_after": 3}) as r:
+                assert r.status == 200
+            loop = asyncio.get_running_loop()
+            cut = await run_load(server.url, [RequestSpec(0, 0.0, 10, 50, None)], loop.time())
+            async with http.post(f"{server.url}/admin", json={"fail": "http500"}) as r:
+                assert r.status == 200
+            failed = await run_load(server.url, [RequestSpec(0, 0.0, 10, 50, None)], loop.time())
+    finally:
+        await server.close()
+    assert cut.results[0].outcome == "interrupted" and cut.results[0].ttft_s is not None
+    assert failed.results[0].outcome == "error" and failed.results[0].status == 500
+    assert "fail=http500" in failed.results[0].error
