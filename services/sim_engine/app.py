@@ -302,7 +302,12 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 def init_app(config: SimConfig) -> web.Application:
-    """The aiohttp application for one simulated engine (ValueError on a bad config)."""
+    """The aiohttp application for one simulated engine (ValueError on a bad config).
+
+    Run it with ``start_server`` (or an AppRunner with ``handler_cancellation=True``): without
+    handler cancellation a client that leaves while its request waits is only noticed at the
+    first write, so its slot is freed late.
+    """
     config.validate()
     app = web.Application(middlewares=[refuse_middleware])
     app[CONFIG_KEY] = config
