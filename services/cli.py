@@ -17,6 +17,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "replay.cli",
     "collectors.cli",
     "services.sim_engine.cli",
+    "services.collector",
+    "services.scheduler_service",
 )
 
 

@@ -1,0 +1,529 @@
+"""`laswrr scheduler`: the IO shell around the pure core (design §3, §7).
+
+Theory of operation.
+
+* **One ordered log in, outputs out.** One ephemeral pull consumer on LB_EVENTS (ack policy
+  ``all``: one ack per batch acknowledges the batch) delivers inputs in stream order. Each message
+  becomes ``Envelope(seq=stream_seq, ts_ns=<JetStream timestamp>, subject, data)`` and goes through
+  ``Scheduler.apply``. The timestamp is taken as integer nanoseconds from the ack reply subject
+  (``parse_ack_subject``; nats-py's ``metadata.timestamp`` is a float datetime and loses
+  precision), the same ``ts_ns`` the recorder stores, so replay sees the same time.
+* **Batches.** Fetch up to ``batch`` messages, apply them all, publish every output to LB_OUT
+  asynchronously with ``Nats-Msg-Id: output.msg_id`` (derived from ``as_of_seq``), await the
+  pub acks together, put each touched pool's latest snapshot into KV LB_WEIGHTS (compare-and-set,
+  never over a newer ``as_of_seq``), then ack the batch. A redelivered message (seq already
+  applied) is skipped, so the fold stays exactly-once.
+* **Restart.** State is rebuilt before anything new is published: from the checkpoint in KV
+  ``LB_CHECKPOINT`` (``Scheduler.checkpoint()`` bytes, whose state names its ``last_seq``,
+  written every ``checkpoint_every`` events and at shutdown) plus the tail of LB_EVENTS, or from
+  the first retained event. Outputs are not re-published for inputs whose outputs are already in
+  LB_OUT: at start the service reads the highest ``as_of_seq`` among the last messages of LB_OUT
+  (the *publish floor*) and publishes only outputs with ``as_of_seq`` above it. Msg-id
+  de-duplication alone would not do: its window is 2 minutes, a restart can come much later.
+  Between replicas (active-active), the msg ids de-duplicate outputs published within the window.
+* **Time.** Once caught up, the service publishes ``lb.clock.tick {"tick": n}`` every
+  ``tick_ms`` with ``n = wall-clock ns // period`` and ``Nats-Msg-Id: tick-<n>``: replicas agree
+  on ``n``, so JetStream keeps one tick per period.
+* **Configuration is an event.** A ``--config`` file that differs from the configuration in force
+  in the log is published as ``lb.admin.config {"set": {changed keys}}``, so replay uses it too.
+* **Never dies on input.** Invalid input becomes ``lb.out.rejected`` (the core does that). Any
+  other exception from the core is a broken invariant: it is logged with the seq, recorded as a
+  rejection and acked, so one poisoned message cannot wedge the stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig, StorageType
+from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+
+from scheduler import config as config_mod
+from scheduler.core import Scheduler
+from schemas import subjects as sj
+from schemas.codec import Envelope, Output, encode
+from schemas.outputs import Rejected
+from services import settings
+from services.natsbus import connect, ensure_streams
+
+log = logging.getLogger("laswrr.scheduler")
+
+CHECKPOINT_KEY = "scheduler"
+PUBLISH_FLOOR_SCAN = 64  # LB_OUT tail messages read at start to find the highest as_of_seq
+PUBLISH_TIMEOUT_S = 5.0
+
+
+# -- the JetStream ack subject --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AckInfo:
+    """The metadata JetStream encodes in a delivered message's reply (ack) subject."""
+
+    stream: str
+    consumer: str
+    delivered: int
+    stream_seq: int
+    consumer_seq: int
+    ts_ns: int
+    pending: int
+    domain: str | None = None
+
+
+def parse_ack_subject(reply: str) -> AckInfo:
+    """Parse ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts_ns>.<pending>`` (v1) or
+    ``$JS.ACK.<domain>.<account hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts_ns>.<pending>
+    [.<random>]`` (v2, ADR-15; domain ``_`` means none). The timestamp stays an exact integer.
+
+    v1 has exactly 9 tokens, v2 at least 11; the seven fields are read at a fixed offset after
+    the prefix (the trailing v2 token is optional, so counting from the right is ambiguous).
+    Raises ValueError for anything else.
+    """
+    tokens = reply.split(".")
+    if len(tokens) < 9 or tokens[0] != "$JS" or tokens[1] != "ACK":
+        raise ValueError(f"not a JetStream ack subject: {reply!r}")
+    if len(tokens) == 9:
+        base, domain = 2, None
+    elif len(tokens) >= 11:
+        base, domain = 4, (None if tokens[2] in ("", "_") else tokens[2])
+    else:
+        raise ValueError(f"JetStream ack subject with {len(tokens)} tokens: {reply!r}")
+    try:
+        delivered, sseq, cseq, ts_ns, pending = (int(t) for t in tokens[base + 2:base + 7])
+    except ValueError:
+        raise ValueError(f"non-numeric field in JetStream ack subject: {reply!r}") from None
+    return AckInfo(stream=tokens[base], consumer=tokens[base + 1], delivered=delivered, stream_seq=sseq,
+                   consumer_seq=cseq, ts_ns=ts_ns, pending=pending, domain=domain)
+
+
+def envelope_of(msg: Msg) -> Envelope:
+    info = parse_ack_subject(msg.reply)
+    return Envelope(seq=info.stream_seq, ts_ns=info.ts_ns, subject=msg.subject, data=msg.data)
+
+
+# -- small pure helpers ---------------------------------------------------------------------------
+
+
+def as_of_seq_of(msg_id: str | None, data: bytes | None) -> int:
+    """The cause of an LB_OUT message: from its msg id ``<as_of_seq>:<subject>``, else its payload."""
+    if msg_id:
+        head = msg_id.split(":", 1)[0]
+        if head.isdigit():
+            return int(head)
+    with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+        payload = msgspec.json.decode(data or b"", type=dict[str, Any])
+        value = payload.get("as_of_seq", payload.get("seq"))
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def config_changes(in_force: config_mod.SchedulerConfig, wanted: config_mod.SchedulerConfig) -> dict[str, Any]:
+    """Keys whose value in ``wanted`` differs from the configuration in force, in field order."""
+    current, desired = msgspec.structs.asdict(in_force), msgspec.structs.asdict(wanted)
+    return {key: value for key, value in desired.items() if current[key] != value}
+
+
+def tick_number(now_ns: int, period_ns: int) -> int:
+    return now_ns // period_ns
+
+
+def poisoned(envelope: Envelope, exc: BaseException) -> Output:
+    """The rejection recorded for an input on which the core broke an invariant."""
+    reason = f"internal error while applying: {type(exc).__name__}: {exc}"
+    return Output(subject=sj.OUT_REJECTED, as_of_seq=envelope.seq,
+                  data=encode(Rejected(seq=envelope.seq, subject=envelope.subject, reason=reason)))
+
+
+def default_replica_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+# -- the service ----------------------------------------------------------------------------------
+
+
+@dataclass
+class SchedulerOptions:
+    config_file: str | None = None
+    tick_ms: int = settings.DEFAULT_TICK_MS  # 0: publish no ticks (tests drive time themselves)
+    replica_id: str = field(default_factory=default_replica_id)
+    batch: int = 1000
+    fetch_timeout_s: float = 0.25
+    checkpoint_every: int = 10_000  # events between checkpoints; 0 disables checkpoints
+    use_checkpoint: bool = True
+
+
+@dataclass
+class Stats:
+    applied: int = 0
+    published: int = 0
+    rejected_internal: int = 0
+    batches: int = 0
+
+
+class SchedulerService:
+    """One scheduler replica. ``await run(stop)`` until ``stop`` is set; ``ready`` is set once
+    the state is rebuilt from the log and live processing (and ticking) has begun."""
+
+    def __init__(self, nc: Client, options: SchedulerOptions | None = None) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.options = options or SchedulerOptions()
+        self.scheduler = Scheduler()
+        self.publish_floor = 0
+        self.ready = asyncio.Event()
+        self.stats = Stats()
+        self._wanted_config = config_mod.load_file(self.options.config_file) if self.options.config_file else None
+        self._weights: KeyValue | None = None
+        self._checkpoints: KeyValue | None = None
+        self._kv_known: dict[str, tuple[int, int]] = {}  # pool -> (as_of_seq, revision) in LB_WEIGHTS
+        self._latest: dict[str, Output] = {}  # pool -> newest snapshot output not yet in LB_WEIGHTS
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self._consumer: str | None = None
+        self._checkpointed_seq = 0
+
+    @property
+    def applied_seq(self) -> int:
+        return self.scheduler.state.last_seq
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await ensure_streams(self.js)
+        self._weights = await self.js.key_value(sj.WEIGHTS_BUCKET)
+        self._checkpoints = await ensure_checkpoint_bucket(self.js)
+        await self._restore()
+        self.publish_floor = await highest_published_seq(self.js)
+        target = (await self.js.stream_info(sj.EVENTS_STREAM)).state.last_seq
+        log.info("replica %s: rebuilding from seq %d to %d; outputs already published up to seq %d",
+                 self.options.replica_id, self.applied_seq + 1, target, self.publish_floor)
+        await self._subscribe()
+        ticker: asyncio.Task[None] | None = None
+        try:
+            while not stop.is_set():
+                got = await self._step()
+                if not self.ready.is_set() and (self.applied_seq >= target or not got):
+                    await self._go_live()
+                    if self.options.tick_ms > 0:
+                        ticker = asyncio.create_task(self._tick_loop(stop))
+        finally:
+            if ticker is not None:
+                ticker.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await ticker
+            await self._shutdown()
+
+    async def _go_live(self) -> None:
+        await self._flush_weights()
+        log.info("state rebuilt at seq %d (%d pools, %d nodes); live", self.applied_seq,
+                 len(self.scheduler.pools()), len(self.scheduler.state.nodes))
+        await self._publish_config()
+        self.ready.set()
+
+    async def _shutdown(self) -> None:
+        if self.options.checkpoint_every > 0 and self.applied_seq > self._checkpointed_seq:
+            with contextlib.suppress(Exception):
+                await self._write_checkpoint()
+        if self._consumer is not None:
+            with contextlib.suppress(Exception):
+                await self.js.delete_consumer(sj.EVENTS_STREAM, self._consumer)
+        log.info("stopped at seq %d (%d events applied, %d outputs published)",
+                 self.applied_seq, self.stats.applied, self.stats.published)
+
+    # -- rebuild --------------------------------------------------------------------------------
+
+    async def _restore(self) -> None:
+        info = (await self.js.stream_info(sj.EVENTS_STREAM)).state
+        if self.options.use_checkpoint and self._checkpoints is not None:
+            try:
+                entry = await self._checkpoints.get(CHECKPOINT_KEY)
+            except KeyNotFoundError:
+                entry = None
+            if entry is not None and entry.value:
+                restored = Scheduler.restore(entry.value)
+                seq = restored.state.last_seq
+                if seq > info.last_seq:
+                    log.warning("checkpoint at seq %d is ahead of LB_EVENTS (last %d): ignored", seq, info.last_seq)
+                else:
+                    self.scheduler, self._checkpointed_seq = restored, seq
+                    log.info("restored checkpoint at seq %d", seq)
+        start = self.applied_seq + 1
+        if info.first_seq > start and info.messages > 0:
+            log.warning("LB_EVENTS no longer holds seqs %d..%d (retention): state starts from an incomplete log",
+                        start, info.first_seq - 1)
+
+    async def _subscribe(self) -> None:
+        """An ephemeral pull consumer from the next seq to apply (recreated after errors)."""
+        if self._consumer is not None:
+            with contextlib.suppress(Exception):
+                await self.js.delete_consumer(sj.EVENTS_STREAM, self._consumer)
+        name = f"scheduler-{_token(self.options.replica_id)}-{os.urandom(4).hex()}"
+        config = ConsumerConfig(
+            name=name, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.applied_seq + 1,
+            ack_policy=AckPolicy.ALL, ack_wait=60.0, max_ack_pending=-1, inactive_threshold=60.0,
+            mem_storage=True, num_replicas=1,
+        )
+        await self.js.add_consumer(sj.EVENTS_STREAM, config)
+        self._sub = await self.js.pull_subscribe_bind(consumer=name, stream=sj.EVENTS_STREAM)
+        self._consumer = name
+
+    # -- the batch loop -------------------------------------------------------------------------
+
+    async def _step(self) -> bool:
+        """Fetch, apply and publish one batch; False when nothing was waiting."""
+        assert self._sub is not None
+        try:
+            msgs = await self._sub.fetch(self.options.batch, timeout=self.options.fetch_timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            return False
+        except Exception as exc:  # consumer gone (server restart, inactivity), connection trouble
+            log.warning("fetch failed (%s); recreating the consumer from seq %d", exc, self.applied_seq + 1)
+            await asyncio.sleep(0.5)
+            with contextlib.suppress(Exception):
+                await self._subscribe()
+            return False
+        if msgs:
+            await self._handle_batch(msgs)
+        return bool(msgs)
+
+    async def _handle_batch(self, msgs: list[Msg]) -> None:
+        outputs = self._apply_all(msgs)
+        await self._publish(outputs)
+        await self._flush_weights()
+        await self.nc.publish(msgs[-1].reply, b"+ACK")  # AckPolicy.ALL: acks the whole batch
+        self.stats.batches += 1
+        every = self.options.checkpoint_every
+        if every > 0 and self.applied_seq - self._checkpointed_seq >= every:
+            await self._write_checkpoint()
+
+    def _apply_all(self, msgs: list[Msg]) -> list[Output]:
+        to_publish: list[Output] = []
+        for msg in msgs:
+            try:
+                envelope = envelope_of(msg)
+            except ValueError as exc:
+                log.error("skipping a delivery without JetStream metadata: %s", exc)
+                continue
+            if envelope.seq <= self.applied_seq:
+                continue  # redelivered: already folded in
+            outputs = self._apply(envelope)
+            self.stats.applied += 1
+            for output in outputs:
+                if output.subject.startswith(sj.OUT_SNAPSHOT + "."):
+                    self._latest[output.subject[len(sj.OUT_SNAPSHOT) + 1:]] = output
+            if envelope.seq > self.publish_floor:
+                to_publish.extend(outputs)
+        return to_publish
+
+    def _apply(self, envelope: Envelope) -> list[Output]:
+        try:
+            return self.scheduler.apply(envelope)
+        except Exception as exc:
+            # A broken invariant in the core, not bad input (that is a Rejection inside apply).
+            # Log it loudly with the seq, record it as rejected and let the batch be acked: one
+            # poisoned message must not wedge the stream. The core is deterministic, so every
+            # replica (and a replay) fails the same way on the same seq.
+            log.exception("seq %d (%s): the scheduler core raised; recorded as rejected", envelope.seq,
+                          envelope.subject)
+            self.stats.rejected_internal += 1
+            self.scheduler.state.last_seq = max(self.scheduler.state.last_seq, envelope.seq)
+            return [poisoned(envelope, exc)]
+
+    async def _publish(self, outputs: Sequence[Output]) -> None:
+        """Publish outputs in order, pub acks awaited together; retries are de-duplicated by msg id."""
+        pending = list(outputs)
+        attempt = 0
+        while pending:
+            futures = [await self.js.publish_async(o.subject, o.data, headers={settings.MSG_ID: o.msg_id})
+                       for o in pending]
+            done, _ = await asyncio.wait(futures, timeout=PUBLISH_TIMEOUT_S)
+            failed = [o for o, f in zip(pending, futures) if f not in done or f.cancelled() or f.exception()]
+            for future in futures:
+                if future not in done:
+                    future.cancel()
+            self.stats.published += len(pending) - len(failed)
+            if failed:
+                attempt += 1
+                log.warning("%d of %d outputs not acknowledged by LB_OUT; retry %d", len(failed), len(pending), attempt)
+                await asyncio.sleep(min(2.0, 0.1 * attempt))
+            pending = failed
+
+    # -- LB_WEIGHTS -----------------------------------------------------------------------------
+
+    async def _flush_weights(self) -> None:
+        for pool, output in list(self._latest.items()):
+            await self._put_if_newer(pool, output)
+            del self._latest[pool]
+
+    async def _put_if_newer(self, pool: str, output: Output) -> None:
+        """Compare-and-set: a pool's KV entry never goes back to an older ``as_of_seq``."""
+        assert self._weights is not None
+        for _ in range(10):
+            known = self._kv_known.get(pool)
+            if known is None:
+                known = await self._read_weight(pool)
+            if known[0] >= output.as_of_seq:
+                self._kv_known[pool] = known
+                return
+            try:
+                if known[1] == 0:
+                    revision = await self._weights.create(pool, output.data)
+                else:
+                    revision = await self._weights.update(pool, output.data, last=known[1])
+            except (KeyWrongLastSequenceError, BadRequestError):
+                self._kv_known.pop(pool, None)  # another replica wrote meanwhile: re-read
+                continue
+            self._kv_known[pool] = (output.as_of_seq, revision)
+            return
+        log.warning("could not update LB_WEIGHTS[%s] to seq %d after 10 attempts", pool, output.as_of_seq)
+
+    async def _read_weight(self, pool: str) -> tuple[int, int]:
+        assert self._weights is not None
+        try:
+            entry = await self._weights.get(pool)
+        except KeyNotFoundError:  # also a deleted key: create() works on it
+            return (0, 0)
+        return (as_of_seq_of(None, entry.value), entry.revision or 0)
+
+    # -- checkpoints, configuration, ticks ------------------------------------------------------
+
+    async def _write_checkpoint(self) -> None:
+        assert self._checkpoints is not None
+        try:
+            await self._checkpoints.put(CHECKPOINT_KEY, self.scheduler.checkpoint())
+        except Exception as exc:  # a checkpoint is an optimisation: never fatal
+            log.warning("checkpoint at seq %d not written: %s", self.applied_seq, exc)
+            return
+        self._checkpointed_seq = self.applied_seq
+
+    async def _publish_config(self) -> None:
+        if self._wanted_config is None:
+            return
+        changes = config_changes(self.scheduler.config, self._wanted_config)
+        if not changes:
+            log.info("configuration file %s is already in force", self.options.config_file)
+            return
+        payload = encode({"set": changes})
+        digest = hashlib.sha256(payload).hexdigest()[:16]
+        msg_id = f"config-{self.applied_seq}-{digest}"  # replicas started together publish it once
+        ack = await self.js.publish(sj.ADMIN_CONFIG, payload, headers={settings.MSG_ID: msg_id})
+        log.info("published configuration %s as seq %d: %s", self.options.config_file, ack.seq, sorted(changes))
+
+    async def _tick_loop(self, stop: asyncio.Event) -> None:
+        period_ns = self.options.tick_ms * 1_000_000
+        last = -1
+        while not stop.is_set():
+            n = tick_number(time.time_ns(), period_ns)
+            if n != last:
+                last = n
+                await self._publish_tick(n)
+            delay_ns = (n + 1) * period_ns - time.time_ns()
+            await asyncio.sleep(max(0.0, delay_ns / 1e9))
+
+    async def _publish_tick(self, n: int) -> None:
+        try:
+            await asyncio.wait_for(self.js.publish_async(
+                sj.CLOCK_TICK, b'{"tick":%d}' % n, headers={settings.MSG_ID: f"tick-{n}"}), 1.0)
+        except Exception as exc:
+            log.warning("tick %d not published: %s", n, exc)
+
+
+# -- NATS helpers ---------------------------------------------------------------------------------
+
+
+async def ensure_checkpoint_bucket(js: JetStreamContext) -> KeyValue:
+    try:
+        return await js.key_value(settings.CHECKPOINT_BUCKET)
+    except (NotFoundError, BadRequestError):
+        with contextlib.suppress(BadRequestError):
+            await js.create_key_value(KeyValueConfig(bucket=settings.CHECKPOINT_BUCKET, history=1,
+                                                     storage=StorageType.FILE, max_value_size=-1))
+        return await js.key_value(settings.CHECKPOINT_BUCKET)
+
+
+async def highest_published_seq(js: JetStreamContext, scan: int = PUBLISH_FLOOR_SCAN) -> int:
+    """The highest ``as_of_seq`` among the last ``scan`` messages of LB_OUT (0 when empty)."""
+    state = (await js.stream_info(sj.OUT_STREAM)).state
+    best = 0
+    if state.messages == 0:
+        return 0
+    for seq in range(state.last_seq, max(state.first_seq, state.last_seq - scan + 1) - 1, -1):
+        try:
+            msg = await js.get_msg(sj.OUT_STREAM, seq)
+        except NotFoundError:
+            continue
+        msg_id = (msg.headers or {}).get(settings.MSG_ID)
+        best = max(best, as_of_seq_of(msg_id, msg.data))
+    return best
+
+
+def _token(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in text)[:48] or "replica"
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("scheduler", help="run the scheduler service on NATS JetStream",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    settings.add_nats_url(parser)
+    parser.add_argument("--config", metavar="FILE.toml", help="scheduler configuration to put in force")
+    parser.add_argument("--tick-ms", type=int, default=settings.DEFAULT_TICK_MS,
+                        help="tick period in ms (default 100; 0 publishes no ticks)")
+    parser.add_argument("--replica-id", default=None, help="name of this replica (default host-pid)")
+    parser.add_argument("--batch", type=int, default=1000, help="events fetched per batch (default 1000)")
+    parser.add_argument("--checkpoint-every", type=int, default=10_000,
+                        help="events between checkpoints in KV LB_CHECKPOINT (0 = none; default 10000)")
+    parser.add_argument("--no-checkpoint", action="store_true", help="rebuild from the first retained event")
+    settings.add_verbosity(parser)
+    parser.set_defaults(func=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    settings.configure_logging(args.verbose, "scheduler")
+    if args.tick_ms < 0 or args.batch < 1 or args.checkpoint_every < 0:
+        log.error("--tick-ms and --checkpoint-every must be >= 0, --batch >= 1")
+        return 2
+    try:
+        options = SchedulerOptions(config_file=args.config, tick_ms=args.tick_ms, batch=args.batch,
+                                   checkpoint_every=args.checkpoint_every, use_checkpoint=not args.no_checkpoint,
+                                   replica_id=args.replica_id or default_replica_id())
+        if options.config_file:
+            config_mod.load_file(options.config_file)
+    except (OSError, ValueError) as exc:
+        print(f"laswrr scheduler: bad --config {args.config}: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(args.nats_url, options))
+
+
+async def serve(nats_url: str, options: SchedulerOptions) -> int:
+    stop = settings.stop_event()
+    try:
+        nc = await connect(nats_url, f"laswrr-scheduler-{options.replica_id}")
+    except Exception as exc:
+        log.error("cannot connect to %s: %s", nats_url, exc)
+        return 1
+    service = SchedulerService(nc, options)
+    try:
+        await service.run(stop)
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.drain()
+    return 0
