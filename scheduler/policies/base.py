@@ -3,7 +3,7 @@
 A policy is a small stateful object owned by one proxy: ``set_candidates`` takes the routable
 nodes of the newest snapshot (weights in milli-units, integers), ``pick`` chooses one node given
 the proxy's own live in-flight counts and the nodes already tried for this request. Randomness
-comes only from the ``Rng`` the caller seeded.
+comes only from the ``Rng`` the caller seeded. A candidate of weight 0 is never picked.
 """
 
 from __future__ import annotations
@@ -33,5 +33,13 @@ class Policy(Protocol):
     def pick(self, inflight: Mapping[str, int], exclude: Container[str] = ()) -> str | None: ...
 
 
-def eligible(candidates: Sequence[Candidate], exclude: Container[str]) -> list[Candidate]:
-    return [c for c in candidates if c.weight > 0 and c.node not in exclude]
+def eligible_names(candidates: Sequence[Candidate]) -> list[str]:
+    """The nodes a weight-blind policy may pick from, in candidate order."""
+    return [c.node for c in candidates if c.weight > 0]
+
+
+def without(names: list[str], exclude: Container[str]) -> list[str]:
+    """``names`` minus ``exclude``; the list itself when nothing is excluded (the common case)."""
+    if not exclude:
+        return names
+    return [n for n in names if n not in exclude]

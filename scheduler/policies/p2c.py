@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Container, Mapping, Sequence
 from typing import ClassVar
 
-from scheduler.policies.base import Candidate, eligible
+from scheduler.policies.base import Candidate, eligible_names, without
 from scheduler.rng import Rng
 
 
@@ -18,18 +18,18 @@ class PowerOfTwo:
 
     def __init__(self, rng: Rng) -> None:
         self.rng = rng
-        self.candidates: list[Candidate] = []
+        self.names: list[str] = []
 
     def set_candidates(self, candidates: Sequence[Candidate]) -> None:
-        self.candidates = list(candidates)
+        self.names = eligible_names(candidates)
 
     def pick(self, inflight: Mapping[str, int], exclude: Container[str] = ()) -> str | None:
-        pool = eligible(self.candidates, exclude)
-        if len(pool) <= 1:
-            return pool[0].node if pool else None
-        first = self.rng.below(len(pool))
-        second = self.rng.below(len(pool) - 1)
+        names = without(self.names, exclude)
+        if len(names) <= 1:
+            return names[0] if names else None
+        first = self.rng.below(len(names))
+        second = self.rng.below(len(names) - 1)
         if second >= first:
             second += 1
-        a, b = pool[first].node, pool[second].node
+        a, b = names[first], names[second]
         return b if inflight.get(b, 0) < inflight.get(a, 0) else a

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Container, Mapping, Sequence
 from typing import ClassVar
 
-from scheduler.policies.base import Candidate, eligible
+from scheduler.policies.base import Candidate, eligible_names, without
 from scheduler.rng import Rng
 
 
@@ -17,15 +17,15 @@ class RoundRobin:
     name: ClassVar[str] = "rr"
 
     def __init__(self, rng: Rng) -> None:
-        self.candidates: list[Candidate] = []
+        self.names: list[str] = []
         self.index = rng.below(1 << 16)
 
     def set_candidates(self, candidates: Sequence[Candidate]) -> None:
-        self.candidates = list(candidates)
+        self.names = eligible_names(candidates)
 
     def pick(self, inflight: Mapping[str, int], exclude: Container[str] = ()) -> str | None:
-        pool = eligible(self.candidates, exclude)
-        if not pool:
+        names = without(self.names, exclude)
+        if not names:
             return None
         self.index += 1
-        return pool[self.index % len(pool)].node
+        return names[self.index % len(names)]
