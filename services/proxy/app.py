@@ -1,0 +1,294 @@
+"""The proxy's HTTP face (aiohttp): OpenAI-compatible routes, health, metrics, graceful stop.
+
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (forwarded, SSE or not),
+``GET /v1/models``, ``GET /healthz``, ``GET /metrics``. Handlers hold no policy: they validate
+input (400 invalid JSON, 413 body over ``max_body_bytes``, 404 unknown model, 503 no routable
+node, all OpenAI-style ``{"error": {message, type, code}}``), pick the pool, ask the router for an
+admission and hand over to ``upstream.Forwarder``.
+
+Model -> pool: a pool with that exact name; else the pool whose engines list that model id on
+their ``/v1/models``; else the pool ``default`` if it exists; else 404.
+
+Lifecycle. ``init_app`` builds the app; its ``cleanup_ctx`` owns the client session, the NATS
+link (background connect + LB_WEIGHTS watch), the event publisher and the heartbeat. ``start``
+/ ``RunningProxy.stop`` run it: stop closes the listening socket first, lets in-flight requests
+finish within ``grace_s`` (requests still running then are cancelled: ``router_aborted``),
+then publishes ``lb.proxy.stopped.<proxy>``, flushes the event buffer and drains NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from itertools import count
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from services.proxy.bus import BusLink
+from services.proxy.config import ProxyConfig
+from services.proxy.events import EventPublisher
+from services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from services.proxy.models import ModelCatalog
+from services.proxy.routing import Router
+from services.proxy.upstream import Exchange, Forwarder, error_response, forward_headers
+
+log = logging.getLogger("laswrr.proxy")
+
+EVENT_FLUSH_TIMEOUT_S = 5.0
+
+
+class RequestPeek(msgspec.Struct):
+    """The only fields the proxy reads from a request body; the body itself is forwarded as is."""
+
+    model: str | None = None
+
+
+_PEEK = msgspec.json.Decoder(RequestPeek)
+
+
+@dataclass
+class ProxyState:
+    config: ProxyConfig
+    router: Router
+    events: EventPublisher
+    metrics: ProxyMetrics
+    bus: BusLink
+    forwarder: Forwarder | None = None
+    catalog: ModelCatalog | None = None
+    stopping: bool = False
+    aborting: bool = False
+    active: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    ids: count[int] = field(default_factory=lambda: count(1))
+    boot: str = field(default_factory=lambda: format(time.time_ns() // 1000 % (1 << 40), "x"))
+
+    def next_request_id(self) -> str:
+        return f"{self.config.proxy_id}-{self.boot}-{next(self.ids)}"
+
+
+STATE = web.AppKey("proxy_state", ProxyState)
+
+
+# -- handlers ----------------------------------------------------------------------------------
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    arrived = time.perf_counter()
+    if state.stopping:
+        state.metrics.rejected.labels(reason="stopping").inc()
+        return error_response(503, "proxy is shutting down", "service_unavailable", "shutting_down",
+                              headers={"Retry-After": "1", "Connection": "close"})
+    state.active += 1
+    state.idle.clear()
+    try:
+        return await _completions(request, state, arrived)
+    finally:
+        state.active -= 1
+        if state.active == 0:
+            state.idle.set()
+
+
+async def _completions(request: web.Request, state: ProxyState, arrived: float) -> web.StreamResponse:
+    body_or_error = await _read_body(request, state)
+    if isinstance(body_or_error, web.Response):
+        return body_or_error
+    body = body_or_error
+    try:
+        peek = _PEEK.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        state.metrics.rejected.labels(reason="bad_json").inc()
+        return error_response(400, f"invalid JSON body: {exc}", "invalid_request_error", "invalid_json")
+    router = state.router
+    hint = None
+    if peek.model is not None and peek.model not in router.pools and state.catalog is not None:
+        hint = await state.catalog.pool_hint()
+    pool = router.resolve_pool(peek.model, hint)
+    if pool is None:
+        state.metrics.rejected.labels(reason="unknown_model").inc()
+        return _unknown_model(peek.model, router)
+    admission = router.admit(pool)
+    if admission is None:
+        state.metrics.rejected.labels(reason="no_routable_node").inc()
+        return error_response(503, f"no routable node in pool {pool!r}", "service_unavailable", "no_routable_node",
+                              headers={"Retry-After": "1"})
+    request_id = state.next_request_id()
+    exchange = Exchange(request_id=request_id, pool=pool, path_qs=request.path_qs, method=request.method, body=body,
+                        headers=forward_headers(request.headers, request_id), arrived=arrived)
+    assert state.forwarder is not None
+    return await state.forwarder.forward(request, exchange, admission)
+
+
+async def _read_body(request: web.Request, state: ProxyState) -> bytes | web.Response:
+    limit = state.config.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        return _too_large(state, limit)
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return _too_large(state, limit)
+
+
+def _too_large(state: ProxyState, limit: int) -> web.Response:
+    state.metrics.rejected.labels(reason="body_too_large").inc()
+    return error_response(413, f"request body exceeds the {limit}-byte limit", "invalid_request_error",
+                          "request_too_large", headers={"Connection": "close"})
+
+
+def _unknown_model(model: str | None, router: Router) -> web.Response:
+    pools = ", ".join(sorted(router.pools)) or "none yet"
+    message = f"The model `{model}` does not exist (pools: {pools})" if model else \
+        f"no model given and no pool 'default' (pools: {pools})"
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "param": "model",
+                                        "code": "model_not_found"}}, status=404)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    catalog = request.app[STATE].catalog
+    assert catalog is not None
+    return web.json_response(await catalog.listing())
+
+
+async def healthz(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = health_report(state)
+    return web.json_response(body, status=503 if state.stopping else 200)
+
+
+def health_report(state: ProxyState) -> dict[str, object]:
+    now_ns, now = time.time_ns(), time.monotonic()
+    pools = {}
+    stale = not state.bus.connected
+    for name, route in sorted(state.router.pools.items()):
+        age = max(0.0, (now_ns - route.snapshot.ts_ns) / 1e9)
+        stale = stale or age > state.config.stale_after_s
+        pools[name] = {"as_of_seq": route.snapshot.as_of_seq, "tick": route.snapshot.tick, "age_s": round(age, 3),
+                       "received_s_ago": round(now - route.received_at, 3), "panic": route.snapshot.panic,
+                       "nodes": len(route.snapshot.nodes), "routable": sorted(route.targets)}
+    status = "stopping" if state.stopping else "no_snapshot" if not pools else "stale" if stale else "ok"
+    return {"status": status, "proxy": state.config.proxy_id, "policy": state.config.policy,
+            "nats_connected": state.bus.connected, "inflight": state.router.total_inflight,
+            "events_buffered": state.events.buffered, "events_dropped": state.events.dropped, "pools": pools}
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.metrics.refresh(state.router, state.events, state.bus.connected)
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+# -- resources ---------------------------------------------------------------------------------
+
+async def _heartbeats(state: ProxyState) -> None:
+    while True:
+        await asyncio.sleep(state.config.heartbeat_s)
+        state.events.heartbeat(state.router.total_inflight)
+
+
+async def _resources(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    config = state.config
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                    skip_auto_headers=("Accept-Encoding",))
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
+                                    sock_read=config.upstream_timeout_s)
+    state.forwarder = Forwarder(session, state.router, state.events, state.metrics, config.max_retries,
+                                timeout, aborting=lambda: state.aborting)
+    state.catalog = ModelCatalog(session, state.router, ttl_s=config.models_ttl_s)
+    tasks = [asyncio.create_task(state.events.run(), name="proxy-events"),
+             asyncio.create_task(state.bus.run(), name="proxy-bus"),
+             asyncio.create_task(_heartbeats(state), name="proxy-heartbeat")]
+    try:
+        yield
+    finally:
+        tasks[2].cancel()
+        state.events.stopped()
+        if not await state.events.flush(EVENT_FLUSH_TIMEOUT_S):
+            log.warning("%d event(s) not published at shutdown (NATS unreachable?)", state.events.buffered)
+        for task in tasks[:2]:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await state.catalog.close()
+        await state.bus.close()
+        await session.close()
+
+
+def init_app(config: ProxyConfig) -> web.Application:
+    config.validate()
+    router = Router(config.policy, config.seed, config.inflight_cap_per_capacity)
+    events = EventPublisher(config.proxy_id, capacity=config.event_buffer)
+    state = ProxyState(config=config, router=router, events=events, metrics=ProxyMetrics(config.proxy_id),
+                       bus=BusLink(config.nats_url, f"laswrr-proxy-{config.proxy_id}", router, events))
+    state.idle.set()
+    app = web.Application(client_max_size=config.max_body_bytes)
+    app[STATE] = state
+    app.cleanup_ctx.append(_resources)
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+# -- running -----------------------------------------------------------------------------------
+
+@dataclass
+class RunningProxy:
+    app: web.Application
+    runner: web.AppRunner
+    site: web.TCPSite
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def state(self) -> ProxyState:
+        return self.app[STATE]
+
+    async def stop(self) -> None:
+        """Graceful stop: close the socket, let in-flight requests finish (grace), flush, stopped."""
+        state = self.state
+        state.stopping = True
+        await self.site.stop()
+        server = self.runner.server
+        if server is not None and hasattr(server, "pre_shutdown"):
+            server.pre_shutdown()  # idle keep-alive connections close; busy ones after their response
+        if state.active:
+            log.info("stopping: waiting up to %.1f s for %d request(s) in flight", state.config.grace_s, state.active)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(state.idle.wait(), state.config.grace_s)
+        if state.active:
+            log.warning("grace period over: aborting %d request(s)", state.active)
+        state.aborting = True
+        await self.runner.cleanup()
+
+
+async def start(config: ProxyConfig) -> RunningProxy:
+    app = init_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port or None)
+    await site.start()
+    port = _bound_port(site, config.port)
+    log.info("proxy %s listening on %s:%d (policy %s)", config.proxy_id, config.host, port, config.policy)
+    return RunningProxy(app=app, runner=runner, site=site, host=config.host, port=port)
+
+
+def _bound_port(site: web.TCPSite, fallback: int) -> int:
+    server = site._server  # aiohttp keeps the asyncio Server here; the only way to learn port 0's choice
+    if server is not None and getattr(server, "sockets", None):
+        return int(server.sockets[0].getsockname()[1])
+    return fallback

@@ -1,0 +1,139 @@
+"""The proxy's link to NATS: connect (retrying forever), watch LB_WEIGHTS, hand the publisher its connection.
+
+Theory of operation. The proxy must serve with NATS absent (starting before it, or cut off
+later): ``run`` keeps trying to connect in the background, and until it succeeds routing uses
+whatever snapshots it has (none at a cold start -> 503). Once connected it creates the streams
+and bucket only if they are missing (it never rewrites a configuration another service chose),
+attaches the event publisher, and watches every key of LB_WEIGHTS. Each value is decoded as a
+``WeightSnapshot`` and offered to the router, which keeps only a newer ``as_of_seq``. A deleted
+or purged key forgets the pool. A bad value is logged and skipped.
+
+Self-healing: if the watcher has been silent for ``rewatch_s`` (the scheduler ticks far more
+often) or fails, it is re-created; the new watcher first re-delivers the newest value of each
+key, so nothing published during an outage is missed, and older ones are ignored by the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+
+from schemas import subjects as sj
+from schemas.outputs import WeightSnapshot
+from services.natsbus import connect, ensure_streams
+from services.proxy.events import EventPublisher
+from services.proxy.routing import Router
+
+log = logging.getLogger("laswrr.proxy.bus")
+
+_SNAPSHOT = msgspec.json.Decoder(WeightSnapshot)
+
+
+class BusLink:
+    def __init__(self, url: str, name: str, router: Router, publisher: EventPublisher,
+                 rewatch_s: float = 10.0, retry_s: float = 0.5, max_retry_s: float = 5.0) -> None:
+        self.url = url
+        self.name = name
+        self.router = router
+        self.publisher = publisher
+        self.rewatch_s = rewatch_s
+        self.retry_s = retry_s
+        self.max_retry_s = max_retry_s
+        self.nc: Client | None = None
+        self.snapshots_applied = 0
+        self.last_update = 0.0
+
+    @property
+    def connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    async def run(self) -> None:
+        self.nc = await self._connect()
+        self.publisher.attach(self.nc)
+        js = self.nc.jetstream()
+        failures = 0
+        while True:
+            try:
+                await self._prepare(js)
+                failures = 0
+                await self._watch(js)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failures += 1
+                level = logging.WARNING if failures == 1 else logging.DEBUG
+                log.log(level, "weights watch failed (%s); retrying", exc or type(exc).__name__)
+                await asyncio.sleep(min(self.max_retry_s, self.retry_s * failures))
+
+    async def _connect(self) -> Client:
+        delay = self.retry_s
+        while True:
+            try:
+                nc = await connect(self.url, self.name)
+                log.info("connected to NATS at %s", self.url)
+                return nc
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("NATS at %s unreachable (%s); routing on the snapshots held, retrying in %.1f s",
+                            self.url, exc or type(exc).__name__, delay)
+                await asyncio.sleep(delay)
+                delay = min(self.max_retry_s, delay * 2)
+
+    @staticmethod
+    async def _prepare(js: JetStreamContext) -> None:
+        """Create LB_EVENTS/LB_OUT/LB_WEIGHTS if any is missing (first service up on a fresh server)."""
+        try:
+            await js.stream_info(sj.EVENTS_STREAM)
+            await js.stream_info(sj.OUT_STREAM)
+            await js.stream_info(f"KV_{sj.WEIGHTS_BUCKET}")
+        except NotFoundError:
+            await ensure_streams(js)
+
+    async def _watch(self, js: JetStreamContext) -> None:
+        kv = await js.key_value(sj.WEIGHTS_BUCKET)
+        watcher = await kv.watchall()
+        try:
+            while True:
+                try:
+                    entry = await watcher.updates(timeout=self.rewatch_s)
+                except nats.errors.TimeoutError:
+                    return  # silent too long: re-create the watcher
+                if entry is not None:
+                    self.apply(entry)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+
+    def apply(self, entry: KeyValue.Entry) -> None:
+        self.last_update = time.monotonic()
+        if entry.operation in (KV_DEL, KV_PURGE):
+            log.info("pool %s removed from %s", entry.key, sj.WEIGHTS_BUCKET)
+            self.router.forget(entry.key)
+            return
+        try:
+            snapshot = _SNAPSHOT.decode(entry.value or b"")
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("ignoring bad snapshot under %s/%s: %s", sj.WEIGHTS_BUCKET, entry.key, exc)
+            return
+        if self.router.offer(snapshot, time.monotonic()):
+            self.snapshots_applied += 1
+
+    async def close(self) -> None:
+        if self.nc is None or self.nc.is_closed:
+            return
+        try:
+            await asyncio.wait_for(self.nc.drain(), timeout=5.0)
+        except Exception as exc:  # already gone, or the server stopped answering
+            log.debug("NATS drain: %r", exc)
+            with contextlib.suppress(Exception):
+                await self.nc.close()

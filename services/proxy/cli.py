@@ -1,0 +1,114 @@
+"""`laswrr proxy`: run one OpenAI-compatible proxy replica.
+
+Prints ``proxy listening on http://HOST:PORT`` as its first stdout line (flushed, so a parent
+can read the port chosen for --port 0), then serves until SIGINT/SIGTERM: the listening socket
+closes at once, in-flight requests get --grace-s to finish, events are flushed,
+``lb.proxy.stopped.<proxy-id>`` is published, and the process exits 0. Several replicas may run
+side by side (distinct --proxy-id; --reuse-port lets them share one port).
+Runnable without the dispatcher too: ``python -m services.proxy.cli``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from scheduler.policies import POLICIES
+from services.proxy.app import start
+from services.proxy.config import ProxyConfig, default_nats_url, default_proxy_id, parse_size
+
+LISTEN_PREFIX = "proxy listening on "
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nats-url", default=default_nats_url(), help="NATS server (default $NATS_URL or %(default)s)")
+    parser.add_argument("--host", default="0.0.0.0", help="listen address (default %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="listen port; 0 picks a free one (default %(default)s)")
+    parser.add_argument("--proxy-id", default=None, help="replica name on the bus and policy seed (default hostname-pid)")
+    parser.add_argument("--policy", default="la-swrr", choices=list(POLICIES), help="pick policy (default %(default)s)")
+    parser.add_argument("--max-retries", type=int, default=2,
+                        help="retries on another node before the first byte (default %(default)s)")
+    parser.add_argument("--max-body-bytes", type=_size, default="4MiB", help="request body limit (default 4MiB)")
+    parser.add_argument("--grace-s", type=float, default=30.0,
+                        help="on SIGTERM, time in-flight requests get to finish (default %(default)s)")
+    parser.add_argument("--upstream-timeout-s", type=float, default=300.0,
+                        help="longest silence on an upstream read, not the stream length (default %(default)s)")
+    parser.add_argument("--connect-timeout-s", type=float, default=3.0,
+                        help="upstream TCP connect timeout (default %(default)s)")
+    parser.add_argument("--inflight-cap-per-capacity", type=float, default=None, metavar="F",
+                        help="a node's in-flight may not exceed ceil(F x capacity); off by default")
+    parser.add_argument("--event-buffer", type=int, default=100_000,
+                        help="events held while NATS is slow or away; the oldest drop beyond (default %(default)s)")
+    parser.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT: replicas may share --port")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser("proxy", help="run an OpenAI-compatible LA-SWRR proxy replica",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(func=run_proxy)
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    return ProxyConfig(
+        nats_url=args.nats_url, host=args.host, port=args.port, proxy_id=args.proxy_id or default_proxy_id(),
+        policy=args.policy, max_retries=args.max_retries, max_body_bytes=args.max_body_bytes, grace_s=args.grace_s,
+        upstream_timeout_s=args.upstream_timeout_s, connect_timeout_s=args.connect_timeout_s,
+        inflight_cap_per_capacity=args.inflight_cap_per_capacity, event_buffer=args.event_buffer,
+        reuse_port=args.reuse_port,
+    ).validate()
+
+
+async def serve(config: ProxyConfig) -> None:
+    proxy = await start(config)
+    print(f"{LISTEN_PREFIX}{proxy.url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        logging.getLogger("laswrr.proxy").info("signal received: stopping gracefully")
+        await proxy.stop()
+
+
+def run_proxy(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"proxy: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        print(f"proxy: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="laswrr proxy", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run_proxy(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The proxy's configuration: one frozen value built by the CLI (or a test) and handed to ``init_app``.
+
+Defaults are what an operator gets from a bare ``laswrr proxy``. ``proxy_id`` names this replica
+on the bus (``lb.proxy.heartbeat.<proxy_id>``, ``RequestStarted.proxy``) and seeds its pick policy,
+so two replicas started side by side do not send their first picks to the same node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+from dataclasses import dataclass
+
+from schemas import subjects as sj
+from scheduler.policies import POLICIES
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+MIB = 1 << 20
+
+
+def default_nats_url() -> str:
+    return os.environ.get("NATS_URL", DEFAULT_NATS_URL)
+
+
+def default_proxy_id() -> str:
+    """``<hostname>-<pid>``, squeezed into one subject token (dots and the like become '-')."""
+    host = re.sub(r"[^A-Za-z0-9_\-]+", "-", socket.gethostname()).strip("-")[:100] or "proxy"
+    return f"{host}-{os.getpid()}"
+
+
+def seed_of(proxy_id: str) -> int:
+    """A stable 64-bit seed from the proxy id (same id -> same seed, on every host and run)."""
+    return int.from_bytes(hashlib.blake2b(proxy_id.encode(), digest_size=8).digest(), "big")
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    nats_url: str = DEFAULT_NATS_URL
+    host: str = "0.0.0.0"
+    port: int = 8000
+    proxy_id: str = "proxy"
+    policy: str = "la-swrr"
+    max_retries: int = 2
+    max_body_bytes: int = 4 * MIB
+    grace_s: float = 30.0
+    upstream_timeout_s: float = 300.0  # longest silence on an upstream read (not the stream length)
+    connect_timeout_s: float = 3.0
+    inflight_cap_per_capacity: float | None = None  # None: no per-node cap
+    event_buffer: int = 100_000  # events held while NATS is slow or away; oldest dropped beyond
+    heartbeat_s: float = 2.0
+    stale_after_s: float = 10.0  # snapshot older than this (or NATS down) -> /healthz says "stale"
+    models_ttl_s: float = 5.0
+    reuse_port: bool = False  # several replicas may share one port (SO_REUSEPORT)
+
+    def validate(self) -> "ProxyConfig":
+        sj.check_token(self.proxy_id, "proxy name")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        checks = [
+            (self.max_retries >= 0, "--max-retries must be >= 0"),
+            (self.max_body_bytes > 0, "--max-body-bytes must be > 0"),
+            (self.grace_s >= 0, "--grace-s must be >= 0"),
+            (self.upstream_timeout_s > 0, "--upstream-timeout-s must be > 0"),
+            (self.connect_timeout_s > 0, "--connect-timeout-s must be > 0"),
+            (self.inflight_cap_per_capacity is None or self.inflight_cap_per_capacity > 0,
+             "--inflight-cap-per-capacity must be > 0"),
+            (self.event_buffer > 0, "--event-buffer must be > 0"),
+            (0 <= self.port < 65536, "--port must be 0..65535"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        return self
+
+    @property
+    def seed(self) -> int:
+        return seed_of(self.proxy_id)
+
+
+def parse_size(text: str) -> int:
+    """``4MiB``, ``512KiB``, ``1MB``, ``1000`` -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"invalid size {text!r}: use e.g. 4MiB, 512KiB or a byte count")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    scale = {"B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[unit[0]]
+    if "I" not in unit and unit != "B":
+        scale = {"K": 1000, "M": 1000**2, "G": 1000**3}[unit[0]]
+    return int(number * scale)

@@ -1,0 +1,126 @@
+"""The proxy's routing table: the newest snapshot of each pool, one pick policy per pool, live in-flight.
+
+Rules:
+
+* **Newest wins.** ``offer(snapshot)`` installs a pool's snapshot only if its ``as_of_seq`` is
+  higher than the one held; a late or replayed older snapshot never replaces a newer one. With
+  NATS gone the last snapshot stays in force (never fail closed).
+* **Candidates.** A node is a candidate iff the snapshot marks it ``routable`` and its
+  ``effective_weight`` > 0 (the core already folded phase and the panic rail into ``routable``).
+  Each new snapshot goes to the pool's policy with ``set_candidates``; policy state (SWRR
+  accumulators) carries across snapshots.
+* **Admission binds.** ``admit`` picks with the policy on this proxy's own live in-flight counts,
+  excluding the nodes already tried for the request (nginx's per-request ``tried`` set) and, with
+  a cap, the nodes whose in-flight reached ``ceil(F x capacity)``; it returns the node's URL from
+  the snapshot in force *at admission* and counts the request in flight. Later snapshots
+  (weight change, drain, capacity 0, removal) never touch an admitted request: it holds its own
+  ``Admission``; only ``release`` ends it.
+* **Seeds.** Each pool's policy is seeded from the proxy's seed and the pool name, so replicas
+  (different proxy ids) start their SWRR/P2C sequences at different points (semantics §8.9).
+
+No IO and no clock: callers pass ``now`` (monotonic seconds) where an age is needed.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from scheduler.policies import Candidate, Policy, make_policy
+from schemas.outputs import NodeView, WeightSnapshot
+
+DEFAULT_POOL = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A request bound to one node: everything the forwarder needs, fixed at admission."""
+
+    pool: str
+    node: str
+    url: str
+    snapshot_seq: int
+
+
+@dataclass(slots=True)
+class PoolRoute:
+    snapshot: WeightSnapshot
+    policy: Policy
+    received_at: float
+    targets: dict[str, NodeView] = field(default_factory=dict)
+
+    def install(self, snapshot: WeightSnapshot, now: float) -> None:
+        self.snapshot, self.received_at = snapshot, now
+        self.targets = {n.node: n for n in snapshot.nodes if n.routable and n.effective_weight > 0}
+        self.policy.set_candidates([Candidate.from_weight(n.node, n.effective_weight) for n in self.targets.values()])
+
+
+class Router:
+    def __init__(self, policy: str, seed: int, inflight_cap_per_capacity: float | None = None) -> None:
+        make_policy(policy, seed)  # fail fast on an unknown name
+        self.policy_name = policy
+        self.seed = seed
+        self.cap_factor = inflight_cap_per_capacity
+        self.pools: dict[str, PoolRoute] = {}
+        self.inflight: dict[str, int] = {}
+        self.total_inflight = 0
+
+    # -- snapshots ----------------------------------------------------------------------------
+
+    def offer(self, snapshot: WeightSnapshot, now: float) -> bool:
+        """Install ``snapshot`` if it is newer than the pool's current one; True if installed."""
+        route = self.pools.get(snapshot.pool)
+        if route is None:
+            seed = (self.seed ^ zlib.crc32(snapshot.pool.encode())) & ((1 << 64) - 1)
+            route = PoolRoute(snapshot=snapshot, policy=make_policy(self.policy_name, seed), received_at=now)
+            self.pools[snapshot.pool] = route
+        elif snapshot.as_of_seq <= route.snapshot.as_of_seq:
+            return False
+        route.install(snapshot, now)
+        return True
+
+    def forget(self, pool: str) -> None:
+        """The pool's key was deleted from the bucket: the scheduler no longer knows it."""
+        self.pools.pop(pool, None)
+
+    def resolve_pool(self, model: str | None, model_pools: dict[str, str] | None = None) -> str | None:
+        """The pool named by ``model``; else the pool whose engines serve it; else ``default``."""
+        if model and model in self.pools:
+            return model
+        if model and model_pools and model_pools.get(model) in self.pools:
+            return model_pools[model]
+        return DEFAULT_POOL if DEFAULT_POOL in self.pools else None
+
+    def routable_urls(self) -> list[tuple[str, str]]:
+        """(pool, url) of every candidate node, for /v1/models."""
+        return [(pool, n.url) for pool, route in self.pools.items() for n in route.targets.values()]
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def admit(self, pool: str, tried: Iterable[str] = ()) -> Admission | None:
+        route = self.pools.get(pool)
+        if route is None or not route.targets:
+            return None
+        exclude = set(tried)
+        if self.cap_factor is not None:
+            exclude.update(n for n, view in route.targets.items() if self.at_cap(view))
+        node = route.policy.pick(self.inflight, exclude)
+        if node is None:
+            return None
+        self.inflight[node] = self.inflight.get(node, 0) + 1
+        self.total_inflight += 1
+        return Admission(pool=pool, node=node, url=route.targets[node].url, snapshot_seq=route.snapshot.as_of_seq)
+
+    def at_cap(self, view: NodeView) -> bool:
+        assert self.cap_factor is not None
+        return self.inflight.get(view.node, 0) >= math.ceil(self.cap_factor * view.capacity)
+
+    def release(self, admission: Admission) -> None:
+        count = self.inflight[admission.node] - 1
+        self.total_inflight -= 1
+        if count > 0:
+            self.inflight[admission.node] = count
+        else:
+            del self.inflight[admission.node]
