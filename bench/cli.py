@@ -1,0 +1,119 @@
+"""`laswrr bench`: run a scenario for several policies on the identical workload; table, JSON, PNGs.
+
+  laswrr bench --scenario announced-drop [--policies la-swrr,rr,least-request,p2c] [--seed 1]
+               [--out bench-out] [--duration-scale 1.0]
+  laswrr bench --scenario all        every scenario in turn (not the tiny test one)
+  laswrr bench --list                the scenarios
+
+Writes ``<out>/<scenario>/results.json`` (the summary: per policy P50/P99 TTFT and E2E per phase,
+load CoV, max/mean, Jain's index, interruptions, admissions to draining nodes, replay verdict,
+goal checks), the PNG plots beside it, and per policy ``runs/<policy>/`` (the recorded DuckDB
+log, the client's ``requests.jsonl``, the ``snapshots.jsonl`` seen on the bus, service logs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.report import PolicyRun, print_table, scenario_summary
+from bench.scenarios import SCENARIOS, Scenario, get_scenario
+from bench.workload import generate
+from scheduler.policies import POLICIES
+
+DEFAULT_POLICIES = ("la-swrr", "rr", "least-request", "p2c")
+BENCH_SCENARIOS = tuple(name for name in SCENARIOS if name != "smoke")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser("bench", help="benchmark policies on a scenario against the real stack",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenario", default="announced-drop", metavar="NAME",
+                        help=f"one of {', '.join(SCENARIOS)}, or 'all' (default announced-drop)")
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES), metavar="LIST",
+                        help=f"comma-separated, from {', '.join(POLICIES)} (default: all four)")
+    parser.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out)")
+    parser.add_argument("--duration-scale", type=float, default=1.0, metavar="F",
+                        help="multiply every phase and action time by F (default 1.0)")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.set_defaults(func=main)
+
+
+def parse_policies(text: str) -> list[str]:
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        raise ValueError(f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(POLICIES)}")
+    return policies
+
+
+def scenario_names(text: str) -> list[str]:
+    if text == "all":
+        return list(BENCH_SCENARIOS)
+    get_scenario(text)  # raises ValueError with the valid names
+    return [text]
+
+
+async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int, out_dir: Path,
+                         scale: float = 1.0, plots: bool = True) -> tuple[dict[str, Any], list[Path]]:
+    """Run every policy on the same workload; write results.json (and plots); return the summary."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from bench.runner import run_policy
+
+    scenario = scenario.scaled(scale)
+    workload = generate(scenario.workload_spec(), seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs: list[PolicyRun] = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=False) as progress:
+        for policy in policies:
+            task = progress.add_task(f"{scenario.name} · {policy:<13}", total=len(workload))
+            runs.append(await run_policy(scenario, policy, workload, out_dir / "runs" / policy,
+                                         on_result=lambda _r, t=task: progress.advance(t)))
+    summary = scenario_summary(scenario, runs, seed, scale)
+    (out_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    paths: list[Path] = []
+    if plots:
+        from bench.plots import plot_all
+
+        paths = plot_all(scenario, runs, summary, out_dir)
+    return summary, paths
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.list:
+        for name, scenario in SCENARIOS.items():
+            print(f"{name:<16} {scenario.description}")
+        return 0
+    try:
+        policies = parse_policies(args.policies)
+        names = scenario_names(args.scenario)
+        if args.duration_scale <= 0:
+            raise ValueError("--duration-scale must be > 0")
+    except ValueError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    for name in names:
+        out_dir = args.out / name
+        summary, paths = asyncio.run(bench_scenario(get_scenario(name), policies, args.seed, out_dir,
+                                                    args.duration_scale, plots=not args.no_plots))
+        print_table(summary)
+        print(f"results: {out_dir / 'results.json'}")
+        for path in paths:
+            print(f"plot:    {path}")
+    print(f"bench finished in {time.monotonic() - started:.0f}s")
+    return 0

@@ -1,0 +1,229 @@
+"""Run a scenario against the real stack, once per policy, on the identical workload.
+
+Theory of operation, per policy (a fresh stack each time: no state leaks between policies):
+
+1. start the stack (``services.up.Stack``: embedded NATS, scheduler, recorder, collector, proxy
+   with ``--policy``, simulated engines at the scenario's speed) under ``<out>/runs/<policy>``;
+2. subscribe to ``lb.out.snapshot.>`` (weights over time, straight from the bus) and wait until
+   every node is routable at its full weight;
+3. ``t0`` = now: the load generator sends the seeded workload and the timeline executes the
+   scenario's actions at their offsets, both on the same monotonic clock;
+4. after the last response, a short settle (the last request events reach the log), then stop
+   the stack (the recorder flushes and closes the DuckDB file);
+5. ``laswrr report --db --json`` and ``laswrr replay --db`` on the recorded file (separate
+   processes: DuckDB has one writer, and the stack is down by then).
+
+The workload is generated once from the seed, before any stack starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from bench.load import make_session, run_load
+from bench.metrics import RequestResult
+from bench.report import NodePoint, PolicyRun, SnapshotPoint
+from bench.scenarios import Action, Scenario
+from bench.workload import RequestSpec
+
+log = logging.getLogger("laswrr.bench")
+
+READY_TIMEOUT_S = 60.0
+SETTLE_S = 1.0
+OnResult = Callable[[RequestResult], None]
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+def snapshot_point(data: dict[str, Any], t_s: float) -> SnapshotPoint:
+    nodes = {
+        n["node"]: NodePoint(float(n["effective_weight"]), float(n["target_weight"]), int(n["inflight"]),
+                             str(n["phase"]), bool(n.get("routable", True)))
+        for n in data.get("nodes", [])
+    }
+    return SnapshotPoint(round(t_s, 4), int(data.get("as_of_seq", 0)), nodes)
+
+
+class SnapshotWatch:
+    """Collects every weight snapshot published while the run lasts (loop-time stamped)."""
+
+    def __init__(self) -> None:
+        self.raw: list[tuple[float, dict[str, Any]]] = []
+        self.latest: dict[str, Any] | None = None
+        self._nc: Any = None
+
+    async def start(self, nats_url: str) -> None:
+        import nats
+
+        self._nc = await nats.connect(nats_url, name="laswrr-bench")
+        loop = asyncio.get_running_loop()
+
+        async def on_msg(msg: Any) -> None:
+            data = msgspec.json.decode(msg.data)
+            self.latest = data
+            self.raw.append((loop.time(), data))
+
+        await self._nc.subscribe("lb.out.snapshot.>", cb=on_msg)
+
+    async def publish(self, subject: str, payload: dict[str, Any]) -> None:
+        await self._nc.publish(subject, msgspec.json.encode(payload))
+        await self._nc.flush()
+
+    async def stop(self) -> None:
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.drain()
+
+    def points(self, t0: float) -> list[SnapshotPoint]:
+        return [snapshot_point(data, t - t0) for t, data in self.raw]
+
+    def ready(self, capacities: dict[str, int]) -> bool:
+        if self.latest is None:
+            return False
+        nodes = {n["node"]: n for n in self.latest.get("nodes", [])}
+        return all(node in nodes and nodes[node].get("routable", False)
+                   and float(nodes[node]["effective_weight"]) >= 0.9 * cap for node, cap in capacities.items())
+
+
+async def wait_ready(watch: SnapshotWatch, capacities: dict[str, int], timeout_s: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not watch.ready(capacities):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nodes not routable at full weight after {timeout_s:.0f}s: {watch.latest}")
+        await asyncio.sleep(0.1)
+
+
+# --------------------------------------------------------------------------- timeline
+
+
+async def apply_action(action: Action, engine_urls: dict[str, str], http: aiohttp.ClientSession,
+                       watch: SnapshotWatch) -> None:
+    """One action: engine admin change and, for an announced capacity, the admin event at once."""
+    changes = {action.kind: action.value}
+    calls = [_engine_admin(http, engine_urls[action.node], changes)]
+    if action.kind == "capacity" and action.announce:
+        calls.append(watch.publish(f"lb.admin.capacity.{action.node}", {"capacity": int(action.value)}))
+    await asyncio.gather(*calls)
+
+
+async def _engine_admin(http: aiohttp.ClientSession, url: str, changes: dict[str, Any]) -> None:
+    async with http.post(f"{url}/admin", json=changes) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"engine admin {url} {changes} -> {resp.status}: {await resp.text()}")
+
+
+async def run_timeline(actions: Sequence[Action], t0: float, engine_urls: dict[str, str],
+                       http: aiohttp.ClientSession, watch: SnapshotWatch) -> list[tuple[float, str]]:
+    """Execute the actions at t0 + at_s; returns (actual offset, label) per action."""
+    loop = asyncio.get_running_loop()
+    done: list[tuple[float, str]] = []
+    for action in sorted(actions, key=lambda a: a.at_s):
+        delay = t0 + action.at_s - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await apply_action(action, engine_urls, http, watch)
+        done.append((round(loop.time() - t0, 3), action.label or f"{action.node} {action.kind}={action.value}"))
+    return done
+
+
+# --------------------------------------------------------------------------- one policy
+
+
+def write_scheduler_config(scenario: Scenario, directory: Path) -> Path | None:
+    if not scenario.scheduler_config:
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "scheduler.toml"
+    lines = ["[scheduler]"] + [f"{k} = {json.dumps(v)}" for k, v in scenario.scheduler_config.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+async def run_policy(scenario: Scenario, policy: str, workload: Sequence[RequestSpec], run_dir: Path,
+                     on_result: OnResult | None = None) -> PolicyRun:
+    from bench import stack_adapter
+
+    started = time.monotonic()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stack = await stack_adapter.start(scenario, policy, run_dir, write_scheduler_config(scenario, run_dir))
+    watch = SnapshotWatch()
+    notes: list[str] = []
+    try:
+        await watch.start(stack.nats_url)
+        await wait_ready(watch, {e.node: e.capacity for e in scenario.engines})
+        loop = asyncio.get_running_loop()
+        async with make_session() as http:
+            t0 = loop.time() + 0.2
+            timeline = asyncio.create_task(run_timeline(scenario.actions, t0, stack.engine_urls, http, watch))
+            load = await run_load(stack.proxy_url, workload, t0, on_done=on_result, session=http)
+            applied = await timeline
+        notes += [f"action at {t:.2f}s: {label}" for t, label in applied]
+        await asyncio.sleep(SETTLE_S)
+        snapshots = watch.points(t0)
+    finally:
+        await watch.stop()
+        await stack_adapter.stop(stack)
+    run = PolicyRun(policy, load.results, snapshots, notes=notes)
+    run.report = analyst_report(stack.db_path)
+    run.replay = exact_replay(stack.db_path)
+    run.wall_s = time.monotonic() - started
+    save_run(run, run_dir)
+    return run
+
+
+# --------------------------------------------------------------------------- analyst tools
+
+
+def _laswrr(*args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "services.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=os.environ.copy())
+
+
+def analyst_report(db_path: Path | None) -> dict[str, Any] | None:
+    if db_path is None or not db_path.exists():
+        return None
+    try:
+        proc = _laswrr("report", "--db", str(db_path), "--json")
+        if proc.returncode != 0:
+            log.warning("laswrr report failed (%s): %s", proc.returncode, proc.stderr.strip()[-300:])
+            return None
+        data = json.loads(proc.stdout)
+        return data if isinstance(data, dict) else None
+    except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
+        log.warning("laswrr report unavailable: %s", exc)
+        return None
+
+
+def exact_replay(db_path: Path | None) -> dict[str, Any] | None:
+    if db_path is None or not db_path.exists():
+        return None
+    try:
+        proc = _laswrr("replay", "--db", str(db_path))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"ok": False, "exit": None, "output": str(exc)}
+    output = (proc.stdout + proc.stderr).strip()
+    return {"ok": proc.returncode == 0, "exit": proc.returncode, "output": output[-600:]}
+
+
+def save_run(run: PolicyRun, run_dir: Path) -> None:
+    with (run_dir / "requests.jsonl").open("w") as handle:
+        for result in run.results:
+            handle.write(json.dumps(asdict(result)) + "\n")
+    with (run_dir / "snapshots.jsonl").open("w") as handle:
+        for point in run.snapshots:
+            handle.write(json.dumps(asdict(point)) + "\n")

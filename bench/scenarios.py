@@ -1,0 +1,220 @@
+"""Benchmark scenarios: a pool of simulated engines, a workload, phases and a timeline of actions.
+
+Pure data plus the arithmetic that sizes the load; running them is ``bench.runner``'s job.
+
+**Load level.** A scenario states its load as a share ``util`` of the pool's *saturation
+throughput*: the request rate the engines sustain with every decode slot busy. Under the
+simulator's physics (``services/sim_engine/physics.py``) a step of a batch of b on a chip with
+decode speed d and hardware scale ref lasts ``T0/d · (1 + g·(b-1)/ref)`` (T0 = 32 ms, g = 4) and
+each request also stalls its batch for its prefill ``P / (4000·p)``; so with mean output L and mean
+prompt P, one engine of capacity c saturates at
+
+    R_sat = speed / (L · step(c) / c + P / (4000 · p))      requests/s.
+
+TPOT grows with the batch, so throughput is concave in the batch: a 910B reaches ~80 % of R_sat at
+a batch of ~3 of its 10 slots. "60-75 % of capacity" in *slots* would mean ~95 % of throughput
+(no headroom at all); the scenarios use 50-60 % of *throughput* (a batch of ~1.5-2 per 910B),
+so a drop of one node out of four pushes the others to ~70-80 %: real pressure, still stable.
+
+**Actions** (times in seconds from the start of the load, before ``--duration-scale``):
+``capacity`` sets the engine's slots (engine admin) and, when ``announce``, publishes
+``lb.admin.capacity.<node>`` at the same moment; ``slowdown`` and ``fail`` go to the engine admin
+only (silent faults). Each action also defines the node's *true* capacity for the balance metrics
+(``fail: refuse`` = 0 until ``fail: none``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from bench.metrics import CapacityAt, Phase, capacity_timeline
+from bench.workload import WorkloadSpec, mean_output_tokens
+from services.sim_engine.physics import EngineSim
+from services.sim_engine.profiles import get_profile
+
+ActionKind = Literal["capacity", "slowdown", "fail"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    node: str
+    chip: str
+    capacity: int  # engine decode slots, and the capacity registered with the scheduler
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    at_s: float
+    kind: ActionKind
+    node: str
+    value: Any  # capacity: int; slowdown: float; fail: "refuse" | "none" | ...
+    announce: bool = False  # capacity only: also publish lb.admin.capacity.<node>
+    label: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    description: str
+    engines: tuple[EngineSpec, ...]
+    phases: tuple[Phase, ...]
+    actions: tuple[Action, ...]
+    util: float  # mean offered load, as a share of the pool's saturation throughput
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    speed: float = 4.0  # sim-engine --speed: every engine time divided by this
+    scheduler_config: Mapping[str, Any] | None = None  # extra scheduler keys (a TOML file)
+    focus_phase: str = ""  # the phase the goals look at (the disturbance)
+
+    @property
+    def duration_s(self) -> float:
+        return self.phases[-1].end_s
+
+    @property
+    def nodes(self) -> list[str]:
+        return [e.node for e in self.engines]
+
+    def scaled(self, factor: float) -> "Scenario":
+        """Every time (phases, actions, workload duration) multiplied by ``factor``."""
+        if factor <= 0:
+            raise ValueError(f"duration scale must be > 0, got {factor}")
+        phases = tuple(Phase(p.name, p.start_s * factor, p.end_s * factor) for p in self.phases)
+        actions = tuple(replace(a, at_s=a.at_s * factor) for a in self.actions)
+        return replace(self, phases=phases, actions=actions, workload=replace(self.workload))
+
+    def workload_spec(self) -> WorkloadSpec:
+        """The workload at ``util`` of the pool's saturation rate, over the whole scenario."""
+        rate = self.util * pool_saturation_rps(self.engines, self.workload, self.speed)
+        return replace(self.workload, duration_s=self.duration_s, rate_rps=round(rate, 3))
+
+    def capacity_at(self) -> CapacityAt:
+        return capacity_timeline({e.node: e.capacity for e in self.engines}, true_capacity_changes(self))
+
+
+def saturation_rps(engine: EngineSpec, workload: WorkloadSpec, speed: float) -> float:
+    """Requests/s one engine sustains with all its slots busy (module docstring)."""
+    profile = get_profile(engine.chip)
+    sim = EngineSim(profile, engine.capacity)
+    mean_prompt = workload.prompt_median * _lognormal_mean_factor(workload.prompt_sigma)
+    per_request = (mean_output_tokens(workload) * sim.decode_step_s(engine.capacity) / engine.capacity
+                   + sim.prefill_s(round(mean_prompt)))
+    return speed / per_request
+
+
+def pool_saturation_rps(engines: Sequence[EngineSpec], workload: WorkloadSpec, speed: float) -> float:
+    return sum(saturation_rps(e, workload, speed) for e in engines)
+
+
+def _lognormal_mean_factor(sigma: float) -> float:
+    return math.exp(sigma**2 / 2)
+
+
+def true_capacity_changes(scenario: Scenario) -> list[tuple[float, str, float]]:
+    """(t, node, capacity) steps of the engines' real capacity, for the balance metrics."""
+    slots = {e.node: float(e.capacity) for e in scenario.engines}
+    failed: set[str] = set()
+    changes: list[tuple[float, str, float]] = []
+    for action in sorted(scenario.actions, key=lambda a: a.at_s):
+        if action.kind == "capacity":
+            slots[action.node] = float(action.value)
+        elif action.kind == "fail":
+            (failed.add if action.value == "refuse" else failed.discard)(action.node)
+        else:
+            continue
+        changes.append((action.at_s, action.node, 0.0 if action.node in failed else slots[action.node]))
+    return changes
+
+
+# --------------------------------------------------------------------------- the catalogue
+
+HOMOGENEOUS = tuple(EngineSpec(f"n{i}", "910B", 10) for i in range(1, 5))
+MIXED = (EngineSpec("c1", "910C", 20), EngineSpec("b1", "910B", 10), EngineSpec("b2", "910B", 10),
+         EngineSpec("a1", "910", 7))
+
+
+def _three_phases(names: tuple[str, str, str], t1: float, t2: float, end: float) -> tuple[Phase, ...]:
+    return (Phase(names[0], 0.0, t1), Phase(names[1], t1, t2), Phase(names[2], t2, end))
+
+
+ANNOUNCED_DROP = Scenario(
+    name="announced-drop",
+    description="4×910B (10 slots); n3 drops 10→1 (engine + lb.admin.capacity together), back to 10 later",
+    engines=HOMOGENEOUS,
+    phases=_three_phases(("steady", "drop", "recovery"), 12.0, 30.0, 42.0),
+    actions=(Action(12.0, "capacity", "n3", 1, announce=True, label="n3 capacity 10→1"),
+             Action(30.0, "capacity", "n3", 10, announce=True, label="n3 capacity 1→10")),
+    util=0.5,
+    focus_phase="drop",
+)
+
+SILENT_SLOWDOWN = Scenario(
+    name="silent-slowdown",
+    description="4×910B; n2's engine silently loses 8 of 10 slots and runs 2× slower (no announcement)",
+    engines=HOMOGENEOUS,
+    phases=_three_phases(("steady", "slow", "recovery"), 12.0, 30.0, 42.0),
+    actions=(Action(12.0, "capacity", "n2", 2, label="n2 silently 10→2 slots"),
+             Action(12.0, "slowdown", "n2", 2.0, label=""),
+             Action(30.0, "capacity", "n2", 10, label="n2 back to 10 slots"),
+             Action(30.0, "slowdown", "n2", 1.0, label="")),
+    util=0.5,
+    focus_phase="slow",
+)
+
+HETEROGENEOUS = Scenario(
+    name="heterogeneous",
+    description="910C (20) + 2×910B (10) + 910 (7) at steady load",
+    engines=MIXED,
+    phases=(Phase("warm", 0.0, 8.0), Phase("steady", 8.0, 36.0)),
+    actions=(),
+    util=0.6,
+    focus_phase="steady",
+)
+
+CRASH_RETURN = Scenario(
+    name="crash-return",
+    description="4×910B; n4's engine refuses every connection (crash), then comes back",
+    engines=HOMOGENEOUS,
+    phases=_three_phases(("steady", "crash", "return"), 12.0, 26.0, 42.0),
+    actions=(Action(12.0, "fail", "n4", "refuse", label="n4 crashes (refuse)"),
+             Action(26.0, "fail", "n4", "none", label="n4 returns")),
+    util=0.5,
+    focus_phase="crash",
+)
+
+BURSTY = Scenario(
+    name="bursty",
+    description="910C + 2×910B + 910 under on/off bursts (3 s at 2.5× the mean rate every 9 s)",
+    engines=MIXED,
+    phases=(Phase("warm", 0.0, 9.0), Phase("bursts", 9.0, 45.0)),
+    actions=(),
+    util=0.45,
+    workload=WorkloadSpec(arrival="bursty", burst_on_s=3.0, burst_off_s=6.0, burst_factor=2.5),
+    focus_phase="bursts",
+)
+
+SMOKE = Scenario(
+    name="smoke",
+    description="tiny: 2×910B, one capacity drop, a few seconds (tests)",
+    engines=(EngineSpec("n1", "910B", 4), EngineSpec("n2", "910B", 4)),
+    phases=_three_phases(("steady", "drop", "recovery"), 1.5, 3.0, 4.0),
+    actions=(Action(1.5, "capacity", "n2", 1, announce=True, label="n2 4→1"),
+             Action(3.0, "capacity", "n2", 4, announce=True, label="n2 1→4")),
+    util=0.4,
+    workload=WorkloadSpec(output_median=24.0, output_max=64, prompt_median=100.0, prompt_max=512,
+                          cancel_share=0.1, cancel_min_s=0.05, cancel_max_s=0.3),
+    speed=10.0,
+    focus_phase="drop",
+)
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s for s in (ANNOUNCED_DROP, SILENT_SLOWDOWN, HETEROGENEOUS, CRASH_RETURN, BURSTY, SMOKE)
+}
+
+
+def get_scenario(name: str) -> Scenario:
+    try:
+        return SCENARIOS[name]
+    except KeyError:
+        raise ValueError(f"unknown scenario {name!r}; choose one of {', '.join(SCENARIOS)}") from None
