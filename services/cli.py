@@ -20,6 +20,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.collector",
     "services.scheduler_service",
     "services.proxy.cli",
+    "bench.cli",
+    "services.demo",
 )
 
 
