@@ -1,0 +1,331 @@
+"""Exact replay of a recorded log: feed LB_EVENTS rows through the core, diff against LB_OUT.
+
+Theory of operation. The scheduler's outputs are a pure function of its inputs (design §3), so
+the recorded inputs, applied in stream-sequence order to a fresh ``Scheduler`` that starts from
+``SchedulerConfig()`` defaults (recorded ``lb.admin.config`` events then set the configuration
+that was in force), must reproduce every recorded output byte for byte.
+
+Outputs are matched by their cause, never by LB_OUT order: two scheduler replicas may
+interleave on LB_OUT, so each recorded output is keyed by ``(as_of_seq, subject)`` (``seq`` for
+``lb.out.rejected``) and compared with the core's outputs for that input, in core order. The
+service publishes with ``Nats-Msg-Id = "<as_of_seq>:<subject>"``, so when one input yields two
+outputs on the same subject (a node that goes draining -> drained at once) JetStream keeps only
+the first: a recorded single output that equals the core's first is accepted, and the others
+are counted as ``shadowed``. A byte-identical republish of one output is counted once.
+
+Checks, each naming the input sequence number where it fails:
+  * gap      - a sequence number is missing between the first and last recorded input (a
+               deleted input is caught even when no output depends on it);
+  * order    - event time goes backwards (two inputs swapped; the JetStream timestamp is
+               stored with each message and only grows along the stream);
+  * output   - a recorded output differs from the core's (an altered input, or a core bug);
+  * missing / unexpected - an output on one side only;
+  * beyond   - outputs recorded for inputs after the last recorded input (deleted tail).
+Inputs after the last one any recorded output names (``max as_of_seq``) are replayed but not
+verified: the scheduler had not processed them when recording stopped (the unverified tail).
+When the log does not start at sequence 1 (stream retention dropped the head before it was
+recorded), the core starts empty at the first recorded input and the summary says which range
+was verified: up to the first divergence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import duckdb
+
+from scheduler import config as config_mod
+from scheduler.core import Scheduler
+from schemas import subjects as sj
+from schemas.codec import Envelope, Output
+
+FETCH_ROWS = 50_000
+CORE_OUT_FILTER = ("(subject LIKE 'lb.out.snapshot.%' OR subject LIKE 'lb.out.phase.%' "
+                   "OR subject = 'lb.out.rejected')")
+_KEY = ("CASE WHEN json_valid(data) THEN TRY_CAST(CASE WHEN subject = 'lb.out.rejected' "
+        "THEN data->>'seq' ELSE data->>'as_of_seq' END AS BIGINT) END")
+INPUTS_SQL = "SELECT seq, ts_ns, subject, encode(data) FROM events WHERE stream = 'LB_EVENTS' ORDER BY seq"
+OUTPUTS_SQL = (f"SELECT key, seq, subject, encode(data) FROM (SELECT {_KEY} AS key, seq, subject, data "
+               f"FROM events WHERE stream = 'LB_OUT' AND {CORE_OUT_FILTER}) WHERE key IS NOT NULL ORDER BY key, seq")
+UNKEYED_SQL = (f"SELECT seq, subject, data FROM events WHERE stream = 'LB_OUT' AND {CORE_OUT_FILTER} "
+               f"AND {_KEY} IS NULL ORDER BY seq")
+SUMMARY_SQL = (f"SELECT (SELECT count(*) FROM events WHERE stream = 'LB_EVENTS'), "
+               f"(SELECT min(seq) FROM events WHERE stream = 'LB_EVENTS'), "
+               f"(SELECT max(seq) FROM events WHERE stream = 'LB_EVENTS'), "
+               f"(SELECT max({_KEY}) FROM events WHERE stream = 'LB_OUT' AND {CORE_OUT_FILTER}), "
+               f"(SELECT count(*) FROM events WHERE stream = 'LB_OUT' AND NOT {CORE_OUT_FILTER})")
+
+OutputHook = Callable[[Envelope, list[Output]], None]
+
+
+@dataclass(frozen=True)
+class Divergence:
+    seq: int  # the input sequence number (LB_OUT sequence for an unreadable recorded output)
+    kind: str  # gap | order | output | missing | unexpected | beyond | unreadable
+    message: str
+    expected: str | None = None
+    actual: str | None = None
+
+    def describe(self) -> str:
+        lines = [f"first divergence at input seq {self.seq} ({self.kind}): {self.message}"]
+        if self.expected is not None or self.actual is not None:
+            lines.append(f"  expected (recorded): {self.expected if self.expected is not None else '(nothing)'}")
+            lines.append(f"  actual   (replayed): {self.actual if self.actual is not None else '(nothing)'}")
+        return "\n".join(lines)
+
+
+@dataclass
+class ReplayResult:
+    events: int = 0
+    first_seq: int | None = None
+    last_seq: int | None = None
+    verified_through: int = 0  # outputs were compared for inputs first_seq..verified_through
+    outputs_compared: int = 0
+    snapshots: int = 0
+    shadowed: int = 0
+    duplicates: int = 0
+    foreign_outputs: int = 0  # LB_OUT rows on subjects the core never publishes
+    divergences: int = 0
+    first: Divergence | None = None
+    extra: list[Divergence] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return self.divergences == 0
+
+    @property
+    def retention_gap(self) -> bool:
+        return self.first_seq is not None and self.first_seq > 1
+
+    def add(self, divergence: Divergence) -> None:
+        self.divergences += 1
+        if self.first is None:
+            self.first = divergence
+        elif len(self.extra) < 9:
+            self.extra.append(divergence)
+
+    def summary(self) -> str:
+        if self.events == 0:
+            return "no recorded inputs (LB_EVENTS is empty): nothing to replay"
+        span = f"inputs {self.first_seq}..{self.last_seq}"
+        lines = [f"replayed {self.events} events ({span}); compared {self.outputs_compared} outputs "
+                 f"({self.snapshots} snapshots)"]
+        if self.identical:
+            lines.append("identical: every recorded output was reproduced byte for byte")
+        else:
+            lines.append(f"NOT identical: {self.divergences} divergence(s)")
+        if self.retention_gap:
+            upto = (self.first.seq - 1) if self.first else self.verified_through
+            lines.append(f"the log starts at seq {self.first_seq}: inputs 1..{self.first_seq - 1} were dropped by "
+                         f"stream retention before recording; the replay started from an empty state, so only "
+                         f"{self.first_seq}..{max(upto, self.first_seq - 1)} could be verified")
+        if self.last_seq is not None and self.verified_through < self.last_seq:
+            lines.append(f"unverified tail: inputs {self.verified_through + 1}..{self.last_seq} have no recorded "
+                         f"outputs yet (the scheduler had not processed them when recording stopped)")
+        notes = []
+        if self.shadowed:
+            notes.append(f"{self.shadowed} output(s) shadowed by Nats-Msg-Id de-duplication (same input, same subject)")
+        if self.duplicates:
+            notes.append(f"{self.duplicates} byte-identical republished output(s) counted once")
+        if self.foreign_outputs:
+            notes.append(f"{self.foreign_outputs} LB_OUT row(s) on subjects the core does not publish, ignored")
+        lines.extend(f"note: {n}" for n in notes)
+        return "\n".join(lines)
+
+
+def fetch_batches(cursor: duckdb.DuckDBPyConnection, size: int = FETCH_ROWS) -> Iterator[list[Any]]:
+    while True:
+        rows = cursor.fetchmany(size)
+        if not rows:
+            return
+        yield rows
+
+
+class RecordedOutputs:
+    """The recorded core outputs in (key, LB_OUT seq) order, consumed one input at a time."""
+
+    def __init__(self, cursor: duckdb.DuckDBPyConnection) -> None:
+        self._rows = (row for batch in fetch_batches(cursor) for row in batch)
+        self._next: tuple[int, int, str, bytes] | None = next(self._rows, None)
+
+    @property
+    def next_key(self) -> int | None:
+        return None if self._next is None else self._next[0]
+
+    def take_below(self, key: int) -> list[tuple[int, int, str, bytes]]:
+        """Rows whose key is below ``key`` (outputs of inputs that were not replayed)."""
+        taken = []
+        while self._next is not None and self._next[0] < key:
+            taken.append(self._next)
+            self._next = next(self._rows, None)
+        return taken
+
+    def take(self, key: int) -> list[tuple[int, int, str, bytes]]:
+        taken = []
+        while self._next is not None and self._next[0] == key:
+            taken.append(self._next)
+            self._next = next(self._rows, None)
+        return taken
+
+
+def _text(data: bytes | None) -> str | None:
+    return None if data is None else data.decode("utf-8", "replace")
+
+
+def compare(seq: int, actual: list[Output], recorded: list[tuple[int, int, str, bytes]],
+            result: ReplayResult) -> Divergence | None:
+    """Diff one input's outputs (core order) with its recorded ones (see the module header)."""
+    produced: dict[str, list[bytes]] = {}
+    for output in actual:
+        produced.setdefault(output.subject, []).append(output.data)
+    found: dict[str, list[bytes]] = {}
+    for _key, _out_seq, subject, data in recorded:
+        same = found.setdefault(subject, [])
+        if data in same:
+            result.duplicates += 1
+        else:
+            same.append(data)
+    divergence = None
+    for subject, datas in produced.items():
+        result.outputs_compared += len(datas)
+        if subject.startswith(sj.OUT_SNAPSHOT + "."):
+            result.snapshots += len(datas)
+        expected = found.pop(subject, [])
+        divergence = divergence or _diff_subject(seq, subject, expected, datas, result)
+    for subject, datas in found.items():
+        divergence = divergence or Divergence(seq, "unexpected", f"recorded output on {subject} that the replay "
+                                              "did not produce", _text(datas[0]), None)
+    return divergence
+
+
+def _diff_subject(seq: int, subject: str, expected: list[bytes], actual: list[bytes],
+                  result: ReplayResult) -> Divergence | None:
+    if expected == actual:
+        return None
+    if not expected:
+        return Divergence(seq, "missing", f"the replay produced an output on {subject} that was not recorded",
+                          None, _text(actual[0]))
+    if len(expected) == 1 and expected[0] == actual[0]:
+        result.shadowed += len(actual) - 1
+        return None
+    for index in range(max(len(expected), len(actual))):
+        want = expected[index] if index < len(expected) else None
+        got = actual[index] if index < len(actual) else None
+        if want != got:
+            return Divergence(seq, "output", f"output #{index + 1} on {subject} differs", _text(want), _text(got))
+    return None
+
+
+def _check_order(seq: int, ts_ns: int, prev_seq: int | None, prev_ts: int, result: ReplayResult) -> None:
+    if prev_seq is not None and seq != prev_seq + 1:
+        missing = f"{prev_seq + 1}" if seq == prev_seq + 2 else f"{prev_seq + 1}..{seq - 1}"
+        result.add(Divergence(prev_seq + 1, "gap", f"input seq {missing} missing from the log (deleted?)"))
+    if ts_ns < prev_ts:
+        result.add(Divergence(seq, "order", f"event time goes backwards at seq {seq} ({ts_ns} < {prev_ts} at seq "
+                                           f"{prev_seq}): inputs reordered"))
+
+
+def make_scheduler(overrides: dict[str, Any] | None) -> Scheduler:
+    config = config_mod.SchedulerConfig()
+    if overrides:
+        config = config_mod.with_changes(config, overrides)
+    return Scheduler(config)
+
+
+def replay_db(con: duckdb.DuckDBPyConnection, overrides: dict[str, Any] | None = None,
+              on_outputs: OutputHook | None = None, verify: bool = True) -> ReplayResult:
+    """Replay every recorded input; compare with the recorded outputs unless ``verify`` is off.
+
+    ``overrides`` (what-if) are applied to the initial configuration and re-applied after every
+    recorded ``lb.admin.config`` event, so they stay in force for the whole run.
+    """
+    result = ReplayResult()
+    row = con.execute(SUMMARY_SQL).fetchone()
+    assert row is not None
+    result.events, result.first_seq, result.last_seq, max_key, result.foreign_outputs = row
+    if not result.events:
+        return result
+    max_key = max_key or 0
+    if verify:
+        _check_unreadable(con, result)
+    recorded = RecordedOutputs(con.cursor().execute(OUTPUTS_SQL)) if verify else None
+    scheduler = make_scheduler(overrides)
+    _replay_rows(con.cursor().execute(INPUTS_SQL), scheduler, result, recorded, max_key, overrides, on_outputs)
+    result.verified_through = min(max_key, result.last_seq or 0) if verify else 0
+    if recorded is not None:
+        _beyond(recorded, result)
+    return result
+
+
+def _replay_rows(inputs: duckdb.DuckDBPyConnection, scheduler: Scheduler, result: ReplayResult,
+                 recorded: RecordedOutputs | None, max_key: int, overrides: dict[str, Any] | None,
+                 on_outputs: OutputHook | None) -> None:
+    """The hot loop (~5 us per input, most of it in the core): keep per-input work minimal."""
+    apply = scheduler.apply
+    config_subject = sj.ADMIN_CONFIG if overrides else None
+    expected_seq = result.first_seq or 1
+    prev_ts = 0
+    next_key = _NO_KEY if recorded is None else (recorded.next_key or _NO_KEY)
+    for batch in fetch_batches(inputs):
+        for seq, ts_ns, subject, data in batch:
+            if seq != expected_seq or ts_ns < prev_ts:
+                _check_order(seq, ts_ns, expected_seq - 1, prev_ts, result)
+            expected_seq = seq + 1
+            if ts_ns > prev_ts:
+                prev_ts = ts_ns
+            envelope = Envelope(seq, ts_ns, subject, data)
+            outputs = apply(envelope)
+            if subject == config_subject:
+                assert overrides is not None
+                scheduler.state.config = config_mod.with_changes(scheduler.state.config, overrides)
+            if outputs or seq >= next_key:
+                if on_outputs is not None and outputs:
+                    on_outputs(envelope, outputs)
+                if recorded is not None and seq <= max_key:
+                    next_key = _verify(seq, outputs, recorded, result)
+
+
+_NO_KEY = 1 << 62
+
+
+def _verify(seq: int, outputs: list[Output], recorded: RecordedOutputs, result: ReplayResult) -> int:
+    """Compare one input's outputs; returns the key of the next recorded output."""
+    next_key = recorded.next_key
+    if next_key is not None and next_key < seq:
+        _orphans(recorded.take_below(seq), result)
+        next_key = recorded.next_key
+    _compare_into(seq, outputs, recorded.take(seq) if next_key == seq else [], result)
+    return recorded.next_key or _NO_KEY
+
+
+def _compare_into(seq: int, outputs: list[Output], recorded: list[tuple[int, int, str, bytes]],
+                  result: ReplayResult) -> None:
+    divergence = compare(seq, outputs, recorded, result)
+    if divergence is not None:
+        result.add(divergence)
+
+
+def _orphans(rows: list[tuple[int, int, str, bytes]], result: ReplayResult) -> None:
+    """Recorded outputs whose input was not replayed: before the log's head, or in a gap."""
+    for key, out_seq, subject, data in rows:
+        if result.first_seq is not None and key < result.first_seq:
+            continue  # caused by an input dropped by retention: outside the verifiable range
+        result.add(Divergence(key, "unexpected", f"recorded output (LB_OUT seq {out_seq}, {subject}) names input "
+                                                 f"seq {key}, which is not in the log", _text(data), None))
+
+
+def _beyond(recorded: RecordedOutputs, result: ReplayResult) -> None:
+    rows = recorded.take_below(1 << 62)
+    if rows:
+        key, out_seq, subject, data = rows[0]
+        result.add(Divergence(key, "beyond", f"{len(rows)} recorded output(s) name inputs after the last recorded "
+                                             f"input {result.last_seq} (first: LB_OUT seq {out_seq}, {subject}): "
+                                             "inputs missing at the end of the log", _text(data), None))
+
+
+def _check_unreadable(con: duckdb.DuckDBPyConnection, result: ReplayResult) -> None:
+    for out_seq, subject, data in con.execute(UNKEYED_SQL).fetchmany(10):
+        result.add(Divergence(out_seq, "unreadable", f"recorded output at LB_OUT seq {out_seq} on {subject} is not "
+                                                     "valid JSON or names no input", data, None))

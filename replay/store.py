@@ -1,0 +1,240 @@
+"""The recorded log in DuckDB: one table, the analyst views, and the one-writer rule.
+
+Table (design §7): ``events(stream, seq, ts_ns, subject, data)`` with primary key
+``(stream, seq)``; ``data`` is the raw payload text (malformed JSON is recorded as it came).
+Writes are idempotent on the stream sequence: ``insert_rows`` uses ``ON CONFLICT DO NOTHING``
+and passes each column as one list parameter (``unnest``), which is ~10x faster than
+``executemany`` and needs neither pyarrow nor pandas.
+
+One writer per DuckDB file (design §8). While the recorder runs it holds the file's write lock
+and no other process can open it, not even read-only. ``open_read`` therefore:
+
+1. opens the file read-only when nobody holds it (the stack is stopped);
+2. otherwise asks the running recorder, over NATS request ``lb.recorder.snapshot``, for a
+   consistent copy (the recorder drains its input consumer, checkpoints and copies the file
+   between two batches) into a private temporary directory, and opens that copy;
+3. fails with one clear line when neither works.
+
+A Parquet export (``laswrr export``) is opened in memory with ``events`` as a view over it, so
+every reader also works on long-retention exports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import duckdb
+
+EVENTS_DDL = """
+CREATE TABLE IF NOT EXISTS events (
+    stream  VARCHAR NOT NULL,
+    seq     BIGINT  NOT NULL,
+    ts_ns   BIGINT  NOT NULL,
+    subject VARCHAR NOT NULL,
+    data    VARCHAR NOT NULL,
+    PRIMARY KEY (stream, seq)
+)
+"""
+
+_INSERT = """
+INSERT INTO events
+SELECT * FROM (SELECT unnest($stream::VARCHAR[]) AS stream, unnest($seq::BIGINT[]) AS seq,
+                      unnest($ts::BIGINT[]) AS ts_ns, unnest($subject::VARCHAR[]) AS subject,
+                      unnest($data::VARCHAR[]) AS data)
+ON CONFLICT DO NOTHING
+"""
+
+SNAPSHOT_SUBJECT = "lb.recorder.snapshot"
+QUERY_SUBJECT = "lb.recorder.query"
+DB_FILE = "events.duckdb"
+
+
+class StoreError(RuntimeError):
+    """The log cannot be opened or read; the message is meant for a one-line CLI error."""
+
+
+@dataclass
+class Columns:
+    """A batch of rows of one stream, column by column (what ``insert_rows`` takes)."""
+
+    stream: str
+    seq: list[int] = field(default_factory=list)
+    ts_ns: list[int] = field(default_factory=list)
+    subject: list[str] = field(default_factory=list)
+    data: list[str] = field(default_factory=list)
+
+    def append(self, seq: int, ts_ns: int, subject: str, data: str) -> None:
+        self.seq.append(seq)
+        self.ts_ns.append(ts_ns)
+        self.subject.append(subject)
+        self.data.append(data)
+
+    def __len__(self) -> int:
+        return len(self.seq)
+
+
+def views_sql() -> str:
+    return resources.files("replay").joinpath("views.sql").read_text(encoding="utf-8")
+
+
+def create_schema(con: duckdb.DuckDBPyConnection) -> None:
+    """The events table (if missing) and every analyst view (replaced: views.sql is the truth)."""
+    con.execute(EVENTS_DDL)
+    create_views(con)
+
+
+def create_views(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute(views_sql())
+
+
+def open_writer(path: str | os.PathLike[str]) -> duckdb.DuckDBPyConnection:
+    """Open (or create) the log for writing; the caller is the file's one writer."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        con = duckdb.connect(str(path))
+    except duckdb.IOException as exc:
+        raise StoreError(f"cannot open {path} for writing: {first_line(exc)}") from None
+    create_schema(con)
+    return con
+
+
+def insert_rows(con: duckdb.DuckDBPyConnection, batches: Sequence[Columns]) -> None:
+    """Insert every batch in one transaction; rows already present are skipped (idempotent)."""
+    con.execute("BEGIN TRANSACTION")
+    try:
+        for cols in batches:
+            if len(cols):
+                con.execute(_INSERT, {"stream": [cols.stream] * len(cols), "seq": cols.seq, "ts": cols.ts_ns,
+                                      "subject": cols.subject, "data": cols.data})
+        con.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(duckdb.Error):
+            con.execute("ROLLBACK")
+        raise
+
+
+def max_seq(con: duckdb.DuckDBPyConnection, stream: str) -> int:
+    row = con.execute("SELECT coalesce(max(seq), 0) FROM events WHERE stream = ?", [stream]).fetchone()
+    return int(row[0]) if row else 0
+
+
+def first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def is_lock_conflict(exc: BaseException) -> bool:
+    return isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower()
+
+
+# -- readers -------------------------------------------------------------------------------------
+
+
+def parquet_source(path: Path) -> Path | None:
+    """``events.parquet`` (or a directory holding it): a Parquet export instead of a DB file."""
+    if path.is_dir() and (path / "events.parquet").exists():
+        return path / "events.parquet"
+    if path.suffix == ".parquet" and path.exists():
+        return path
+    return None
+
+
+def open_parquet(source: Path) -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect(":memory:")
+    literal = str(source).replace("'", "''")
+    con.execute(f"CREATE VIEW events AS SELECT * FROM read_parquet('{literal}')")
+    create_views(con)
+    return con
+
+
+@contextlib.contextmanager
+def open_read(path: str | os.PathLike[str], nats_url: str | None = None,
+              timeout_s: float = 60.0) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A connection on which ``events`` and the views can be read (see the module header)."""
+    db = Path(path)
+    parquet = parquet_source(db)
+    if parquet is not None:
+        con = open_parquet(parquet)
+        try:
+            yield con
+        finally:
+            con.close()
+        return
+    if not db.exists():
+        raise StoreError(f"no recorded log at {db}")
+    try:
+        con = duckdb.connect(str(db), read_only=True)
+    except duckdb.Error as exc:
+        if not is_lock_conflict(exc):
+            raise StoreError(f"cannot open {db}: {first_line(exc)}") from None
+        with _live_copy(db, nats_url, timeout_s, exc) as copy:
+            con = _open_copy(copy)
+            try:
+                yield con
+            finally:
+                con.close()
+        return
+    try:
+        _ensure_views(con)
+        yield con
+    finally:
+        con.close()
+
+
+def _ensure_views(con: duckdb.DuckDBPyConnection) -> None:
+    """A read-only file written by an older recorder may lack views: create them as temporary."""
+    names = {row[0] for row in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+    if "weights_over_time" not in names:
+        con.execute(views_sql().replace("CREATE OR REPLACE VIEW", "CREATE OR REPLACE TEMP VIEW"))
+
+
+def _open_copy(copy: Path) -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect(str(copy))  # our private copy: writable, so views can be (re)created
+    create_views(con)
+    return con
+
+
+@contextlib.contextmanager
+def _live_copy(db: Path, nats_url: str | None, timeout_s: float, lock_error: BaseException) -> Iterator[Path]:
+    url = nats_url or os.environ.get("NATS_URL") or "nats://127.0.0.1:4222"
+    workdir = Path(tempfile.mkdtemp(prefix="laswrr-db-"))
+    target = workdir / DB_FILE
+    try:
+        reply = request_snapshot(url, db, target, timeout_s)
+        if "error" in reply:
+            raise StoreError(f"{db} is locked by a running recorder, which could not copy it: {reply['error']}")
+        yield target
+    except StoreError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any NATS failure becomes the one-line explanation
+        raise StoreError(
+            f"{db} is locked by another process ({first_line(lock_error)}) and no recorder answered "
+            f"{SNAPSHOT_SUBJECT} on {url} ({first_line(exc) or type(exc).__name__}); "
+            f"pass --nats-url of the running stack, or stop the recorder") from None
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def request_snapshot(url: str, db: Path, target: Path, timeout_s: float) -> dict[str, str]:
+    """Ask the recorder that owns ``db`` for a consistent copy at ``target`` (blocking)."""
+    import asyncio
+
+    import nats
+
+    async def ask() -> dict[str, str]:
+        nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False)
+        try:
+            body = json.dumps({"db": str(db.resolve()), "to": str(target)}).encode()
+            msg = await nc.request(SNAPSHOT_SUBJECT, body, timeout=timeout_s)
+            return dict(json.loads(msg.data))
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())

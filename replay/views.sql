@@ -1,0 +1,178 @@
+-- Analyst views over the recorded log `events(stream, seq, ts_ns, subject, data)`.
+-- Created by the recorder at start and by every reader when missing; documented in
+-- docs/analysts.md. Rules: `data` is raw text and may be malformed JSON, so every view reads
+-- it through `input_events.j` / `output_events.j` (NULL when not valid JSON) and never fails
+-- on a bad row. Times are integer nanoseconds (`ts_ns`, the JetStream timestamp the scheduler
+-- used); durations are milliseconds. Node, pool and proxy names are the subject's last token.
+
+CREATE OR REPLACE VIEW input_events AS
+SELECT seq, ts_ns, subject,
+       regexp_extract(subject, '^(.*)\.[^.]+$', 1) AS family,
+       split_part(subject, '.', -1) AS key,
+       CASE WHEN json_valid(data) THEN data::JSON END AS j,
+       data
+FROM events WHERE stream = 'LB_EVENTS';
+
+CREATE OR REPLACE VIEW output_events AS
+SELECT seq, ts_ns, subject,
+       CASE WHEN json_valid(data) THEN data::JSON END AS j,
+       data
+FROM events WHERE stream = 'LB_OUT';
+
+-- One row per (snapshot, node). A snapshot published twice (same pool and as_of_seq, e.g. by
+-- two scheduler replicas outside the de-duplication window) counts once.
+CREATE OR REPLACE VIEW snapshot_nodes AS
+WITH snapshots AS (
+    SELECT seq AS out_seq, j->>'pool' AS pool, TRY_CAST(j->>'as_of_seq' AS BIGINT) AS as_of_seq,
+           TRY_CAST(j->>'tick' AS BIGINT) AS tick, TRY_CAST(j->>'ts_ns' AS BIGINT) AS ts_ns, j
+    FROM output_events
+    WHERE subject LIKE 'lb.out.snapshot.%' AND j IS NOT NULL
+    QUALIFY row_number() OVER (PARTITION BY j->>'pool', j->>'as_of_seq' ORDER BY seq) = 1
+)
+SELECT s.out_seq, s.as_of_seq, s.tick, s.ts_ns, s.pool,
+       n->>'node' AS node, n->>'phase' AS phase, n->>'phase_reason' AS phase_reason,
+       TRY_CAST(n->>'routable' AS BOOLEAN) AS routable,
+       TRY_CAST(n->>'capacity' AS BIGINT) AS capacity,
+       TRY_CAST(n->>'effective_weight' AS DOUBLE) AS effective_weight,
+       TRY_CAST(n->>'target_weight' AS DOUBLE) AS target_weight,
+       TRY_CAST(n->>'inflight' AS BIGINT) AS inflight
+FROM snapshots s, unnest(CAST(s.j->'nodes' AS JSON[])) AS t(n);
+
+CREATE OR REPLACE VIEW weights_over_time AS
+SELECT ts_ns, tick, pool, node, phase, effective_weight, target_weight, inflight, capacity, routable, as_of_seq
+FROM snapshot_nodes;
+
+CREATE OR REPLACE VIEW phase_changes AS
+SELECT seq AS out_seq, ts_ns AS recorded_ts_ns, TRY_CAST(j->>'as_of_seq' AS BIGINT) AS as_of_seq,
+       j->>'node' AS node, coalesce(j->>'pool', 'default') AS pool,
+       j->>'from' AS from_phase, j->>'to' AS to_phase, j->>'reason' AS reason
+FROM output_events
+WHERE subject LIKE 'lb.out.phase.%' AND j IS NOT NULL
+QUALIFY row_number() OVER (PARTITION BY j->>'as_of_seq', j->>'node', j->>'to' ORDER BY seq) = 1;
+
+-- One row per request: the first `lb.req.started` of a request_id and its first later
+-- `lb.req.finished`. outcome is NULL while the request is open (never finished).
+CREATE OR REPLACE VIEW requests AS
+WITH started AS (
+    SELECT j->>'request_id' AS request_id, key AS node, coalesce(j->>'pool', 'default') AS pool,
+           j->>'proxy' AS proxy, seq, ts_ns, TRY_CAST(j->>'snapshot_seq' AS BIGINT) AS snapshot_seq
+    FROM input_events
+    WHERE family = 'lb.req.started' AND j->>'request_id' IS NOT NULL
+    QUALIFY row_number() OVER (PARTITION BY j->>'request_id' ORDER BY seq) = 1
+), finished AS (
+    SELECT j->>'request_id' AS request_id, seq, ts_ns, j->>'outcome' AS outcome,
+           TRY_CAST(j->>'ttft_ms' AS DOUBLE) AS ttft_ms, TRY_CAST(j->>'duration_ms' AS DOUBLE) AS duration_ms
+    FROM input_events
+    WHERE family = 'lb.req.finished' AND j->>'request_id' IS NOT NULL
+)
+SELECT s.request_id, s.node, s.pool, s.proxy,
+       s.seq AS started_seq, s.ts_ns AS started_ts_ns,
+       f.seq AS finished_seq, f.ts_ns AS finished_ts_ns,
+       f.outcome, f.ttft_ms, f.duration_ms, s.snapshot_seq
+FROM started s
+LEFT JOIN finished f ON f.request_id = s.request_id AND f.seq > s.seq
+QUALIFY row_number() OVER (PARTITION BY s.request_id ORDER BY f.seq NULLS LAST) = 1;
+
+-- Router-caused cuts: outcome router_aborted, and requests still open when their proxy
+-- announced a clean stop (`lb.proxy.stopped.<proxy>` after the start). A request open at the
+-- end of a log whose proxy never announced a stop is not here: its fate is unknown (see
+-- `open_requests`).
+CREATE OR REPLACE VIEW proxy_stops AS
+SELECT key AS proxy, seq, ts_ns FROM input_events WHERE family = 'lb.proxy.stopped';
+
+CREATE OR REPLACE VIEW interruptions AS
+SELECT r.*, 'router_aborted' AS reason, NULL::BIGINT AS proxy_stopped_seq
+FROM requests r WHERE r.outcome = 'router_aborted'
+UNION ALL
+SELECT r.*, 'open_at_proxy_stop' AS reason, min(p.seq) AS proxy_stopped_seq
+FROM requests r JOIN proxy_stops p ON p.proxy = r.proxy AND p.seq > r.started_seq
+WHERE r.outcome IS NULL
+GROUP BY ALL;
+
+CREATE OR REPLACE VIEW open_requests AS
+SELECT r.* FROM requests r
+WHERE r.outcome IS NULL AND r.request_id NOT IN (SELECT request_id FROM interruptions);
+
+-- Requests admitted to a node that the snapshot the proxy routed on (as_of_seq = snapshot_seq,
+-- same pool) showed as not routable or with effective weight 0, or did not list at all.
+CREATE OR REPLACE VIEW admissions_to_draining AS
+SELECT r.request_id, r.node, r.pool, r.proxy, r.started_seq, r.started_ts_ns, r.snapshot_seq,
+       w.phase, w.routable, w.effective_weight, r.outcome,
+       CASE WHEN w.node IS NULL THEN 'node_absent'
+            WHEN NOT w.routable THEN 'not_routable'
+            ELSE 'zero_weight' END AS verdict
+FROM requests r
+JOIN (SELECT DISTINCT pool, as_of_seq FROM snapshot_nodes) s
+  ON s.pool = r.pool AND s.as_of_seq = r.snapshot_seq
+LEFT JOIN snapshot_nodes w ON w.pool = r.pool AND w.as_of_seq = r.snapshot_seq AND w.node = r.node
+WHERE w.node IS NULL OR NOT w.routable OR w.effective_weight <= 0;
+
+-- Every phase a node entered, at which input: the lb.out.phase outputs, completed from the
+-- snapshots (a phase change whose lb.out.phase message shares its Nats-Msg-Id with an earlier
+-- one of the same input is still visible as the node's phase in that input's snapshot).
+CREATE OR REPLACE VIEW phase_marks AS
+WITH from_snapshots AS (
+    SELECT out_seq, as_of_seq, node, pool, phase AS to_phase, phase_reason AS reason,
+           lag(phase) OVER (PARTITION BY node ORDER BY as_of_seq, out_seq) AS before
+    FROM snapshot_nodes
+), marks AS (
+    SELECT out_seq, as_of_seq, node, pool, to_phase, reason FROM phase_changes
+    UNION ALL
+    SELECT out_seq, as_of_seq, node, pool, to_phase, reason FROM from_snapshots
+    WHERE before IS DISTINCT FROM to_phase
+)
+SELECT m.*, e.ts_ns FROM marks m JOIN input_events e ON e.seq = m.as_of_seq
+QUALIFY row_number() OVER (PARTITION BY m.node, m.as_of_seq, m.to_phase ORDER BY m.out_seq) = 1;
+
+-- Drains: from a node entering `draining` to its next phase change, when that is `drained`.
+-- by = 'inflight' when in-flight reached 0, 'deadline' when the drain deadline cut it short.
+CREATE OR REPLACE VIEW drains AS
+SELECT s.node, s.pool, s.as_of_seq AS started_seq, s.ts_ns AS started_ts_ns, s.reason AS started_reason,
+       d.as_of_seq AS drained_seq, d.ts_ns AS drained_ts_ns,
+       (d.ts_ns - s.ts_ns) / 1e6 AS duration_ms,
+       CASE WHEN d.node IS NULL THEN NULL
+            WHEN d.reason LIKE 'drain deadline%' THEN 'deadline' ELSE 'inflight' END AS by,
+       d.reason AS drained_reason
+FROM phase_marks s
+LEFT JOIN LATERAL (
+    SELECT * FROM phase_marks m
+    WHERE m.node = s.node AND m.to_phase <> 'draining'
+      AND (m.as_of_seq > s.as_of_seq OR (m.as_of_seq = s.as_of_seq AND m.out_seq > s.out_seq))
+    ORDER BY m.as_of_seq, m.out_seq LIMIT 1
+) n ON true
+LEFT JOIN phase_marks d ON d.node = n.node AND d.out_seq = n.out_seq AND d.to_phase = 'drained'
+WHERE s.to_phase = 'draining';
+
+-- Per capacity or drain event (lb.admin.capacity|drain|remove|undrain): the node's weight ramp
+-- and in-flight curve from that event until the node's next such event (or the end of the log),
+-- the time until the ramp settled (effective within 1% of capacity of its target), and, for
+-- events that started a drain, when and how it ended.
+CREATE OR REPLACE VIEW admin_changes AS
+SELECT seq, ts_ns, key AS node, split_part(family, '.', 3) AS kind,
+       TRY_CAST(j->>'capacity' AS BIGINT) AS capacity,
+       lead(seq) OVER (PARTITION BY key ORDER BY seq) AS next_seq
+FROM input_events
+WHERE family IN ('lb.admin.capacity', 'lb.admin.drain', 'lb.admin.remove', 'lb.admin.undrain');
+
+CREATE OR REPLACE VIEW drain_timeline AS
+WITH curve AS (
+    SELECT a.seq AS event_seq, w.*
+    FROM admin_changes a
+    JOIN weights_over_time w ON w.node = a.node AND w.as_of_seq >= a.seq
+                             AND (a.next_seq IS NULL OR w.as_of_seq < a.next_seq)
+), summary AS (
+    SELECT event_seq,
+           list(struct_pack(ts_ns, tick, phase, effective_weight, target_weight, inflight)
+                ORDER BY as_of_seq) AS ramp,
+           min(ts_ns) FILTER (WHERE abs(effective_weight - target_weight) <= 0.01 * greatest(capacity, 1))
+               AS settled_ts_ns,
+           min(ts_ns) FILTER (WHERE inflight = 0) AS inflight_zero_ts_ns
+    FROM curve GROUP BY event_seq
+)
+SELECT a.seq AS event_seq, a.ts_ns, a.node, a.kind, a.capacity,
+       (s.settled_ts_ns - a.ts_ns) / 1e6 AS settle_ms,
+       d.drained_ts_ns, d.duration_ms AS time_to_drained_ms, d.by AS drained_by,
+       s.ramp AS ramp
+FROM admin_changes a
+LEFT JOIN summary s ON s.event_seq = a.seq
+LEFT JOIN drains d ON d.node = a.node AND d.started_seq = a.seq;
