@@ -82,6 +82,18 @@ def _check(config: SchedulerConfig) -> None:
         raise SchemaError("invalid configuration: stale_full_ms must be >= stale_after_ms")
     if config.ease_max_step <= 0:
         raise SchemaError("invalid configuration: ease_max_step must be > 0")
+    for name in ("stale_after_ms", "stale_full_ms", "drain_deadline_ms", "slow_start_window_ms",
+                 "base_ejection_ms", "max_ejection_ms", "backoff_decay_ms", "proxy_timeout_ms"):
+        if getattr(config, name) < 0:
+            raise SchemaError(f"invalid configuration: {name}={getattr(config, name)} must be >= 0")
+    for name in ("health_fail_threshold", "consecutive_failures"):
+        if getattr(config, name) < 1:
+            raise SchemaError(f"invalid configuration: {name}={getattr(config, name)} must be >= 1")
+    if not 0.0 <= config.max_ejection_percent <= 100.0:
+        raise SchemaError(f"invalid configuration: max_ejection_percent={config.max_ejection_percent} "
+                          "must be within 0..100")
+    if config.capacity_ramp_ratio <= 1.0:
+        raise SchemaError(f"invalid configuration: capacity_ramp_ratio={config.capacity_ramp_ratio} must be > 1")
 
 
 def load_file(path: str) -> SchedulerConfig:

@@ -43,6 +43,7 @@ class Scheduler:
         self.state = state or CoreState(config=config or config_mod.SchedulerConfig())
         self._outputs: list[Output] = []
         self._touched: set[str] = set()
+        self._rephased: set[str] = set()
         self._seq = 0
         self._handlers: dict[type[ev.Event], Callable[[Any, Any], None]] = {
             ev.NodeRegistered: self._on_registered,
@@ -72,6 +73,7 @@ class Scheduler:
         self._seq = envelope.seq
         self._outputs = []
         self._touched = set()
+        self._rephased = set()
         state.last_seq = envelope.seq
         state.now_ns = max(state.now_ns, envelope.ts_ns)
         try:
@@ -79,6 +81,9 @@ class Scheduler:
             self._handlers[type(event)](key, event)
         except (SchemaError, Rejection, PhaseError) as exc:
             return [self._output(sj.OUT_REJECTED, Rejected(seq=envelope.seq, subject=envelope.subject, reason=str(exc)))]
+        for pool in sorted(self._rephased):
+            if pool in self._pool_names():
+                self._reweigh(pool, ease=False)
         for pool in sorted(self._touched):
             self._outputs.append(self._output(sj.out_snapshot(pool), self.snapshot(pool)))
         return self._outputs
@@ -93,7 +98,10 @@ class Scheduler:
         )
 
     def pools(self) -> list[str]:
-        return sorted({n.pool for n in self.state.nodes.values()})
+        return sorted(self._pool_names())
+
+    def _pool_names(self) -> set[str]:
+        return {n.pool for n in self.state.nodes.values()}
 
     def checkpoint(self) -> bytes:
         return msgspec.msgpack.encode(self.state)
@@ -141,15 +149,24 @@ class Scheduler:
         self._outputs.append(self._output(sj.out_phase(node.node), PhaseChanged(
             node=node.node, from_=node.phase, to=new.value, as_of_seq=self._seq, reason=reason, pool=node.pool)))
         self._touched.add(node.pool)
+        self._rephased.add(node.pool)
         node.phase, node.phase_reason, node.phase_since_ns = new.value, reason, now
         if new == Phase.REMOVED:
-            del self.state.nodes[node.node]
+            self._forget(node)
         elif new in (Phase.DRAINING, Phase.DRAINED, Phase.EJECTED):
             node.effective = 0.0
             if new == Phase.DRAINING:
                 node.drain_deadline_ns = now + self.config.drain_deadline_ms * MS
         elif new == Phase.RECOVERING:
             self._start_slow_start(node, floor)
+
+    def _forget(self, node: NodeState) -> None:
+        """Drop the node and void its open requests (a deadline drain may leave some): a late
+        ``finished`` for one is then rejected instead of counting against a re-registration."""
+        del self.state.nodes[node.node]
+        open_requests = self.state.open_requests
+        for request_id in [rid for rid, req in open_requests.items() if req.node == node.node]:
+            del open_requests[request_id]
 
     def _start_slow_start(self, node: NodeState, floor: float) -> None:
         cfg = self.config
@@ -217,9 +234,11 @@ class Scheduler:
             node=key, from_="new", to=phase.value, as_of_seq=self._seq, reason="registered", pool=node.pool)))
         self._touched.add(node.pool)
         if cold:
-            node.target = node.effective = float(event.capacity)
+            self._reweigh(node.pool, ease=False)
+            node.effective = node.target  # nothing to ease from: a new pool starts at its targets
         else:
             self._start_slow_start(node, 0.0)
+            self._rephased.add(node.pool)
 
     def _set_capacity(self, node: NodeState, capacity: int) -> None:
         old = node.capacity
@@ -284,6 +303,7 @@ class Scheduler:
         node = self._require(key)
         utils = [c.aicore_util for c in event.chips if c.aicore_util is not None]
         node.npu_util = wt.r3(sum(utils) / len(utils)) if utils else None
+        node.npu_ns = self.state.now_ns
         states = [c.health if c.health in HEALTH_ORDER else "UNKNOWN" for c in event.chips if c.health]
         worst = max(states, key=HEALTH_ORDER.__getitem__) if states else None
         node.npu_health = worst
@@ -411,13 +431,17 @@ class Scheduler:
             if not self._routable(node, panic):
                 node.target = node.effective = 0.0
                 continue
-            target = wt.target_weight(node.capacity, node.health, signals.load(self.config), self.config)
+            # In panic an ejected node is routed to regardless of its health (Envoy's panic mode).
+            health = 1.0 if node.phase == Phase.EJECTED else node.health
+            target = wt.target_weight(node.capacity, health, signals.load(self.config), self.config)
             if node.phase == Phase.RECOVERING:
                 factor = wt.slow_start_factor(self.state.now_ns - node.slow_start_since_ns,
                                               node.slow_start_floor, self.config)
                 target = wt.r3(target * factor)
             node.target = target
-            if ease:
+            if node.phase == Phase.EJECTED and node.effective <= 0:
+                node.effective = target  # routable only through the panic rail: spread at once
+            elif ease:
                 node.effective = wt.ease(node.effective, target, node.max_capacity, self.config)
 
     def _health_factor(self, node: NodeState) -> float:
@@ -431,12 +455,13 @@ class Scheduler:
         cfg, now = self.config, self.state.now_ns
         age = None if node.engine_ns is None else now - node.engine_ns
         stale = wt.staleness(age, cfg)
-        sampled = None if node.running is None or stale >= 1.0 else node.running + (node.waiting or 0)
-        queue, running = wt.occupancy_signals(node.capacity, sampled, node.inflight)
+        sampled = None if node.running is None else node.running + (node.waiting or 0)
+        queue, running = wt.occupancy_signals(node.capacity, sampled, stale, node.inflight, cfg.unknown_load)
+        npu_stale = wt.staleness(None if node.npu_ns is None else now - node.npu_ns, cfg)
         return wt.Signals(
             queue=queue, running=running,
             kv=wt.blend(node.kv, stale, cfg.unknown_load),
-            npu=wt.blend(node.npu_util, stale if node.npu_util is not None else 1.0, cfg.unknown_load),
+            npu=wt.blend(node.npu_util, npu_stale, cfg.unknown_load),
             latency=wt.latency_signal(node.ttft_ewma, best_latency),
             staleness=stale, sample_age_ms=None if age is None else age // MS,
         )

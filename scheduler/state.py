@@ -44,6 +44,7 @@ class NodeState(msgspec.Struct, kw_only=True):
     consecutive_failures: int = 0
     health: float = 1.0
     load: LoadView | None = None
+    npu_ns: int | None = None  # time of the last NPU sample (its signals age on their own)
 
 
 class OpenRequest(msgspec.Struct, frozen=True):

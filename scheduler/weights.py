@@ -6,10 +6,12 @@ Signals, each normalised to 0..1 (design §4):
   kv       = KV-cache use reported by the engine
   npu      = mean AICore (or NPU) utilisation of the node's chips
   latency  = 1 - best_ewma / own_ewma            TTFT EWMA against the pool's fastest node
-Occupancy is dead-reckoned: max(engine's running + waiting, in-flight counted from request
-events), so a burst admitted since the last scrape already counts. Sampled signals (kv, npu, and
-the engine's share of occupancy) decay toward ``unknown_load`` between ``stale_after_ms`` and
-``stale_full_ms``: a node whose samples stopped is not mistaken for an idle one.
+Occupancy is dead-reckoned: each of queue and running is the larger of the engine's sampled
+value and the value the in-flight count (from request events) implies, so a burst admitted since
+the last scrape already counts. Sampled signals (queue, running, kv from the engine; npu from
+npu-smi, each aged by its own sample time) decay toward ``unknown_load`` between
+``stale_after_ms`` and ``stale_full_ms``; a node never sampled counts as unknown. A node whose
+samples stopped is therefore not mistaken for an idle one.
 
   load   = Σ w_k·signal_k / Σ w_k
   target = clamp(capacity · health · (1 - max_load_cut·load), floor_fraction·capacity, capacity)
@@ -70,14 +72,26 @@ def blend(value: float | None, stale: float, unknown: float) -> float:
     return (1.0 - stale) * value + stale * unknown
 
 
-def occupancy_signals(capacity: int, sampled: int | None, inflight: int) -> tuple[float, float]:
-    """(queue, running) from the larger of the sampled occupancy and the in-flight count."""
-    if capacity <= 0:
-        return 1.0, 1.0
-    occupancy = max(sampled or 0, inflight)
+def split_occupancy(capacity: int, occupancy: int) -> tuple[float, float]:
+    """(queue, running) of ``occupancy`` requests on ``capacity`` decode slots."""
     running = min(occupancy, capacity)
     waiting = occupancy - running
     return waiting / (waiting + capacity), running / capacity
+
+
+def occupancy_signals(capacity: int, sampled: int | None, stale: float, inflight: int,
+                      unknown: float) -> tuple[float, float]:
+    """(queue, running): the engine's sampled occupancy aged toward ``unknown``, but never below
+    what the in-flight count (dead reckoning from request events, never stale) already shows."""
+    if capacity <= 0:
+        return 1.0, 1.0
+    queue_i, running_i = split_occupancy(capacity, inflight)
+    if sampled is None:
+        queue_s = running_s = unknown
+    else:
+        queue_s, running_s = split_occupancy(capacity, sampled)
+        queue_s, running_s = blend(queue_s, stale, unknown), blend(running_s, stale, unknown)
+    return max(queue_s, queue_i), max(running_s, running_i)
 
 
 def latency_signal(own_ewma: float | None, best_ewma: float | None) -> float:

@@ -1,0 +1,169 @@
+"""Load signals -> target weight: staleness, queue, dead reckoning, latency, config events.
+
+Defaults: load = Σ w_k·signal_k / Σ w_k with w = queue .35, running .25, kv .15, npu .05,
+latency .20; target = clamp(capacity·health·(1 − 0.9·load), 0.05·capacity, capacity);
+unknown_load 0.5; samples start ageing at 3 s and are fully unknown at 10 s.
+"""
+
+from __future__ import annotations
+
+import math
+
+from sched_feed import Feed, rejections, warm_pool
+
+from scheduler import weights as wt
+from scheduler.config import SchedulerConfig, with_changes
+from schemas import subjects as sj
+
+CFG = SchedulerConfig()
+
+
+def _load(feed: Feed, node: str) -> dict:  # type: ignore[type-arg]
+    return feed.view(node)["load"]
+
+
+def _idle_pool(*names: str) -> Feed:
+    feed = warm_pool(*names)
+    for name in names:
+        feed.engine(name, running=0, waiting=0, kv=0.0)
+        feed.npu(name, "OK", util=0.0)
+    feed.tick()
+    return feed
+
+
+def test_fresh_idle_samples_give_the_full_capacity() -> None:
+    feed = _idle_pool("n1", "n2")
+    load = _load(feed, "n1")
+    assert (load["queue"], load["running"], load["kv"], load["npu"], load["load"], load["stale"]) == \
+        (0.0, 0.0, 0.0, 0.0, 0.0, False)
+    assert feed.node("n1").target == 10.0
+
+
+def test_stale_samples_decay_toward_unknown_not_idle() -> None:
+    feed = _idle_pool("n1", "n2")
+    loads, targets = [], []
+    for _ in range(12):  # 12 s with no new samples
+        feed.tick(period_ms=1000)
+        loads.append(_load(feed, "n1")["load"])
+        targets.append(feed.node("n1").target)
+    assert loads[:2] == [0.0, 0.0]  # fresh until 3 s
+    assert loads == sorted(loads) and loads[-1] > loads[3] > 0  # then rising
+    final = _load(feed, "n1")
+    assert final["stale"] is True
+    assert (final["queue"], final["running"], final["kv"], final["npu"]) == (0.5, 0.5, 0.5, 0.5)
+    assert targets[-1] == round(10 * (1 - 0.9 * final["load"]), 3) < 10.0
+    assert final["sample_age_ms"] == 12_100  # the samples came one 100 ms tick before
+
+
+def test_halfway_through_the_ageing_window_a_sample_is_half_unknown() -> None:
+    assert wt.staleness(None, CFG) == 1.0
+    assert wt.staleness(3_000 * 1_000_000, CFG) == 0.0
+    assert wt.staleness(6_500 * 1_000_000, CFG) == 0.5
+    assert wt.blend(0.0, 0.5, 0.5) == 0.25
+    assert wt.blend(None, 0.0, 0.5) == 0.5
+
+
+def test_npu_samples_age_on_their_own_clock() -> None:
+    feed = _idle_pool("n1", "n2")
+    for _ in range(12):  # engine samples keep coming, npu-smi went quiet
+        feed.engine("n1")
+        feed.tick(period_ms=1000)
+    load = _load(feed, "n1")
+    assert (load["queue"], load["kv"], load["stale"]) == (0.0, 0.0, False)
+    assert load["npu"] == 0.5
+
+
+def test_a_node_with_a_queue_gets_a_lower_target() -> None:
+    feed = _idle_pool("n1", "n2")
+    feed.engine("n1", running=10, waiting=10, kv=0.6)
+    feed.engine("n2", running=2, waiting=0, kv=0.1)
+    feed.tick()
+    q = _load(feed, "n1")
+    assert (q["queue"], q["running"]) == (0.5, 1.0)  # 10 waiting on 10 slots; all slots busy
+    assert feed.node("n1").target < feed.node("n2").target < 10.0
+    expected = (0.35 * 0.5 + 0.25 * 1.0 + 0.15 * 0.6 + 0.05 * 0.0) / 1.0
+    assert feed.node("n1").target == round(10 * (1 - 0.9 * expected), 3)
+
+
+def test_inflight_from_request_events_is_dead_reckoned_over_the_last_sample() -> None:
+    feed = _idle_pool("n1", "n2")
+    for _ in range(8):
+        feed.start("n1")  # the engine sample (running 0) predates these
+    feed.tick()
+    assert _load(feed, "n1")["running"] == 0.8
+    for _ in range(4):
+        feed.start("n1")
+    feed.tick()
+    load = _load(feed, "n1")
+    assert (load["running"], load["queue"]) == (1.0, round(2 / 12, 3))
+    assert feed.view("n1")["inflight"] == 12
+
+
+def test_latency_signal_is_relative_to_the_pools_best() -> None:
+    feed = _idle_pool("n1", "n2", "n3")
+    feed.engine("n1", ttft_ms=100.0)
+    feed.engine("n2", ttft_ms=400.0)
+    feed.tick()
+    assert _load(feed, "n1")["latency"] == 0.0
+    assert _load(feed, "n2")["latency"] == 0.75  # 1 − 100/400
+    assert _load(feed, "n3")["latency"] == 0.0  # no latency known yet: no penalty
+    assert feed.node("n2").target < feed.node("n1").target
+
+
+def test_latency_is_an_ewma() -> None:
+    feed = warm_pool("n1")
+    feed.engine("n1", ttft_ms=100.0)
+    feed.engine("n1", ttft_ms=200.0)
+    assert feed.node("n1").ttft_ewma == 120.0  # 100 + 0.2·(200 − 100)
+    rid = feed.start("n1")
+    feed.finish("n1", rid, ttft_ms=20.0)
+    assert feed.node("n1").ttft_ewma == 100.0  # 120 + 0.2·(20 − 120)
+
+
+def test_the_floor_keeps_a_saturated_node_observed() -> None:
+    config = with_changes(CFG, {"max_load_cut": 1.0})
+    assert wt.target_weight(10, 1.0, 1.0, config) == 0.5  # floor 5 % of capacity
+    assert wt.target_weight(10, 1.0, 0.0, config) == 10.0
+    assert wt.target_weight(10, 0.0, 0.0, config) == 0.0  # health 0 is not routable at all
+
+
+def test_config_event_takes_effect() -> None:
+    feed = _idle_pool("n1", "n2")
+    feed.engine("n1", ttft_ms=100.0)
+    feed.engine("n2", ttft_ms=400.0)
+    feed.tick()
+    before = feed.node("n2").target
+    out = feed.config(w_latency=0.0)
+    assert rejections(out) == []
+    assert feed.scheduler.config.w_latency == 0.0
+    feed.tick()
+    assert feed.node("n2").target == 10.0 > before
+
+
+def test_config_event_with_bad_keys_or_values_is_rejected_and_changes_nothing() -> None:
+    feed = warm_pool("n1")
+    for changes, expect in (({"w_latncy": 0.1}, "unknown configuration key(s): w_latncy"),
+                            ({"ease_alpha": 2.0}, "ease_alpha=2.0 must be within 0..1"),
+                            ({"drain_deadline_ms": "soon"}, "invalid configuration"),
+                            ({"drain_deadline_ms": -1}, "drain_deadline_ms"),
+                            ({"consecutive_failures": 0}, "consecutive_failures"),
+                            ({"max_ejection_percent": 150.0}, "max_ejection_percent"),
+                            ({"capacity_ramp_ratio": 0.5}, "capacity_ramp_ratio")):
+        reasons = rejections(feed.send(sj.ADMIN_CONFIG, {"set": changes}))
+        assert len(reasons) == 1 and expect in reasons[0], (changes, reasons)
+        assert feed.scheduler.config == CFG
+    assert "invalid admin.config_changed payload" in rejections(feed.send(sj.ADMIN_CONFIG, {"w_kv": 0.1}))[0]
+
+
+def test_config_integer_for_a_float_key_is_accepted() -> None:
+    feed = warm_pool("n1")
+    assert rejections(feed.config(ease_alpha=1)) == []
+    assert feed.scheduler.config.ease_alpha == 1.0
+
+
+def test_weights_never_exceed_capacity_or_go_negative() -> None:
+    for load in (-1.0, 0.0, 0.3, 1.0, 2.0):
+        for health in (0.0, 0.7, 1.0):
+            target = wt.target_weight(7, health, load, CFG)
+            assert 0.0 <= target <= 7.0
+            assert math.isclose(target, round(target, 3))
