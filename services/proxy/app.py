@@ -65,6 +65,7 @@ class ProxyState:
     aborting: bool = False
     active: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    handlers: set[asyncio.Task[object]] = field(default_factory=set)
     ids: count[int] = field(default_factory=lambda: count(1))
     boot: str = field(default_factory=lambda: format(time.time_ns() // 1000 % (1 << 40), "x"))
 
@@ -86,9 +87,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
                               headers={"Retry-After": "1", "Connection": "close"})
     state.active += 1
     state.idle.clear()
+    task = asyncio.current_task()
+    if task is not None:
+        state.handlers.add(task)
     try:
         return await _completions(request, state, arrived)
     finally:
+        state.handlers.discard(task)  # type: ignore[arg-type]
         state.active -= 1
         if state.active == 0:
             state.idle.set()
@@ -270,10 +275,13 @@ class RunningProxy:
             log.info("stopping: waiting up to %.1f s for %d request(s) in flight", state.config.grace_s, state.active)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(state.idle.wait(), state.config.grace_s)
-        if state.active:
-            log.warning("grace period over: aborting %d request(s)", state.active)
         state.aborting = True
-        await self.runner.cleanup()
+        if state.handlers:
+            log.warning("grace period over: aborting %d request(s)", len(state.handlers))
+            for task in list(state.handlers):
+                task.cancel()
+            await asyncio.gather(*state.handlers, return_exceptions=True)  # their finished events first
+        await self.runner.cleanup()  # then: stopped event, flush, NATS drain (cleanup_ctx)
 
 
 async def start(config: ProxyConfig) -> RunningProxy:

@@ -1,0 +1,179 @@
+"""Never cut: drains, capacity 0, removal and new snapshots leave admitted streams alone;
+graceful shutdown lets them finish; a lost NATS keeps routing on the last snapshot."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import aiohttp
+
+from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
+from schemas import subjects as sj
+from services.natsbus import EmbeddedNats
+
+CHAT = "/v1/chat/completions"
+
+
+async def _stream(http: aiohttp.ClientSession, url: str, chunks: int, delay: float) -> tuple[str, bytes]:
+    body = {"model": "m", "stream": True, "messages": [], "test": {"chunks": chunks, "delay": delay}}
+    async with http.post(url + CHAT, json=body) as resp:
+        assert resp.status == 200
+        return resp.headers["x-laswrr-node"], await resp.read()
+
+
+async def test_drain_with_long_streams_in_flight(engines, core: CoreDriver, start_proxy: StartProxy,
+                                                 http: aiohttp.ClientSession, tap: EventTap) -> None:
+    a, b = await engines("a"), await engines("b")
+    await core.register("a", a.url, capacity=4)
+    proxy = await start_proxy(policy="rr")
+    await wait_seq(proxy, "default", await core.register("b", b.url, capacity=4))
+
+    long_streams = [asyncio.create_task(_stream(http, proxy.url, chunks=20, delay=0.05)) for _ in range(6)]
+    await wait_for(lambda: len(a.received) >= 2 and len(b.received) >= 2, what="streams on both nodes")
+    drain_seq = await core.capacity("a", 0)  # a -> draining: not routable in the new snapshot
+    await wait_seq(proxy, "default", drain_seq)
+    assert len(a.received) == 3 and all(not t.done() for t in long_streams)
+
+    short = await asyncio.gather(*(_stream(http, proxy.url, chunks=1, delay=0) for _ in range(10)))
+    assert {node for node, _ in short} == {"b"}
+    assert len(a.received) == 3  # nothing new reached the drained node
+
+    results = await asyncio.gather(*long_streams)
+    assert sorted(node for node, _ in results) == ["a"] * 3 + ["b"] * 3
+    assert all(data.endswith(b"data: [DONE]\n\n") and data.count(b"data: ") == 21 for _, data in results)
+    await wait_for(lambda: len(tap.of(sj.REQ_FINISHED)) == 16, what="16 finished events")
+    assert {d["outcome"] for _, d in tap.of(sj.REQ_FINISHED)} == {"completed"}
+    started_on_a = [d for s, d in tap.of(sj.REQ_STARTED) if s == sj.req_started("a")]
+    assert len(started_on_a) == 3 and all(d["snapshot_seq"] < drain_seq for d in started_on_a)
+
+
+async def test_removal_and_new_snapshots_leave_admitted_requests_alone(
+        engines, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession) -> None:
+    a, b = await engines("a"), await engines("b")
+    await core.register("b", b.url)
+    proxy = await start_proxy()
+    await wait_seq(proxy, "default", await core.register("a", a.url))
+    streams = [asyncio.create_task(_stream(http, proxy.url, chunks=10, delay=0.05)) for _ in range(4)]
+    await wait_for(lambda: len(a.received) + len(b.received) == 4)
+    for _ in range(3):
+        await core.tick()
+    await core.send(sj.admin_remove("a"), {})
+    await core.send(sj.admin_node("b"), {"url": b.url, "capacity": 9})
+    await wait_seq(proxy, "default", core.seq)
+    assert "a" not in proxy.state.router.pools["default"].targets
+    results = await asyncio.gather(*streams)
+    assert all(data.endswith(b"data: [DONE]\n\n") for _, data in results)
+
+
+async def test_graceful_stop_lets_streams_finish_and_publishes_stopped(
+        engines, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession, tap: EventTap) -> None:
+    engine = await engines("a")
+    proxy = await start_proxy(grace_s=5.0)
+    await wait_seq(proxy, "default", await core.register("a", engine.url))
+    streams = [asyncio.create_task(_stream(http, proxy.url, chunks=10, delay=0.05)) for _ in range(3)]
+    await wait_for(lambda: len(engine.received) == 3)
+    stopping = asyncio.create_task(proxy.stop())
+    await wait_for(lambda: proxy.state.stopping)
+    await asyncio.sleep(0.05)
+    try:  # the listening socket is closed at once
+        async with aiohttp.ClientSession() as fresh:
+            await fresh.post(proxy.url + CHAT, json={"model": "m"})
+        raise AssertionError("a new connection was accepted during shutdown")
+    except aiohttp.ClientConnectionError:
+        pass
+    results = await asyncio.gather(*streams)
+    assert all(data.endswith(b"data: [DONE]\n\n") for _, data in results)
+    await stopping
+    await wait_for(lambda: len(tap.of(sj.PROXY_STOPPED)) == 1, what="stopped event")
+    outcomes = [d["outcome"] for _, d in tap.of(sj.REQ_FINISHED)]
+    assert outcomes == ["completed"] * 3
+    last = tap.messages[-1][0]
+    assert last == sj.proxy_stopped("test-proxy")  # after every request event
+
+
+async def test_grace_period_over_aborts_with_router_aborted(engines, core: CoreDriver, start_proxy: StartProxy,
+                                                            http: aiohttp.ClientSession, tap: EventTap) -> None:
+    engine = await engines("a")
+    proxy = await start_proxy(grace_s=0.2)
+    await wait_seq(proxy, "default", await core.register("a", engine.url))
+    stream = asyncio.create_task(_stream(http, proxy.url, chunks=40, delay=0.05))
+    await wait_for(lambda: len(engine.received) == 1)
+    await proxy.stop()
+    await asyncio.gather(stream, return_exceptions=True)
+    await wait_for(lambda: len(tap.of(sj.PROXY_STOPPED)) == 1)
+    [(_, finished)] = tap.of(sj.REQ_FINISHED)
+    assert finished["outcome"] == "router_aborted"
+
+
+async def test_nats_outage_keeps_routing_and_buffers_events(engines, core: CoreDriver, start_proxy: StartProxy,
+                                                            http: aiohttp.ClientSession,
+                                                            nats_server: EmbeddedNats) -> None:
+    engine = await engines("a")
+    proxy = await start_proxy()
+    await wait_seq(proxy, "default", await core.register("a", engine.url))
+    await wait_for(lambda: proxy.state.bus.connected)
+    nats_server.stop()
+    await wait_for(lambda: not proxy.state.bus.connected, what="the proxy to notice")
+    for _ in range(5):
+        _, data = await _stream(http, proxy.url, chunks=2, delay=0)
+        assert data.endswith(b"[DONE]\n\n")
+    health = await (await http.get(proxy.url + "/healthz")).json()
+    assert health["status"] == "stale" and health["nats_connected"] is False
+    assert proxy.state.events.buffered >= 10
+
+    nats_server.start()  # same port and store: the proxy reconnects and publishes what waited
+    await wait_for(lambda: proxy.state.events.buffered == 0, timeout=15, what="buffered events published")
+    js = proxy.state.bus.nc.jetstream()  # type: ignore[union-attr]
+    info = await js.stream_info(sj.EVENTS_STREAM)
+    assert info.state.messages >= 10
+    assert proxy.state.events.dropped == 0
+
+
+async def test_event_buffer_drops_oldest_when_full(engines, core: CoreDriver, start_proxy: StartProxy,
+                                                   http: aiohttp.ClientSession, nats_server: EmbeddedNats) -> None:
+    engine = await engines("a")
+    proxy = await start_proxy(event_buffer=4, heartbeat_s=60)
+    await wait_seq(proxy, "default", await core.register("a", engine.url))
+    nats_server.stop()
+    await wait_for(lambda: not proxy.state.bus.connected)
+    for _ in range(5):
+        await _stream(http, proxy.url, chunks=1, delay=0)
+    assert proxy.state.events.buffered == 4 and proxy.state.events.dropped == 6
+    metrics = await (await http.get(proxy.url + "/metrics")).text()
+    assert "laswrr_proxy_events_dropped_total 6.0" in metrics
+
+
+async def test_cli_sigterm_drains_and_exits_zero(engines, core: CoreDriver, nats_url: str, tap: EventTap,
+                                                 http: aiohttp.ClientSession) -> None:
+    engine = await engines("a")
+    await core.register("a", engine.url)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.proxy.cli", "--nats-url", nats_url, "--host", "127.0.0.1", "--port", "0",
+        "--proxy-id", "cli-proxy", "--grace-s", "10", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 10)).decode()
+        assert line.startswith("proxy listening on "), line
+        url = line.split()[-1]
+        for _ in range(100):  # until it holds the snapshot
+            async with http.get(url + "/healthz") as resp:
+                if (await resp.json())["pools"]:
+                    break
+            await asyncio.sleep(0.05)
+        stream = asyncio.create_task(_stream(http, url, chunks=10, delay=0.05))
+        await wait_for(lambda: len(engine.received) == 1)
+        proc.send_signal(signal.SIGTERM)
+        _, data = await stream
+        assert data.endswith(b"data: [DONE]\n\n")
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    await wait_for(lambda: len(tap.of(sj.PROXY_STOPPED)) == 1)
+    assert tap.of(sj.PROXY_STOPPED)[0][0] == sj.proxy_stopped("cli-proxy")
+    assert [d["outcome"] for _, d in tap.of(sj.REQ_FINISHED)] == ["completed"]
