@@ -8,11 +8,13 @@ so a replay always runs with the configuration that was in force. Unknown keys a
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
 
 from schemas.codec import SchemaError
+from schemas.events import MAX_INT
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -68,6 +70,12 @@ def with_changes(config: SchedulerConfig, changes: dict[str, Any]) -> SchedulerC
 
 
 def _check(config: SchedulerConfig) -> None:
+    for name in config.__struct_fields__:
+        value = getattr(config, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SchemaError(f"invalid configuration: {name}={value} must be finite")
+        if isinstance(value, int) and abs(value) > MAX_INT:
+            raise SchemaError(f"invalid configuration: {name}={value} is out of range")
     weights = (config.w_queue, config.w_running, config.w_kv, config.w_npu, config.w_latency)
     if min(weights) < 0 or sum(weights) <= 0:
         raise SchemaError("invalid configuration: load weights must be >= 0 with a positive sum")

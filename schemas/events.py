@@ -15,8 +15,11 @@ from typing import Annotated, ClassVar
 import msgspec
 from msgspec import Meta
 
-NonNegInt = Annotated[int, Meta(ge=0)]
-PosInt = Annotated[int, Meta(gt=0)]
+# Integers are bounded by 2^53: exact in every JSON reader, and storable in the core's msgpack
+# checkpoint (an unbounded int would be accepted here and break the checkpoint later).
+MAX_INT = 2**53
+NonNegInt = Annotated[int, Meta(ge=0, le=MAX_INT)]
+PosInt = Annotated[int, Meta(gt=0, le=MAX_INT)]
 Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
 NonNegFloat = Annotated[float, Meta(ge=0.0)]
 Name = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-]+$")]
