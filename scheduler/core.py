@@ -401,8 +401,11 @@ class Scheduler:
             self._expire_proxy(proxy)
         for node in list(state.nodes.values()):
             self._advance_timers(node)
-        for pool in self.pools():
-            self._reweigh(pool)
+        by_pool: dict[str, list[NodeState]] = {}
+        for node in state.nodes.values():
+            by_pool.setdefault(node.pool, []).append(node)
+        for pool in sorted(by_pool):
+            self._reweigh(pool, members=by_pool[pool])
             self._touched.add(pool)
 
     def _advance_timers(self, node: NodeState) -> None:
@@ -418,9 +421,10 @@ class Scheduler:
             node.ejections -= 1
             node.last_decay_ns = now
 
-    def _reweigh(self, pool: str, ease: bool = True) -> None:
+    def _reweigh(self, pool: str, ease: bool = True, members: list[NodeState] | None = None) -> None:
         """Recompute targets from the signals; on a tick also ease effective weights one step."""
-        members = [n for n in self.state.nodes.values() if n.pool == pool]
+        if members is None:
+            members = [n for n in self.state.nodes.values() if n.pool == pool]
         panic = self._panic(members)
         latencies = [n.ttft_ewma for n in members if n.ttft_ewma is not None and n.phase in ROUTABLE]
         best = min(latencies) if latencies else None

@@ -19,7 +19,8 @@ samples stopped is therefore not mistaken for an idle one.
 Easing, once per tick (time-driven, unlike nginx's traffic-driven +1 per pass):
   eff ← eff + clip(ease_alpha·(target - eff), -step, +step),  step = ease_max_step·max_capacity
   snapped to target inside the dead band. Worked example (defaults, max capacity 10, target 1):
-  10 → 7.5 → 5 → 2.5 → 1.75 → 1.375 → 1.188 → ... a ramp, never a cliff.
+  10 → 7.5 → 5 → 3 → 2 → 1.5 → 1.25 → 1.125 → ... → 1.007 → 1 (12 ticks): the step cap binds
+  while far away, then the gap halves each tick; a ramp, never a cliff.
 
 Slow start (Envoy): factor = max(min_pct, (t / window)^(1/aggression)); 2.5 s into a 5 s window
 with aggression 1 → 0.5. Values are rounded to 1e-3 so snapshots are short and exact.
