@@ -20,6 +20,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out)")
     parser.add_argument("--duration-scale", type=float, default=1.0, metavar="F",
                         help="multiply every phase and action time by F (default 1.0)")
+    parser.add_argument("--util", type=float, default=None, metavar="F",
+                        help="offered load as a share of the pool's saturation throughput (default: the scenario's)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -65,14 +68,17 @@ def scenario_names(text: str) -> list[str]:
 
 
 async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int, out_dir: Path,
-                         scale: float = 1.0, plots: bool = True) -> tuple[dict[str, Any], list[Path]]:
+                         scale: float = 1.0, plots: bool = True, util: float | None = None
+                         ) -> tuple[dict[str, Any], list[Path]]:
     """Run every policy on the same workload; write results.json (and plots); return the summary."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from bench.runner import run_policy
 
     scenario = scenario.scaled(scale)
-    workload = generate(scenario.workload_spec(), seed)
+    if util is not None:
+        scenario = replace(scenario, util=util)
+    workload = generate(scenario.workload_spec(), seed, [(p.start_s, p.end_s) for p in scenario.phases])
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: list[PolicyRun] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -92,7 +98,7 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.list:
         for name, scenario in SCENARIOS.items():
@@ -103,14 +109,21 @@ def main(args: argparse.Namespace) -> int:
         names = scenario_names(args.scenario)
         if args.duration_scale <= 0:
             raise ValueError("--duration-scale must be > 0")
+        if args.util is not None and not 0 < args.util <= 2:
+            raise ValueError("--util must be within (0, 2]")
     except ValueError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
     started = time.monotonic()
     for name in names:
         out_dir = args.out / name
-        summary, paths = asyncio.run(bench_scenario(get_scenario(name), policies, args.seed, out_dir,
-                                                    args.duration_scale, plots=not args.no_plots))
+        try:
+            summary, paths = asyncio.run(bench_scenario(get_scenario(name), policies, args.seed, out_dir,
+                                                        args.duration_scale, plots=not args.no_plots,
+                                                        util=args.util))
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            print(f"bench: {name}: {exc}", file=sys.stderr)
+            return 1
         print_table(summary)
         print(f"results: {out_dir / 'results.json'}")
         for path in paths:

@@ -161,11 +161,13 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
     started = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
     stack = await stack_adapter.start(scenario, policy, run_dir, write_scheduler_config(scenario, run_dir))
+    log.info("%s/%s: stack up in %.1fs", scenario.name, policy, time.monotonic() - started)
     watch = SnapshotWatch()
     notes: list[str] = []
     try:
         await watch.start(stack.nats_url)
         await wait_ready(watch, {e.node: e.capacity for e in scenario.engines})
+        log.info("%s/%s: ready at %.1fs", scenario.name, policy, time.monotonic() - started)
         loop = asyncio.get_running_loop()
         async with make_session() as http:
             t0 = loop.time() + 0.2
@@ -178,10 +180,12 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
     finally:
         await watch.stop()
         await stack_adapter.stop(stack)
+    log.info("%s/%s: stack down at %.1fs", scenario.name, policy, time.monotonic() - started)
     run = PolicyRun(policy, load.results, snapshots, notes=notes)
     run.report = analyst_report(stack.db_path)
     run.replay = exact_replay(stack.db_path)
     run.wall_s = time.monotonic() - started
+    log.info("%s/%s: report and replay done at %.1fs", scenario.name, policy, run.wall_s)
     save_run(run, run_dir)
     return run
 
@@ -217,6 +221,9 @@ def exact_replay(db_path: Path | None) -> dict[str, Any] | None:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"ok": False, "exit": None, "output": str(exc)}
     output = (proc.stdout + proc.stderr).strip()
+    if proc.returncode == 2 and ("unrecognized arguments" in output or "invalid choice" in output):
+        log.warning("laswrr replay --db is not available: %s", output.splitlines()[-1:])
+        return None
     return {"ok": proc.returncode == 0, "exit": proc.returncode, "output": output[-600:]}
 
 

@@ -15,6 +15,13 @@ Lengths are lognormal (LLM prompt and output lengths are heavy-tailed: BurstGPT,
 ``median · exp(sigma · N(0,1))``, rounded and clamped to ``[1, max]``. The simulated engine emits
 exactly ``max_tokens`` tokens, so ``max_tokens`` is the output length.
 
+**Stratified lengths** (optional ``strata``: time windows such as a scenario's phases). A tail
+percentile over a few dozen requests is mostly the luck of the longest outputs drawn, so phases
+would differ by their draws, not by what the system did. Within each window holding N requests,
+lengths are the lognormal's quantiles at (i + 0.5) / N, i = 0..N-1, in a seeded random order
+(Latin-hypercube sampling): every phase gets the same length distribution, tail included, and
+phase-to-phase P99 differences come from the system under test.
+
 A share ``cancel_share`` of requests is cancelled by the client ``cancel_after_s`` after it was
 sent, drawn uniformly in ``[cancel_min_s, cancel_max_s]``.
 """
@@ -23,7 +30,9 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from statistics import NormalDist
 from typing import Any, Literal
 
 Arrival = Literal["poisson", "bursty"]
@@ -117,14 +126,40 @@ def lognormal_int(rng: random.Random, median: float, sigma: float, upper: int) -
     return max(1, min(upper, round(median * math.exp(sigma * rng.gauss(0.0, 1.0)))))
 
 
-def generate(spec: WorkloadSpec, seed: int) -> list[RequestSpec]:
-    """The whole workload for ``spec`` and ``seed`` (same inputs, same list)."""
+def lognormal_quantiles(count: int, median: float, sigma: float, upper: int, rng: random.Random) -> list[int]:
+    """The lognormal's quantiles at (i + 0.5) / count, rounded and clamped, in a random order."""
+    unit = NormalDist()
+    values = [max(1, min(upper, round(median * math.exp(sigma * unit.inv_cdf((i + 0.5) / count)))))
+              for i in range(count)]
+    rng.shuffle(values)
+    return values
+
+
+def _stratified_lengths(offsets: Sequence[float], spec: WorkloadSpec, strata: Sequence[tuple[float, float]],
+                        rng: random.Random) -> dict[int, tuple[int, int]]:
+    """(prompt, output) for every request inside a stratum, by request index."""
+    lengths: dict[int, tuple[int, int]] = {}
+    for start, end in strata:
+        members = [i for i, t in enumerate(offsets) if start <= t < end and i not in lengths]
+        if not members:
+            continue
+        prompts = lognormal_quantiles(len(members), spec.prompt_median, spec.prompt_sigma, spec.prompt_max, rng)
+        outputs = lognormal_quantiles(len(members), spec.output_median, spec.output_sigma, spec.output_max, rng)
+        lengths.update(zip(members, zip(prompts, outputs)))
+    return lengths
+
+
+def generate(spec: WorkloadSpec, seed: int, strata: Sequence[tuple[float, float]] = ()) -> list[RequestSpec]:
+    """The whole workload for ``spec`` and ``seed`` (same inputs, same list); see ``strata`` above."""
     spec.validate()
     rng = random.Random(seed)
+    offsets = arrival_offsets(spec, rng)
+    stratified = _stratified_lengths(offsets, spec, strata, rng)
     requests: list[RequestSpec] = []
-    for index, offset in enumerate(arrival_offsets(spec, rng)):
+    for index, offset in enumerate(offsets):
         prompt = lognormal_int(rng, spec.prompt_median, spec.prompt_sigma, spec.prompt_max)
         output = lognormal_int(rng, spec.output_median, spec.output_sigma, spec.output_max)
+        prompt, output = stratified.get(index, (prompt, output))
         cancel_roll, cancel_delay = rng.random(), rng.uniform(spec.cancel_min_s, spec.cancel_max_s)
         cancel = round(cancel_delay, 4) if cancel_roll < spec.cancel_share else None
         requests.append(RequestSpec(index, round(offset, 6), prompt, output, cancel))

@@ -70,3 +70,24 @@ def test_bad_specs_are_refused() -> None:
         generate(WorkloadSpec(arrival="weird"), 1)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         generate(WorkloadSpec(cancel_share=1.5), 1)
+
+
+def test_stratified_phases_get_the_same_length_distribution() -> None:
+    spec = WorkloadSpec(duration_s=30, rate_rps=4, output_median=96, output_sigma=0.6, output_max=512)
+    strata = [(0.0, 10.0), (10.0, 30.0)]
+    work = generate(spec, 9, strata)
+    assert work == generate(spec, 9, strata)
+    first = sorted(r.max_tokens for r in work if r.offset_s < 10)
+    second = sorted(r.max_tokens for r in work if r.offset_s >= 10)
+    # each window holds the lognormal's quantiles (i + 0.5) / N: median and tail match the spec
+    for lengths in (first, second):
+        n = len(lengths)
+        assert lengths[n // 2] == pytest.approx(96, rel=0.1)
+        assert lengths[-1] == round(96 * math.exp(0.6 * _z(1 - 0.5 / n)))
+    assert [r.offset_s for r in work] == [r.offset_s for r in generate(spec, 9)]  # same arrivals
+
+
+def _z(p: float) -> float:
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf(p)
