@@ -7,8 +7,9 @@ a rejected input changes nothing and yields one ``lb.out.rejected`` output with 
 Time is the envelope's ``ts_ns`` (the stream's timestamp, kept monotonic); timers (drain
 deadlines, slow start, ejection, proxy expiry, sample staleness) are read on ``lb.clock.tick``.
 Each tick recomputes every node's target from its signals and eases the effective weight toward
-it, then emits one snapshot per pool; phase changes between ticks emit their pool's snapshot at
-once, so a drain is visible to proxies without waiting for the next tick.
+it, then emits one snapshot per pool; phase changes between ticks re-target their pool and emit
+its snapshot at once, so a drain (or the panic rail) is visible to proxies without waiting for
+the next tick. A rejected input moves only the log position (``last_seq``, ``now_ns``).
 
 Rules kept here: no clock, randomness, IO, logging or asyncio; dicts iterate in insertion order
 and pools and nodes are emitted sorted, so two replicas given the same log emit the same bytes.
