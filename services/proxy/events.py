@@ -2,8 +2,9 @@
 
 Theory of operation. Handlers call ``started``/``finished`` (plain synchronous appends to an
 in-memory buffer, a few microseconds); one background task, ``run``, drains the buffer into
-JetStream: it takes up to ``batch_max`` events, publishes them all with ``publish_async`` and
-awaits their acks together. Every event carries a ``Nats-Msg-Id`` (``<proxy>:<request_id>:started``
+JetStream: it lets events gather for ``linger_s`` (a few ms), takes up to ``batch_max`` of them,
+publishes them all with ``publish_async`` and awaits their acks together (one socket write and
+one burst of acks per batch instead of one per event). Every event carries a ``Nats-Msg-Id`` (``<proxy>:<request_id>:started``
 and so on), so re-sending after a lost ack is harmless (the stream's de-duplication window
 keeps one copy). On a failure the batch is re-sent from its first unacknowledged event on, in
 order, after a short back-off; while NATS is disconnected nothing is sent and events wait.
@@ -79,10 +80,11 @@ def _ms(seconds: float | None) -> float | None:
 
 class EventPublisher:
     def __init__(self, proxy_id: str, capacity: int = 100_000, batch_max: int = 512,
-                 ack_timeout_s: float = 5.0, retry_backoff_s: float = 0.25) -> None:
+                 ack_timeout_s: float = 5.0, retry_backoff_s: float = 0.25, linger_s: float = 0.005) -> None:
         self.proxy_id = proxy_id
         self.capacity = capacity
         self.batch_max = batch_max
+        self.linger_s = linger_s
         self.ack_timeout_s = ack_timeout_s
         self.retry_backoff_s = retry_backoff_s
         self.buffer: deque[Pending] = deque()
@@ -166,6 +168,8 @@ class EventPublisher:
             if not self.connected or self.js is None:
                 await asyncio.sleep(self.retry_backoff_s)
                 continue
+            if self.linger_s and len(self.buffer) < self.batch_max:
+                await asyncio.sleep(self.linger_s)  # let a batch gather: one write, one burst of acks
             batch = [self.buffer.popleft() for _ in range(min(self.batch_max, len(self.buffer)))]
             acked = await self._publish(self.js, batch)
             self.published += acked
@@ -179,8 +183,7 @@ class EventPublisher:
         futures: list[asyncio.Future[object]] = []
         try:
             for item in batch:
-                futures.append(await js.publish_async(item.subject, item.data, headers={"Nats-Msg-Id": item.msg_id},
-                                                      wait_stall=self.ack_timeout_s))
+                futures.append(await js.publish_async(item.subject, item.data, headers={"Nats-Msg-Id": item.msg_id}))
         except Exception as exc:  # disconnected, buffer limit, stalled: re-send later
             log.debug("event publish interrupted after %d of %d: %r", len(futures), len(batch), exc)
         if futures:

@@ -11,6 +11,7 @@ request sent, plus upstream first byte received -> first byte written to the cli
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -53,6 +54,34 @@ class ProxyMetrics:
                                       registry=registry)
         info = Gauge("laswrr_proxy_info", "This replica", ["proxy"], registry=registry)
         info.labels(proxy=proxy_id).set(1)
+        self._inflight: dict[str, Any] = {}
+        self._requests: dict[tuple[str, str, str], Any] = {}
+        self._ttft: dict[str, Any] = {}
+        self._duration: dict[str, Any] = {}
+
+    # Label lookups cost microseconds each; the request path uses these cached children.
+
+    def inflight_of(self, node: str) -> Any:
+        child = self._inflight.get(node)
+        if child is None:
+            child = self._inflight[node] = self.inflight.labels(node=node)
+        return child
+
+    def count_request(self, pool: str, node: str, outcome: str) -> None:
+        key = (pool, node, outcome)
+        child = self._requests.get(key)
+        if child is None:
+            child = self._requests[key] = self.requests.labels(pool=pool, node=node, outcome=outcome)
+        child.inc()
+
+    def observe_latency(self, pool: str, ttft_s: float | None, duration_s: float, overhead_s: float | None) -> None:
+        if ttft_s is not None:
+            child = self._ttft.get(pool) or self._ttft.setdefault(pool, self.ttft.labels(pool=pool))
+            child.observe(ttft_s)
+        if overhead_s is not None:
+            self.overhead.observe(overhead_s)
+        child = self._duration.get(pool) or self._duration.setdefault(pool, self.duration.labels(pool=pool))
+        child.observe(duration_s)
 
     def refresh(self, router: Router, publisher: EventPublisher, nats_connected: bool) -> None:
         now_ns = time.time_ns()

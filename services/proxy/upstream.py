@@ -90,6 +90,7 @@ class AttemptState:
     sent: float | None = None  # upstream request issued
     first_byte: float | None = None  # first byte written to the client
     overhead: float = 0.0
+    sse: web.StreamResponse | None = None  # the client's SSE response, once prepared
 
 
 @dataclass(slots=True)
@@ -148,17 +149,20 @@ class Forwarder:
     async def _attempt_with_events(self, request: web.Request, ex: Exchange, admission: Admission,
                                    rid: str) -> Done | Failed:
         self.events.started(rid, admission.node, admission.pool, admission.snapshot_seq)
-        self.metrics.inflight.labels(node=admission.node).inc()
+        self.metrics.inflight_of(admission.node).inc()
         state = AttemptState(started=time.perf_counter())
         try:
             result = await self._attempt(request, ex, admission, state)
         except asyncio.CancelledError:
-            outcome = "router_aborted" if self.aborting() else "client_cancelled"
+            aborted = self.aborting()
+            outcome = "router_aborted" if aborted else "client_cancelled"
             self._finish(rid, admission, self._record(ex, state, outcome, None, error="cancelled"))
+            if aborted and state.sse is not None:
+                await _tell_aborted(state.sse)
             raise
         finally:
             self.router.release(admission)
-            self.metrics.inflight.labels(node=admission.node).dec()
+            self.metrics.inflight_of(admission.node).dec()
         if isinstance(result, Done):
             self._finish(rid, admission, result.attempt)
             self._observe(ex, state)
@@ -166,14 +170,12 @@ class Forwarder:
 
     def _finish(self, rid: str, admission: Admission, attempt: Attempt) -> None:
         self.events.finished(rid, admission.node, admission.pool, attempt)
-        self.metrics.requests.labels(pool=admission.pool, node=admission.node, outcome=attempt.outcome).inc()
+        self.metrics.count_request(admission.pool, admission.node, attempt.outcome)
 
     def _observe(self, ex: Exchange, state: AttemptState) -> None:
-        now = time.perf_counter()
-        if state.first_byte is not None:
-            self.metrics.ttft.labels(pool=ex.pool).observe(state.first_byte - ex.arrived)
-            self.metrics.overhead.observe(state.overhead)
-        self.metrics.duration.labels(pool=ex.pool).observe(now - ex.arrived)
+        sent = state.first_byte is not None
+        self.metrics.observe_latency(ex.pool, state.first_byte - ex.arrived if sent else None,  # type: ignore[operator]
+                                     time.perf_counter() - ex.arrived, state.overhead if sent else None)
 
     def _record(self, ex: Exchange, state: AttemptState, outcome: str, status: int | None,
                 usage: tuple[int | None, int | None] = (None, None), error: str | None = None) -> Attempt:
@@ -248,6 +250,7 @@ class Forwarder:
         tail: deque[bytes] = deque(maxlen=_TAIL_CHUNKS)
         try:
             await response.prepare(request)
+            state.sse = response
             if first:
                 await response.write(first)
                 tail.append(first)
@@ -276,6 +279,15 @@ class Forwarder:
                 return None
             await response.write(chunk)  # ConnectionResetError here means the client went away
             tail.append(chunk)
+
+
+async def _tell_aborted(response: web.StreamResponse) -> None:
+    """Best effort: end an SSE stream cut by shutdown with an error event, not silently."""
+    try:
+        await asyncio.wait_for(response.write(sse_error("proxy shut down before the stream ended")), 0.5)
+        await asyncio.wait_for(response.write_eof(), 0.5)
+    except (asyncio.TimeoutError, ConnectionResetError, RuntimeError):
+        pass
 
 
 def _ms(seconds: float) -> float:

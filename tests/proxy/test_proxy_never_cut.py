@@ -102,7 +102,9 @@ async def test_grace_period_over_aborts_with_router_aborted(engines, core: CoreD
     stream = asyncio.create_task(_stream(http, proxy.url, chunks=40, delay=0.05))
     await wait_for(lambda: len(engine.received) == 1)
     await proxy.stop()
-    await asyncio.gather(stream, return_exceptions=True)
+    _, data = await stream
+    assert b"[DONE]" not in data
+    assert data.rstrip().splitlines()[-1].startswith(b'data: {"error"')  # told, not silently cut
     await wait_for(lambda: len(tap.of(sj.PROXY_STOPPED)) == 1)
     [(_, finished)] = tap.of(sj.REQ_FINISHED)
     assert finished["outcome"] == "router_aborted"

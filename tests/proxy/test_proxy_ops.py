@@ -1,0 +1,82 @@
+"""Operations: /healthz, /metrics, /v1/models fallback, heartbeats, replicas side by side."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
+from schemas import subjects as sj
+from services.natsbus import free_port
+
+CHAT = "/v1/chat/completions"
+
+
+async def test_healthz_reports_snapshot_and_nats(engines, core: CoreDriver, start_proxy: StartProxy,
+                                                 http: aiohttp.ClientSession) -> None:
+    proxy = await start_proxy()
+    async with http.get(proxy.url + "/healthz") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["status"] == "no_snapshot"
+    engine = await engines("a")
+    seq = await core.register("a", engine.url)
+    await wait_seq(proxy, "default", seq)
+    await wait_for(lambda: proxy.state.bus.connected)
+    async with http.get(proxy.url + "/healthz") as resp:
+        health = await resp.json()
+    assert health["status"] == "ok" and health["nats_connected"] is True and health["proxy"] == "test-proxy"
+    pool = health["pools"]["default"]
+    assert pool["as_of_seq"] == seq and pool["routable"] == ["a"] and 0 <= pool["age_s"] < 5
+
+
+async def test_metrics_exposition(engines, core: CoreDriver, start_proxy: StartProxy,
+                                  http: aiohttp.ClientSession) -> None:
+    engine = await engines("a")
+    proxy = await start_proxy()
+    await wait_seq(proxy, "default", await core.register("a", engine.url))
+    async with http.post(proxy.url + CHAT, json={"model": "m", "stream": True, "messages": []}) as resp:
+        await resp.read()
+    async with http.post(proxy.url + CHAT, data=b"{") as resp:
+        assert resp.status == 400
+    async with http.get(proxy.url + "/metrics") as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
+        text = await resp.text()
+    for line in ('laswrr_proxy_requests_total{node="a",outcome="completed",pool="default"} 1.0',
+                 'laswrr_proxy_rejected_total{reason="bad_json"} 1.0',
+                 'laswrr_proxy_inflight{node="a"} 0.0',
+                 'laswrr_proxy_ttft_seconds_count{pool="default"} 1.0',
+                 'laswrr_proxy_duration_seconds_count{pool="default"} 1.0',
+                 "laswrr_proxy_overhead_seconds_count 1.0",
+                 "laswrr_proxy_nats_connected 1.0",
+                 "laswrr_proxy_events_dropped_total 0.0"):
+        assert line in text, line
+    assert 'laswrr_proxy_snapshot_age_seconds{pool="default"}' in text
+
+
+async def test_models_fall_back_to_pool_names(core: CoreDriver, start_proxy: StartProxy,
+                                              http: aiohttp.ClientSession) -> None:
+    proxy = await start_proxy()
+    await core.register("x", f"http://127.0.0.1:{free_port()}", pool="llama")
+    await wait_seq(proxy, "default", await core.register("y", f"http://127.0.0.1:{free_port()}"))
+    async with http.get(proxy.url + "/v1/models") as resp:
+        body = await resp.json()
+    assert body["object"] == "list" and [m["id"] for m in body["data"]] == ["default", "llama"]
+
+
+async def test_replicas_side_by_side_heartbeat_and_share_snapshots(engines, core: CoreDriver,
+                                                                   start_proxy: StartProxy, tap: EventTap,
+                                                                   http: aiohttp.ClientSession) -> None:
+    a, b = await engines("a"), await engines("b")
+    await core.register("a", a.url)
+    seq = await core.register("b", b.url)
+    replicas = [await start_proxy(proxy_id=f"replica-{i}", heartbeat_s=0.2) for i in range(2)]
+    for proxy in replicas:
+        await wait_seq(proxy, "default", seq)
+        for _ in range(4):
+            async with http.post(proxy.url + CHAT, json={"model": "m", "messages": []}) as resp:
+                assert resp.status == 200
+    assert len(a.received) == len(b.received) == 4  # each replica alternates on its own
+    await wait_for(lambda: {s for s, _ in tap.of(sj.PROXY_HEARTBEAT)} ==
+                   {sj.proxy_heartbeat("replica-0"), sj.proxy_heartbeat("replica-1")}, what="both heartbeats")
+    assert all(d["inflight"] == 0 for _, d in tap.of(sj.PROXY_HEARTBEAT))
+    proxies = {d["proxy"] for _, d in tap.of(sj.REQ_STARTED)}
+    assert proxies == {"replica-0", "replica-1"}
