@@ -236,7 +236,7 @@ class Scheduler:
         self._touched.add(node.pool)
         if cold:
             self._reweigh(node.pool, ease=False)
-            node.effective = node.target  # nothing to ease from: a new pool starts at its targets
+            node.effective = float(event.capacity)  # a new pool starts at capacity, eases to targets
         else:
             self._start_slow_start(node, 0.0)
             self._rephased.add(node.pool)

@@ -33,8 +33,8 @@ def _replay_cli(*args: str, stdin: bytes | None = None) -> subprocess.CompletedP
 # -- the capacity-drop example ------------------------------------------------------------------
 
 
-def _n2_by_tick(stdout: bytes) -> list[tuple[int, int, str, float, float, float]]:
-    """(seq, capacity, phase, effective n2, effective n1, target n2) for every snapshot."""
+def _n2_by_tick(stdout: bytes) -> list[tuple[int, int, str, float, float, float, float]]:
+    """(seq, capacity, phase, effective n2, effective n1, target n2, target n1) per snapshot."""
     rows = []
     for line in stdout.splitlines():
         entry = json.loads(line)
@@ -42,7 +42,7 @@ def _n2_by_tick(stdout: bytes) -> list[tuple[int, int, str, float, float, float]
             nodes = {n["node"]: n for n in entry["data"]["nodes"]}
             n2 = nodes["n2"]
             rows.append((entry["seq"], n2["capacity"], n2["phase"], n2["effective_weight"],
-                         nodes["n1"]["effective_weight"], n2["target_weight"]))
+                         nodes["n1"]["effective_weight"], n2["target_weight"], nodes["n1"]["target_weight"]))
     return rows
 
 
@@ -53,15 +53,15 @@ def test_replay_of_the_capacity_drop_example_is_byte_identical_and_ramps() -> No
     rows = _n2_by_tick(first.stdout)
     by_seq = {row[0]: row for row in rows}
     other = by_seq[12][4]
-    assert by_seq[12][3] == other  # before the drop: n2 like the others
+    assert by_seq[12][3] == other and by_seq[12][5] == by_seq[12][6]  # before: n2 like the others
     # seq 13 sets capacity 1: the target drops to a tenth at once, the effective weight ramps.
-    assert by_seq[13][5] == round(other / 10, 3) and by_seq[13][3] == other
+    assert by_seq[13][5] == round(by_seq[13][6] / 10, 3) and by_seq[13][3] == other
     down = [by_seq[s][3] for s in range(13, 44)]
     steps = [a - b for a, b in zip(down, down[1:])]
     assert all(0 <= step <= 0.25 * 10 + 0.0005 for step in steps), steps  # never one jump
     reached = next(i for i, v in enumerate(down) if v == by_seq[13][5])
     assert reached >= 4, down  # several ticks
-    assert down[-1] == round(other / 10, 3)  # about a tenth of the others
+    assert down[-1] == round(by_seq[43][4] / 10, 3)  # a tenth of the others
     # seq 44 restores capacity 10: slow start, climbing monotonically
     assert by_seq[44][2] == "recovering"
     up = [by_seq[s][3] for s in range(44, 86)]
