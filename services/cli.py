@@ -19,6 +19,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.sim_engine.cli",
     "services.collector",
     "services.scheduler_service",
+    "services.operator",
     "services.proxy.cli",
     "bench.cli",
     "services.demo",

@@ -513,10 +513,14 @@ def run_command(args: argparse.Namespace) -> int:
     return asyncio.run(serve(args.nats_url, options))
 
 
+async def _log_nats_error(exc: Exception) -> None:
+    log.warning("NATS: %s", exc or type(exc).__name__)
+
+
 async def serve(nats_url: str, options: SchedulerOptions) -> int:
     stop = settings.stop_event()
     try:
-        nc = await connect(nats_url, f"laswrr-scheduler-{options.replica_id}")
+        nc = await connect(nats_url, f"laswrr-scheduler-{options.replica_id}", error_cb=_log_nats_error)
     except Exception as exc:
         log.error("cannot connect to %s: %s", nats_url, exc)
         return 1

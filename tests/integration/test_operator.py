@@ -1,0 +1,124 @@
+"""`laswrr capacity|drain|undrain|remove|register|nodes` as an operator runs them (real processes)
+against a real nats-server and an in-process scheduler service."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.js import JetStreamContext
+
+from schemas import subjects as sj
+from services.natsbus import connect, ensure_streams
+from services.operator import Outcome, publish_and_wait
+from services.scheduler_service import SchedulerOptions, SchedulerService
+
+
+async def laswrr(*args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.cli", *args,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.fixture
+async def js(nats_url: str) -> AsyncIterator[JetStreamContext]:
+    nc = await connect(nats_url, "test")
+    context = nc.jetstream()
+    await ensure_streams(context)
+    yield context
+    await nc.close()
+
+
+@pytest.fixture
+async def scheduler(nats_url: str, js: JetStreamContext) -> AsyncIterator[SchedulerService]:
+    nc = await connect(nats_url, "scheduler")
+    service = SchedulerService(nc, SchedulerOptions(tick_ms=100, fetch_timeout_s=0.1))
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    await asyncio.wait_for(service.ready.wait(), 10)
+    yield service
+    stop.set()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(task, 10)
+    await nc.close()
+
+
+async def test_write_commands_report_applied_and_rejected(nats_url: str, js: JetStreamContext,
+                                                          scheduler: SchedulerService) -> None:
+    code, out, err = await laswrr("register", "n1", "--url", "http://127.0.0.1:9001", "--chip", "910B",
+                                  "--capacity", "8", "--nats-url", nats_url)
+    assert code == 0, err
+    assert out.startswith("applied: lb.admin.node.n1") and "n1 new -> active" in out
+
+    code, out, _ = await laswrr("capacity", "n1", "-1", "--nats-url", nats_url)
+    assert code == 1 and out.startswith("rejected: ") and ">= 0" in out
+
+    # The same code path in-process (saves a process start per command).
+    async def run(subject: str, body: bytes, node: str) -> str:
+        outcome = await publish_and_wait(nats_url, subject, body, node, 3.0)
+        assert outcome is not None
+        return outcome.summary(subject)
+
+    assert "capacity 2" in await run("lb.admin.capacity.n1", b'{"capacity": 2}', "n1")
+    last = (await js.stream_info(sj.EVENTS_STREAM)).state.last_seq
+    msg = await js.get_msg(sj.EVENTS_STREAM, last)
+    while msg.subject != "lb.admin.capacity.n1":  # ticks may have followed it
+        last -= 1
+        msg = await js.get_msg(sj.EVENTS_STREAM, last)
+    assert msg.data == b'{"capacity": 2}' and not msg.headers  # what `nats pub` sends
+    assert "rejected: unknown node 'ghost'" in await run("lb.admin.drain.ghost", b"{}", "ghost")
+    assert "n1 active -> draining (operator drain)" in await run("lb.admin.drain.n1", b"{}", "n1")
+    assert "-> recovering" in await run("lb.admin.undrain.n1", b"{}", "n1")
+    assert "removed" in await run("lb.admin.remove.n1", b"{}", "n1")
+
+
+async def test_nodes_prints_a_table_per_pool_and_json(nats_url: str, js: JetStreamContext,
+                                                      scheduler: SchedulerService) -> None:
+    await js.publish("lb.admin.node.a1", b'{"url": "http://a1", "capacity": 8, "chip": "910C"}')
+    last = await js.publish("lb.admin.node.b1", b'{"url": "http://b1", "capacity": 4, "pool": "batch"}')
+    await asyncio.wait_for(_applied(scheduler, last.seq), 5)
+    await asyncio.sleep(0.3)  # the next batch puts the snapshots into LB_WEIGHTS
+    code, out, err = await laswrr("nodes", "--nats-url", nats_url)
+    assert code == 0, err
+    assert "pool batch" in out and "pool default" in out and "a1" in out and "b1" in out
+    assert "active" in out and "effective" in out and "sample age" in out
+    code, out, _ = await laswrr("nodes", "--pool", "batch", "--json", "--nats-url", nats_url)
+    snapshots = json.loads(out)
+    assert list(snapshots) == ["batch"] and snapshots["batch"]["nodes"][0]["node"] == "b1"
+    code, _, err = await laswrr("nodes", "--pool", "nope", "--nats-url", nats_url)
+    assert code == 1 and "no pool 'nope'" in err
+
+
+async def _applied(service: SchedulerService, seq: int) -> None:
+    while service.applied_seq < seq:
+        await asyncio.sleep(0.02)
+
+
+async def test_timeout_bad_node_id_and_unreachable_nats(nats_url: str, js: JetStreamContext) -> None:
+    code, _, err = await laswrr("capacity", "n1", "1", "--wait", "0.3", "--nats-url", nats_url)
+    assert code == 3 and "timeout" in err  # no scheduler running
+    code, _, err = await laswrr("drain", "bad.node", "--nats-url", nats_url)
+    assert code == 2 and "invalid node id" in err
+    code, _, err = await laswrr("nodes", "--nats-url", "nats://127.0.0.1:1")
+    assert code == 2 and err.count("\n") == 1 and "cannot connect" in err
+
+
+def test_outcome_folds_outputs_in_order() -> None:
+    outcome = Outcome(seq=10, node="n1")
+    outcome.observe(sj.OUT_REJECTED, {"seq": 9, "subject": "x", "reason": "older"})
+    outcome.observe("lb.out.snapshot.default", {"as_of_seq": 9, "nodes": [{"node": "n1"}]})
+    assert not outcome.applied and outcome.rejected is None
+    outcome.observe(sj.OUT_REJECTED, {"seq": 10, "subject": "x", "reason": "bad"})
+    assert outcome.rejected == "bad" and outcome.summary("x") == "rejected: bad"
+
+    later = Outcome(seq=10, node="n1")
+    later.observe(sj.OUT_REJECTED, {"seq": 11, "subject": "y", "reason": "someone else's"})
+    assert later.applied and not later.described  # 10 went through; no view of n1 yet
+    later.observe("lb.out.snapshot.other", {"as_of_seq": 12, "pool": "other", "nodes": [{"node": "x"}]})
+    assert not later.described
