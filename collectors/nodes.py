@@ -1,0 +1,173 @@
+"""The collector's view of ``nodes.toml``: where to scrape each node and which chips serve it.
+
+The file is the one ``laswrr up`` reads (``[[node]]`` tables with ``id``, ``url``, ``pool``,
+``chip``, ``capacity``); the collector reads ``id`` and ``url`` and these optional keys:
+
+```toml
+[[node]]
+id = "n1"
+url = "http://10.0.0.5:8000"
+pool = "default"
+chip = "910B"
+capacity = 8
+# --- collector keys, all optional ---
+metrics_url = "http://10.0.0.5:8000/metrics"   # default <url>/metrics
+health_url = "http://10.0.0.5:8000/health"     # default <url>/health (MindIE: management port)
+engine = "auto"                 # vllm | mindie | sglang | auto (default: detect per scrape)
+npu_smi = "npu-smi info"        # command line for this node's host (default "npu-smi info"
+                                # when npu_ids/chips are given, else no NPU sampling)
+npu_ids = [0, 1]                # whole NPU ids of that table that serve this node, and/or
+chips = [[2, 0], [2, 1]]        # exact (npu_id, chip_id) pairs; neither = every chip printed
+```
+
+Nodes with the same ``npu_smi`` string share one host: the command runs once per interval
+and each node gets its selected chips. For a simulated engine the command is
+``"<python> -m services.cli sim-npu-smi --url <engine url>"``.
+
+Rules: ``parse_nodes`` is pure (a decoded TOML document in, ``CollectorNode``s out) and
+raises ``NodesConfigError`` with a one-line message naming the node for anything wrong;
+unknown keys are returned as warnings (``laswrr up`` may add its own keys), never errors.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, cast
+from urllib.parse import urlsplit
+
+from collectors.npu import ChipSelector, split_command
+from collectors.prometheus import EngineKind
+from schemas.subjects import SubjectError, check_token
+
+DEFAULT_NPU_SMI = "npu-smi info"
+ENGINES = ("auto", "vllm", "mindie", "sglang")
+UP_KEYS = frozenset({"id", "url", "pool", "chip", "capacity"})
+COLLECTOR_KEYS = frozenset({"metrics_url", "health_url", "engine", "npu_smi", "npu_ids", "chips"})
+
+
+class NodesConfigError(ValueError):
+    """``nodes.toml`` cannot be used by the collector; the message is one line."""
+
+
+@dataclass(frozen=True, slots=True)
+class CollectorNode:
+    id: str
+    url: str
+    metrics_url: str
+    health_url: str
+    engine: EngineKind | Literal["auto"] = "auto"
+    npu_smi: str | None = None
+    selector: ChipSelector = ChipSelector()
+
+
+def _http_url(value: Any, key: str, where: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise NodesConfigError(f"{where}: {key} must be a non-empty string")
+    parts = urlsplit(value.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise NodesConfigError(f"{where}: {key} {value!r} is not an http(s) URL with a host")
+    return value.strip()
+
+
+def _nonneg_ints(value: Any, key: str, where: str, size: int | None = None) -> tuple[int, ...]:
+    ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    if not ok or (size is not None and len(value) != size):
+        shape = "a pair [npu_id, chip_id]" if size == 2 else "a list of integers >= 0"
+        raise NodesConfigError(f"{where}: {key} must be {shape}, got {value!r}")
+    return tuple(value)
+
+
+def _selector(table: dict[str, Any], where: str) -> ChipSelector:
+    npu_ids = _nonneg_ints(table.get("npu_ids", []), "npu_ids", where)
+    raw_chips = table.get("chips", [])
+    if not isinstance(raw_chips, list):
+        raise NodesConfigError(f"{where}: chips must be a list of [npu_id, chip_id] pairs")
+    chips = tuple(cast(tuple[int, int], _nonneg_ints(c, "chips entry", where, size=2)) for c in raw_chips)
+    return ChipSelector(npu_ids=npu_ids, chips=chips)
+
+
+def _npu_smi(table: dict[str, Any], selector: ChipSelector, where: str) -> str | None:
+    command = table.get("npu_smi")
+    if command is None:
+        return None if selector.selects_all else DEFAULT_NPU_SMI
+    if not isinstance(command, str):
+        raise NodesConfigError(f"{where}: npu_smi must be a command line string")
+    try:
+        split_command(command)
+    except ValueError as exc:
+        raise NodesConfigError(f"{where}: {exc}") from None
+    return command.strip()
+
+
+def _node(table: Any, index: int) -> CollectorNode:
+    where = f"node #{index + 1}"
+    if not isinstance(table, dict):
+        raise NodesConfigError(f"{where}: expected a [[node]] table")
+    node_id = table.get("id")
+    if not isinstance(node_id, str):
+        raise NodesConfigError(f"{where}: id must be a string")
+    try:
+        check_token(node_id)
+    except SubjectError as exc:
+        raise NodesConfigError(f"{where}: {exc}") from None
+    where = f"node {node_id!r}"
+    url = _http_url(table.get("url"), "url", where).rstrip("/")
+    engine = table.get("engine", "auto")
+    if engine not in ENGINES:
+        raise NodesConfigError(f"{where}: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    selector = _selector(table, where)
+    return CollectorNode(
+        id=node_id, url=url,
+        metrics_url=_http_url(table.get("metrics_url", f"{url}/metrics"), "metrics_url", where),
+        health_url=_http_url(table.get("health_url", f"{url}/health"), "health_url", where),
+        engine=engine, npu_smi=_npu_smi(table, selector, where), selector=selector,
+    )
+
+
+def _warnings(tables: Sequence[dict[str, Any]], nodes: Sequence[CollectorNode]) -> list[str]:
+    notes = []
+    for table, node in zip(tables, nodes, strict=True):
+        unknown = sorted(set(table) - UP_KEYS - COLLECTOR_KEYS)
+        if unknown:
+            notes.append(f"node {node.id!r}: keys {', '.join(unknown)} are not collector or up keys (typo?)")
+    by_command: dict[str, list[CollectorNode]] = {}
+    for node in nodes:
+        if node.npu_smi is not None:
+            by_command.setdefault(node.npu_smi, []).append(node)
+    for command, members in by_command.items():
+        if len(members) > 1 and any(n.selector.selects_all for n in members):
+            names = ", ".join(n.id for n in members)
+            notes.append(f"nodes {names} share npu_smi {command!r} but not all name their npu_ids/chips: "
+                         "those get every chip")
+    return notes
+
+
+def parse_nodes(document: dict[str, Any]) -> tuple[list[CollectorNode], list[str]]:
+    """``(nodes, warnings)`` from a decoded nodes.toml document."""
+    tables = document.get("node", [])
+    if not isinstance(tables, list):
+        raise NodesConfigError("'node' must be an array of tables: write [[node]], not [node]")
+    nodes = [_node(table, i) for i, table in enumerate(tables)]
+    seen: set[str] = set()
+    for node in nodes:
+        if node.id in seen:
+            raise NodesConfigError(f"node {node.id!r} is defined twice")
+        seen.add(node.id)
+    return nodes, _warnings(tables, nodes)
+
+
+def load_nodes(path: str | Path) -> tuple[list[CollectorNode], list[str]]:
+    """Read and parse ``path``; NodesConfigError (one line) when unreadable or invalid."""
+    try:
+        document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise NodesConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise NodesConfigError(f"{path} is not valid TOML: {exc}") from None
+    try:
+        return parse_nodes(document)
+    except NodesConfigError as exc:
+        raise NodesConfigError(f"{path}: {exc}") from None

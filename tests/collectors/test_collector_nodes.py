@@ -1,0 +1,104 @@
+"""nodes.toml as the collector reads it: defaults, chip selectors, one-line errors, warnings."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from collectors.nodes import CollectorNode, NodesConfigError, load_nodes, parse_nodes
+from collectors.npu import ChipSelector, select_chips
+from schemas.events import NpuChip
+
+
+def parse(text: str) -> tuple[list[CollectorNode], list[str]]:
+    return parse_nodes(tomllib.loads(text))
+
+
+def test_defaults_from_the_up_keys_alone() -> None:
+    (node,), warnings = parse('[[node]]\nid = "n1"\nurl = "http://10.0.0.5:8000/"\npool = "p"\nchip = "910B"\ncapacity = 8\n')
+    assert node == CollectorNode(id="n1", url="http://10.0.0.5:8000", metrics_url="http://10.0.0.5:8000/metrics",
+                                 health_url="http://10.0.0.5:8000/health", engine="auto", npu_smi=None,
+                                 selector=ChipSelector())
+    assert warnings == []
+
+
+def test_collector_keys() -> None:
+    (a, b), _ = parse("""
+[[node]]
+id = "a"
+url = "http://h:1025"
+metrics_url = "http://h:1026/metrics"
+health_url = "https://h:1026/health"
+engine = "mindie"
+npu_ids = [0, 1]
+[[node]]
+id = "b"
+url = "http://h:1027"
+npu_smi = "ssh h npu-smi info"
+chips = [[2, 0], [2, 1]]
+""")
+    assert (a.metrics_url, a.health_url, a.engine) == ("http://h:1026/metrics", "https://h:1026/health", "mindie")
+    assert a.npu_smi == "npu-smi info" and a.selector == ChipSelector(npu_ids=(0, 1))  # default command with ids
+    assert b.npu_smi == "ssh h npu-smi info" and b.selector == ChipSelector(chips=((2, 0), (2, 1)))
+
+
+def test_selectors_pick_chips_and_name_missing_ones() -> None:
+    chips = [NpuChip(npu_id=n, chip_id=c) for n in (0, 1, 2) for c in (0, 1)]
+    both = ChipSelector(npu_ids=(1,), chips=((2, 1), (5, 0)))
+    assert [(c.npu_id, c.chip_id) for c in select_chips(chips, both)] == [(1, 0), (1, 1), (2, 1)]
+    assert both.missing(chips) == ["chip 5/0"]
+    assert ChipSelector(npu_ids=(9,)).missing(chips) == ["npu 9"]
+    assert select_chips(chips, ChipSelector()) == chips
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ('[[node]]\nid = "n 1"\nurl = "http://h:1"\n', "node #1: invalid node id 'n 1': use 1-128 letters, digits, '-' or '_'"),
+    ('[[node]]\nid = 3\nurl = "http://h:1"\n', "node #1: id must be a string"),
+    ('[[node]]\nid = "a"\n', "node 'a': url must be a non-empty string"),
+    ('[[node]]\nid = "a"\nurl = "h:1"\n', "node 'a': url 'h:1' is not an http(s) URL with a host"),
+    ('[[node]]\nid = "a"\nurl = "http://h:1"\nengine = "trt"\n', "node 'a': engine must be one of auto, vllm, mindie, sglang, got 'trt'"),
+    ('[[node]]\nid = "a"\nurl = "http://h:1"\nnpu_ids = [-1]\n', "node 'a': npu_ids must be a list of integers >= 0, got [-1]"),
+    ('[[node]]\nid = "a"\nurl = "http://h:1"\nchips = [[1]]\n', "node 'a': chips entry must be a pair [npu_id, chip_id], got [1]"),
+    ('[[node]]\nid = "a"\nurl = "http://h:1"\nnpu_smi = "npu-smi \'info"\n', "node 'a': npu_smi \"npu-smi 'info\": No closing quotation"),
+    ('[[node]]\nid = "a"\nurl = "http://h:1"\nnpu_smi = "  "\n', "node 'a': npu_smi must be a non-empty command line"),
+    ('[[node]]\nid = "a"\nurl = "http://h:1"\n[[node]]\nid = "a"\nurl = "http://h:2"\n', "node 'a' is defined twice"),
+    ('[node]\nid = "a"\nurl = "http://h:1"\n', "'node' must be an array of tables: write [[node]], not [node]"),
+])
+def test_bad_nodes_give_one_line_errors(body: str, message: str) -> None:
+    with pytest.raises(NodesConfigError) as caught:
+        parse(body)
+    assert str(caught.value) == message
+
+
+def test_warnings_for_unknown_keys_and_ambiguous_shared_hosts() -> None:
+    nodes, warnings = parse("""
+[[node]]
+id = "a"
+url = "http://h:1"
+metric_url = "http://h:1/m"
+npu_smi = "npu-smi info"
+[[node]]
+id = "b"
+url = "http://h:2"
+npu_smi = "npu-smi info"
+npu_ids = [1]
+""")
+    assert len(nodes) == 2
+    assert warnings == [
+        "node 'a': keys metric_url are not collector or up keys (typo?)",
+        "nodes a, b share npu_smi 'npu-smi info' but not all name their npu_ids/chips: those get every chip",
+    ]
+
+
+def test_load_nodes_reports_the_file(tmp_path: Path) -> None:
+    with pytest.raises(NodesConfigError, match=r"^cannot read .*missing\.toml: No such file or directory$"):
+        load_nodes(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[node]\n")
+    with pytest.raises(NodesConfigError, match=r"bad\.toml is not valid TOML: "):
+        load_nodes(bad)
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    assert load_nodes(empty) == ([], [])

@@ -1,0 +1,399 @@
+"""The collector against real HTTP engines (sim-engine, tiny junk apps), a real nats-server, real
+npu-smi subprocesses; samples read back from LB_EVENTS and decoded with the wire codec."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import aiohttp
+import nats
+import pytest
+from aiohttp import web
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from collectors.nodes import CollectorNode
+from collectors.npu import ChipSelector, NpuSmiError, run_npu_smi
+from collectors.npu_smi import render_info
+from scheduler.core import Scheduler
+from schemas import subjects as sj
+from schemas.codec import Envelope, decode_event, encode_event
+from schemas.events import ClockTicked, EngineSampled, Event, HealthProbed, NodeRegistered, NpuChip, NpuSampled
+from services.collector import Collector, Settings
+from services.natsbus import ensure_streams, free_port
+from services.sim_engine.app import RunningServer, start_server
+from services.sim_engine.config import SimConfig
+
+# Generous timeouts: engines run in the test's own event loop and CI machines are shared.
+FAST = Settings(interval_s=0.2, timeout_s=1.0, npu_interval_s=0.5, npu_timeout_s=10.0, stats_interval_s=60.0)
+SIM = SimConfig(chip="910B", capacity=4, port=0, speed=1.0)
+REPO = Path(__file__).resolve().parents[2]
+
+
+# --------------------------------------------------------------------------- fixtures and helpers
+
+
+@dataclass(frozen=True)
+class Sample:
+    seq: int
+    subject: str
+    node: str
+    event: Event
+    ts_ns: int  # JetStream time
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[Client]:
+    client = await nats.connect(nats_url)
+    await ensure_streams(client.jetstream())
+    yield client
+    await client.drain()
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[Callable[..., Awaitable[RunningServer]]]:
+    servers: list[RunningServer] = []
+
+    async def _start(**overrides: object) -> RunningServer:
+        server = await start_server(replace(SIM, **overrides))
+        servers.append(server)
+        return server
+
+    yield _start
+    for server in servers:
+        await server.close()
+
+
+@pytest.fixture
+async def tiny_apps() -> AsyncIterator[Callable[[web.Application], Awaitable[str]]]:
+    runners: list[web.AppRunner] = []
+
+    async def _start(app: web.Application) -> str:
+        runner = web.AppRunner(app, handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        port = runner.addresses[0][1]
+        return f"http://127.0.0.1:{port}"
+
+    yield _start
+    for runner in runners:
+        await runner.cleanup()
+
+
+def node(node_id: str, url: str, **extra: object) -> CollectorNode:
+    return CollectorNode(id=node_id, url=url, metrics_url=f"{url}/metrics", health_url=f"{url}/health",
+                         **extra)  # type: ignore[arg-type]
+
+
+def sim_npu_smi(url: str) -> str:
+    return f"{sys.executable} -m services.cli sim-npu-smi --url {url}"
+
+
+class Running:
+    """A collector task on a real NATS connection, stopped (and awaited) by ``stop()``."""
+
+    def __init__(self, nodes: list[CollectorNode], js: JetStreamContext, settings: Settings = FAST) -> None:
+        self.collector = Collector(nodes, js, settings)
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self.collector.run(self._stop))
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.wait_for(self._task, 5)
+
+
+@dataclass
+class EventLog:
+    """LB_EVENTS read back message by message (cached: each poll fetches only new ones)."""
+
+    js: JetStreamContext
+    samples: list[Sample] = field(default_factory=list)
+    raw: dict[int, bytes] = field(default_factory=dict)
+
+    async def read(self) -> list[Sample]:
+        info = await self.js.stream_info(sj.EVENTS_STREAM)
+        start = self.samples[-1].seq + 1 if self.samples else max(1, info.state.first_seq)
+        for seq in range(start, info.state.last_seq + 1):
+            msg = await self.js.get_msg(sj.EVENTS_STREAM, seq)
+            assert msg.subject is not None and msg.data is not None and msg.time is not None
+            key, event = decode_event(msg.subject, msg.data)
+            self.samples.append(Sample(seq, msg.subject, key or "", event, int(msg.time.timestamp() * 1e9)))
+            self.raw[seq] = msg.data
+        return list(self.samples)
+
+    async def wait_for(self, check: Callable[[list[Sample]], bool], timeout: float = 15.0) -> list[Sample]:
+        deadline = time.monotonic() + timeout
+        while True:
+            samples = await self.read()
+            if check(samples):
+                return samples
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not met within {timeout} s; last events: {samples[-5:]}")
+            await asyncio.sleep(0.1)
+
+
+def of(samples: list[Sample], kind: type[Event], node_id: str) -> list[Event]:
+    return [s.event for s in samples if isinstance(s.event, kind) and s.node == node_id]
+
+
+async def stream_completion(session: aiohttp.ClientSession, url: str, max_tokens: int) -> None:
+    body = {"prompt": "hello " * 50, "max_tokens": max_tokens, "stream": True}
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        async for _ in response.content:
+            pass
+
+
+# --------------------------------------------------------------------------- tests
+
+
+async def test_engine_health_and_npu_samples_land_in_lb_events_and_reflect_load(
+        nc: Client, engines: Callable[..., Awaitable[RunningServer]]) -> None:
+    busy = await engines(chip="910B", capacity=4)  # slow: requests stay in flight
+    quick = await engines(chip="910C", capacity=8, speed=20.0)  # fast: requests finish -> latency deltas
+    js = nc.jetstream()
+    running = Running([node("busy", busy.url, npu_smi=sim_npu_smi(busy.url)),
+                       node("quick", quick.url, npu_smi=sim_npu_smi(quick.url))], js)
+    try:
+        idle = await EventLog(js).wait_for(lambda s: bool(of(s, NpuSampled, "busy")) and bool(of(s, EngineSampled, "busy")))
+        first = of(idle, EngineSampled, "busy")[0]
+        assert isinstance(first, EngineSampled) and (first.running, first.waiting, first.engine) == (0, 0, "vllm")
+        assert all(isinstance(h, HealthProbed) and h.ok and h.latency_ms is not None for h in of(idle, HealthProbed, "busy"))
+        before = time.time_ns()
+        async with aiohttp.ClientSession() as session:
+            load = [asyncio.create_task(stream_completion(session, busy.url, 400)) for _ in range(6)]
+            load += [asyncio.create_task(stream_completion(session, quick.url, 4)) for _ in range(3)]
+
+            def loaded(s: list[Sample]) -> bool:
+                eng = [e for e in of(s, EngineSampled, "busy") if isinstance(e, EngineSampled) and (e.ts_ns or 0) > before]
+                npu = [e for e in of(s, NpuSampled, "busy") if isinstance(e, NpuSampled) and (e.ts_ns or 0) > before]
+                timed = [e for e in of(s, EngineSampled, "quick") if isinstance(e, EngineSampled) and e.ttft_ms]
+                return (any((e.running, e.waiting) == (4, 2) and e.kv_cache_usage > 0 for e in eng)
+                        and any((e.chips[0].aicore_util or 0) > 0 for e in npu) and bool(timed))
+
+            samples = await EventLog(js).wait_for(loaded)
+            for task in load:
+                task.cancel()
+            await asyncio.gather(*load, return_exceptions=True)
+    finally:
+        await running.stop()
+    quick_timed = [e for e in of(samples, EngineSampled, "quick") if isinstance(e, EngineSampled) and e.ttft_ms]
+    assert quick_timed[0].e2e_ms is not None and quick_timed[0].e2e_ms >= quick_timed[0].ttft_ms  # type: ignore[operator]
+    (chips,) = {tuple(e.chips) for e in of(samples, NpuSampled, "quick")[:1] if isinstance(e, NpuSampled)}
+    assert [(c.npu_id, c.chip_id, c.name) for c in chips] == [(0, 0, "Ascend910"), (0, 1, "Ascend910")]  # 910C: 2 dies
+    for sample in samples:  # producer time stamped, and close to the stream's own time
+        assert sample.event.ts_ns is not None and abs(sample.event.ts_ns - sample.ts_ns) < 2e9  # type: ignore[attr-defined]
+    stats = running.collector.stats
+    assert stats.total("scrapes", outcome="ok") >= 4 and stats.total("publish_errors") == 0
+    assert stats.total("npu_smi_runs", outcome="ok") >= 2
+
+
+async def test_unreachable_node_and_5xx_health_give_failing_samples_while_others_keep_going(
+        nc: Client, engines: Callable[..., Awaitable[RunningServer]],
+        tiny_apps: Callable[[web.Application], Awaitable[str]]) -> None:
+    good = await engines(speed=20.0)
+    async def junk(_: web.Request) -> web.Response:
+        return web.Response(text="<html>fine, thanks</html>\n")
+
+    async def overloaded(_: web.Request) -> web.Response:
+        return web.Response(status=503, text="engine overloaded")
+
+    app = web.Application()
+    app.router.add_get("/metrics", junk)
+    app.router.add_get("/health", overloaded)
+    sick = await tiny_apps(app)
+    dead = f"http://127.0.0.1:{free_port()}"
+    js = nc.jetstream()
+    running = Running([node("good", good.url), node("sick", sick), node("dead", dead)], js)
+    samples = await EventLog(js).wait_for(lambda s: len(of(s, HealthProbed, "dead")) >= 3 and len(of(s, HealthProbed, "sick")) >= 3)
+    await running.stop()
+    for probe in of(samples, HealthProbed, "dead"):
+        assert isinstance(probe, HealthProbed) and not probe.ok and probe.error is not None
+        assert probe.error.startswith("unreachable:") and probe.latency_ms is None
+    for probe in of(samples, HealthProbed, "sick"):
+        assert isinstance(probe, HealthProbed) and not probe.ok and probe.error == "HTTP 503: engine overloaded"
+        assert probe.latency_ms is not None
+    assert len(of(samples, EngineSampled, "good")) >= 3 and all(
+        isinstance(p, HealthProbed) and p.ok for p in of(samples, HealthProbed, "good"))
+    assert of(samples, EngineSampled, "sick") == [] and of(samples, EngineSampled, "dead") == []
+    stats = running.collector.stats
+    assert stats.total("scrapes", node="sick", outcome="garbage") >= 3
+    assert stats.total("scrapes", node="dead", outcome="unreachable") >= 3
+    assert stats.total("scrapes", node="sick", outcome="ok") == 0
+    body = stats.render().decode()
+    assert 'laswrr_collector_scrapes_total{node="sick",outcome="garbage"}' in body
+
+
+async def test_a_slow_node_never_delays_the_others(
+        nc: Client, engines: Callable[..., Awaitable[RunningServer]],
+        tiny_apps: Callable[[web.Application], Awaitable[str]]) -> None:
+    async def hang(_: web.Request) -> web.Response:
+        await asyncio.sleep(30)
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_get("/metrics", hang)
+    app.router.add_get("/health", hang)
+    slow = await tiny_apps(app)
+    fast = [await engines(speed=20.0) for _ in range(3)]
+    js = nc.jetstream()
+    settings = replace(FAST, interval_s=0.2, timeout_s=1.0)
+    running = Running([node("slow", slow)] + [node(f"f{i}", e.url) for i, e in enumerate(fast)], js, settings)
+    await asyncio.sleep(2.5)
+    await running.stop()
+    samples = await EventLog(js).read()
+    for i in range(3):
+        stamps = [e.ts_ns for e in of(samples, EngineSampled, f"f{i}") if isinstance(e, EngineSampled)]
+        gaps_ms = [(b - a) / 1e6 for a, b in zip(stamps, stamps[1:]) if a and b]
+        assert len(stamps) >= 8, stamps  # ~12 ticks of 200 ms
+        assert max(gaps_ms) < 700, gaps_ms  # never held up by the 1000 ms timeouts of "slow"
+    slow_health = of(samples, HealthProbed, "slow")
+    assert 1 <= len(slow_health) <= 3  # one probe per ~1 s round, not one per 200 ms tick
+    assert all(isinstance(h, HealthProbed) and h.error == "timeout after 1000 ms" for h in slow_health)
+    stats = running.collector.stats
+    assert stats.total("scrapes", node="slow", outcome="timeout") >= 1
+    assert stats.total("late_ticks", node="slow") >= 4
+
+
+def _table_command(tmp_path: Path, chips: list[NpuChip]) -> str:
+    table = tmp_path / "npu-smi.txt"
+    table.write_text(render_info(chips))
+    return f"{sys.executable} -c \"import sys; sys.stdout.write(open(sys.argv[1]).read())\" {table}"
+
+
+async def test_shared_npu_smi_runs_once_per_interval_and_splits_chips(nc: Client, tmp_path: Path,
+                                                                      engines: Callable[..., Awaitable[RunningServer]]) -> None:
+    engine = await engines(speed=20.0)
+    chips = [NpuChip(npu_id=n, chip_id=c, name="Ascend910", health="OK", aicore_util=0.1 * (n + 1),
+                     hbm_used_mb=1000, hbm_total_mb=65536, memory_used_mb=0, memory_total_mb=0)
+             for n in range(3) for c in range(2)]
+    command = _table_command(tmp_path, chips)
+    js = nc.jetstream()
+    nodes = [node("left", engine.url, npu_smi=command, selector=ChipSelector(npu_ids=(0, 1))),
+             node("right", engine.url, npu_smi=command, selector=ChipSelector(chips=((2, 1),))),
+             node("ghost", engine.url, npu_smi=command, selector=ChipSelector(npu_ids=(7,)))]
+    running = Running(nodes, js)
+    samples = await EventLog(js).wait_for(lambda s: len(of(s, NpuSampled, "right")) >= 2)
+    await running.stop()
+    left, right = of(samples, NpuSampled, "left")[0], of(samples, NpuSampled, "right")[0]
+    assert isinstance(left, NpuSampled) and isinstance(right, NpuSampled)
+    assert [(c.npu_id, c.chip_id) for c in left.chips] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(c.npu_id, c.chip_id, c.aicore_util) for c in right.chips] == [(2, 1, pytest.approx(0.3))]
+    assert of(samples, NpuSampled, "ghost") == []
+    stats = running.collector.stats
+    runs = stats.total("npu_smi_runs")
+    assert runs == stats.total("npu_smi_runs", outcome="ok") and runs >= 2
+    assert stats.total("published", kind="npu") == 2 * runs  # one command run feeds both nodes
+    assert stats.total("npu_missing", node="ghost") == runs
+
+
+@pytest.mark.parametrize(("command", "kind"), [
+    ([sys.executable, "-c", "import sys; sys.stderr.write('dcmi error -8005'); sys.exit(3)"], "exit_status"),
+    ([sys.executable, "-c", "print('Hello, I am not npu-smi')"], "garbage"),
+    ([sys.executable, "-c", "import time; time.sleep(30)"], "timeout"),
+    (["/nonexistent/npu-smi", "info"], "not_runnable"),
+])
+async def test_npu_smi_failures_are_typed(command: list[str], kind: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(NpuSmiError) as caught:
+        await run_npu_smi(command, timeout_s=1.0)
+    assert caught.value.kind == kind and "\n" not in str(caught.value)
+    assert time.monotonic() - started < 3.0
+    if kind == "exit_status":
+        assert str(caught.value) == "exit status 3: dcmi error -8005"
+
+
+async def test_failing_npu_smi_is_counted_and_engine_samples_continue(
+        nc: Client, engines: Callable[..., Awaitable[RunningServer]]) -> None:
+    engine = await engines(speed=20.0)
+    js = nc.jetstream()
+    running = Running([node("n", engine.url, npu_smi=sim_npu_smi("http://127.0.0.1:9"))], js)
+    stats = running.collector.stats
+    deadline = time.monotonic() + 15
+    while stats.total("npu_smi_runs") < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    engine_before = stats.total("published", kind="engine")
+    await asyncio.sleep(0.5)
+    await running.stop()
+    assert stats.total("npu_smi_runs", outcome="exit_status") == stats.total("npu_smi_runs") >= 2
+    assert stats.total("published", kind="engine") >= engine_before + 2  # the engine loop kept going
+    assert of(await EventLog(js).read(), NpuSampled, "n") == []
+
+
+async def test_samples_reach_the_scheduler_core(nc: Client, engines: Callable[..., Awaitable[RunningServer]]) -> None:
+    engine = await engines(chip="910B", capacity=4)
+    js = nc.jetstream()
+    await js.publish(sj.admin_node("a"), encode_event(NodeRegistered(url=engine.url, capacity=4, chip="910B")))
+    running = Running([node("a", engine.url, npu_smi=sim_npu_smi(engine.url))], js)
+    async with aiohttp.ClientSession() as session:
+        load = [asyncio.create_task(stream_completion(session, engine.url, 400)) for _ in range(3)]
+
+        def busy(s: list[Sample]) -> bool:
+            return (any(isinstance(e, EngineSampled) and e.running == 3 for e in of(s, EngineSampled, "a"))
+                    and any(isinstance(e, NpuSampled) and (e.chips[0].aicore_util or 0) > 0 for e in of(s, NpuSampled, "a")))
+
+        events = EventLog(js)
+        samples = await events.wait_for(busy)
+        for task in load:
+            task.cancel()
+        await asyncio.gather(*load, return_exceptions=True)
+    await running.stop()
+    core = Scheduler()
+    for sample in samples:
+        rejected = [o for o in core.apply(Envelope(sample.seq, sample.ts_ns, sample.subject, events.raw[sample.seq]))
+                    if o.subject == sj.OUT_REJECTED]
+        assert rejected == []
+    last = samples[-1]
+    core.apply(Envelope(last.seq + 1, last.ts_ns, sj.CLOCK_TICK, encode_event(ClockTicked(tick=1))))
+    (view,) = core.snapshot("default").nodes
+    assert view.node == "a" and not view.load.stale and view.load.sample_age_ms is not None
+    assert view.load.kv > 0 and view.load.npu > 0 and view.load.running > 0 and view.load.load > 0
+    assert view.target_weight < 4
+
+
+async def test_cli_runs_publishes_serves_counters_and_stops_on_sigterm(
+        nats_url: str, nc: Client, engines: Callable[..., Awaitable[RunningServer]], tmp_path: Path) -> None:
+    engine = await engines(speed=20.0)
+    nodes_toml = tmp_path / "nodes.toml"
+    nodes_toml.write_text(f'[[node]]\nid = "n1"\nurl = "{engine.url}"\npool = "default"\nchip = "910B"\n'
+                          f'capacity = 4\nnpu_smi = "{sim_npu_smi(engine.url)}"\n')
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "collector", "--nats-url", nats_url, "--nodes", str(nodes_toml),
+        "--interval-ms", "100", "--npu-interval-ms", "300", "--metrics-port", str(port),
+        cwd=REPO, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        js = nc.jetstream()
+        await EventLog(js).wait_for(lambda s: bool(of(s, NpuSampled, "n1")) and len(of(s, EngineSampled, "n1")) >= 3)
+        async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+            text = await resp.text()
+        assert 'laswrr_collector_scrapes_total{node="n1",outcome="ok"}' in text
+        assert 'laswrr_collector_published_total{kind="npu"}' in text
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.stderr is not None
+    log = (await proc.stderr.read()).decode()
+    assert "collector stopped: scrapes {'ok':" in log and "Traceback" not in log
+
+
+async def test_cli_rejects_a_bad_nodes_file_in_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "nodes.toml"
+    bad.write_text('[[node]]\nid = "n 1"\nurl = "http://x:1"\n')
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "collector", "--nats-url", "nats://127.0.0.1:1", "--nodes", str(bad),
+        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 2 and out == b""
+    assert err.decode().count("\n") == 1 and "invalid node id 'n 1'" in err.decode()
