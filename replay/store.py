@@ -11,8 +11,9 @@ and no other process can open it, not even read-only. ``open_read`` therefore:
 
 1. opens the file read-only when nobody holds it (the stack is stopped);
 2. otherwise asks the running recorder, over NATS request ``lb.recorder.snapshot``, for a
-   consistent copy (the recorder drains its input consumer, checkpoints and copies the file
-   between two batches) into a private temporary directory, and opens that copy;
+   consistent copy (between two batches, after recording LB_EVENTS up to the stream's end, the
+   recorder copies the database with DuckDB's ``COPY FROM DATABASE``) into a private temporary
+   directory, and opens that copy;
 3. fails with one clear line when neither works.
 
 A Parquet export (``laswrr export``) is opened in memory with ``events`` as a view over it, so
@@ -229,7 +230,11 @@ def request_snapshot(url: str, db: Path, target: Path, timeout_s: float) -> dict
     import nats
 
     async def ask() -> dict[str, str]:
-        nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False)
+        async def quiet(exc: Exception) -> None:
+            return None
+
+        nc = await asyncio.wait_for(nats.connect(url, connect_timeout=2, max_reconnect_attempts=0,
+                                                 allow_reconnect=False, error_cb=quiet), 3.0)
         try:
             body = json.dumps({"db": str(db.resolve()), "to": str(target)}).encode()
             msg = await nc.request(SNAPSHOT_SUBJECT, body, timeout=timeout_s)

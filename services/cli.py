@@ -15,11 +15,13 @@ from collections.abc import Sequence
 
 COMMAND_MODULES: tuple[str, ...] = (
     "replay.cli",
+    "services.recorder",
     "collectors.cli",
     "services.sim_engine.cli",
     "services.collector",
     "services.scheduler_service",
     "services.operator",
+    "services.up",
     "services.proxy.cli",
     "bench.cli",
     "services.demo",

@@ -1,0 +1,214 @@
+"""The recorder against a real nats-server and a real DuckDB file: exactly-once across SIGKILL,
+graceful stop, malformed payloads, hole repair, and live reads while it holds the write lock."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from replay import store
+from schemas import subjects as sj
+from services.natsbus import connect, ensure_streams
+
+pytestmark = pytest.mark.timeout(60)
+STARTED: list[subprocess.Popen[bytes]] = []
+
+
+@pytest.fixture(autouse=True)
+def _reap_recorders() -> Iterator[None]:
+    """A failed test must not leave a recorder behind."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def start_recorder(url: str, data_dir: Path, *extra: str, ready: bool = True) -> subprocess.Popen[bytes]:
+    """``laswrr recorder`` as a child process; with ``ready``, wait until it records."""
+    log_file = data_dir / f"recorder-{time.monotonic_ns()}.log"
+    with open(log_file, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "recorder", "--nats-url", url,
+                                 "--data-dir", str(data_dir), *extra], stdout=subprocess.DEVNULL, stderr=log)
+    proc.log_file = log_file  # type: ignore[attr-defined]
+    STARTED.append(proc)
+    deadline = time.monotonic() + 20
+    while ready and b" recording " not in log_file.read_bytes():
+        assert proc.poll() is None, log_file.read_text()
+        assert time.monotonic() < deadline, "recorder did not start"
+        time.sleep(0.02)
+    return proc
+
+
+async def ack_floor(js, stream: str, durable: str) -> int:  # type: ignore[no-untyped-def]
+    try:
+        info = await js.consumer_info(stream, durable)
+    except Exception:  # noqa: BLE001 - not created yet
+        return 0
+    return int(info.ack_floor.stream_seq or 0)
+
+
+async def wait_acked(js, stream: str, durable: str, seq: int, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while await ack_floor(js, stream, durable) < seq:
+        assert time.monotonic() < deadline, f"{stream}: recorder did not ack up to {seq}"
+        await asyncio.sleep(0.02)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if code != 0:
+        print(proc.log_file.read_text())  # type: ignore[attr-defined]
+    return code
+
+
+def rows(db: Path, stream: str) -> list[tuple[int, int, str, str]]:
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        return con.execute("SELECT seq, ts_ns, subject, data FROM events WHERE stream = ? ORDER BY seq",
+                           [stream]).fetchall()
+    finally:
+        con.close()
+
+
+async def stream_times(js, stream: str, seqs: list[int]) -> dict[int, int]:  # type: ignore[no-untyped-def]
+    """The exact stored timestamps (ns) of some messages, read back with STREAM.MSG.GET."""
+    from services.recorder import Recorder, RecorderOptions
+
+    recorder = Recorder(js._nc, RecorderOptions())
+    out = {}
+    for seq in seqs:
+        got = await recorder._get_msg(stream, seq)
+        assert got is not None
+        out[seq] = got[1]
+    return out
+
+
+async def test_sigkill_mid_run_loses_nothing_and_duplicates_nothing(nats_url: str, tmp_path: Path) -> None:
+    nc = await connect(nats_url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js)
+    total = 4000
+    publisher_done = asyncio.Event()
+
+    async def publish() -> None:
+        for i in range(total):
+            await nc.publish(sj.req_started(f"n{i % 3}"), b'{"request_id":"r%d","proxy":"p1"}' % i)
+            if i % 10 == 0:
+                await nc.publish(sj.out_snapshot("default"), b'{"pool":"default","as_of_seq":%d}' % i)
+            if i % 100 == 0:
+                await nc.flush()
+                await asyncio.sleep(0.01)
+        await nc.flush()
+        publisher_done.set()
+
+    publisher = asyncio.create_task(publish())
+    kills = 0
+    floor = 0
+    while kills < 3:
+        proc = start_recorder(nats_url, tmp_path, "--batch", "100", "--flush-ms", "20", ready=False)
+        # wait for progress past the last kill, then SIGKILL in the middle of the run
+        await wait_acked(js, sj.EVENTS_STREAM, "recorder-events", floor + 150)
+        proc.kill()
+        proc.wait()
+        kills += 1
+        floor = await ack_floor(js, sj.EVENTS_STREAM, "recorder-events")
+    assert floor < total, "the run ended before the kills: make it longer"
+    await publisher
+    proc = start_recorder(nats_url, tmp_path, "--batch", "100", "--flush-ms", "20")
+    events_last = (await js.stream_info(sj.EVENTS_STREAM)).state.last_seq
+    out_last = (await js.stream_info(sj.OUT_STREAM)).state.last_seq
+    await wait_acked(js, sj.EVENTS_STREAM, "recorder-events", events_last)
+    await wait_acked(js, sj.OUT_STREAM, "recorder-out", out_last)
+    assert stop(proc) == 0
+
+    recorded = rows(tmp_path / "events.duckdb", sj.EVENTS_STREAM)
+    assert [r[0] for r in recorded] == list(range(1, total + 1))  # none lost, none duplicated
+    assert sorted(r[3] for r in recorded) == sorted('{"request_id":"r%d","proxy":"p1"}' % i for i in range(total))
+    assert [r[0] for r in rows(tmp_path / "events.duckdb", sj.OUT_STREAM)] == list(range(1, out_last + 1))
+    exact = await stream_times(js, sj.EVENTS_STREAM, [1, total // 2, total])
+    assert {r[0]: r[1] for r in recorded if r[0] in exact} == exact  # integer-ns JetStream timestamps
+    await nc.close()
+
+
+async def test_graceful_stop_records_malformed_payloads_and_exits_zero(nats_url: str, tmp_path: Path) -> None:
+    nc = await connect(nats_url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js)
+    payloads = [b'{"capacity": 1}', b"not json {", b"", b'{"capacity": -3}', "caf\u00e9".encode()]
+    for payload in payloads:
+        await js.publish(sj.admin_capacity("n1"), payload, headers={"Nats-Msg-Id": payload.hex() or "empty"})
+    proc = start_recorder(nats_url, tmp_path)
+    await wait_acked(js, sj.EVENTS_STREAM, "recorder-events", len(payloads))
+    assert stop(proc) == 0
+    recorded = rows(tmp_path / "events.duckdb", sj.EVENTS_STREAM)
+    assert [r[3] for r in recorded] == [p.decode() for p in payloads]
+    assert all(r[2] == "lb.admin.capacity.n1" for r in recorded)
+    await nc.close()
+
+
+async def test_restart_fills_a_hole_from_the_stream(nats_url: str, tmp_path: Path) -> None:
+    nc = await connect(nats_url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js)
+    for i in range(10):
+        await js.publish(sj.health(f"n{i}"), b'{"ok": true}')
+    proc = start_recorder(nats_url, tmp_path)
+    await wait_acked(js, sj.EVENTS_STREAM, "recorder-events", 10)
+    assert stop(proc) == 0
+    before = rows(tmp_path / "events.duckdb", sj.EVENTS_STREAM)
+    con = duckdb.connect(str(tmp_path / "events.duckdb"))
+    con.execute("DELETE FROM events WHERE stream = 'LB_EVENTS' AND seq IN (4, 5, 8)")
+    con.close()
+    proc = start_recorder(nats_url, tmp_path)  # ready: the repair runs before recording starts
+    assert stop(proc) == 0
+    assert b"filled 3 hole(s)" in proc.log_file.read_bytes()  # type: ignore[attr-defined]
+    after = rows(tmp_path / "events.duckdb", sj.EVENTS_STREAM)
+    assert after == before  # same seq, ts_ns, subject and data as first recorded
+    await nc.close()
+
+
+async def test_readers_get_a_consistent_copy_while_the_recorder_runs(nats_url: str, tmp_path: Path) -> None:
+    nc = await connect(nats_url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js)
+    for i in range(50):
+        await js.publish(sj.health("n1"), b'{"ok": true}')
+    await js.publish(sj.out_snapshot("default"), b'{"pool":"default","as_of_seq":50}')
+    proc = start_recorder(nats_url, tmp_path)
+    try:
+        await wait_acked(js, sj.EVENTS_STREAM, "recorder-events", 50)
+        db = tmp_path / "events.duckdb"
+        with pytest.raises(duckdb.IOException):
+            duckdb.connect(str(db), read_only=True)  # the one-writer rule, for real
+        counts = await asyncio.to_thread(read_counts, db, nats_url)
+        assert counts == [("LB_EVENTS", 50), ("LB_OUT", 1)]
+        with pytest.raises(duckdb.IOException):
+            duckdb.connect(str(db), read_only=True)  # copying did not release the writer's lock
+        with pytest.raises(store.StoreError, match="no recorder answered"):
+            await asyncio.to_thread(read_counts, db, "nats://127.0.0.1:1")
+    finally:
+        assert stop(proc) == 0
+    await nc.close()
+
+
+def read_counts(db: Path, url: str) -> list[tuple[str, int]]:
+    with store.open_read(db, nats_url=url, timeout_s=10) as con:
+        result = con.execute("SELECT stream, count(*) FROM events GROUP BY stream ORDER BY stream").fetchall()
+        con.execute("SELECT count(*) FROM weights_over_time").fetchall()  # views are there too
+        return result
