@@ -1,6 +1,6 @@
 """Proxy overhead benchmark: requests/s and added latency, direct vs our stack vs vllm-router.
 
-    python -m bench.proxy_bench [--duration 8] [--connections 64] [--out bench-out/proxy.json]
+    python -m bench.proxy_bench [--duration 8] [--connections 64] [--rounds 2] [--out bench-out/proxy_bench.json]
 
 One run starts, as separate processes on this machine: an embedded nats-server, two instant
 engines (below), the real stack (``laswrr scheduler``, ``laswrr recorder``, ``laswrr proxy``;
@@ -13,8 +13,15 @@ engines. Then, for each target:
 * **throughput**: ``--connections`` keep-alive connections for ``--duration`` s; requests/s.
 
 Targets: ``direct`` (one engine, no router: the floor), ``laswrr`` (proxy + event publishing to
-JetStream + scheduler + recorder, all running), ``vllm-router`` (``--policy round_robin``).
-Non-streamed requests, plus a streamed (SSE) throughput run per target.
+JetStream + scheduler + recorder, all running), ``laswrr-proxy-only`` (the same proxy, still
+publishing every event to JetStream, with scheduler and recorder paused by SIGSTOP: what the
+proxy alone costs), ``vllm-router`` (``--policy round_robin``). Non-streamed requests, plus a
+streamed (SSE) throughput run per target. Targets run interleaved for ``--rounds`` rounds (the
+machine may be shared; the best round is kept), each after the stack went idle.
+
+CPU per request: the utime+stime each process spent during the throughput run (for ``laswrr``
+until the scheduler and recorder caught up) divided by the requests served. Unlike requests/s,
+this does not depend on what else runs on the machine, and shows where the time goes.
 
 The load generator is ``wrk`` (C, one thread) when installed (``apt-get install wrk``), else a
 lean asyncio client in its own process (``python -m bench.proxy_bench load``). The engine is a
@@ -36,7 +43,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -237,12 +244,12 @@ class Result:
     rps: float
     rps_stream: float
     errors: int
+    cpu_us_per_request: dict[str, float] = field(default_factory=dict)
 
 
 class Stack:
-    def __init__(self, workdir: Path, verbose: bool = False) -> None:
+    def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.verbose = verbose
         self.processes: list[tuple[str, subprocess.Popen[str]]] = []
 
     def spawn(self, name: str, argv: list[str], wait_line: str | None = None, timeout: float = 60.0) -> str:
@@ -262,7 +269,16 @@ class Stack:
                 return line.strip().split()[-1]
         raise TimeoutError(f"{name} did not start")
 
+    def pids(self, *names: str) -> dict[str, int]:
+        return {name: proc.pid for name, proc in self.processes if name in names}
+
+    def signal(self, names: tuple[str, ...], sig: signal.Signals) -> None:
+        for name, proc in self.processes:
+            if name in names and proc.poll() is None:
+                proc.send_signal(sig)
+
     def stop(self) -> None:
+        self.signal(tuple(name for name, _ in self.processes), signal.SIGCONT)
         for name, proc in reversed(self.processes):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -272,6 +288,25 @@ class Stack:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (Linux /proc), 0 when unavailable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def quiesce(pids: dict[str, int], timeout: float = 30.0) -> None:
+    """Wait until the stack has caught up (its processes use < 5 % CPU), so runs do not overlap."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = sum(cpu_seconds(p) for p in pids.values())
+        time.sleep(0.5)
+        if sum(cpu_seconds(p) for p in pids.values()) - before < 0.025 * max(1, len(pids)):
+            return
 
 
 def laswrr(*args: str) -> list[str]:
@@ -321,20 +356,62 @@ def start_vllm_router(stack: Stack, engines: list[str]) -> tuple[str | None, str
     return url, "ok"
 
 
-def measure(name: str, base_url: str, args: argparse.Namespace, workdir: Path, direct_p50: float | None) -> Result:
-    url = base_url + "/v1/chat/completions"
-    load(url, CHAT_BODY, args.connections, 1.0, workdir)  # warm-up: connections, caches, JIT-free paths
-    latency = load(url, CHAT_BODY, 1, args.latency_duration, workdir)
-    throughput = load(url, CHAT_BODY, args.connections, args.duration, workdir)
-    streamed = load(url, STREAM_BODY, args.connections, args.duration, workdir)
+@dataclass
+class Target:
+    name: str
+    url: str
+    cpu_of: dict[str, int]  # processes whose CPU time this target's requests cost
+    paused: tuple[str, ...] = ()  # processes stopped (SIGSTOP) while this target runs
+
+
+def measure(target: Target, stack: Stack, args: argparse.Namespace, direct_p50: float | None) -> Result:
+    url, workdir = target.url + "/v1/chat/completions", stack.workdir
+    stack.signal(target.paused, signal.SIGSTOP)
+    try:
+        load(url, CHAT_BODY, args.connections, 1.0, workdir)  # warm-up: connections, caches
+        latency = load(url, CHAT_BODY, 1, args.latency_duration, workdir)
+        before = {name: cpu_seconds(pid) for name, pid in target.cpu_of.items()}
+        throughput = load(url, CHAT_BODY, args.connections, args.duration, workdir)
+        if not target.paused:
+            quiesce(target.cpu_of)  # the consumers' work for these requests counts too
+        after = {name: cpu_seconds(pid) for name, pid in target.cpu_of.items()}
+        streamed = load(url, STREAM_BODY, args.connections, args.duration, workdir)
+    finally:
+        stack.signal(target.paused, signal.SIGCONT)
+    cpu = {name: round(1e6 * (after[name] - before[name]) / max(1, throughput["requests"]), 1) for name in before}
     added = latency["p50_ms"] - direct_p50 if direct_p50 is not None else 0.0
-    result = Result(target=name, latency_p50_ms=round(latency["p50_ms"], 3), latency_p99_ms=round(latency["p99_ms"], 3),
-                    added_p50_ms=round(added, 3), rps=round(throughput["rps"], 1), rps_stream=round(streamed["rps"], 1),
-                    errors=latency["errors"] + throughput["errors"] + streamed["errors"])
-    print(f"  {name:<12} p50 {result.latency_p50_ms:7.3f} ms  p99 {result.latency_p99_ms:7.3f} ms  "
+    return Result(target=target.name, latency_p50_ms=round(latency["p50_ms"], 3),
+                  latency_p99_ms=round(latency["p99_ms"], 3), added_p50_ms=round(added, 3),
+                  rps=round(throughput["rps"], 1), rps_stream=round(streamed["rps"], 1),
+                  errors=latency["errors"] + throughput["errors"] + streamed["errors"], cpu_us_per_request=cpu)
+
+
+def best(runs: list[Result]) -> Result:
+    """Of several rounds, the least disturbed: highest req/s; latency from the round with the lowest P50."""
+    top = max(runs, key=lambda r: r.rps)
+    quiet = min(runs, key=lambda r: r.latency_p50_ms)
+    return Result(target=top.target, latency_p50_ms=quiet.latency_p50_ms, latency_p99_ms=quiet.latency_p99_ms,
+                  added_p50_ms=quiet.added_p50_ms, rps=top.rps, rps_stream=max(r.rps_stream for r in runs),
+                  errors=sum(r.errors for r in runs), cpu_us_per_request=top.cpu_us_per_request)
+
+
+def show(result: Result) -> None:
+    cpu = " ".join(f"{k}={v:.0f}" for k, v in result.cpu_us_per_request.items())
+    print(f"  {result.target:<17} p50 {result.latency_p50_ms:7.3f} ms  p99 {result.latency_p99_ms:7.3f} ms  "
           f"added {result.added_p50_ms:6.3f} ms  {result.rps:8.1f} req/s  {result.rps_stream:8.1f} req/s SSE  "
-          f"errors {result.errors}", flush=True)
-    return result
+          f"errors {result.errors}  cpu us/req: {cpu}", flush=True)
+
+
+def start_stack(stack: Stack, nats_url: str, policy: str) -> tuple[dict[str, str], str]:
+    engines = {f"e{i}": stack.spawn(f"engine-{i}", [sys.executable, "-m", "bench.proxy_bench", "engine"], LISTEN)
+               for i in (1, 2)}
+    stack.spawn("scheduler", laswrr("scheduler", "--nats-url", nats_url))
+    stack.spawn("recorder", laswrr("recorder", "--nats-url", nats_url, "--data-dir", str(stack.workdir / "data")))
+    asyncio.run(register_nodes(nats_url, engines))
+    proxy = stack.spawn("proxy", laswrr("proxy", "--nats-url", nats_url, "--host", "127.0.0.1", "--port", "0",
+                                        "--proxy-id", "bench", "--policy", policy), LISTEN)
+    wait_until(lambda: len(http_json(proxy + "/healthz")["pools"]["default"]["routable"]) == 2, "proxy routes")
+    return engines, proxy
 
 
 def run(args: argparse.Namespace) -> int:
@@ -344,32 +421,43 @@ def run(args: argparse.Namespace) -> int:
     nats = EmbeddedNats(workdir / "nats").start()
     results: list[Result] = []
     notes: dict[str, Any] = {"load_generator": "wrk" if shutil.which("wrk") else "python", "cpus": os.cpu_count(),
-                             "connections": args.connections, "duration_s": args.duration, "workdir": str(workdir)}
+                             "connections": args.connections, "duration_s": args.duration, "rounds": args.rounds,
+                             "workdir": str(workdir)}
     try:
-        engines = {f"e{i}": stack.spawn(f"engine-{i}", [sys.executable, "-m", "bench.proxy_bench", "engine"], LISTEN)
-                   for i in (1, 2)}
-        stack.spawn("scheduler", laswrr("scheduler", "--nats-url", nats.url))
-        stack.spawn("recorder", laswrr("recorder", "--nats-url", nats.url, "--data-dir", str(workdir / "data")))
-        asyncio.run(register_nodes(nats.url, engines))
-        proxy = stack.spawn("proxy", laswrr("proxy", "--nats-url", nats.url, "--host", "127.0.0.1", "--port", "0",
-                                            "--proxy-id", "bench", "--policy", args.policy), LISTEN)
-        wait_until(lambda: len(http_json(proxy + "/healthz")["pools"]["default"]["routable"]) == 2, "proxy routes")
+        engines, proxy = start_stack(stack, nats.url, args.policy)
         router_url, router_status = start_vllm_router(stack, list(engines.values()))
         notes["vllm_router"] = router_status
-        print(f"proxy benchmark ({notes['load_generator']}, {args.connections} connections, {args.duration:g} s "
-              f"per run, {os.cpu_count()} CPUs)", flush=True)
-        direct = measure("direct", engines["e1"], args, workdir, None)
-        results.append(direct)
-        results.append(measure("laswrr", proxy, args, workdir, direct.latency_p50_ms))
+        engine_pids = stack.pids("engine-1", "engine-2")
+        stack_pids = {**stack.pids("proxy", "scheduler", "recorder"), "nats": nats.process.pid}  # type: ignore[union-attr]
+        targets = [Target("direct", engines["e1"], stack.pids("engine-1")),
+                   Target("laswrr", proxy, {**stack_pids, **engine_pids}),
+                   Target("laswrr-proxy-only", proxy, {**stack_pids, **engine_pids}, paused=("scheduler", "recorder"))]
         if router_url is not None:
-            results.append(measure("vllm-router", router_url, args, workdir, direct.latency_p50_ms))
+            targets.append(Target("vllm-router", router_url, {**stack.pids("vllm-router"), **engine_pids}))
         else:
             print(f"  vllm-router skipped: {router_status}")
+        print(f"proxy benchmark ({notes['load_generator']}, {args.connections} connections, {args.duration:g} s "
+              f"per run, {args.rounds} rounds, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f})", flush=True)
+        runs: dict[str, list[Result]] = {t.name: [] for t in targets}
+        direct_p50: float | None = None
+        for round_no in range(args.rounds):
+            for target in targets:  # interleaved, so a burst of outside load hits every target alike
+                quiesce(stack_pids)
+                result = measure(target, stack, args, direct_p50 if target.name != "direct" else None)
+                if target.name == "direct":
+                    direct_p50 = min(direct_p50 or result.latency_p50_ms, result.latency_p50_ms)
+                runs[target.name].append(result)
+                print(f"round {round_no + 1}:", end="")
+                show(result)
+        results = [best(r) for r in runs.values()]
         notes["proxy_health"] = http_json(proxy + "/healthz")
     finally:
         stack.stop()
         nats.stop()
-    report = summarize(results, notes)
+    print("best of rounds:")
+    for result in results:
+        show(result)
+    report = summarize(results)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"results": [asdict(r) for r in results], **report, "notes": notes}, indent=2))
@@ -377,7 +465,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summarize(results: list[Result], notes: dict[str, Any]) -> dict[str, Any]:
+def summarize(results: list[Result]) -> dict[str, Any]:
     by = {r.target: r for r in results}
     report: dict[str, Any] = {}
     if "laswrr" in by:
@@ -385,10 +473,11 @@ def summarize(results: list[Result], notes: dict[str, Any]) -> dict[str, Any]:
         report["added_latency_p50_ms"] = ours.added_p50_ms
         report["goal_added_latency_le_2ms"] = ours.added_p50_ms <= 2.0
         if "vllm-router" in by:
-            ratio = ours.rps / by["vllm-router"].rps
-            report["rps_ratio_vs_vllm_router"] = round(ratio, 3)
-            report["rps_ratio_vs_vllm_router_sse"] = round(ours.rps_stream / by["vllm-router"].rps_stream, 3)
-            report["goal_rps_ge_0.6x_vllm_router"] = ratio >= 0.6
+            peer = by["vllm-router"]
+            report["rps_ratio_vs_vllm_router"] = round(ours.rps / peer.rps, 3)
+            report["rps_ratio_vs_vllm_router_sse"] = round(ours.rps_stream / peer.rps_stream, 3)
+            report["rps_ratio_proxy_only_vs_vllm_router"] = round(by["laswrr-proxy-only"].rps / peer.rps, 3)
+            report["goal_rps_ge_0.6x_vllm_router"] = ours.rps / peer.rps >= 0.6
     for key, value in report.items():
         print(f"  {key}: {value}")
     return report
@@ -409,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per throughput run (default 8)")
     parser.add_argument("--latency-duration", type=float, default=4.0, help="seconds of the latency run (default 4)")
     parser.add_argument("--connections", type=int, default=64, help="concurrent connections (default 64)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the best is kept (default 2)")
     parser.add_argument("--policy", default="la-swrr", help="the proxy's pick policy (default la-swrr)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/proxy_bench.json"), help="JSON results file")
     args = parser.parse_args(argv)

@@ -2,8 +2,9 @@
 
 Theory of operation, per policy (a fresh stack each time: no state leaks between policies):
 
-1. start the stack (``services.up.Stack``: embedded NATS, scheduler, recorder, collector, proxy
-   with ``--policy``, simulated engines at the scenario's speed) under ``<out>/runs/<policy>``;
+1. start the stack (``bench.stack_adapter`` over ``services.up.Stack``: embedded NATS, scheduler,
+   recorder, simulated engines at the scenario's speed, collector, proxy with ``--policy``) under
+   ``<out>/runs/<policy>``;
 2. subscribe to ``lb.out.snapshot.>`` (weights over time, straight from the bus) and wait until
    every node is routable at its full weight;
 3. ``t0`` = now: the load generator sends the seeded workload and the timeline executes the
@@ -34,6 +35,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from bench import stack_adapter
 from bench.load import make_session, run_load
 from bench.metrics import RequestResult
 from bench.report import NodePoint, PolicyRun, SnapshotPoint
@@ -43,7 +45,7 @@ from bench.workload import RequestSpec
 log = logging.getLogger("laswrr.bench")
 
 READY_TIMEOUT_S = 60.0
-SETTLE_S = 1.0
+SETTLE_S = 0.5
 OnResult = Callable[[RequestResult], None]
 
 
@@ -156,8 +158,6 @@ def write_scheduler_config(scenario: Scenario, directory: Path) -> Path | None:
 
 async def run_policy(scenario: Scenario, policy: str, workload: Sequence[RequestSpec], run_dir: Path,
                      on_result: OnResult | None = None) -> PolicyRun:
-    from bench import stack_adapter
-
     started = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
     stack = await stack_adapter.start(scenario, policy, run_dir, write_scheduler_config(scenario, run_dir))

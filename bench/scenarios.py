@@ -16,6 +16,10 @@ a batch of ~3 of its 10 slots. "60-75 % of capacity" in *slots* would mean ~95 %
 (no headroom at all); the scenarios use 50-60 % of *throughput* (a batch of ~1.5-2 per 910B),
 so a drop of one node out of four pushes the others to ~70-80 %: real pressure, still stable.
 
+Phases around a disturbance have equal lengths so they hold about as many requests: with the
+stratified lengths (``bench.workload``) each phase then sees the same length distribution, and
+their P99s are comparable.
+
 **Actions** (times in seconds from the start of the load, before ``--duration-scale``):
 ``capacity`` sets the engine's slots (engine admin) and, when ``announce``, publishes
 ``lb.admin.capacity.<node>`` at the same moment; ``slowdown`` and ``fail`` go to the engine admin
@@ -142,9 +146,9 @@ ANNOUNCED_DROP = Scenario(
     name="announced-drop",
     description="4×910B (10 slots); n3 drops 10→1 (engine + lb.admin.capacity together), back to 10 later",
     engines=HOMOGENEOUS,
-    phases=_three_phases(("steady", "drop", "recovery"), 12.0, 30.0, 42.0),
-    actions=(Action(12.0, "capacity", "n3", 1, announce=True, label="n3 capacity 10→1"),
-             Action(30.0, "capacity", "n3", 10, announce=True, label="n3 capacity 1→10")),
+    phases=_three_phases(("steady", "drop", "recovery"), 14.0, 28.0, 42.0),
+    actions=(Action(14.0, "capacity", "n3", 1, announce=True, label="n3 capacity 10→1"),
+             Action(28.0, "capacity", "n3", 10, announce=True, label="n3 capacity 1→10")),
     util=0.5,
     focus_phase="drop",
 )
@@ -153,11 +157,11 @@ SILENT_SLOWDOWN = Scenario(
     name="silent-slowdown",
     description="4×910B; n2's engine silently loses 8 of 10 slots and runs 2× slower (no announcement)",
     engines=HOMOGENEOUS,
-    phases=_three_phases(("steady", "slow", "recovery"), 12.0, 30.0, 42.0),
-    actions=(Action(12.0, "capacity", "n2", 2, label="n2 silently 10→2 slots"),
-             Action(12.0, "slowdown", "n2", 2.0, label=""),
-             Action(30.0, "capacity", "n2", 10, label="n2 back to 10 slots"),
-             Action(30.0, "slowdown", "n2", 1.0, label="")),
+    phases=_three_phases(("steady", "slow", "recovery"), 14.0, 28.0, 42.0),
+    actions=(Action(14.0, "capacity", "n2", 2, label="n2 silently 10→2 slots, 2× slower"),
+             Action(14.0, "slowdown", "n2", 2.0, label=""),
+             Action(28.0, "capacity", "n2", 10, label="n2 back to 10 slots"),
+             Action(28.0, "slowdown", "n2", 1.0, label="")),
     util=0.5,
     focus_phase="slow",
 )
@@ -176,9 +180,9 @@ CRASH_RETURN = Scenario(
     name="crash-return",
     description="4×910B; n4's engine refuses every connection (crash), then comes back",
     engines=HOMOGENEOUS,
-    phases=_three_phases(("steady", "crash", "return"), 12.0, 26.0, 42.0),
-    actions=(Action(12.0, "fail", "n4", "refuse", label="n4 crashes (refuse)"),
-             Action(26.0, "fail", "n4", "none", label="n4 returns")),
+    phases=_three_phases(("steady", "crash", "return"), 14.0, 28.0, 42.0),
+    actions=(Action(14.0, "fail", "n4", "refuse", label="n4 crashes (refuse)"),
+             Action(28.0, "fail", "n4", "none", label="n4 returns")),
     util=0.5,
     focus_phase="crash",
 )
@@ -198,9 +202,9 @@ SMOKE = Scenario(
     name="smoke",
     description="tiny: 2×910B, one capacity drop, a few seconds (tests)",
     engines=(EngineSpec("n1", "910B", 4), EngineSpec("n2", "910B", 4)),
-    phases=_three_phases(("steady", "drop", "recovery"), 1.5, 3.0, 4.0),
-    actions=(Action(1.5, "capacity", "n2", 1, announce=True, label="n2 4→1"),
-             Action(3.0, "capacity", "n2", 4, announce=True, label="n2 1→4")),
+    phases=_three_phases(("steady", "drop", "recovery"), 1.0, 2.0, 3.0),
+    actions=(Action(1.0, "capacity", "n2", 1, announce=True, label="n2 4→1"),
+             Action(2.0, "capacity", "n2", 4, announce=True, label="n2 1→4")),
     util=0.4,
     workload=WorkloadSpec(output_median=24.0, output_max=64, prompt_median=100.0, prompt_max=512,
                           cancel_share=0.1, cancel_min_s=0.05, cancel_max_s=0.3),

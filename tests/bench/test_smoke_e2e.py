@@ -1,0 +1,36 @@
+"""End-to-end smoke: the tiny scenario on the real stack (NATS, scheduler, recorder, collector,
+proxy, two simulated engines as child processes), two policies on the identical workload."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.cli import bench_scenario
+from bench.scenarios import SMOKE
+from bench.workload import generate
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def test_smoke_two_policies_same_workload(tmp_path: Path) -> None:
+    summary, paths = await bench_scenario(SMOKE, ["la-swrr", "rr"], seed=3, out_dir=tmp_path, plots=True)
+    expected = generate(SMOKE.workload_spec(), 3, [(p.start_s, p.end_s) for p in SMOKE.phases])
+    assert json.loads((tmp_path / "results.json").read_text())["scenario"] == "smoke"
+    for policy in ("la-swrr", "rr"):
+        s = summary["policies"][policy]
+        lines = (tmp_path / "runs" / policy / "requests.jsonl").read_text().splitlines()
+        assert [json.loads(line)["index"] for line in lines] == [r.index for r in expected]
+        assert s["overall"]["requests"] == len(expected)
+        assert s["overall"]["completed"] + s["overall"]["client_cancelled"] == len(expected), s["overall"]
+        assert s["interrupted"] == 0 and s["errors"] == 0
+        assert set(s["requests_per_node"]) == {"n1", "n2"}  # served through the proxy, node header seen
+        assert len(s["notes"]) == 2  # both actions applied
+    # the weights the scheduler published show the announced drop of n2 (4 -> 1) and its return
+    assert len(paths) == 4 and all(p.exists() for p in paths)
+    snapshots = [json.loads(x) for x in (tmp_path / "runs" / "la-swrr" / "snapshots.jsonl").read_text().splitlines()]
+    n2 = [(s["t_s"], s["nodes"]["n2"]["effective_weight"]) for s in snapshots if "n2" in s["nodes"]]
+    assert min(w for t, w in n2 if 1.0 <= t < 2.0) <= 1.0
+    assert max(w for t, w in n2 if t < 1.0) >= 3.0  # full weight, minus what its load cuts
