@@ -1,38 +1,107 @@
-"""``laswrr replay``: re-run a recorded log through the pure core.
+"""``laswrr replay``, ``laswrr report`` and ``laswrr export``: the recorded log, re-run and read.
 
-``--events FILE.jsonl`` reads the portable form and prints every output as a JSON line of the
-same form (byte-identical for identical input). Malformed lines are reported on stderr with
+``replay --events FILE.jsonl`` reads the portable form and prints every output as a JSON line of
+the same form (byte-identical for identical input). Malformed lines are reported on stderr with
 their line number and become rejections in the output.
+
+``replay --db PATH`` replays the recorded LB_EVENTS rows in sequence order through the core
+(starting from the default configuration; recorded ``lb.admin.config`` events set the one in
+force) and compares every output with the recorded LB_OUT rows byte for byte: exit 0 and a
+summary when all are identical, exit 1 naming the first divergent input seq otherwise.
+``--what-if key=value ...`` instead re-runs the inputs with other scheduler parameters (applied
+to the initial configuration and re-applied after every recorded config event) and writes
+``--out DIR``: whatif.jsonl (counterfactual outputs) and weights.csv (recorded vs what-if
+effective weights), then prints how fast each node moved after each capacity or drain event.
+
+``--db`` accepts the recorder's DuckDB file (also while the recorder runs: the file is locked,
+so the running recorder is asked over NATS for a consistent copy; see docs/analysts.md) or a
+Parquet export directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
+from replay import store
 from replay.portable import LineError, replay_lines
 from scheduler import config as config_mod
+from schemas.codec import SchemaError
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("replay", help="replay a recorded event log through the scheduler core",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--events", metavar="FILE.jsonl", help="portable log: one {seq, ts_ns, subject, data} per line ('-' = stdin)")
-    parser.add_argument("--config", metavar="FILE.toml", help="initial scheduler configuration (default: built-in)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--events", metavar="FILE.jsonl",
+                        help="portable log: one {seq, ts_ns, subject, data} per line ('-' = stdin)")
+    source.add_argument("--db", metavar="PATH", help="recorded log: events.duckdb, or a Parquet export directory")
+    parser.add_argument("--config", metavar="FILE.toml", help="initial scheduler configuration for --events")
+    parser.add_argument("--what-if", nargs="+", metavar="KEY=VALUE", default=[],
+                        help="with --db: re-run with these scheduler parameters (keys of SchedulerConfig)")
+    parser.add_argument("--out", metavar="DIR", default="whatif-out", help="what-if output directory (default whatif-out)")
+    parser.add_argument("--fraction", type=float, default=0.9,
+                        help="what-if summary: time to close this fraction of the gap to the final weight (0.9)")
+    _add_db_options(parser)
     parser.set_defaults(func=run)
+
+    report = subparsers.add_parser("report", help="the zero-interruption verdict of a recorded run",
+                                   description="Counts of requests by outcome, interruptions, admissions to "
+                                               "draining nodes and drain times, from the analyst views.")
+    report.add_argument("--db", metavar="PATH", required=True, help="events.duckdb, or a Parquet export directory")
+    report.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    _add_db_options(report)
+    report.set_defaults(func=run_report)
+
+    export = subparsers.add_parser("export", help="export the recorded log to Parquet",
+                                   description="Write DIR/events.parquet (and one Parquet file per analyst view).")
+    export.add_argument("--db", metavar="PATH", required=True, help="events.duckdb")
+    export.add_argument("--parquet", metavar="DIR", required=True, help="output directory")
+    export.add_argument("--no-views", action="store_true", help="only events.parquet")
+    _add_db_options(export)
+    export.set_defaults(func=run_export)
+
+
+def _add_db_options(parser: argparse.ArgumentParser) -> None:
+    from services import settings
+
+    settings.add_nats_url(parser)
+
+
+def _fail(command: str, message: str, code: int = 2) -> int:
+    print(f"laswrr {command}: {message}", file=sys.stderr)
+    return code
+
+
+# -- replay ---------------------------------------------------------------------------------------
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.db:
+        if args.config:
+            return _fail("replay", "--config applies to --events; a recorded log carries its own configuration "
+                                   "(use --what-if to change it)")
+        return run_db(args)
+    if args.what_if:
+        return _fail("replay", "--what-if needs --db")
     if not args.events:
-        print("laswrr replay: give --events FILE.jsonl", file=sys.stderr)
-        return 2
-    config = config_mod.load_file(args.config) if args.config else None
+        return _fail("replay", "give --events FILE.jsonl or --db PATH")
+    return run_events(args)
+
+
+def run_events(args: argparse.Namespace) -> int:
+    try:
+        config = config_mod.load_file(args.config) if args.config else None
+    except (OSError, ValueError) as exc:
+        return _fail("replay", f"bad --config {args.config}: {exc}")
     try:
         source = sys.stdin.buffer if args.events == "-" else open(args.events, "rb")
     except OSError as exc:
-        print(f"laswrr replay: cannot read {args.events}: {exc.strerror}", file=sys.stderr)
-        return 2
+        return _fail("replay", f"cannot read {args.events}: {exc.strerror}")
     errors: list[LineError] = []
     out = sys.stdout.buffer
     with source:
@@ -41,4 +110,104 @@ def run(args: argparse.Namespace) -> int:
     out.flush()
     for error in errors:
         print(f"laswrr replay: {args.events}: {error.reason}", file=sys.stderr)
+    return 0
+
+
+def parse_what_if(items: list[str]) -> dict[str, Any]:
+    """``["ease_alpha=0.9", "drain_deadline_ms=5000"]`` -> checked overrides (SchemaError if bad)."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise SchemaError(f"--what-if {item!r}: expected KEY=VALUE")
+        try:
+            overrides[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = raw
+    config_mod.with_changes(config_mod.SchedulerConfig(), overrides)
+    return overrides
+
+
+def run_db(args: argparse.Namespace) -> int:
+    from replay.replay import replay_db
+
+    try:
+        overrides = parse_what_if(args.what_if)
+    except SchemaError as exc:
+        return _fail("replay", str(exc))
+    try:
+        with store.open_read(args.db, nats_url=args.nats_url) as con:
+            if overrides:
+                return _what_if(con, overrides, Path(args.out), args.fraction)
+            started = time.perf_counter()
+            result = replay_db(con)
+            elapsed = time.perf_counter() - started
+    except store.StoreError as exc:
+        return _fail("replay", str(exc), 1)
+    print(result.summary())
+    if result.events:
+        print(f"{result.events / max(elapsed, 1e-9):,.0f} events/s")
+    if result.first is not None:
+        print(result.first.describe())
+        for more in result.extra:
+            print(f"  then: seq {more.seq} ({more.kind}): {more.message}")
+        return 1
+    return 0
+
+
+def _what_if(con: Any, overrides: dict[str, Any], out: Path, fraction: float) -> int:
+    from replay.whatif import run_whatif
+
+    events, outputs, reaches = run_whatif(con, overrides, out, fraction)
+    changes = ", ".join(f"{k}={v}" for k, v in overrides.items())
+    print(f"what-if ({changes}): replayed {events} events, {outputs} counterfactual outputs")
+    print(f"wrote {out / 'whatif.jsonl'} and {out / 'weights.csv'}")
+    if reaches:
+        print(f"time to {fraction:.0%} of the final weight after each capacity/drain event (ms):")
+        print(f"  {'seq':>8} {'node':<12} {'event':<9} {'recorded':>10} {'what-if':>10}   final weight rec -> what-if")
+        for r in reaches:
+            print(f"  {r.event_seq:>8} {r.node:<12} {r.kind:<9} {_ms(r.recorded_ms):>10} {_ms(r.whatif_ms):>10}   "
+                  f"{_w(r.recorded_final)} -> {_w(r.whatif_final)}")
+    return 0
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _w(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+# -- report and export ----------------------------------------------------------------------------
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from replay import report
+
+    try:
+        with store.open_read(args.db, nats_url=args.nats_url) as con:
+            data = report.gather(con)
+    except store.StoreError as exc:
+        return _fail("report", str(exc), 1)
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        report.render(data)
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from replay.export import export
+
+    target = Path(args.parquet)
+    if target.exists() and not target.is_dir():
+        return _fail("export", f"{target} exists and is not a directory")
+    try:
+        with store.open_read(args.db, nats_url=args.nats_url) as con:
+            written = export(con, target, views=not args.no_views)
+    except store.StoreError as exc:
+        return _fail("export", str(exc), 1)
+    for name, count in written.items():
+        print(f"{target / (name + '.parquet')}: {count} rows")
     return 0

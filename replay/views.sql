@@ -125,13 +125,13 @@ SELECT m.*, e.ts_ns FROM marks m JOIN input_events e ON e.seq = m.as_of_seq
 QUALIFY row_number() OVER (PARTITION BY m.node, m.as_of_seq, m.to_phase ORDER BY m.out_seq) = 1;
 
 -- Drains: from a node entering `draining` to its next phase change, when that is `drained`.
--- by = 'inflight' when in-flight reached 0, 'deadline' when the drain deadline cut it short.
+-- drained_by = 'inflight' when in-flight reached 0, 'deadline' when the drain deadline cut it short.
 CREATE OR REPLACE VIEW drains AS
 SELECT s.node, s.pool, s.as_of_seq AS started_seq, s.ts_ns AS started_ts_ns, s.reason AS started_reason,
        d.as_of_seq AS drained_seq, d.ts_ns AS drained_ts_ns,
        (d.ts_ns - s.ts_ns) / 1e6 AS duration_ms,
        CASE WHEN d.node IS NULL THEN NULL
-            WHEN d.reason LIKE 'drain deadline%' THEN 'deadline' ELSE 'inflight' END AS by,
+            WHEN d.reason LIKE 'drain deadline%' THEN 'deadline' ELSE 'inflight' END AS drained_by,
        d.reason AS drained_reason
 FROM phase_marks s
 LEFT JOIN LATERAL (
@@ -171,7 +171,7 @@ WITH curve AS (
 )
 SELECT a.seq AS event_seq, a.ts_ns, a.node, a.kind, a.capacity,
        (s.settled_ts_ns - a.ts_ns) / 1e6 AS settle_ms,
-       d.drained_ts_ns, d.duration_ms AS time_to_drained_ms, d.by AS drained_by,
+       d.drained_ts_ns, d.duration_ms AS time_to_drained_ms, d.drained_by,
        s.ramp AS ramp
 FROM admin_changes a
 LEFT JOIN summary s ON s.event_seq = a.seq

@@ -1,0 +1,88 @@
+"""`laswrr report`: the zero-interruption verdict of a recorded run, from the analyst views.
+
+Counts come from the views of ``replay/views.sql`` (``requests``, ``interruptions``,
+``open_requests``, ``admissions_to_draining``, ``drains``), so what the report says is what an
+analyst's SQL says. ``interrupted`` counts router-caused cuts: ``router_aborted`` outcomes and
+requests still open when their proxy announced a clean stop. Requests open at the end of the
+log whose proxy never announced a stop are counted as ``open`` (fate unknown), not as
+interruptions. The verdict is "zero interruptions" when ``interrupted`` and
+``admitted_to_draining`` are both 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import duckdb
+
+OUTCOMES = ("completed", "client_cancelled", "upstream_error", "router_aborted")
+
+
+def gather(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+    """The report as a plain dict (the ``--json`` object)."""
+    report: dict[str, Any] = {}
+    row = con.execute(
+        "SELECT count(*), " + ", ".join(f"count(*) FILTER (WHERE outcome = '{o}')" for o in OUTCOMES)
+        + ", count(*) FILTER (WHERE outcome IS NOT NULL AND outcome NOT IN ("
+        + ", ".join(f"'{o}'" for o in OUTCOMES) + ")) FROM requests").fetchone()
+    assert row is not None
+    report["requests"] = row[0]
+    report.update(zip(OUTCOMES, row[1:1 + len(OUTCOMES)]))
+    report["other_outcome"] = row[-1]
+    report["interrupted"] = _count(con, "SELECT count(*) FROM interruptions")
+    report["interrupted_open_at_proxy_stop"] = _count(
+        con, "SELECT count(*) FROM interruptions WHERE reason = 'open_at_proxy_stop'")
+    report["open"] = _count(con, "SELECT count(*) FROM open_requests")
+    report["admitted_to_draining"] = _count(con, "SELECT count(*) FROM admissions_to_draining")
+    report["drains"] = drains(con)
+    report.update(_log_facts(con))
+    report["zero_interruptions"] = report["interrupted"] == 0 and report["admitted_to_draining"] == 0
+    return report
+
+
+def _count(con: duckdb.DuckDBPyConnection, sql: str) -> int:
+    row = con.execute(sql).fetchone()
+    return int(row[0]) if row else 0
+
+
+def drains(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    rows = con.execute(
+        "SELECT node, pool, started_seq, started_ts_ns, started_reason, drained_ts_ns, duration_ms, drained_by "
+        "FROM drains ORDER BY started_seq, node").fetchall()
+    keys = ("node", "pool", "started_seq", "started_ts_ns", "reason", "drained_ts_ns", "duration_ms", "by")
+    return [dict(zip(keys, row)) for row in rows]
+
+
+def _log_facts(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+    row = con.execute(
+        "SELECT count(*) FILTER (WHERE stream = 'LB_EVENTS'), count(*) FILTER (WHERE stream = 'LB_OUT'), "
+        "min(ts_ns) FILTER (WHERE stream = 'LB_EVENTS'), max(ts_ns) FILTER (WHERE stream = 'LB_EVENTS'), "
+        "count(*) FILTER (WHERE stream = 'LB_OUT' AND subject = 'lb.out.rejected') FROM events").fetchone()
+    assert row is not None
+    return {"events": row[0], "outputs": row[1], "first_ts_ns": row[2], "last_ts_ns": row[3], "rejected_inputs": row[4]}
+
+
+def render(report: dict[str, Any]) -> None:
+    """The report as rich tables on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    verdict = "[green]zero interruptions[/]" if report["zero_interruptions"] else "[red]INTERRUPTIONS FOUND[/]"
+    table = Table(title=f"laswrr report: {verdict}", show_header=True)
+    table.add_column("requests")
+    table.add_column("count", justify="right")
+    for key in ("requests", *OUTCOMES, "other_outcome", "open", "interrupted", "admitted_to_draining"):
+        table.add_row(key, str(report[key]))
+    console.print(table)
+    console.print(f"log: {report['events']} input events, {report['outputs']} outputs, "
+                  f"{report['rejected_inputs']} rejected inputs")
+    if report["drains"]:
+        drain_table = Table(title="drains", show_header=True)
+        for column in ("node", "pool", "started seq", "reason", "duration ms", "by"):
+            drain_table.add_column(column)
+        for drain in report["drains"]:
+            duration = "-" if drain["duration_ms"] is None else f"{drain['duration_ms']:.1f}"
+            drain_table.add_row(drain["node"], drain["pool"], str(drain["started_seq"]), drain["reason"] or "",
+                                duration, drain["by"] or "not drained")
+        console.print(drain_table)
