@@ -21,6 +21,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.collector",
     "services.scheduler_service",
     "services.operator",
+    "services.up",
     "services.proxy.cli",
     "bench.cli",
     "services.demo",

@@ -240,6 +240,9 @@ class SchedulerService:
         if self.options.checkpoint_every > 0 and self.applied_seq > self._checkpointed_seq:
             with contextlib.suppress(Exception):
                 await self._write_checkpoint()
+        if self._sub is not None:  # else drain() waits forever on its queue of fetch status messages
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
         if self._consumer is not None:
             with contextlib.suppress(Exception):
                 await self.js.delete_consumer(sj.EVENTS_STREAM, self._consumer)
@@ -270,6 +273,9 @@ class SchedulerService:
 
     async def _subscribe(self) -> None:
         """An ephemeral pull consumer from the next seq to apply (recreated after errors)."""
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
         if self._consumer is not None:
             with contextlib.suppress(Exception):
                 await self.js.delete_consumer(sj.EVENTS_STREAM, self._consumer)
@@ -529,5 +535,5 @@ async def serve(nats_url: str, options: SchedulerOptions) -> int:
         await service.run(stop)
     finally:
         with contextlib.suppress(Exception):
-            await nc.drain()
+            await asyncio.wait_for(nc.drain(), 10)
     return 0

@@ -1,0 +1,600 @@
+"""`laswrr up`: the whole stack in one process tree, and ``Stack``, the same thing as a library.
+
+Theory of operation. ``Stack`` owns every part as a child process (``python -m services.cli
+<command>``), each in its own session so a terminal's Ctrl-C reaches only ``up``, which then
+stops the children in order; each child also gets SIGTERM if ``up`` itself dies (Linux
+``PR_SET_PDEATHSIG``). Parts that another module provides (recorder, collector, proxy,
+sim-engine) are started only when their module exists and is listed in ``services.cli``.
+
+Start order: NATS (embedded ``nats-server`` under ``<data_dir>/jetstream`` unless a URL is
+given) -> streams -> scheduler, recorder -> simulated engines (when no nodes file is given:
+one 910C, two 910B, one 910; their nodes file is written to ``<data_dir>/nodes.toml``) ->
+registration of every node by publishing ``lb.admin.node.<id>`` (plain JSON, as ``nats pub``
+would), waiting until LB_WEIGHTS shows them -> collector -> proxy.
+Stop order: proxies (they finish in-flight requests), collector, engines, scheduler, recorder
+last (so everything published is recorded), then NATS. A child that exits while the stack is
+running is reported; ``laswrr up`` then stops the rest and exits 1.
+
+Library API (for benchmarks and the demo)::
+
+    stack = Stack(data_dir, nats_url=None, proxy_port=8000, config=None, tick_ms=100)
+    await stack.start(nodes=None)   # everything above; nodes: None (sim engines),
+                                    # a nodes.toml path, or a list of NodeSpec
+    stack.nats_url, stack.proxy_url, stack.nodes, stack.nodes_file, stack.children
+    # or piece by piece:
+    await stack.start_nats(); await stack.start_core()
+    nodes = await stack.start_sim_engines(DEFAULT_SIMS, speed=1.0)   # -> list[NodeSpec]
+    await stack.register(nodes)                                      # waits for LB_WEIGHTS
+    stack.write_nodes_file(nodes); await stack.start_collector()
+    url = await stack.start_proxy(port=0, extra_args=("--policy", "rr"))  # call again for replicas
+    child = await stack.spawn("name", "sub-command", *args, role="other")  # any laswrr command
+    failed = await stack.wait_unexpected_exit()   # the first child that died on its own
+    await stack.stop()                            # ordered shutdown; idempotent
+
+Logs of every child go to ``<data_dir>/logs/<name>.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import importlib.util
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import time
+import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import nats
+from nats.aio.client import Client
+from nats.js.errors import KeyNotFoundError
+
+from schemas import subjects as sj
+from services import settings
+from services.natsbus import EmbeddedNats, ensure_streams
+
+log = logging.getLogger("laswrr.up")
+
+LISTENING = re.compile(r"listening on (\S+)")
+STOP_ORDER = ("proxy", "collector", "sim-engine", "other", "scheduler", "recorder")
+STOP_TIMEOUT_S = {"proxy": 35.0, "recorder": 30.0}
+DEFAULT_STOP_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 30.0
+# Where each optional sub-command lives: started only if the module exists and is registered.
+COMMAND_MODULE = {"recorder": "services.recorder", "collector": "services.collector",
+                  "proxy": "services.proxy.cli", "sim-engine": "services.sim_engine.cli"}
+
+
+class StackError(RuntimeError):
+    """The stack cannot start (bad nodes file, a child that failed to come up); one line."""
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One inference engine as ``nodes.toml`` describes it (``[[node]]`` tables)."""
+
+    id: str
+    url: str
+    pool: str = "default"
+    chip: str = "unknown"
+    capacity: int = 8
+    extra: dict[str, Any] = field(default_factory=dict)  # collector keys (npu_smi, metrics_url, ...)
+
+    def registration(self) -> bytes:
+        """The ``lb.admin.node.<id>`` payload, plain JSON as `nats pub` would send it."""
+        return json.dumps({"url": self.url, "pool": self.pool, "chip": self.chip, "capacity": self.capacity}).encode()
+
+
+# Simulated engines of the default stack: (node id, chip, capacity).
+DEFAULT_SIMS: tuple[tuple[str, str, int], ...] = (
+    ("sim-910c-1", "910C", 16), ("sim-910b-1", "910B", 8), ("sim-910b-2", "910B", 8), ("sim-910-1", "910", 4),
+)
+
+
+# -- nodes.toml -----------------------------------------------------------------------------------------
+
+
+def parse_nodes(document: dict[str, Any]) -> list[NodeSpec]:
+    """``[[node]]`` tables -> NodeSpecs; StackError names the bad node."""
+    tables = document.get("node")
+    if not isinstance(tables, list) or not tables:
+        raise StackError("no [[node]] tables (each needs id, url, capacity; pool and chip are optional)")
+    nodes: list[NodeSpec] = []
+    for index, table in enumerate(tables, start=1):
+        nodes.append(_node_spec(table, f"node #{index}"))
+    ids = [n.id for n in nodes]
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise StackError(f"duplicate node id(s): {', '.join(duplicates)}")
+    return nodes
+
+
+def _node_spec(table: Any, where: str) -> NodeSpec:
+    if not isinstance(table, dict):
+        raise StackError(f"{where}: expected a [[node]] table")
+    node_id = _string(table, "id", where)
+    try:
+        sj.check_token(node_id)
+        where = f"node {node_id!r}"
+        pool = sj.check_token(_string(table, "pool", where, "default"), "pool name")
+    except sj.SubjectError as exc:
+        raise StackError(f"{where}: {exc}") from None
+    url = _string(table, "url", where)
+    if not url.startswith(("http://", "https://")):
+        raise StackError(f"{where}: url {url!r} is not an http(s) URL")
+    capacity = table.get("capacity")
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+        raise StackError(f"{where}: capacity must be an integer > 0, got {capacity!r}")
+    chip = _string(table, "chip", where, "unknown")
+    extra = {k: v for k, v in table.items() if k not in ("id", "url", "pool", "chip", "capacity")}
+    return NodeSpec(id=node_id, url=url.rstrip("/"), pool=pool, chip=chip, capacity=capacity, extra=extra)
+
+
+def _string(table: dict[str, Any], key: str, where: str, default: str | None = None) -> str:
+    value = table.get(key, default)
+    if not isinstance(value, str) or not value:
+        raise StackError(f"{where}: {key} must be a non-empty string")
+    return value
+
+
+def load_nodes(path: str | os.PathLike[str]) -> list[NodeSpec]:
+    try:
+        with open(path, "rb") as handle:
+            document = tomllib.load(handle)
+    except OSError as exc:
+        raise StackError(f"cannot read {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise StackError(f"{path}: not valid TOML: {exc}") from None
+    try:
+        return parse_nodes(document)
+    except StackError as exc:
+        raise StackError(f"{path}: {exc}") from None
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string (ASCII, \" \\ \uXXXX escapes) is a TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def render_nodes(nodes: Sequence[NodeSpec]) -> str:
+    lines = ["# Generated by `laswrr up`: the nodes it started and registered.", ""]
+    for node in nodes:
+        lines.append("[[node]]")
+        fields = {"id": node.id, "url": node.url, "pool": node.pool, "chip": node.chip, "capacity": node.capacity,
+                  **node.extra}
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in fields.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+# -- children -------------------------------------------------------------------------------------------
+
+
+def command_available(command: str) -> bool:
+    """A sub-command another module provides: its module exists and ``services.cli`` lists it."""
+    module = COMMAND_MODULE.get(command)
+    if module is None:
+        return True
+    from services.cli import COMMAND_MODULES
+
+    registered = module in COMMAND_MODULES or module.rsplit(".", 1)[0] in COMMAND_MODULES
+    with contextlib.suppress(ImportError, ValueError):
+        return registered and importlib.util.find_spec(module) is not None
+    return False
+
+
+_LIBC: Any = None
+if sys.platform.startswith("linux"):
+    with contextlib.suppress(OSError):
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (PR_SET_PDEATHSIG = 1)."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    process: asyncio.subprocess.Process
+    log_path: Path
+    url: str | None = None
+    expected_exit: bool = False
+    watcher: asyncio.Task[None] | None = None
+    pump: asyncio.Task[None] | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def tail(self, lines: int = 8) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+class Stack:
+    """NATS, the services and (optionally) simulated engines as one process tree. See the module doc."""
+
+    def __init__(self, data_dir: str | os.PathLike[str] = settings.DEFAULT_DATA_DIR, *, nats_url: str | None = None,
+                 proxy_port: int = settings.DEFAULT_PROXY_PORT, proxy_host: str = "127.0.0.1",
+                 config: str | None = None, tick_ms: int = settings.DEFAULT_TICK_MS,
+                 scheduler_args: Sequence[str] = (), python: str = sys.executable) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.log_dir = self.data_dir / "logs"
+        self.proxy_port = proxy_port
+        self.proxy_host = proxy_host
+        self.config = config
+        self.tick_ms = tick_ms
+        self.scheduler_args = tuple(scheduler_args)
+        self.python = python
+        self.children: list[Child] = []
+        self.nodes: list[NodeSpec] = []
+        self.nodes_file: Path | None = None
+        self.proxy_url: str | None = None
+        self.embedded: EmbeddedNats | None = None
+        self._nats_url = nats_url
+        self._nc: Client | None = None
+        self._failures: asyncio.Queue[Child] = asyncio.Queue()
+        self._stopping = False
+
+    @property
+    def nats_url(self) -> str:
+        if self._nats_url is None:
+            raise StackError("NATS is not started yet")
+        return self._nats_url
+
+    # -- starting ---------------------------------------------------------------------------------
+
+    async def start(self, nodes: Sequence[NodeSpec] | str | os.PathLike[str] | None = None,
+                    sim_speed: float = 1.0) -> None:
+        """Everything, in order; on failure what was started is stopped and StackError raised."""
+        try:
+            specs = load_nodes(nodes) if isinstance(nodes, (str, os.PathLike)) else nodes
+            await self.start_nats()
+            await self.start_core()
+            if specs is None:
+                specs = await self.start_sim_engines(DEFAULT_SIMS, speed=sim_speed)
+                self.write_nodes_file(specs)
+            else:
+                self.nodes_file = Path(nodes).resolve() if isinstance(nodes, (str, os.PathLike)) else None
+                if self.nodes_file is None:
+                    self.write_nodes_file(specs)
+            await self.register(specs)
+            await self.start_collector()
+            if command_available("proxy"):
+                await self.start_proxy()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def start_nats(self) -> str:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self._nats_url is None:
+            self.embedded = EmbeddedNats(self.data_dir, log_file=str(self.log_dir / "nats.log"))
+            await asyncio.to_thread(self.embedded.start)
+            self._nats_url = self.embedded.url
+        try:
+            self._nc = await nats.connect(self.nats_url, name="laswrr-up", connect_timeout=5,
+                                          max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        except Exception as exc:
+            raise StackError(f"cannot connect to NATS at {self.nats_url}: {exc}") from None
+        await ensure_streams(self._nc.jetstream())
+        return self.nats_url
+
+    async def start_core(self) -> None:
+        args = ["--nats-url", self.nats_url, "--tick-ms", str(self.tick_ms), *self.scheduler_args]
+        if self.config:
+            args += ["--config", self.config]
+        await self.spawn("scheduler", "scheduler", *args, role="scheduler")
+        if command_available("recorder"):
+            await self.spawn("recorder", "recorder", "--nats-url", self.nats_url, "--data-dir", str(self.data_dir),
+                             role="recorder")
+        else:
+            log.warning("no recorder (services/recorder.py not available): events are not recorded")
+
+    async def start_sim_engines(self, sims: Sequence[tuple[str, str, int]] = DEFAULT_SIMS,
+                                speed: float = 1.0, pool: str = "default") -> list[NodeSpec]:
+        if not command_available("sim-engine"):
+            raise StackError("no nodes file given and the simulated engine (laswrr sim-engine) is not available")
+        children = await asyncio.gather(*(
+            self.spawn(node_id, "sim-engine", "--port", "0", "--chip", chip, "--capacity", str(capacity),
+                       "--node-id", node_id, "--speed", str(speed), role="sim-engine", wait_listening=True)
+            for node_id, chip, capacity in sims))
+        specs = []
+        for child, (node_id, chip, capacity) in zip(children, sims):
+            assert child.url is not None
+            npu_smi = f"{self.python} -m services.cli sim-npu-smi --url {child.url}"
+            specs.append(NodeSpec(id=node_id, url=child.url, pool=pool, chip=chip, capacity=capacity,
+                                  extra={"npu_smi": npu_smi}))
+        return specs
+
+    def write_nodes_file(self, nodes: Sequence[NodeSpec], path: str | os.PathLike[str] | None = None) -> Path:
+        target = Path(path) if path else self.data_dir / "nodes.toml"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(render_nodes(nodes))
+        self.nodes_file = target
+        return target
+
+    async def register(self, nodes: Sequence[NodeSpec], wait_s: float | None = 15.0) -> None:
+        """Publish ``lb.admin.node.<id>`` per node; then wait until LB_WEIGHTS shows each one."""
+        assert self._nc is not None, "start_nats() first"
+        js = self._nc.jetstream()
+        registered: dict[str, int] = {}
+        for node in nodes:
+            ack = await js.publish(sj.admin_node(node.id), node.registration())
+            registered[node.id] = ack.seq
+        self.nodes = [n for n in self.nodes if n.id not in registered] + list(nodes)
+        if wait_s:
+            await self._wait_registered(nodes, max(registered.values(), default=0), wait_s)
+
+    async def _wait_registered(self, nodes: Sequence[NodeSpec], seq: int, wait_s: float) -> None:
+        assert self._nc is not None
+        kv = await self._nc.jetstream().key_value(sj.WEIGHTS_BUCKET)
+        deadline = time.monotonic() + wait_s
+        missing = {n.id for n in nodes}
+        while missing:
+            for pool in sorted({n.pool for n in nodes}):
+                with contextlib.suppress(KeyNotFoundError):
+                    snapshot = json.loads((await kv.get(pool)).value or b"{}")
+                    if snapshot.get("as_of_seq", 0) >= seq:
+                        missing -= {v["node"] for v in snapshot.get("nodes", [])}
+            if missing and time.monotonic() > deadline:
+                raise StackError(f"nodes {', '.join(sorted(missing))} not in {sj.WEIGHTS_BUCKET} after {wait_s:g} s: "
+                                 f"is the scheduler running? (see {self.log_dir / 'scheduler.log'})")
+            if missing:
+                await asyncio.sleep(0.1)
+
+    async def start_collector(self, nodes_file: str | os.PathLike[str] | None = None) -> Child | None:
+        path = nodes_file or self.nodes_file
+        if path is None or not command_available("collector"):
+            if path is not None:
+                log.warning("no collector (services/collector.py not available): weights use no live samples")
+            return None
+        return await self.spawn("collector", "collector", "--nats-url", self.nats_url, "--nodes", str(path),
+                                role="collector")
+
+    async def start_proxy(self, port: int | None = None, extra_args: Sequence[str] = (),
+                          name: str | None = None) -> str:
+        """One proxy replica; returns its URL (port 0 picks a free one). Call again for more."""
+        if not command_available("proxy"):
+            raise StackError("the proxy (laswrr proxy) is not available")
+        replicas = sum(1 for c in self.children if c.role == "proxy")
+        name = name or ("proxy" if replicas == 0 else f"proxy-{replicas + 1}")
+        port = self.proxy_port if port is None else port
+        child = await self.spawn(name, "proxy", "--nats-url", self.nats_url, "--host", self.proxy_host,
+                                 "--port", str(port), "--proxy-id", name, *extra_args, role="proxy",
+                                 wait_listening=True)
+        assert child.url is not None
+        self.proxy_url = self.proxy_url or child.url
+        return child.url
+
+    async def spawn(self, name: str, command: str, *args: str, role: str = "other",
+                    wait_listening: bool = False) -> Child:
+        """Start ``python -m services.cli COMMAND ARGS`` as a child; with ``wait_listening``, wait
+        for its ``... listening on URL`` stdout line and record the URL."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        log_file = open(log_path, "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        try:
+            process = await asyncio.create_subprocess_exec(
+                self.python, "-m", "services.cli", command, *args, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=log_file, env=env, start_new_session=True,
+                preexec_fn=_die_with_parent if _LIBC is not None else None,
+            )
+        finally:
+            log_file.close()
+        child = Child(name=name, role=role, process=process, log_path=log_path)
+        self.children.append(child)
+        if wait_listening:
+            child.url = await self._read_url(child)
+        child.pump = asyncio.create_task(self._pump(child))
+        child.watcher = asyncio.create_task(self._watch(child))
+        log.info("started %s (pid %d)%s", name, process.pid, f" at {child.url}" if child.url else "")
+        return child
+
+    async def _read_url(self, child: Child) -> str:
+        assert child.process.stdout is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                line = await asyncio.wait_for(child.process.stdout.readline(), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                break
+            if not line:
+                await child.process.wait()
+                raise StackError(f"{child.name} exited with {child.process.returncode} before listening: "
+                                 f"{child.tail(3) or 'no output'} (log {child.log_path})")
+            _append(child.log_path, line)
+            match = LISTENING.search(line.decode(errors="replace"))
+            if match:
+                return match.group(1)
+        raise StackError(f"{child.name} did not report a listening URL within {START_TIMEOUT_S:g} s (log {child.log_path})")
+
+    async def _pump(self, child: Child) -> None:
+        """Copy the child's stdout into its log (a full pipe would block the child)."""
+        assert child.process.stdout is not None
+        with open(child.log_path, "ab") as sink:
+            while line := await child.process.stdout.readline():
+                sink.write(line)
+                sink.flush()
+
+    async def _watch(self, child: Child) -> None:
+        code = await child.process.wait()
+        if not child.expected_exit and not self._stopping:
+            log.error("%s (pid %d) exited unexpectedly with %s", child.name, child.pid, code)
+            self._failures.put_nowait(child)
+
+    async def wait_unexpected_exit(self) -> Child:
+        """The first child that exits while the stack runs (not during ``stop``)."""
+        return await self._failures.get()
+
+    # -- stopping ---------------------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        """Ordered shutdown: proxies, collector, engines, scheduler, recorder, then NATS (idempotent)."""
+        self._stopping = True
+        for role in STOP_ORDER:
+            group = [c for c in self.children if c.role == role]
+            await asyncio.gather(*(self._stop_child(c) for c in group))
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.close()
+            self._nc = None
+        if self.embedded is not None:
+            await asyncio.to_thread(self.embedded.stop)
+
+    async def _stop_child(self, child: Child) -> None:
+        child.expected_exit = True
+        process = child.process
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+            timeout = STOP_TIMEOUT_S.get(child.role, DEFAULT_STOP_TIMEOUT_S)
+            try:
+                await asyncio.wait_for(process.wait(), timeout)
+            except asyncio.TimeoutError:
+                log.warning("%s did not stop within %g s: killed", child.name, timeout)
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+        for task in (child.pump, child.watcher):
+            if task is not None:
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(task, 2.0)
+        if process.returncode not in (0, -signal.SIGTERM):
+            log.warning("%s exited with %s (log %s)", child.name, process.returncode, child.log_path)
+
+
+def _append(path: Path, line: bytes) -> None:
+    with open(path, "ab") as sink:
+        sink.write(line)
+
+
+# -- laswrr up ------------------------------------------------------------------------------------------
+
+
+def banner(stack: Stack, out: IO[str]) -> None:
+    url = stack.nats_url
+    where = f"embedded, JetStream store in {stack.data_dir / 'jetstream'}" if stack.embedded else "external"
+    print(f"laswrr up: running (data dir {stack.data_dir}, logs in {stack.log_dir})", file=out)
+    print(f"  NATS URL:  {url}  ({where})", file=out)
+    print(f"  proxy URL: {stack.proxy_url or 'none (laswrr proxy not available)'}"
+          + ("  (OpenAI API: /v1/chat/completions, /v1/completions, /v1/models)" if stack.proxy_url else ""), file=out)
+    for child in stack.children:
+        print(f"  {child.role:<10} {child.name:<12} pid {child.pid}{'  ' + child.url if child.url else ''}", file=out)
+    for node in stack.nodes:
+        print(f"  node       {node.id:<12} {node.chip:<5} capacity {node.capacity:<3} pool {node.pool:<8} {node.url}",
+              file=out)
+    if stack.nodes_file:
+        print(f"  nodes file: {stack.nodes_file}", file=out)
+    node = stack.nodes[0].id if stack.nodes else "<node>"
+    pool = stack.nodes[0].pool if stack.nodes else "default"
+    print("operator commands:", file=out)
+    print(f"  nats -s {url} pub lb.admin.capacity.{node} '{{\"capacity\": 1}}'", file=out)
+    print(f"  nats -s {url} sub 'lb.out.>'", file=out)
+    print(f"  nats -s {url} kv get LB_WEIGHTS {pool}", file=out)
+    print(f"  laswrr nodes --nats-url {url}", file=out)
+    print(f"  laswrr capacity {node} 1 --nats-url {url}   (also: drain, undrain, remove, register)", file=out)
+    print("Ctrl-C (SIGINT) or SIGTERM stops everything.", file=out, flush=True)
+
+
+async def run_up(args: argparse.Namespace) -> int:
+    stop = settings.stop_event()
+    stack = Stack(args.data_dir, nats_url=args.nats_url, proxy_port=args.proxy_port, config=args.config,
+                  tick_ms=args.tick_ms)
+    try:
+        return await _run_stack(stack, args, stop)
+    finally:  # whatever happened (even a closed stdout), nothing is left running
+        await stack.stop()
+
+
+async def _run_stack(stack: Stack, args: argparse.Namespace, stop: asyncio.Event) -> int:
+    starting = asyncio.create_task(stack.start(args.nodes, sim_speed=args.sim_speed))
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # a signal during start-up
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+        return 0
+    stopped.cancel()
+    try:
+        starting.result()
+    except StackError as exc:
+        _say(f"laswrr up: {exc}", sys.stderr)
+        return 1
+    with contextlib.suppress(OSError):
+        banner(stack, sys.stdout)
+    failed = asyncio.create_task(stack.wait_unexpected_exit())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if failed.done():
+        child = failed.result()
+        _say(f"laswrr up: {child.name} (pid {child.pid}) exited unexpectedly with {child.process.returncode}; "
+             f"stopping the rest. Last lines of {child.log_path}:\n{child.tail()}", sys.stderr)
+        await stack.stop()
+        return 1
+    failed.cancel()
+    _say("laswrr up: stopping (proxies, collector, engines, scheduler, recorder, NATS)", sys.stdout)
+    await stack.stop()
+    _say("laswrr up: stopped", sys.stdout)
+    return 0
+
+
+def _say(text: str, stream: IO[str]) -> None:
+    with contextlib.suppress(OSError):
+        print(text, file=stream, flush=True)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("up", help="run NATS, scheduler, recorder, collector and proxy together",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", metavar="nodes.toml", default=None,
+                        help="[[node]] tables (id, url, pool, chip, capacity); default: four simulated engines")
+    parser.add_argument("--nats-url", default=None, metavar="URL",
+                        help="use this NATS server (default: start an embedded one)")
+    parser.add_argument("--data-dir", default=settings.DEFAULT_DATA_DIR, metavar="DIR",
+                        help=f"JetStream store, recorded events, logs (default ./{settings.DEFAULT_DATA_DIR})")
+    parser.add_argument("--proxy-port", type=int, default=settings.DEFAULT_PROXY_PORT,
+                        help=f"proxy listen port (default {settings.DEFAULT_PROXY_PORT}; 0 picks a free one)")
+    parser.add_argument("--config", metavar="FILE.toml", default=None, help="scheduler configuration file")
+    parser.add_argument("--tick-ms", type=int, default=settings.DEFAULT_TICK_MS, help="scheduler tick period")
+    parser.add_argument("--sim-speed", type=float, default=1.0, help="speed factor of the simulated engines")
+    settings.add_verbosity(parser)
+    parser.set_defaults(func=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    settings.configure_logging(args.verbose, "up")
+    if args.nodes is not None:
+        try:
+            load_nodes(args.nodes)
+        except StackError as exc:
+            print(f"laswrr up: {exc}", file=sys.stderr)
+            return 2
+    if args.config is not None and not Path(args.config).is_file():
+        print(f"laswrr up: --config {args.config}: no such file", file=sys.stderr)
+        return 2
+    return asyncio.run(run_up(args))

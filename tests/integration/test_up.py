@@ -1,0 +1,162 @@
+"""`laswrr up` as an operator runs it, and ``Stack`` as the benchmark and demo drive it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+import tomllib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from schemas import subjects as sj
+from services.up import NodeSpec, Stack, StackError, command_available, load_nodes, parse_nodes, render_nodes
+
+NODES = """
+[[node]]
+id = "n1"
+url = "http://127.0.0.1:9"
+chip = "910B"
+capacity = 8
+"""
+
+# -- nodes.toml (pure) ----------------------------------------------------------------------------
+
+
+def test_nodes_file_round_trips_and_keeps_collector_keys() -> None:
+    nodes = [NodeSpec("a", "http://h:1", "p", "910C", 16, {"npu_smi": 'x --url "q"', "npu_ids": [0, 1]}),
+             NodeSpec("b", "http://h:2")]
+    assert parse_nodes(tomllib.loads(render_nodes(nodes))) == nodes
+
+
+def test_example_nodes_file_is_valid() -> None:
+    nodes = load_nodes(Path(__file__).parents[2] / "nodes.example.toml")
+    assert [n.chip for n in nodes] == ["910C", "910B", "910B", "910"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "no [[node]] tables"),
+    ('[[node]]\nid = "a"\nurl = "http://h"\n', "capacity must be an integer > 0"),
+    ('[[node]]\nid = "a"\nurl = "http://h"\ncapacity = 0\n', "capacity must be an integer > 0"),
+    ('[[node]]\nid = "a.b"\nurl = "http://h"\ncapacity = 1\n', "invalid node id"),
+    ('[[node]]\nid = "a"\nurl = "h:1"\ncapacity = 1\n', "not an http(s) URL"),
+    ('[[node]]\nid = "a"\nurl = "http://h"\ncapacity = 1\n[[node]]\nid = "a"\nurl = "http://g"\ncapacity = 2\n',
+     "duplicate node id"),
+])
+def test_bad_nodes_files_are_one_line_errors(text: str, message: str) -> None:
+    with pytest.raises(StackError, match=re.escape(message)):
+        parse_nodes(tomllib.loads(text))
+
+
+# -- laswrr up --------------------------------------------------------------------------------------
+
+
+STARTED: list[asyncio.subprocess.Process] = []
+
+
+@pytest.fixture(autouse=True)
+async def no_leftover_stack() -> AsyncIterator[None]:
+    """If a test fails half-way, stop its `laswrr up` (which stops everything it started)."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                await asyncio.wait_for(proc.wait(), 60)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+async def start_up(*args: str) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
+    """Run `laswrr up ARGS`; returns the process and the banner's "name: value" lines once printed."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "up", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
+    STARTED.append(proc)
+    assert proc.stdout is not None
+    banner: dict[str, str] = {}
+    while "Ctrl-C" not in banner.get("last", ""):
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        if not line:
+            err = await proc.stderr.read() if proc.stderr else b""
+            raise AssertionError(f"laswrr up exited early: {err.decode()[-2000:]}")
+        banner["last"] = line
+        key, _, value = line.strip().partition(": ")
+        if value:
+            banner[key] = value.strip()
+        match = re.match(r"\s+(\w[\w-]*)\s+(\S+)\s+pid (\d+)", line)
+        if match:
+            banner[f"pid {match.group(2)}"] = match.group(3)
+    return proc, banner
+
+
+async def finish(proc: asyncio.subprocess.Process) -> tuple[int, str, str]:
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, (out or b"").decode(), (err or b"").decode()
+
+
+async def test_up_runs_the_stack_and_stops_cleanly_on_sigint(tmp_path: Path) -> None:
+    (tmp_path / "nodes.toml").write_text(NODES)
+    proc, banner = await start_up("--nodes", str(tmp_path / "nodes.toml"), "--data-dir", str(tmp_path / "data"),
+                                  "--proxy-port", "0")
+    nats_url = banner["NATS URL"].split()[0]
+    if command_available("proxy"):
+        assert banner["proxy URL"].startswith("http://127.0.0.1:")
+    nc = await nats.connect(nats_url)
+    kv = await nc.jetstream().key_value(sj.WEIGHTS_BUCKET)
+    snapshot = json.loads((await kv.get("default")).value)
+    assert [n["node"] for n in snapshot["nodes"]] == ["n1"]  # registered before the banner
+    await nc.close()
+    proc.send_signal(signal.SIGINT)
+    code, out, err = await finish(proc)
+    assert code == 0, err[-2000:]
+    assert out.rstrip().endswith("laswrr up: stopped")
+    assert "exited unexpectedly" not in err and "killed" not in err
+
+
+async def test_up_exits_non_zero_when_a_child_dies(tmp_path: Path, nats_url: str) -> None:
+    (tmp_path / "nodes.toml").write_text(NODES)
+    proc, banner = await start_up("--nodes", str(tmp_path / "nodes.toml"), "--data-dir", str(tmp_path / "data"),
+                                  "--proxy-port", "0", "--nats-url", nats_url)
+    assert banner["NATS URL"].startswith(f"{nats_url}  (external")
+    os.kill(int(banner["pid scheduler"]), signal.SIGKILL)
+    code, _, err = await finish(proc)
+    assert code == 1
+    assert "scheduler (pid" in err and "exited unexpectedly with -9" in err
+
+
+async def test_up_rejects_a_bad_nodes_file(tmp_path: Path) -> None:
+    (tmp_path / "nodes.toml").write_text('[[node]]\nid = "a"\nurl = "http://h"\ncapacity = -1\n')
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.cli", "up", "--nodes",
+                                                str(tmp_path / "nodes.toml"), stderr=asyncio.subprocess.PIPE)
+    code, _, err = await finish(proc)
+    assert code == 2 and err.count("\n") == 1 and "capacity must be an integer > 0" in err
+
+
+@pytest.mark.skipif(not command_available("sim-engine"), reason="laswrr sim-engine not available")
+async def test_stack_library_with_a_simulated_engine(tmp_path: Path) -> None:
+    stack = Stack(tmp_path / "data", proxy_port=0)
+    try:
+        await stack.start_nats()
+        await stack.start_core()
+        nodes = await stack.start_sim_engines([("sim-a", "910B", 4)], speed=20.0)
+        assert nodes[0].url.startswith("http://127.0.0.1:") and nodes[0].extra["npu_smi"].endswith(nodes[0].url)
+        await stack.register(nodes)  # returns once LB_WEIGHTS shows the node
+        assert [n.id for n in stack.nodes] == ["sim-a"]
+        path = stack.write_nodes_file(nodes)
+        assert load_nodes(path) == nodes
+    finally:
+        await stack.stop()
+    assert all(child.process.returncode is not None for child in stack.children)
+    assert {c.role for c in stack.children} >= {"scheduler", "sim-engine"}
+    assert stack.embedded is not None and stack.embedded.process is not None
+    assert stack.embedded.process.poll() is not None
