@@ -26,7 +26,7 @@ from scheduler.core import Scheduler
 from schemas import subjects as sj
 from schemas.codec import Envelope, decode_event, encode_event
 from schemas.events import ClockTicked, EngineSampled, Event, HealthProbed, NodeRegistered, NpuChip, NpuSampled
-from services.collector import Collector, Settings
+from collectors.poller import Collector, Settings
 from services.natsbus import ensure_streams, free_port
 from services.sim_engine.app import RunningServer, start_server
 from services.sim_engine.config import SimConfig
@@ -260,7 +260,7 @@ async def test_a_slow_node_never_delays_the_others(
     assert all(isinstance(h, HealthProbed) and h.error == "timeout after 1000 ms" for h in slow_health)
     stats = running.collector.stats
     assert stats.total("scrapes", node="slow", outcome="timeout") >= 1
-    assert stats.total("late_ticks", node="slow") >= 4
+    assert stats.total("late_ticks", loop="slow") >= 4
 
 
 def _table_command(tmp_path: Path, chips: list[NpuChip]) -> str:
@@ -315,7 +315,8 @@ async def test_failing_npu_smi_is_counted_and_engine_samples_continue(
         nc: Client, engines: Callable[..., Awaitable[RunningServer]]) -> None:
     engine = await engines(speed=20.0)
     js = nc.jetstream()
-    running = Running([node("n", engine.url, npu_smi=sim_npu_smi("http://127.0.0.1:9"))], js)
+    failing = f"{sys.executable} -c 'import sys; sys.stderr.write(\"dcmi error\"); sys.exit(3)'"
+    running = Running([node("n", engine.url, npu_smi=failing)], js, replace(FAST, npu_interval_s=0.2))
     stats = running.collector.stats
     deadline = time.monotonic() + 15
     while stats.total("npu_smi_runs") < 2 and time.monotonic() < deadline:
