@@ -2,8 +2,8 @@
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (forwarded, SSE or not),
 ``GET /v1/models``, ``GET /healthz``, ``GET /metrics``. Handlers hold no policy: they validate
-input (400 invalid JSON, 413 body over ``max_body_bytes``, 404 unknown model, 503 no routable
-node, all OpenAI-style ``{"error": {message, type, code}}``), pick the pool, ask the router for an
+input (400 invalid JSON, 413 body over ``max_body_bytes``, 404 unknown model, 503 no snapshot
+yet or no routable node, all OpenAI-style ``{"error": {message, type, code}}``), pick the pool, ask the router for an
 admission and hand over to ``upstream.Forwarder``.
 
 Model -> pool: a pool with that exact name; else the pool whose engines list that model id on
@@ -110,6 +110,10 @@ async def _completions(request: web.Request, state: ProxyState, arrived: float) 
         state.metrics.rejected.labels(reason="bad_json").inc()
         return error_response(400, f"invalid JSON body: {exc}", "invalid_request_error", "invalid_json")
     router = state.router
+    if not router.pools:  # cold start with NATS not (yet) reachable: nothing to route on
+        state.metrics.rejected.labels(reason="no_snapshot").inc()
+        return error_response(503, "no routing snapshot yet (is the scheduler running?)", "service_unavailable",
+                              "no_snapshot", headers={"Retry-After": "1"})
     hint = None
     if peek.model is not None and peek.model not in router.pools and state.catalog is not None:
         hint = await state.catalog.pool_hint()

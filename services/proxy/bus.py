@@ -4,7 +4,9 @@ Theory of operation. The proxy must serve with NATS absent (starting before it, 
 later): ``run`` keeps trying to connect in the background, and until it succeeds routing uses
 whatever snapshots it has (none at a cold start -> 503). Once connected it creates the streams
 and bucket only if they are missing (it never rewrites a configuration another service chose),
-attaches the event publisher, and watches every key of LB_WEIGHTS. Each value is decoded as a
+attaches the event publisher, and watches every key of LB_WEIGHTS. The set-up runs once, at the
+first connection: after a NATS restart the streams are recovered from disk, and creating them
+while the server is still recovering would shadow the recovered ones. Each value is decoded as a
 ``WeightSnapshot`` and offered to the router, which keeps only a newer ``as_of_seq``. A deleted
 or purged key forgets the pool. A bad value is logged and skipped.
 
@@ -60,12 +62,12 @@ class BusLink:
         self.nc = await self._connect()
         self.publisher.attach(self.nc)
         js = self.nc.jetstream()
+        await self._bootstrap(js)
         failures = 0
         while True:
             try:
-                await self._prepare(js)
-                failures = 0
                 await self._watch(js)
+                failures = 0
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -86,6 +88,20 @@ class BusLink:
             except Exception as exc:
                 log.warning("NATS at %s unreachable (%s); routing on the snapshots held, retrying in %.1f s",
                             self.url, exc or type(exc).__name__, delay)
+                await asyncio.sleep(delay)
+                delay = min(self.max_retry_s, delay * 2)
+
+    async def _bootstrap(self, js: JetStreamContext) -> None:
+        """Once, at the first connection: make sure the streams and bucket exist (retrying)."""
+        delay = self.retry_s
+        while True:
+            try:
+                await self._prepare(js)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("cannot set up JetStream (%s); retrying in %.1f s", exc or type(exc).__name__, delay)
                 await asyncio.sleep(delay)
                 delay = min(self.max_retry_s, delay * 2)
 

@@ -27,8 +27,10 @@ Event semantics (what analysts count):
   its first byte), ``router_aborted`` (still running when the shutdown grace period ended).
   An attempt that failed before any byte reached the client and was retried on another node
   has ``outcome=upstream_error``, ``ttft_ms=null`` and an ``error`` starting with
-  ``"retried: "``: the client never saw that failure. ``ttft_ms`` is the time to the first
-  byte sent to the client (null when none was); ``status`` the engine's HTTP status.
+  ``"retried: "``: the client never saw that failure. ``ttft_ms`` (first byte sent to the
+  client; null when none was) and ``duration_ms`` count from the client request's arrival at
+  the proxy, so a retried request's figures include its failed attempts; ``status`` is the
+  engine's HTTP status (null when it never answered).
 * ``lb.proxy.heartbeat.<proxy>`` every ``heartbeat_s`` with this proxy's in-flight count, and
   ``lb.proxy.stopped.<proxy>`` at clean shutdown, after the last request finished.
 """
@@ -80,7 +82,7 @@ def _ms(seconds: float | None) -> float | None:
 
 class EventPublisher:
     def __init__(self, proxy_id: str, capacity: int = 100_000, batch_max: int = 512,
-                 ack_timeout_s: float = 5.0, retry_backoff_s: float = 0.25, linger_s: float = 0.005) -> None:
+                 ack_timeout_s: float = 2.0, retry_backoff_s: float = 0.25, linger_s: float = 0.005) -> None:
         self.proxy_id = proxy_id
         self.capacity = capacity
         self.batch_max = batch_max

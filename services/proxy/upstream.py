@@ -49,7 +49,7 @@ HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
     "te", "trailer", "trailers", "transfer-encoding", "upgrade",
 })
-REQUEST_DROP = HOP_BY_HOP | {"host", "content-length"}
+REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}  # the body is already read
 RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 SSE_ERROR_TYPE = "upstream_error"
 _TAIL_CHUNKS = 4

@@ -122,8 +122,8 @@ async def test_no_routable_node_is_503_with_retry_after(engines, core: CoreDrive
                                                         http: aiohttp.ClientSession) -> None:
     proxy = await start_proxy()
     async with http.post(proxy.url + CHAT, json=STREAM) as resp:  # no snapshot at all yet
-        assert resp.status == 404
-        assert (await resp.json())["error"]["code"] == "model_not_found"
+        assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+        assert (await resp.json())["error"]["code"] == "no_snapshot"
     engine = await engines("a")
     await core.register("a", engine.url)
     await wait_seq(proxy, "default", await core.capacity("a", 0))
