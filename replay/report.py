@@ -1,6 +1,7 @@
 """`laswrr report`: the zero-interruption verdict of a recorded run, from the analyst views.
 
-Counts come from the views of ``replay/views.sql`` (``requests``, ``interruptions``,
+Counts come from the views of ``replay/views.sql`` (``requests`` — client requests, each the
+set of its proxy attempts, counted by the outcome of the last attempt — ``interruptions``,
 ``open_requests``, ``admissions_to_draining``, ``drains``), so what the report says is what an
 analyst's SQL says. ``interrupted`` counts router-caused cuts: ``router_aborted`` outcomes and
 requests still open when their proxy announced a clean stop. Requests open at the end of the
@@ -29,6 +30,8 @@ def gather(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     report["requests"] = row[0]
     report.update(zip(OUTCOMES, row[1:1 + len(OUTCOMES)]))
     report["other_outcome"] = row[-1]
+    report["attempts"] = _count(con, "SELECT count(*) FROM attempts")
+    report["retried_attempts"] = _count(con, "SELECT count(*) FROM attempts WHERE attempt_id <> request_id")
     report["interrupted"] = _count(con, "SELECT count(*) FROM interruptions")
     report["interrupted_open_at_proxy_stop"] = _count(
         con, "SELECT count(*) FROM interruptions WHERE reason = 'open_at_proxy_stop'")

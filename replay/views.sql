@@ -50,31 +50,50 @@ FROM output_events
 WHERE subject LIKE 'lb.out.phase.%' AND j IS NOT NULL
 QUALIFY row_number() OVER (PARTITION BY j->>'as_of_seq', j->>'node', j->>'to' ORDER BY seq) = 1;
 
--- One row per request: the first `lb.req.started` of a request_id and its first later
--- `lb.req.finished`. outcome is NULL while the request is open (never finished).
-CREATE OR REPLACE VIEW requests AS
+-- One row per attempt: the first `lb.req.started` of an attempt id and its first later
+-- `lb.req.finished`. A proxy retry k >= 1 of client request R uses attempt id "R.k" (see
+-- services/proxy/events.py), so request_id = the attempt id before its first '.'.
+-- outcome is NULL while the attempt is open (never finished).
+CREATE OR REPLACE VIEW attempts AS
 WITH started AS (
-    SELECT j->>'request_id' AS request_id, key AS node, coalesce(j->>'pool', 'default') AS pool,
+    SELECT j->>'request_id' AS attempt_id, key AS node, coalesce(j->>'pool', 'default') AS pool,
            j->>'proxy' AS proxy, seq, ts_ns, TRY_CAST(j->>'snapshot_seq' AS BIGINT) AS snapshot_seq
     FROM input_events
     WHERE family = 'lb.req.started' AND j->>'request_id' IS NOT NULL
     QUALIFY row_number() OVER (PARTITION BY j->>'request_id' ORDER BY seq) = 1
 ), finished AS (
-    SELECT j->>'request_id' AS request_id, seq, ts_ns, j->>'outcome' AS outcome,
+    SELECT j->>'request_id' AS attempt_id, seq, ts_ns, j->>'outcome' AS outcome, j->>'error' AS error,
            TRY_CAST(j->>'ttft_ms' AS DOUBLE) AS ttft_ms, TRY_CAST(j->>'duration_ms' AS DOUBLE) AS duration_ms
     FROM input_events
     WHERE family = 'lb.req.finished' AND j->>'request_id' IS NOT NULL
 )
-SELECT s.request_id, s.node, s.pool, s.proxy,
+SELECT split_part(s.attempt_id, '.', 1) AS request_id, s.attempt_id, s.node, s.pool, s.proxy,
        s.seq AS started_seq, s.ts_ns AS started_ts_ns,
        f.seq AS finished_seq, f.ts_ns AS finished_ts_ns,
-       f.outcome, f.ttft_ms, f.duration_ms, s.snapshot_seq
+       f.outcome, f.ttft_ms, f.duration_ms, s.snapshot_seq, f.error
 FROM started s
-LEFT JOIN finished f ON f.request_id = s.request_id AND f.seq > s.seq
-QUALIFY row_number() OVER (PARTITION BY s.request_id ORDER BY f.seq NULLS LAST) = 1;
+LEFT JOIN finished f ON f.attempt_id = s.attempt_id AND f.seq > s.seq
+QUALIFY row_number() OVER (PARTITION BY s.attempt_id ORDER BY f.seq NULLS LAST) = 1;
 
--- Router-caused cuts: outcome router_aborted, and requests still open when their proxy
--- announced a clean stop (`lb.proxy.stopped.<proxy>` after the start). A request open at the
+-- One row per client request: started when its first attempt started; node, outcome, finish,
+-- ttft_ms and duration_ms (both counted by the proxy from the request's arrival) and
+-- snapshot_seq are those of its last attempt (a retried failure the client never saw is not
+-- the request's outcome).
+CREATE OR REPLACE VIEW requests AS
+WITH first_start AS (
+    SELECT request_id, min(started_seq) AS started_seq, min(started_ts_ns) AS started_ts_ns, count(*) AS attempts
+    FROM attempts GROUP BY request_id
+), last_attempt AS (
+    SELECT * FROM attempts
+    QUALIFY row_number() OVER (PARTITION BY request_id ORDER BY started_seq DESC) = 1
+)
+SELECT l.request_id, l.node, l.pool, l.proxy, f.started_seq, f.started_ts_ns,
+       l.finished_seq, l.finished_ts_ns, l.outcome, l.ttft_ms, l.duration_ms, l.snapshot_seq,
+       f.attempts, l.started_seq AS last_attempt_seq
+FROM first_start f JOIN last_attempt l USING (request_id);
+
+-- Router-caused cuts: outcome router_aborted, and requests whose last attempt was still open
+-- when its proxy announced a clean stop (`lb.proxy.stopped.<proxy>` after that attempt began). A request open at the
 -- end of a log whose proxy never announced a stop is not here: its fate is unknown (see
 -- `open_requests`).
 CREATE OR REPLACE VIEW proxy_stops AS
@@ -85,7 +104,7 @@ SELECT r.*, 'router_aborted' AS reason, NULL::BIGINT AS proxy_stopped_seq
 FROM requests r WHERE r.outcome = 'router_aborted'
 UNION ALL
 SELECT r.*, 'open_at_proxy_stop' AS reason, min(p.seq) AS proxy_stopped_seq
-FROM requests r JOIN proxy_stops p ON p.proxy = r.proxy AND p.seq > r.started_seq
+FROM requests r JOIN proxy_stops p ON p.proxy = r.proxy AND p.seq > r.last_attempt_seq
 WHERE r.outcome IS NULL
 GROUP BY ALL;
 
@@ -93,15 +112,17 @@ CREATE OR REPLACE VIEW open_requests AS
 SELECT r.* FROM requests r
 WHERE r.outcome IS NULL AND r.request_id NOT IN (SELECT request_id FROM interruptions);
 
--- Requests admitted to a node that the snapshot the proxy routed on (as_of_seq = snapshot_seq,
--- same pool) showed as not routable or with effective weight 0, or did not list at all.
+-- Attempts admitted to a node that the snapshot the proxy routed on (as_of_seq = snapshot_seq,
+-- same pool) showed as not routable or with effective weight 0, or did not list at all. Every
+-- attempt is a routing decision, so retries are checked too. An attempt whose snapshot_seq
+-- names no recorded snapshot cannot be judged and is not listed.
 CREATE OR REPLACE VIEW admissions_to_draining AS
-SELECT r.request_id, r.node, r.pool, r.proxy, r.started_seq, r.started_ts_ns, r.snapshot_seq,
+SELECT r.request_id, r.attempt_id, r.node, r.pool, r.proxy, r.started_seq, r.started_ts_ns, r.snapshot_seq,
        w.phase, w.routable, w.effective_weight, r.outcome,
        CASE WHEN w.node IS NULL THEN 'node_absent'
             WHEN NOT w.routable THEN 'not_routable'
             ELSE 'zero_weight' END AS verdict
-FROM requests r
+FROM attempts r
 JOIN (SELECT DISTINCT pool, as_of_seq FROM snapshot_nodes) s
   ON s.pool = r.pool AND s.as_of_seq = r.snapshot_seq
 LEFT JOIN snapshot_nodes w ON w.pool = r.pool AND w.as_of_seq = r.snapshot_seq AND w.node = r.node

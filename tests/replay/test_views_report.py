@@ -150,3 +150,26 @@ def test_export_round_trip(crafted: tuple[Path, dict[str, int]], tmp_path: Path,
     assert "identical" in capsys.readouterr().out
     assert main(["report", "--db", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["interrupted"] == 2
+
+
+def test_retries_are_attempts_of_one_request(tmp_path: Path) -> None:
+    log = LogBuilder()
+    log.node("a", 4)
+    log.node("b", 4)
+    log.tick()
+    log.started("a", "q1", snapshot_seq=log.last_snapshot_seq())
+    log.add(sj.req_finished("a"), {"request_id": "q1", "proxy": "p1", "outcome": "upstream_error",
+                                   "error": "retried: connection refused"})
+    log.started("b", "q1.1", snapshot_seq=log.last_snapshot_seq())
+    log.finished("b", "q1.1", ttft_ms=70.0, duration_ms=900.0)
+    path = tmp_path / "r.duckdb"
+    log.write_db(path)
+    assert query(path, "SELECT attempt_id, node, outcome FROM attempts ORDER BY started_seq") == [
+        ("q1", "a", "upstream_error"), ("q1.1", "b", "completed")]
+    assert query(path, "SELECT request_id, node, outcome, attempts, ttft_ms FROM requests") == [
+        ("q1", "b", "completed", 2, 70.0)]
+    with store.open_read(path) as con:
+        from replay.report import gather
+
+        report = gather(con)
+    assert (report["requests"], report["completed"], report["upstream_error"], report["retried_attempts"]) == (1, 1, 0, 1)
