@@ -23,7 +23,9 @@ import contextlib
 import json
 import sys
 import time
+import tomllib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -192,6 +194,49 @@ def _register_body(args: argparse.Namespace) -> dict[str, Any]:
     return body
 
 
+def nodes_file_bodies(path: str) -> list[tuple[str, dict[str, Any]]]:
+    """``(node id, lb.admin.node body)`` per ``[[node]]`` of a nodes.toml (id, url, pool, chip, capacity)."""
+    try:
+        document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise OperatorError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise OperatorError(f"{path} is not valid TOML: {exc}") from None
+    tables = document.get("node")
+    if not isinstance(tables, list) or not tables:
+        raise OperatorError(f"{path}: no [[node]] tables")
+    bodies = []
+    for index, table in enumerate(tables, 1):
+        node, url, capacity = (table.get(k) for k in ("id", "url", "capacity")) if isinstance(table, dict) else (None,) * 3
+        if not (isinstance(node, str) and isinstance(url, str) and type(capacity) is int):
+            raise OperatorError(f"{path}: node #{index} needs id (string), url (string) and capacity (integer)")
+        body: dict[str, Any] = {"url": url, "pool": table.get("pool", "default")}
+        if table.get("chip") is not None:
+            body["chip"] = str(table["chip"])
+        body["capacity"] = capacity
+        bodies.append((_subject(sj.admin_node, node), body))
+    return bodies
+
+
+def run_register(args: argparse.Namespace) -> int:
+    """One NODE from the flags, or every node of ``--nodes FILE`` (exit code: the worst outcome)."""
+    single = (args.node, args.url, args.capacity)
+    if args.nodes is None and None in single:
+        print("laswrr: register needs NODE, --url and --capacity (or --nodes FILE)", file=sys.stderr)
+        return EXIT_USAGE
+    if args.nodes is None:
+        return int(_write(sj.admin_node, _register_body)(args))
+    if single != (None, None, None):
+        print("laswrr: register --nodes FILE takes no NODE, --url or --capacity", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        bodies = nodes_file_bodies(args.nodes)
+    except OperatorError as exc:
+        print(f"laswrr: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return max(run_write(args, subject, body, subject.rsplit(".", 1)[1]) for subject, body in bodies)
+
+
 # -- laswrr nodes -------------------------------------------------------------------------------------
 
 
@@ -297,13 +342,15 @@ def register(subparsers: Any) -> None:
 
     reg = subparsers.add_parser("register", help="register or update a node",
                                 description="Publish lb.admin.node.NODE {url, pool, chip, capacity}.")
-    reg.add_argument("node", metavar="NODE")
-    reg.add_argument("--url", required=True, help="the engine's base URL, e.g. http://10.0.0.5:8000")
+    reg.add_argument("node", metavar="NODE", nargs="?", help="node id (omit with --nodes)")
+    reg.add_argument("--nodes", metavar="FILE", default=None,
+                     help="register every [[node]] of this nodes.toml (id, url, pool, chip, capacity) instead")
+    reg.add_argument("--url", default=None, help="the engine's base URL, e.g. http://10.0.0.5:8000")
     reg.add_argument("--pool", default="default", help="resource pool (default: default)")
     reg.add_argument("--chip", default=None, help="chip type: 910, 910B, 910C, ...")
-    reg.add_argument("--capacity", type=int, required=True, help="concurrent requests the node serves")
+    reg.add_argument("--capacity", type=int, default=None, help="concurrent requests the node serves")
     _common(reg)
-    reg.set_defaults(func=_write(sj.admin_node, _register_body))
+    reg.set_defaults(func=run_register)
 
     nodes = subparsers.add_parser("nodes", help="show each pool's latest snapshot (KV LB_WEIGHTS)",
                                   description="One table per pool: phase, capacity, weights, in-flight, load, sample age.")
