@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
+import datetime
 import hashlib
 import logging
 import os
@@ -44,9 +46,10 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -72,8 +75,7 @@ PUBLISH_TIMEOUT_S = 5.0
 # -- the JetStream ack subject --------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class AckInfo:
+class AckInfo(NamedTuple):
     """The metadata JetStream encodes in a delivered message's reply (ack) subject."""
 
     stream: str
@@ -96,20 +98,15 @@ def parse_ack_subject(reply: str) -> AckInfo:
     Raises ValueError for anything else.
     """
     tokens = reply.split(".")
-    if len(tokens) < 9 or tokens[0] != "$JS" or tokens[1] != "ACK":
+    count = len(tokens)
+    if count < 9 or tokens[0] != "$JS" or tokens[1] != "ACK" or count == 10:
         raise ValueError(f"not a JetStream ack subject: {reply!r}")
-    if len(tokens) == 9:
-        base, domain = 2, None
-    elif len(tokens) >= 11:
-        base, domain = 4, (None if tokens[2] in ("", "_") else tokens[2])
-    else:
-        raise ValueError(f"JetStream ack subject with {len(tokens)} tokens: {reply!r}")
+    base, domain = (2, None) if count == 9 else (4, None if tokens[2] in ("", "_") else tokens[2])
     try:
-        delivered, sseq, cseq, ts_ns, pending = (int(t) for t in tokens[base + 2:base + 7])
+        return AckInfo(tokens[base], tokens[base + 1], int(tokens[base + 2]), int(tokens[base + 3]),
+                       int(tokens[base + 4]), int(tokens[base + 5]), int(tokens[base + 6]), domain)
     except ValueError:
         raise ValueError(f"non-numeric field in JetStream ack subject: {reply!r}") from None
-    return AckInfo(stream=tokens[base], consumer=tokens[base + 1], delivered=delivered, stream_seq=sseq,
-                   consumer_seq=cseq, ts_ns=ts_ns, pending=pending, domain=domain)
 
 
 def envelope_of(msg: Msg) -> Envelope:
@@ -155,6 +152,115 @@ def default_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+# -- reading the stream ---------------------------------------------------------------------------
+
+
+def parse_rfc3339_ns(text: str) -> int:
+    """``2026-05-01T10:00:00.123456789Z`` (or with ``+hh:mm``) -> integer ns since the epoch."""
+    text = text.strip()
+    offset_s = 0
+    if text[-1] in "Zz":
+        text = text[:-1]
+    elif len(text) > 6 and text[-6] in "+-" and text[-3] == ":":
+        sign = 1 if text[-6] == "+" else -1
+        offset_s = sign * (int(text[-5:-3]) * 3600 + int(text[-2:]) * 60)
+        text = text[:-6]
+    whole, _, fraction = text.partition(".")
+    base = datetime.datetime.strptime(whole, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=datetime.timezone.utc)
+    return (int(base.timestamp()) - offset_s) * 1_000_000_000 + int((fraction or "0")[:9].ljust(9, "0"))
+
+
+class ConsumerGone(RuntimeError):
+    """The pull consumer was deleted or stopped answering: recreate it from the next seq."""
+
+
+class Puller:
+    """Raw ``$JS.API.CONSUMER.MSG.NEXT`` requests into a callback buffer.
+
+    nats-py's ``fetch`` costs several loop wake-ups per message; here a whole batch arrives
+    through one subscription callback and the next request is sent before the batch is applied,
+    so the server streams while the core works. One request is outstanding at a time, so at most
+    two batches are buffered (the subscription's pending limits are far above that).
+    """
+
+    STATUS_DONE = frozenset({"404", "408", "409"})  # no messages / request expired / request ended
+
+    def __init__(self, nc: Client, stream: str, consumer: str, batch: int, expires_s: float = 2.0) -> None:
+        self.nc, self.stream, self.consumer = nc, stream, consumer
+        self.batch, self.expires_s = batch, expires_s
+        self._inbox = nc.new_inbox()
+        self._sub: Any = None
+        self._n = 0
+        self._current = ""  # reply subject of the outstanding request ("" = none)
+        self._remaining = 0
+        self._deadline = 0.0
+        self._buffer: list[Msg] = []
+        self._wake = asyncio.Event()
+        self._gone: str | None = None
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_msg,
+                                            pending_msgs_limit=20 * self.batch + 1000, pending_bytes_limit=-1)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def _on_msg(self, msg: Msg) -> None:
+        status = msg.headers.get("Status") if msg.headers and not msg.data else None
+        if status is None:
+            self._buffer.append(msg)
+            self._remaining -= 1
+            if self._remaining <= 0:
+                self._current = ""
+        elif status in self.STATUS_DONE or status == "503":
+            description = msg.headers.get("Description", "") if msg.headers else ""
+            if status == "503" or "Deleted" in description:
+                self._gone = f"{status} {description}".strip()
+            if msg.subject == self._current:
+                self._current = ""
+        else:
+            return  # 100: idle heartbeat / flow control
+        self._wake.set()
+
+    async def _pull(self) -> None:
+        self._n += 1
+        self._current = f"{self._inbox}.{self._n}"
+        self._remaining = self.batch
+        self._deadline = time.monotonic() + self.expires_s + 2.0
+        body = b'{"batch":%d,"expires":%d}' % (self.batch, int(self.expires_s * 1e9))
+        await self.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.consumer}", body, reply=self._current)
+
+    async def next_batch(self, max_wait_s: float) -> list[Msg]:
+        """The messages delivered so far (in stream order), waiting up to ``max_wait_s`` for one."""
+        if self._current and time.monotonic() > self._deadline:
+            raise ConsumerGone(f"pull request unanswered for {self.expires_s + 2:g} s")
+        if not self._current:
+            await self._pull()
+        if not self._buffer:
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max_wait_s)
+        if self._gone and not self._buffer:
+            raise ConsumerGone(self._gone)
+        taken, self._buffer = self._buffer, []
+        if not self._current:
+            await self._pull()  # the next batch flows while this one is applied
+        return taken
+
+
+async def get_envelope(nc: Client, stream: str, seq: int) -> Envelope | None:
+    """One stored message by seq with its exact timestamp (``STREAM.MSG.GET``); None if absent."""
+    reply = await nc.request(f"$JS.API.STREAM.MSG.GET.{stream}", b'{"seq":%d}' % seq, timeout=5.0)
+    answer = msgspec.json.decode(reply.data, type=dict[str, Any])
+    message = answer.get("message")
+    if not message:
+        return None
+    data = base64.b64decode(message.get("data") or "")
+    return Envelope(seq=seq, ts_ns=parse_rfc3339_ns(message["time"]), subject=message["subject"], data=data)
+
+
 # -- the service ----------------------------------------------------------------------------------
 
 
@@ -194,8 +300,9 @@ class SchedulerService:
         self._checkpoints: KeyValue | None = None
         self._kv_known: dict[str, tuple[int, int]] = {}  # pool -> (as_of_seq, revision) in LB_WEIGHTS
         self._latest: dict[str, Output] = {}  # pool -> newest snapshot output not yet in LB_WEIGHTS
-        self._sub: JetStreamContext.PullSubscription | None = None
+        self._puller: Puller | None = None
         self._consumer: str | None = None
+        self._next_seq = 1  # the seq expected next; a later one means messages to fetch directly
         self._checkpointed_seq = 0
 
     @property
@@ -240,9 +347,8 @@ class SchedulerService:
         if self.options.checkpoint_every > 0 and self.applied_seq > self._checkpointed_seq:
             with contextlib.suppress(Exception):
                 await self._write_checkpoint()
-        if self._sub is not None:  # else drain() waits forever on its queue of fetch status messages
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+        if self._puller is not None:
+            await self._puller.stop()
         if self._consumer is not None:
             with contextlib.suppress(Exception):
                 await self.js.delete_consumer(sj.EVENTS_STREAM, self._consumer)
@@ -272,13 +378,14 @@ class SchedulerService:
                         start, info.first_seq - 1)
 
     async def _subscribe(self) -> None:
-        """An ephemeral pull consumer from the next seq to apply (recreated after errors)."""
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+        """An ephemeral AckAll pull consumer from the next seq to apply (recreated after errors)."""
+        if self._puller is not None:
+            await self._puller.stop()
         if self._consumer is not None:
             with contextlib.suppress(Exception):
                 await self.js.delete_consumer(sj.EVENTS_STREAM, self._consumer)
+        first = (await self.js.stream_info(sj.EVENTS_STREAM)).state.first_seq
+        self._next_seq = max(self.applied_seq + 1, first)  # older seqs are gone (retention)
         name = f"scheduler-{_token(self.options.replica_id)}-{os.urandom(4).hex()}"
         config = ConsumerConfig(
             name=name, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.applied_seq + 1,
@@ -286,30 +393,32 @@ class SchedulerService:
             mem_storage=True, num_replicas=1,
         )
         await self.js.add_consumer(sj.EVENTS_STREAM, config)
-        self._sub = await self.js.pull_subscribe_bind(consumer=name, stream=sj.EVENTS_STREAM)
         self._consumer = name
+        self._puller = Puller(self.nc, sj.EVENTS_STREAM, name, self.options.batch)
+        await self._puller.start()
 
     # -- the batch loop -------------------------------------------------------------------------
 
     async def _step(self) -> bool:
         """Fetch, apply and publish one batch; False when nothing was waiting."""
-        assert self._sub is not None
+        assert self._puller is not None
         try:
-            msgs = await self._sub.fetch(self.options.batch, timeout=self.options.fetch_timeout_s)
-        except (asyncio.TimeoutError, TimeoutError):
-            return False
-        except Exception as exc:  # consumer gone (server restart, inactivity), connection trouble
-            log.warning("fetch failed (%s); recreating the consumer from seq %d", exc, self.applied_seq + 1)
+            msgs = await self._puller.next_batch(self.options.fetch_timeout_s)
+            if msgs:
+                await self._handle_batch(msgs)
+        except (ConsumerGone, nats.errors.Error, asyncio.TimeoutError) as exc:
+            # consumer deleted (server restart, inactivity), connection trouble: start over from
+            # the next seq to apply; nothing is lost since the unapplied tail is still unacked.
+            log.warning("consumer trouble (%s); recreating it from seq %d", exc, self.applied_seq + 1)
             await asyncio.sleep(0.5)
             with contextlib.suppress(Exception):
                 await self._subscribe()
             return False
-        if msgs:
-            await self._handle_batch(msgs)
         return bool(msgs)
 
     async def _handle_batch(self, msgs: list[Msg]) -> None:
-        outputs = self._apply_all(msgs)
+        envelopes = await self._in_order(msgs)
+        outputs = self._apply_all(envelopes)
         await self._publish(outputs)
         await self._flush_weights()
         await self.nc.publish(msgs[-1].reply, b"+ACK")  # AckPolicy.ALL: acks the whole batch
@@ -318,16 +427,37 @@ class SchedulerService:
         if every > 0 and self.applied_seq - self._checkpointed_seq >= every:
             await self._write_checkpoint()
 
-    def _apply_all(self, msgs: list[Msg]) -> list[Output]:
-        to_publish: list[Output] = []
+    async def _in_order(self, msgs: list[Msg]) -> list[Envelope]:
+        """Envelopes in stream order, exactly once: redeliveries dropped, holes (messages delivered
+        but lost on the way, e.g. across a reconnect) fetched from the stream directly."""
+        envelopes: list[Envelope] = []
         for msg in msgs:
             try:
                 envelope = envelope_of(msg)
             except ValueError as exc:
                 log.error("skipping a delivery without JetStream metadata: %s", exc)
                 continue
-            if envelope.seq <= self.applied_seq:
+            if envelope.seq < self._next_seq:
                 continue  # redelivered: already folded in
+            if envelope.seq > self._next_seq:
+                envelopes.extend(await self._fill(self._next_seq, envelope.seq - 1))
+            envelopes.append(envelope)
+            self._next_seq = envelope.seq + 1
+        return envelopes
+
+    async def _fill(self, first: int, last: int) -> list[Envelope]:
+        found = []
+        for seq in range(first, last + 1):
+            envelope = await get_envelope(self.nc, sj.EVENTS_STREAM, seq)
+            if envelope is not None:
+                found.append(envelope)
+        log.warning("seqs %d..%d missing from the delivery: %d fetched directly, %d no longer in the stream",
+                    first, last, len(found), last - first + 1 - len(found))
+        return found
+
+    def _apply_all(self, envelopes: list[Envelope]) -> list[Output]:
+        to_publish: list[Output] = []
+        for envelope in envelopes:
             outputs = self._apply(envelope)
             self.stats.applied += 1
             for output in outputs:
