@@ -173,3 +173,15 @@ def test_retries_are_attempts_of_one_request(tmp_path: Path) -> None:
 
         report = gather(con)
     assert (report["requests"], report["completed"], report["upstream_error"], report["retried_attempts"]) == (1, 1, 0, 1)
+
+
+def test_every_sql_example_in_the_analyst_guide_runs(crafted: tuple[Path, dict[str, int]]) -> None:
+    import re
+
+    guide = (Path(__file__).parents[2] / "docs" / "analysts.md").read_text()
+    blocks = re.findall(r"```sql\n(.*?)```", guide, flags=re.S)
+    assert len(blocks) >= 5
+    with store.open_read(crafted[0]) as con:
+        for block in blocks:
+            for statement in filter(str.strip, block.split(";")):
+                con.execute(statement).fetchall()
