@@ -61,7 +61,8 @@ from services.scheduler_service import parse_ack_subject
 
 log = logging.getLogger("laswrr.recorder")
 
-STATUS_DONE = {"404", "408", "409"}  # no messages / request expired / request ended
+STATUS_DONE = {"404", "408", "409", "503"}  # no messages / expired / ended / no responders
+STATUS_BROKEN = {"409", "503"}  # consumer deleted, leadership change, ... / consumer gone
 SNAPSHOT_SUBJECT = store.SNAPSHOT_SUBJECT
 
 
@@ -125,6 +126,8 @@ class PullConsumer:
         self._want = 0
         self._buffer: list[Msg] = []
         self._done = asyncio.Event()
+        self._sub: Any = None
+        self.failure: str | None = None  # why the last pull ended without working, if it did
 
     async def start(self, js: JetStreamContext, from_seq: int) -> None:
         """(Re)create the durable consumer at ``from_seq``: the database, not the consumer's ack
@@ -136,12 +139,17 @@ class PullConsumer:
                                 opt_start_seq=max(1, from_seq), ack_policy=AckPolicy.ALL, ack_wait=60.0,
                                 max_ack_pending=-1, max_deliver=-1)
         await js.add_consumer(self.stream, config)
-        self._inbox = self.nc.new_inbox()
-        await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_msg)
+        if self._sub is None:
+            self._inbox = self.nc.new_inbox()
+            self._sub = await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_msg)
+        self.failure = None
 
     async def _on_msg(self, msg: Msg) -> None:
         if not msg.data and msg.headers and "Status" in msg.headers:
-            if msg.subject == self._current and msg.headers["Status"] in STATUS_DONE:
+            status = msg.headers["Status"]
+            if msg.subject == self._current and status in STATUS_DONE:
+                if status in STATUS_BROKEN:
+                    self.failure = f"{status} {msg.headers.get('Description', '')}".strip()
                 self._done.set()
             return
         self._buffer.append(msg)
@@ -235,6 +243,8 @@ class Recorder:
             pending = None
             if not stop.is_set():
                 pending = asyncio.create_task(puller.fetch(self.options.batch, self.options.flush_ms))
+            if not msgs and puller.failure is not None:
+                await self._recover(puller)
             if msgs:
                 if stream == sj.OUT_STREAM:
                     await self._out_gate.wait()
@@ -244,6 +254,17 @@ class Recorder:
                 await self._serve_snapshots(final=pending is None)
             if pending is None:
                 return
+
+    async def _recover(self, puller: PullConsumer) -> None:
+        """The consumer is gone or unusable (deleted by hand, leadership change): recreate it
+        from the database's position, slowly, until that works."""
+        log.warning("%s: pull failed (%s); recreating consumer %s from seq %d", puller.stream, puller.failure,
+                    puller.durable, self.recorded_through[puller.stream] + 1)
+        await asyncio.sleep(1.0)
+        try:
+            await puller.start(self.js, self.recorded_through[puller.stream] + 1)
+        except Exception as exc:  # noqa: BLE001 - NATS trouble: try again after the next pull
+            log.warning("%s: could not recreate the consumer: %s", puller.stream, exc)
 
     async def _commit(self, stream: str, msgs: list[Msg]) -> Msg:
         """Insert one batch (plus any seq missing before its highest); returns the highest msg."""

@@ -212,3 +212,21 @@ def read_counts(db: Path, url: str) -> list[tuple[str, int]]:
         result = con.execute("SELECT stream, count(*) FROM events GROUP BY stream ORDER BY stream").fetchall()
         con.execute("SELECT count(*) FROM weights_over_time").fetchall()  # views are there too
         return result
+
+
+async def test_a_deleted_consumer_is_recreated_from_the_database(nats_url: str, tmp_path: Path) -> None:
+    nc = await connect(nats_url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js)
+    for _ in range(5):
+        await js.publish(sj.health("n1"), b'{"ok": true}')
+    proc = start_recorder(nats_url, tmp_path, "--flush-ms", "50")
+    await wait_acked(js, sj.EVENTS_STREAM, "recorder-events", 5)
+    await js.delete_consumer(sj.EVENTS_STREAM, "recorder-events")  # an operator's mistake
+    for _ in range(5):
+        await js.publish(sj.health("n1"), b'{"ok": false}')
+    await wait_acked(js, sj.EVENTS_STREAM, "recorder-events", 10)
+    assert stop(proc) == 0
+    assert [r[0] for r in rows(tmp_path / "events.duckdb", sj.EVENTS_STREAM)] == list(range(1, 11))
+    assert b"recreating consumer recorder-events from seq 6" in proc.log_file.read_bytes()  # type: ignore[attr-defined]
+    await nc.close()
