@@ -39,7 +39,7 @@ def core_rate(con: duckdb.DuckDBPyConnection) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=100_000, help="request start/finish pairs (default 100000)")
-    parser.add_argument("--nodes", type=int, default=8)
+    parser.add_argument("--nodes", type=int, default=4, help="nodes in the pool (default 4, as in laswrr up)")
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="laswrr-replaybench-") as tmp:

@@ -71,13 +71,15 @@ def render(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console()
-    verdict = "[green]zero interruptions[/]" if report["zero_interruptions"] else "[red]INTERRUPTIONS FOUND[/]"
-    table = Table(title=f"laswrr report: {verdict}", show_header=True)
-    table.add_column("requests")
+    table = Table(title="requests", show_header=True)
+    table.add_column("outcome")
     table.add_column("count", justify="right")
     for key in ("requests", *OUTCOMES, "other_outcome", "open", "interrupted", "admitted_to_draining"):
         table.add_row(key, str(report[key]))
     console.print(table)
+    verdict = "[green]zero interruptions[/]" if report["zero_interruptions"] else "[red]INTERRUPTIONS FOUND[/]"
+    console.print(f"verdict: {verdict} ({report['interrupted']} interrupted, "
+                  f"{report['admitted_to_draining']} admitted to draining nodes)")
     console.print(f"log: {report['events']} input events, {report['outputs']} outputs, "
                   f"{report['rejected_inputs']} rejected inputs")
     if report["drains"]:

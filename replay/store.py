@@ -190,10 +190,9 @@ def open_read(path: str | os.PathLike[str], nats_url: str | None = None,
 
 
 def _ensure_views(con: duckdb.DuckDBPyConnection) -> None:
-    """A read-only file written by an older recorder may lack views: create them as temporary."""
-    names = {row[0] for row in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
-    if "weights_over_time" not in names:
-        con.execute(views_sql().replace("CREATE OR REPLACE VIEW", "CREATE OR REPLACE TEMP VIEW"))
+    """A read-only file may hold views of an older recorder: the current definitions are
+    created as temporary views, which take precedence over the file's."""
+    con.execute(views_sql().replace("CREATE OR REPLACE VIEW", "CREATE OR REPLACE TEMP VIEW"))
 
 
 def _open_copy(copy: Path) -> duckdb.DuckDBPyConnection:

@@ -185,3 +185,13 @@ def test_every_sql_example_in_the_analyst_guide_runs(crafted: tuple[Path, dict[s
         for block in blocks:
             for statement in filter(str.strip, block.split(";")):
                 con.execute(statement).fetchall()
+
+
+def test_a_file_with_outdated_views_is_read_with_the_current_ones(crafted: tuple[Path, dict[str, int]]) -> None:
+    path, _ = crafted
+    con = duckdb.connect(str(path))
+    con.execute("CREATE OR REPLACE VIEW requests AS SELECT 1 AS stale")  # as an older recorder left it
+    con.execute("DROP VIEW interruptions")
+    con.close()
+    assert query(path, "SELECT count(*) FROM requests") == [(8,)]
+    assert query(path, "SELECT count(*) FROM interruptions") == [(2,)]
