@@ -26,7 +26,8 @@ Library API (for benchmarks and the demo)::
     nodes = await stack.start_sim_engines(DEFAULT_SIMS, speed=1.0)   # -> list[NodeSpec]
     await stack.register(nodes)                                      # waits for LB_WEIGHTS
     stack.write_nodes_file(nodes); await stack.start_collector()
-    url = await stack.start_proxy(port=0, extra_args=("--policy", "rr"))  # call again for replicas
+    url = await stack.start_proxy(port=0, extra_args=("--policy", "rr"))  # call again for replicas;
+                                  # returns once its /healthz reports "ok" (routing on a snapshot)
     child = await stack.spawn("name", "sub-command", *args, role="other")  # any laswrr command
     failed = await stack.wait_unexpected_exit()   # the first child that died on its own
     await stack.stop()                            # ordered shutdown; idempotent
@@ -385,8 +386,25 @@ class Stack:
                                  "--port", str(port), "--proxy-id", name, *extra_args, role="proxy",
                                  wait_listening=True)
         assert child.url is not None
+        await self._wait_routing(child)
         self.proxy_url = self.proxy_url or child.url
         return child.url
+
+    async def _wait_routing(self, child: Child, timeout_s: float = 10.0) -> None:
+        """Until the proxy's /healthz says it routes on a snapshot ("ok"); a warning if not."""
+        import aiohttp
+
+        deadline = time.monotonic() + timeout_s
+        status = "unreachable"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+            while time.monotonic() < deadline and child.process.returncode is None:
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                    async with session.get(f"{child.url}/healthz") as response:
+                        status = str((await response.json(content_type=None)).get("status"))
+                if status == "ok" or (status == "no_snapshot" and not self.nodes):
+                    return
+                await asyncio.sleep(0.1)
+        log.warning("%s not routing yet after %g s (healthz status %s)", child.name, timeout_s, status)
 
     async def spawn(self, name: str, command: str, *args: str, role: str = "other",
                     wait_listening: bool = False) -> Child:
