@@ -197,6 +197,7 @@ class Puller:
         self._buffer: list[Msg] = []
         self._wake = asyncio.Event()
         self._gone: str | None = None
+        self._reconnects = nc.stats["reconnects"]  # a reconnect may have lost the request or consumer
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_msg,
@@ -234,6 +235,8 @@ class Puller:
 
     async def next_batch(self, max_wait_s: float) -> list[Msg]:
         """The messages delivered so far (in stream order), waiting up to ``max_wait_s`` for one."""
+        if self.nc.stats["reconnects"] != self._reconnects:
+            raise ConsumerGone("reconnected to NATS")
         if self._current and time.monotonic() > self._deadline:
             raise ConsumerGone(f"pull request unanswered for {self.expires_s + 2:g} s")
         if not self._current:
@@ -303,6 +306,10 @@ class SchedulerService:
         self._puller: Puller | None = None
         self._consumer: str | None = None
         self._next_seq = 1  # the seq expected next; a later one means messages to fetch directly
+        self._stopping = asyncio.Event()
+        self._unpublished = False  # outputs given up at shutdown: no checkpoint past them
+        self._tick_failing = False
+        self._tick_tasks: set[asyncio.Task[Any]] = set()
         self._checkpointed_seq = 0
 
     @property
@@ -312,6 +319,7 @@ class SchedulerService:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
+        self._stopping = stop
         await ensure_streams(self.js)
         self._weights = await self.js.key_value(sj.WEIGHTS_BUCKET)
         self._checkpoints = await ensure_checkpoint_bucket(self.js)
@@ -334,6 +342,8 @@ class SchedulerService:
                 ticker.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await ticker
+            for task in list(self._tick_tasks):
+                task.cancel()
             await self._shutdown()
 
     async def _go_live(self) -> None:
@@ -344,7 +354,7 @@ class SchedulerService:
         self.ready.set()
 
     async def _shutdown(self) -> None:
-        if self.options.checkpoint_every > 0 and self.applied_seq > self._checkpointed_seq:
+        if self.options.checkpoint_every > 0 and self.applied_seq > self._checkpointed_seq and not self._unpublished:
             with contextlib.suppress(Exception):
                 await self._write_checkpoint()
         if self._puller is not None:
@@ -482,23 +492,48 @@ class SchedulerService:
             return [poisoned(envelope, exc)]
 
     async def _publish(self, outputs: Sequence[Output]) -> None:
-        """Publish outputs in order, pub acks awaited together; retries are de-duplicated by msg id."""
+        """Publish outputs in order, pub acks awaited together. On a failure everything from the
+        first unacknowledged output on is sent again (msg ids de-duplicate), so LB_OUT keeps the
+        order; retried until it succeeds or the service is stopping (then the next start publishes
+        them: they lie above its publish floor)."""
         pending = list(outputs)
         attempt = 0
         while pending:
-            futures = [await self.js.publish_async(o.subject, o.data, headers={settings.MSG_ID: o.msg_id})
-                       for o in pending]
-            done, _ = await asyncio.wait(futures, timeout=PUBLISH_TIMEOUT_S)
-            failed = [o for o, f in zip(pending, futures) if f not in done or f.cancelled() or f.exception()]
-            for future in futures:
-                if future not in done:
-                    future.cancel()
-            self.stats.published += len(pending) - len(failed)
-            if failed:
-                attempt += 1
-                log.warning("%d of %d outputs not acknowledged by LB_OUT; retry %d", len(failed), len(pending), attempt)
-                await asyncio.sleep(min(2.0, 0.1 * attempt))
-            pending = failed
+            acked = await self._publish_once(pending)
+            self.stats.published += acked
+            pending = pending[acked:]
+            if not pending:
+                return
+            attempt += 1
+            if self._stopping.is_set():
+                log.error("stopping with %d outputs unpublished (from seq %d): the next start publishes them",
+                          len(pending), pending[0].as_of_seq)
+                self._unpublished = True
+                return
+            log.warning("%d outputs not acknowledged by LB_OUT (from seq %d); retry %d", len(pending),
+                        pending[0].as_of_seq, attempt)
+            await asyncio.sleep(min(2.0, 0.1 * attempt))
+
+    async def _publish_once(self, outputs: Sequence[Output]) -> int:
+        """The number of leading outputs whose pub acks arrived."""
+        futures: list[asyncio.Future[Any]] = []
+        try:
+            for output in outputs:
+                futures.append(await self.js.publish_async(output.subject, output.data, wait_stall=PUBLISH_TIMEOUT_S,
+                                                           headers={settings.MSG_ID: output.msg_id}))
+        except Exception as exc:  # disconnected, too many pending acks: send the rest again later
+            log.debug("publish interrupted after %d of %d: %r", len(futures), len(outputs), exc)
+        if futures:
+            await asyncio.wait(futures, timeout=PUBLISH_TIMEOUT_S)
+        acked = 0
+        for future in futures:
+            if not future.done() or future.cancelled() or future.exception() is not None:
+                break
+            acked += 1
+        for future in futures[acked:]:
+            if not future.done():
+                future.cancel()  # frees nats-py's pending-ack slot
+        return acked
 
     # -- LB_WEIGHTS -----------------------------------------------------------------------------
 
@@ -573,11 +608,22 @@ class SchedulerService:
             await asyncio.sleep(max(0.0, delay_ns / 1e9))
 
     async def _publish_tick(self, n: int) -> None:
-        try:
-            await asyncio.wait_for(self.js.publish_async(
-                sj.CLOCK_TICK, b'{"tick":%d}' % n, headers={settings.MSG_ID: f"tick-{n}"}), 1.0)
-        except Exception as exc:
-            log.warning("tick %d not published: %s", n, exc)
+        """Fire and forget (a late tick is useless; the next period brings the next one)."""
+        task = asyncio.create_task(self.js.publish(sj.CLOCK_TICK, b'{"tick":%d}' % n, timeout=1.0,
+                                                   headers={settings.MSG_ID: f"tick-{n}"}))
+        self._tick_tasks.add(task)
+        task.add_done_callback(lambda done: self._tick_done(n, done))
+
+    def _tick_done(self, n: int, task: asyncio.Task[Any]) -> None:
+        self._tick_tasks.discard(task)
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            if not self._tick_failing:  # once per outage, not ten times a second
+                log.warning("tick %d not published (%s); retrying every period", n, exc or type(exc).__name__)
+            self._tick_failing = True
+        elif self._tick_failing and not task.cancelled():
+            log.info("ticks published again from tick %d", n)
+            self._tick_failing = False
 
 
 # -- NATS helpers ---------------------------------------------------------------------------------
