@@ -106,6 +106,7 @@ async def live(url: str, count: int, batch: int) -> dict[str, float]:
     started = time.perf_counter()
     last, publish_s = await publish_all(js, count)
     final = (await js.publish(sj.CLOCK_TICK, b'{"tick": 999999999}')).seq
+    published_at = time.perf_counter()
     while True:
         try:
             if json.loads((await kv.get("default")).value)["as_of_seq"] >= final:
@@ -117,8 +118,9 @@ async def live(url: str, count: int, batch: int) -> dict[str, float]:
     proc.terminate()
     await proc.wait()
     await nc.close()
+    lag_ms = (time.perf_counter() - published_at) * 1000  # last event published -> its snapshot in KV
     return {"events": final, "seconds": round(elapsed, 3), "events_per_s": round(final / elapsed),
-            "publisher_events_per_s": round(last / publish_s)}
+            "publisher_events_per_s": round(last / publish_s), "lag_after_last_publish_ms": round(lag_ms, 1)}
 
 
 def main() -> int:
@@ -135,7 +137,9 @@ def main() -> int:
             results[mode] = asyncio.run(run(server.url, args.events, args.batch))
         print(f"{mode:8s} {results[mode]['events']:>8} events in {results[mode]['seconds']:6.2f} s: "
               f"{results[mode]['events_per_s']:>7} events/s (publisher alone: "
-              f"{results[mode]['publisher_events_per_s']} events/s)", flush=True)
+              f"{results[mode]['publisher_events_per_s']} events/s)"
+              + (f"; lag after the last publish {results[mode]['lag_after_last_publish_ms']} ms" if mode == "live" else ""),
+              flush=True)
     print(json.dumps({"bench": "scheduler-service", "cpus": os.cpu_count(), **results}))
     return 0
 
