@@ -195,3 +195,34 @@ def test_a_file_with_outdated_views_is_read_with_the_current_ones(crafted: tuple
     con.close()
     assert query(path, "SELECT count(*) FROM requests") == [(8,)]
     assert query(path, "SELECT count(*) FROM interruptions") == [(2,)]
+
+
+def test_what_if_overrides_outlive_recorded_config_events(crafted: tuple[Path, dict[str, int]], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    import csv
+
+    from services.cli import main
+
+    path, seqs = crafted
+    out = tmp_path / "whatif"
+    # the log sets drain_deadline_ms=50 by a config event; the what-if keeps 60 s in force
+    assert main(["replay", "--db", str(path), "--what-if", "drain_deadline_ms=60000", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "what-if (drain_deadline_ms=60000)" in printed and "capacity" in printed
+    lines = [json.loads(line) for line in (out / "whatif.jsonl").read_text().splitlines()]
+    phases = [(d["seq"], d["data"]["node"], d["data"]["to"]) for d in lines if d["subject"].startswith("lb.out.phase.")]
+    assert (seqs["a_drained"], "a", "drained") not in phases  # no deadline cut in the counterfactual
+    with open(out / "weights.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert list(rows[0]) == ["tick", "ts_ns", "pool", "node", "as_of_seq", "recorded_effective", "whatif_effective",
+                             "recorded_phase", "whatif_phase"]
+    at_deadline = {r["node"]: r for r in rows if int(r["as_of_seq"]) == seqs["a_drained"]}
+    assert (at_deadline["a"]["recorded_phase"], at_deadline["a"]["whatif_phase"]) == ("drained", "draining")
+    same = [r for r in rows if int(r["as_of_seq"]) < seqs["cap_a"]]
+    assert same and all(r["recorded_effective"] == r["whatif_effective"] for r in same)
+
+    # the same run with no effective change reproduces the recording exactly
+    assert main(["replay", "--db", str(path), "--what-if", "drain_deadline_ms=50", "--out", str(out / "same")]) == 0
+    with open(out / "same" / "weights.csv") as handle:
+        assert all(r["recorded_effective"] == r["whatif_effective"] and r["recorded_phase"] == r["whatif_phase"]
+                   for r in csv.DictReader(handle))
