@@ -3,10 +3,10 @@
 Counts come from the views of ``replay/views.sql`` (``requests`` — client requests, each the
 set of its proxy attempts, counted by the outcome of the last attempt — ``interruptions``,
 ``open_requests``, ``admissions_to_draining``, ``drains``), so what the report says is what an
-analyst's SQL says. ``interrupted`` counts router-caused cuts: ``router_aborted`` outcomes and
-requests still open when their proxy announced a clean stop. Requests open at the end of the
-log whose proxy never announced a stop are counted as ``open`` (fate unknown), not as
-interruptions. The verdict is "zero interruptions" when ``interrupted`` and
+analyst's SQL says. ``interrupted`` counts router-caused cuts: ``router_aborted`` outcomes,
+requests still open when their proxy announced a clean stop, and requests a dead proxy left
+open in a log that ends after a clean shutdown. Requests open at the end of a log that did not
+end cleanly are counted as ``open`` (fate unknown), not as interruptions. The verdict is "zero interruptions" when ``interrupted`` and
 ``admitted_to_draining`` are both 0.
 """
 

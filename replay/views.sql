@@ -92,12 +92,20 @@ SELECT l.request_id, l.node, l.pool, l.proxy, f.started_seq, f.started_ts_ns,
        f.attempts, l.started_seq AS last_attempt_seq
 FROM first_start f JOIN last_attempt l USING (request_id);
 
--- Router-caused cuts: outcome router_aborted, and requests whose last attempt was still open
--- when its proxy announced a clean stop (`lb.proxy.stopped.<proxy>` after that attempt began). A request open at the
--- end of a log whose proxy never announced a stop is not here: its fate is unknown (see
--- `open_requests`).
+-- Router-caused cuts: outcome router_aborted; requests whose last attempt was still open when
+-- its proxy announced a clean stop (`lb.proxy.stopped.<proxy>` after that attempt began); and,
+-- when the log ends after a clean shutdown (its last proxy event is a stop: no request event
+-- or heartbeat follows the last `lb.proxy.stopped`), requests left open by a proxy that never
+-- announced a stop (it died with them in flight). Requests open at the end of a log that did
+-- not end cleanly are not here: their fate is unknown (see `open_requests`).
 CREATE OR REPLACE VIEW proxy_stops AS
 SELECT key AS proxy, seq, ts_ns FROM input_events WHERE family = 'lb.proxy.stopped';
+
+CREATE OR REPLACE VIEW clean_end AS
+SELECT max(seq) AS last_stop_seq FROM proxy_stops
+HAVING max(seq) IS NOT NULL AND NOT EXISTS (
+    SELECT 1 FROM input_events
+    WHERE family IN ('lb.req.started', 'lb.req.finished', 'lb.proxy.heartbeat') AND seq > max(proxy_stops.seq));
 
 CREATE OR REPLACE VIEW interruptions AS
 SELECT r.*, 'router_aborted' AS reason, NULL::BIGINT AS proxy_stopped_seq
@@ -106,7 +114,12 @@ UNION ALL
 SELECT r.*, 'open_at_proxy_stop' AS reason, min(p.seq) AS proxy_stopped_seq
 FROM requests r JOIN proxy_stops p ON p.proxy = r.proxy AND p.seq > r.last_attempt_seq
 WHERE r.outcome IS NULL
-GROUP BY ALL;
+GROUP BY ALL
+UNION ALL
+SELECT r.*, 'open_at_end' AS reason, NULL::BIGINT AS proxy_stopped_seq
+FROM requests r, clean_end
+WHERE r.outcome IS NULL
+  AND NOT EXISTS (SELECT 1 FROM proxy_stops p WHERE p.proxy = r.proxy AND p.seq > r.last_attempt_seq);
 
 CREATE OR REPLACE VIEW open_requests AS
 SELECT r.* FROM requests r

@@ -38,6 +38,7 @@ def crafted(tmp_path: Path) -> tuple[Path, dict[str, int]]:
     log.started("a", "r7", proxy="p2", snapshot_seq=log.last_snapshot_seq())
     log.started("a", "r8", proxy="p1", snapshot_seq=log.last_snapshot_seq())
     seqs["p2_stopped"] = log.add(sj.proxy_stopped("p2"))
+    log.add(sj.proxy_heartbeat("p1"), {"inflight": 1})  # p1 lives on: the log will not end cleanly
     seqs["cap_a"] = log.add(sj.admin_capacity("a"), {"capacity": 0})
     seqs["a_drained"] = log.tick(after_ms=100)  # past the 50 ms deadline with r8 in flight
     log.tick()
@@ -74,6 +75,24 @@ def test_interruptions_and_open_requests(crafted: tuple[Path, dict[str, int]]) -
     assert query(path, "SELECT request_id, reason, proxy_stopped_seq FROM interruptions ORDER BY request_id") == [
         ("r4", "router_aborted", None), ("r7", "open_at_proxy_stop", seqs["p2_stopped"])]
     assert query(path, "SELECT request_id FROM open_requests") == [("r8",)]
+    assert query(path, "SELECT count(*) FROM clean_end") == [(0,)]
+
+
+def test_clean_shutdown_turns_open_requests_into_interruptions(tmp_path: Path) -> None:
+    log = LogBuilder()
+    log.node("a", 4)
+    log.tick()
+    log.started("a", "q1", proxy="p1")
+    log.started("a", "q2", proxy="p2")  # p2 dies with q2 in flight and never says so
+    log.started("a", "q3", proxy="p1")
+    log.finished("a", "q3", proxy="p1")
+    log.add(sj.proxy_stopped("p1"))  # the clean shutdown of the surviving proxy, with q1 open
+    log.tick()
+    path = tmp_path / "clean.duckdb"
+    log.write_db(path)
+    assert query(path, "SELECT request_id, reason FROM interruptions ORDER BY request_id") == [
+        ("q1", "open_at_proxy_stop"), ("q2", "open_at_end")]
+    assert query(path, "SELECT count(*) FROM open_requests") == [(0,)]
 
 
 def test_admissions_to_draining(crafted: tuple[Path, dict[str, int]]) -> None:
