@@ -249,7 +249,9 @@ class Recorder:
                 if stream == sj.OUT_STREAM:
                     await self._out_gate.wait()
                 highest = await self._commit(stream, msgs)
-                await highest.ack()  # AckAll: acknowledges every message up to this one
+                if highest is not None:
+                    with contextlib.suppress(Exception):  # a lost ack only means a redelivery
+                        await highest.ack()  # AckAll: acknowledges every message up to this one
             if stream == sj.EVENTS_STREAM:
                 await self._serve_snapshots(final=pending is None)
             if pending is None:
@@ -266,8 +268,10 @@ class Recorder:
         except Exception as exc:  # noqa: BLE001 - NATS trouble: try again after the next pull
             log.warning("%s: could not recreate the consumer: %s", puller.stream, exc)
 
-    async def _commit(self, stream: str, msgs: list[Msg]) -> Msg:
-        """Insert one batch (plus any seq missing before its highest); returns the highest msg."""
+    async def _commit(self, stream: str, msgs: list[Msg]) -> Msg | None:
+        """Insert one batch (plus any seq missing before its highest); returns the message to
+        ack, or None when a missing seq could not be fetched (then nothing may be acked past it:
+        the rows are kept, and the next batch tries the hole again)."""
         assert self.con is not None
         rows = store.Columns(stream)
         highest, top = msgs[0], 0
@@ -277,13 +281,20 @@ class Recorder:
             if info.stream_seq > top:
                 highest, top = msg, info.stream_seq
         start = self.recorded_through[stream] + 1
+        complete = True
         if not is_contiguous(rows.seq, start, top):
-            await self._fill(stream, start, top, rows)
+            try:
+                await self._fill(stream, start, top, rows)
+            except Exception as exc:  # noqa: BLE001 - NATS trouble: keep the rows, do not ack
+                log.warning("%s: could not fetch missing seqs in %d..%d (%s); not acking yet", stream, start, top, exc)
+                complete = False
         await self._db(store.insert_rows, self.con, [rows])
-        self.recorded_through[stream] = max(self.recorded_through[stream], top)
         stats = self.stats[stream]
         stats.recorded += len(msgs)
         stats.batches += 1
+        if not complete:
+            return None
+        self.recorded_through[stream] = max(self.recorded_through[stream], top)
         return highest
 
     # -- holes ----------------------------------------------------------------------------------
