@@ -3,16 +3,19 @@
 Theory of operation.
 
 * **One ordered log in, outputs out.** One ephemeral pull consumer on LB_EVENTS (ack policy
-  ``all``: one ack per batch acknowledges the batch) delivers inputs in stream order. Each message
+  ``all``: one ack per batch acknowledges the batch), read with raw pipelined pull requests
+  (``Puller``), delivers inputs in stream order; a redelivered seq is dropped, a hole (a delivery
+  lost across a reconnect) is fetched directly from the stream, and after a reconnect or an
+  unanswered request the consumer is recreated from the next seq to apply. Each message
   becomes ``Envelope(seq=stream_seq, ts_ns=<JetStream timestamp>, subject, data)`` and goes through
   ``Scheduler.apply``. The timestamp is taken as integer nanoseconds from the ack reply subject
   (``parse_ack_subject``; nats-py's ``metadata.timestamp`` is a float datetime and loses
   precision), the same ``ts_ns`` the recorder stores, so replay sees the same time.
 * **Batches.** Fetch up to ``batch`` messages, apply them all, publish every output to LB_OUT
   asynchronously with ``Nats-Msg-Id: output.msg_id`` (derived from ``as_of_seq``), await the
-  pub acks together, put each touched pool's latest snapshot into KV LB_WEIGHTS (compare-and-set,
-  never over a newer ``as_of_seq``), then ack the batch. A redelivered message (seq already
-  applied) is skipped, so the fold stays exactly-once.
+  pub acks together (a failure re-sends from the first unacknowledged output, in order), put each
+  touched pool's latest snapshot into KV LB_WEIGHTS (compare-and-set, never over a newer
+  ``as_of_seq``), then ack the batch. The fold stays exactly-once and gap-free.
 * **Restart.** State is rebuilt before anything new is published: from the checkpoint in KV
   ``LB_CHECKPOINT`` (``Scheduler.checkpoint()`` bytes, whose state names its ``last_seq``,
   written every ``checkpoint_every`` events and at shutdown) plus the tail of LB_EVENTS, or from
@@ -369,23 +372,31 @@ class SchedulerService:
 
     async def _restore(self) -> None:
         info = (await self.js.stream_info(sj.EVENTS_STREAM)).state
-        if self.options.use_checkpoint and self._checkpoints is not None:
-            try:
-                entry = await self._checkpoints.get(CHECKPOINT_KEY)
-            except KeyNotFoundError:
-                entry = None
-            if entry is not None and entry.value:
-                restored = Scheduler.restore(entry.value)
-                seq = restored.state.last_seq
-                if seq > info.last_seq:
-                    log.warning("checkpoint at seq %d is ahead of LB_EVENTS (last %d): ignored", seq, info.last_seq)
-                else:
-                    self.scheduler, self._checkpointed_seq = restored, seq
-                    log.info("restored checkpoint at seq %d", seq)
+        restored = await self._load_checkpoint() if self.options.use_checkpoint else None
+        if restored is not None and restored.state.last_seq > info.last_seq:
+            log.warning("checkpoint at seq %d is ahead of LB_EVENTS (last %d): ignored",
+                        restored.state.last_seq, info.last_seq)
+        elif restored is not None:
+            self.scheduler, self._checkpointed_seq = restored, restored.state.last_seq
+            log.info("restored checkpoint at seq %d", self._checkpointed_seq)
         start = self.applied_seq + 1
         if info.first_seq > start and info.messages > 0:
             log.warning("LB_EVENTS no longer holds seqs %d..%d (retention): state starts from an incomplete log",
                         start, info.first_seq - 1)
+
+    async def _load_checkpoint(self) -> Scheduler | None:
+        assert self._checkpoints is not None
+        try:
+            entry = await self._checkpoints.get(CHECKPOINT_KEY)
+        except KeyNotFoundError:
+            return None
+        if not entry.value:
+            return None
+        try:
+            return Scheduler.restore(entry.value)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # an older state layout
+            log.warning("checkpoint not readable (%s): rebuilding from the log", exc)
+            return None
 
     async def _subscribe(self) -> None:
         """An ephemeral AckAll pull consumer from the next seq to apply (recreated after errors)."""

@@ -371,3 +371,31 @@ async def test_two_replicas_yield_one_output_stream_and_one_tick_per_period(
 
 async def _both_applied(a: SchedulerService, b: SchedulerService, seq: int) -> bool:
     return a.applied_seq >= seq and b.applied_seq >= seq
+
+
+async def test_holes_in_a_delivery_are_fetched_with_their_exact_time(bus: JetStreamContext, nats_url: str) -> None:
+    from nats.aio.msg import Msg
+
+    for capacity in (1, 2, 3):
+        await bus.publish("lb.admin.capacity.n1", b'{"capacity": %d}' % capacity)
+    stored = [env for env, _ in await read_stream(bus, sj.EVENTS_STREAM)]
+    nc = await connect(nats_url, "scheduler")
+    service = SchedulerService(nc, SchedulerOptions(tick_ms=0))
+
+    def delivered(env: Envelope) -> Msg:  # as the server would deliver it (v1 ack subject)
+        return Msg(nc, subject=env.subject, data=env.data,
+                   reply=f"$JS.ACK.LB_EVENTS.c.1.{env.seq}.{env.seq}.{env.ts_ns}.0")
+
+    got = await service._in_order([delivered(stored[0]), delivered(stored[0]), delivered(stored[2])])
+    assert got == stored  # the redelivery dropped, seq 2 fetched directly with the same ts_ns
+    await nc.close()
+
+
+async def test_an_unreadable_checkpoint_means_a_rebuild_from_the_log(
+        bus: JetStreamContext, run_service: RunService) -> None:
+    from services.scheduler_service import ensure_checkpoint_bucket
+
+    await bus.publish("lb.admin.node.n1", REGISTER)
+    await (await ensure_checkpoint_bucket(bus)).put("scheduler", b"\x00garbage")
+    service, _ = await run_service()
+    assert service.applied_seq == 1 and list(service.scheduler.state.nodes) == ["n1"]
