@@ -46,6 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="multiply every phase and action time by F (default 1.0)")
     parser.add_argument("--util", type=float, default=None, metavar="F",
                         help="offered load as a share of the pool's saturation throughput (default: the scenario's)")
+    parser.add_argument("--scheduler-config", type=Path, default=None, metavar="FILE.toml",
+                        help="scheduler keys ([scheduler] table) for every run, instead of the scenario's")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -60,6 +62,23 @@ def parse_policies(text: str) -> list[str]:
     return policies
 
 
+def read_scheduler_config(path: Path | None) -> dict[str, Any] | None:
+    """The ``[scheduler]`` keys of a TOML file, checked by the scheduler's own validation."""
+    if path is None:
+        return None
+    import tomllib
+
+    from scheduler.config import load_file
+    from schemas.codec import SchemaError
+
+    try:
+        load_file(str(path))
+    except (SchemaError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    raw = tomllib.loads(path.read_text())
+    return dict(raw.get("scheduler", raw))
+
+
 def scenario_names(text: str) -> list[str]:
     if text == "all":
         return list(BENCH_SCENARIOS)
@@ -68,8 +87,8 @@ def scenario_names(text: str) -> list[str]:
 
 
 async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int, out_dir: Path,
-                         scale: float = 1.0, plots: bool = True, util: float | None = None
-                         ) -> tuple[dict[str, Any], list[Path]]:
+                         scale: float = 1.0, plots: bool = True, util: float | None = None,
+                         scheduler_config: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Path]]:
     """Run every policy on the same workload; write results.json (and plots); return the summary."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -78,6 +97,8 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
     scenario = scenario.scaled(scale)
     if util is not None:
         scenario = replace(scenario, util=util)
+    if scheduler_config is not None:
+        scenario = replace(scenario, scheduler_config=scheduler_config)
     workload = generate(scenario.workload_spec(), seed, [(p.start_s, p.end_s) for p in scenario.phases])
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: list[PolicyRun] = []
@@ -111,6 +132,10 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--duration-scale must be > 0")
         if args.util is not None and not 0 < args.util <= 2:
             raise ValueError("--util must be within (0, 2]")
+        scheduler_config = read_scheduler_config(args.scheduler_config)
+    except OSError as exc:
+        print(f"bench: cannot read {args.scheduler_config}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     except ValueError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
@@ -120,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
         try:
             summary, paths = asyncio.run(bench_scenario(get_scenario(name), policies, args.seed, out_dir,
                                                         args.duration_scale, plots=not args.no_plots,
-                                                        util=args.util))
+                                                        util=args.util, scheduler_config=scheduler_config))
         except (OSError, RuntimeError, TimeoutError) as exc:
             print(f"bench: {name}: {exc}", file=sys.stderr)
             return 1

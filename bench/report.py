@@ -186,7 +186,7 @@ def print_table(summary: dict[str, Any]) -> None:
                         "E2E latency in seconds; CoV, max/mean, Jain of in-flight per unit of true capacity",
                   title_justify="left")
     for i, name in enumerate(table_header(summary)):
-        table.add_column(name, justify="left" if i == 0 else "right")
+        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=i == 0)
     for row in table_rows(summary):
         table.add_row(*row)
     console = Console(width=max(Console().width, 132))

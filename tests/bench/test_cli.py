@@ -1,0 +1,37 @@
+"""`laswrr bench` / `laswrr demo` argument handling: clear one-line errors, exit 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.cli import main
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--policies", "la-swrr,bogus"], "unknown policy bogus"),
+    (["bench", "--scenario", "nope"], "unknown scenario 'nope'"),
+    (["bench", "--duration-scale", "0"], "--duration-scale must be > 0"),
+    (["bench", "--util", "-1"], "--util must be within"),
+    (["bench", "--scheduler-config", "/nonexistent/x.toml"], "cannot read"),
+    (["demo", "--duration-scale", "-2"], "--duration-scale must be > 0"),
+])
+def test_bad_arguments_exit_2_with_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_bad_scheduler_config_key_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text("[scheduler]\nw_bogus = 1\n")
+    assert main(["bench", "--scheduler-config", str(path)]) == 2
+    assert "unknown configuration key(s): w_bogus" in capsys.readouterr().err
+
+
+def test_list_names_every_scenario(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("announced-drop", "silent-slowdown", "heterogeneous", "crash-return", "bursty"):
+        assert name in out
