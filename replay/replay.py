@@ -8,10 +8,9 @@ that was in force), must reproduce every recorded output byte for byte.
 Outputs are matched by their cause, never by LB_OUT order: two scheduler replicas may
 interleave on LB_OUT, so each recorded output is keyed by ``(as_of_seq, subject)`` (``seq`` for
 ``lb.out.rejected``) and compared with the core's outputs for that input, in core order. The
-service publishes with ``Nats-Msg-Id = "<as_of_seq>:<subject>"``, so when one input yields two
-outputs on the same subject (a node that goes draining -> drained at once) JetStream keeps only
-the first: a recorded single output that equals the core's first is accepted, and the others
-are counted as ``shadowed``. A byte-identical republish of one output is counted once.
+service publishes with ``Nats-Msg-Id = "<as_of_seq>:<subject>[:<index>]"`` (``Output.msg_id``), so
+two outputs of one input on one subject (a node that goes draining -> drained at once) are both
+kept. A byte-identical republish of one output is counted once.
 
 Checks, each naming the input sequence number where it fails:
   * gap      - a sequence number is missing between the first and last recorded input (a
@@ -85,7 +84,6 @@ class ReplayResult:
     verified_through: int = 0  # outputs were compared for inputs first_seq..verified_through
     outputs_compared: int = 0
     snapshots: int = 0
-    shadowed: int = 0
     duplicates: int = 0
     foreign_outputs: int = 0  # LB_OUT rows on subjects the core never publishes
     divergences: int = 0
@@ -134,8 +132,6 @@ class ReplayResult:
             lines.append(f"unverified tail: inputs {self.verified_through + 1}..{self.last_seq} have no recorded "
                          f"outputs yet (the scheduler had not processed them when recording stopped)")
         notes = []
-        if self.shadowed:
-            notes.append(f"{self.shadowed} output(s) shadowed by Nats-Msg-Id de-duplication (same input, same subject)")
         if self.duplicates:
             notes.append(f"{self.duplicates} byte-identical republished output(s) counted once")
         if self.foreign_outputs:
@@ -216,9 +212,6 @@ def _diff_subject(seq: int, subject: str, expected: list[bytes], actual: list[by
     if not expected:
         return Divergence(seq, "missing", f"the replay produced an output on {subject} that was not recorded",
                           None, _text(actual[0]))
-    if len(expected) == 1 and expected[0] == actual[0]:
-        result.shadowed += len(actual) - 1
-        return None
     for index in range(max(len(expected), len(actual))):
         want = expected[index] if index < len(expected) else None
         got = actual[index] if index < len(actual) else None

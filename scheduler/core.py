@@ -114,7 +114,8 @@ class Scheduler:
     # -- outputs ------------------------------------------------------------------------------
 
     def _output(self, subject: str, payload: Any) -> Output:
-        return Output(subject=subject, data=encode(payload), as_of_seq=self._seq)
+        index = sum(1 for output in self._outputs if output.subject == subject)
+        return Output(subject=subject, data=encode(payload), as_of_seq=self._seq, index=index)
 
     def _view(self, node: NodeState, panic: bool) -> NodeView:
         routable = self._routable(node, panic)

@@ -37,11 +37,17 @@ class Output(msgspec.Struct, frozen=True):
     subject: str
     data: bytes
     as_of_seq: int
+    index: int = 0  # position among this input's outputs on the same subject
 
     @property
     def msg_id(self) -> str:
-        """De-duplication id: the same input yields the same id on every replica."""
-        return f"{self.as_of_seq}:{self.subject}"
+        """De-duplication id: the same input yields the same id on every replica.
+
+        One input can yield two outputs on one subject (a node that goes draining -> drained at
+        once); the second gets a ``:<index>`` suffix so de-duplication keeps both.
+        """
+        base = f"{self.as_of_seq}:{self.subject}"
+        return base if self.index == 0 else f"{base}:{self.index}"
 
 
 _BY_PREFIX: dict[str, type[ev.Event]] = {
