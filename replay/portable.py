@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import msgspec
 
 from scheduler.config import SchedulerConfig
-from scheduler.core import Scheduler
+from scheduler.core import Scheduler, apply_guarded
 from schemas import subjects as sj
 from schemas.codec import Envelope, Output, encode
 from schemas.outputs import Rejected
@@ -76,5 +76,6 @@ def replay_lines(lines: Iterable[bytes], config: SchedulerConfig | None = None,
             rejected = Rejected(seq=item.seq, subject="", reason=item.reason)
             yield output_line(Output(sj.OUT_REJECTED, encode(rejected), item.seq), scheduler.state.now_ns)
             continue
-        for output in scheduler.apply(item):
+        outputs, _ = apply_guarded(scheduler, item)  # a core exception: the service's rejection
+        for output in outputs:
             yield output_line(output, scheduler.state.now_ns)

@@ -3,7 +3,9 @@
 Theory of operation. The scheduler's outputs are a pure function of its inputs (design §3), so
 the recorded inputs, applied in stream-sequence order to a fresh ``Scheduler`` that starts from
 ``SchedulerConfig()`` defaults (recorded ``lb.admin.config`` events then set the configuration
-that was in force), must reproduce every recorded output byte for byte.
+that was in force), must reproduce every recorded output byte for byte. Inputs go through
+``apply_guarded`` as in the service, so an input on which the core raised is reproduced as the
+same recorded ``internal error while applying`` rejection.
 
 Outputs are matched by their cause, never by LB_OUT order: two scheduler replicas may
 interleave on LB_OUT, so each recorded output is keyed by ``(as_of_seq, subject)`` (``seq`` for
@@ -37,7 +39,7 @@ from typing import Any
 import duckdb
 
 from scheduler import config as config_mod
-from scheduler.core import Scheduler
+from scheduler.core import Scheduler, apply_guarded
 from schemas import subjects as sj
 from schemas.codec import Envelope, Output
 
@@ -295,10 +297,10 @@ class _Replayer:
         self.max_key, self.missing, self.on_outputs = max_key, missing, on_outputs
 
     def run(self, inputs: duckdb.DuckDBPyConnection) -> None:
-        apply = self.scheduler.apply
+        scheduler = self.scheduler
         for batch in fetch_batches(inputs):
             for envelope in starmap(Envelope, batch):
-                outputs = apply(envelope)
+                outputs, _ = apply_guarded(scheduler, envelope)
                 if outputs:
                     self.produced(envelope, outputs)
 
@@ -306,7 +308,7 @@ class _Replayer:
         scheduler = self.scheduler
         for batch in fetch_batches(inputs):
             for envelope in starmap(Envelope, batch):
-                outputs = scheduler.apply(envelope)
+                outputs, _ = apply_guarded(scheduler, envelope)
                 if envelope.subject == sj.ADMIN_CONFIG:
                     scheduler.state.config = config_mod.with_changes(scheduler.state.config, overrides)
                 if outputs:

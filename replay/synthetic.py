@@ -1,8 +1,9 @@
 """Crafted logs for tests and benchmarks, recorded exactly as the running stack records them.
 
 ``LogBuilder`` plays the stream and the scheduler service: each ``add`` assigns the next
-LB_EVENTS sequence number and an event time, applies the input to the real core, and appends
-the core's outputs to LB_OUT the way the service publishes them (``Nats-Msg-Id`` =
+LB_EVENTS sequence number and an event time, applies the input to the real core (through
+``apply_guarded``, as the service does), and appends the core's outputs to LB_OUT the way the
+service publishes them (``Nats-Msg-Id`` =
 ``Output.msg_id``, so a repeated id is dropped as JetStream's de-duplication drops it).
 ``write_db`` stores both streams in a DuckDB file through ``replay.store`` (the recorder's own
 insert path). ``workload`` builds a realistic mixed log: node registrations, 100 ms ticks, engine
@@ -18,7 +19,7 @@ import msgspec
 
 from replay import store
 from scheduler.config import SchedulerConfig
-from scheduler.core import Scheduler
+from scheduler.core import Scheduler, apply_guarded
 from schemas import subjects as sj
 from schemas.codec import Envelope
 
@@ -50,7 +51,8 @@ class LogBuilder:
             raw = msgspec.json.encode({} if payload is None else payload)
         seq = len(self.inputs) + 1
         self.inputs.append(seq, self.now_ns, subject, raw.decode("utf-8", "replace"))
-        for output in self.scheduler.apply(Envelope(seq, self.now_ns, subject, raw)):
+        outputs, _ = apply_guarded(self.scheduler, Envelope(seq, self.now_ns, subject, raw))
+        for output in outputs:
             if output.msg_id in self._msg_ids:
                 continue  # JetStream de-duplication drops a repeated Nats-Msg-Id
             self._msg_ids.add(output.msg_id)

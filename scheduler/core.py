@@ -13,6 +13,12 @@ the next tick. A rejected input moves only the log position (``last_seq``, ``now
 
 Rules kept here: no clock, randomness, IO, logging or asyncio; dicts iterate in insertion order
 and pools and nodes are emitted sorted, so two replicas given the same log emit the same bytes.
+
+``apply_guarded`` is how every driver of the core (the scheduler service, replay, what-if, the
+portable replay, synthetic logs) applies an input: an exception from ``apply`` is a broken
+invariant, not bad input, and becomes the recorded rejection ``internal error while applying:
+<Type>: <message>`` for that input, so one poisoned message cannot wedge the stream, and a
+replay reproduces the rejection at the same seq instead of crashing there.
 """
 
 from __future__ import annotations
@@ -37,6 +43,27 @@ HEALTH_ORDER = {"OK": 0, "Warning": 1, "Alarm": 2, "Critical": 3, "UNKNOWN": 4}
 
 class Rejection(ValueError):
     """An input that is well-formed but cannot be applied to the current state."""
+
+
+def poisoned(envelope: Envelope, exc: BaseException) -> Output:
+    """The rejection recorded for an input on which the core broke an invariant."""
+    reason = f"internal error while applying: {type(exc).__name__}: {exc}"
+    return Output(subject=sj.OUT_REJECTED, as_of_seq=envelope.seq,
+                  data=encode(Rejected(seq=envelope.seq, subject=envelope.subject, reason=reason)))
+
+
+def apply_guarded(scheduler: Scheduler, envelope: Envelope) -> tuple[list[Output], Exception | None]:
+    """``(scheduler.apply(envelope), None)``; if the core raises, ``([poisoned(...)], exc)``.
+
+    The log position still moves to ``envelope.seq`` (whatever state the handler left is kept:
+    the core is deterministic, so every replica and every replay fold the same). No logging
+    here: the caller reports ``exc`` when it is not None.
+    """
+    try:
+        return scheduler.apply(envelope), None
+    except Exception as exc:  # noqa: BLE001 - a broken invariant, recorded as a rejection
+        scheduler.state.last_seq = max(scheduler.state.last_seq, envelope.seq)
+        return [poisoned(envelope, exc)], exc
 
 
 class Scheduler:

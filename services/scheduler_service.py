@@ -30,8 +30,9 @@ Theory of operation.
 * **Configuration is an event.** A ``--config`` file that differs from the configuration in force
   in the log is published as ``lb.admin.config {"set": {changed keys}}``, so replay uses it too.
 * **Never dies on input.** Invalid input becomes ``lb.out.rejected`` (the core does that). Any
-  other exception from the core is a broken invariant: it is logged with the seq, recorded as a
-  rejection and acked, so one poisoned message cannot wedge the stream.
+  other exception from the core is a broken invariant: ``apply_guarded`` (scheduler/core.py)
+  records it as a rejection, this service logs it with the seq, and the batch is acked, so one
+  poisoned message cannot wedge the stream (and a replay reproduces the same rejection).
 """
 
 from __future__ import annotations
@@ -61,10 +62,9 @@ from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequen
 from nats.js.kv import KeyValue
 
 from scheduler import config as config_mod
-from scheduler.core import Scheduler
+from scheduler.core import Scheduler, apply_guarded
 from schemas import subjects as sj
 from schemas.codec import Envelope, Output, encode
-from schemas.outputs import Rejected
 from services import settings
 from services.natsbus import connect, ensure_streams
 
@@ -142,13 +142,6 @@ def config_changes(in_force: config_mod.SchedulerConfig, wanted: config_mod.Sche
 
 def tick_number(now_ns: int, period_ns: int) -> int:
     return now_ns // period_ns
-
-
-def poisoned(envelope: Envelope, exc: BaseException) -> Output:
-    """The rejection recorded for an input on which the core broke an invariant."""
-    reason = f"internal error while applying: {type(exc).__name__}: {exc}"
-    return Output(subject=sj.OUT_REJECTED, as_of_seq=envelope.seq,
-                  data=encode(Rejected(seq=envelope.seq, subject=envelope.subject, reason=reason)))
 
 
 def default_replica_id() -> str:
@@ -489,18 +482,15 @@ class SchedulerService:
         return to_publish
 
     def _apply(self, envelope: Envelope) -> list[Output]:
-        try:
-            return self.scheduler.apply(envelope)
-        except Exception as exc:
-            # A broken invariant in the core, not bad input (that is a Rejection inside apply).
-            # Log it loudly with the seq, record it as rejected and let the batch be acked: one
-            # poisoned message must not wedge the stream. The core is deterministic, so every
-            # replica (and a replay) fails the same way on the same seq.
-            log.exception("seq %d (%s): the scheduler core raised; recorded as rejected", envelope.seq,
-                          envelope.subject)
+        outputs, exc = apply_guarded(self.scheduler, envelope)
+        if exc is not None:
+            # A broken invariant in the core, not bad input (that is a Rejection inside apply):
+            # recorded as rejected by apply_guarded, logged loudly here, and the batch is acked.
+            # The core is deterministic, so every replica (and a replay) fails the same way.
+            log.error("seq %d (%s): the scheduler core raised; recorded as rejected", envelope.seq,
+                      envelope.subject, exc_info=exc)
             self.stats.rejected_internal += 1
-            self.scheduler.state.last_seq = max(self.scheduler.state.last_seq, envelope.seq)
-            return [poisoned(envelope, exc)]
+        return outputs
 
     async def _publish(self, outputs: Sequence[Output]) -> None:
         """Publish outputs in order, pub acks awaited together. On a failure everything from the
