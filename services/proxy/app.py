@@ -36,6 +36,7 @@ from services.proxy.events import EventPublisher
 from services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from services.proxy.models import ModelCatalog
 from services.proxy.routing import Router
+from services.proxy.tasks import stop_task
 from services.proxy.upstream import Exchange, Forwarder, error_response, forward_headers
 
 log = logging.getLogger("laswrr.proxy")
@@ -210,23 +211,19 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     state.forwarder = Forwarder(session, state.router, state.events, state.metrics, config.max_retries,
                                 timeout, aborting=lambda: state.aborting)
     state.catalog = ModelCatalog(session, state.router, ttl_s=config.models_ttl_s)
-    tasks = [asyncio.create_task(state.events.run(), name="proxy-events"),
-             asyncio.create_task(state.bus.run(), name="proxy-bus"),
-             asyncio.create_task(_heartbeats(state), name="proxy-heartbeat")]
+    publisher = asyncio.create_task(state.events.run(), name="proxy-events")
+    heartbeat = asyncio.create_task(_heartbeats(state), name="proxy-heartbeat")
+    state.bus.start()
     try:
         yield
     finally:
-        tasks[2].cancel()
+        await stop_task(heartbeat)
         state.events.stopped()
         if not await state.events.flush(EVENT_FLUSH_TIMEOUT_S):
             log.warning("%d event(s) not published at shutdown (NATS unreachable?)", state.events.buffered)
-        for task in tasks[:2]:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await stop_task(publisher)  # stop_task: a single cancel may be lost (services.proxy.tasks)
         await state.catalog.close()
-        await state.bus.close()
+        await state.bus.close()  # stops the watch, then drains NATS
         await session.close()
 
 

@@ -13,6 +13,12 @@ or purged key forgets the pool. A bad value is logged and skipped.
 Self-healing: if the watcher has been silent for ``rewatch_s`` (the scheduler ticks far more
 often) or fails, it is re-created; the new watcher first re-delivers the newest value of each
 key, so nothing published during an outage is missed, and older ones are ignored by the router.
+
+Stopping: ``start`` runs ``run`` as a task; ``close`` sets ``closing`` (every loop of ``run``
+checks it), stops that task with ``tasks.stop_task`` (which cancels again when Python 3.11's
+``wait_for`` inside nats-py swallowed a cancel: a run that outlived one cancel would otherwise
+watch forever and the shutdown would hang), then drains the connection; drain and close are
+bounded.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from schemas.outputs import WeightSnapshot
 from services.natsbus import connect, ensure_streams
 from services.proxy.events import EventPublisher
 from services.proxy.routing import Router
+from services.proxy.tasks import bounded, stop_task
 
 log = logging.getLogger("laswrr.proxy.bus")
 
@@ -51,6 +58,8 @@ class BusLink:
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s
         self.nc: Client | None = None
+        self.closing = False
+        self._task: asyncio.Task[None] | None = None
         self.snapshots_applied = 0
         self.last_update = 0.0
 
@@ -58,13 +67,21 @@ class BusLink:
     def connected(self) -> bool:
         return self.nc is not None and self.nc.is_connected
 
+    def start(self) -> asyncio.Task[None]:
+        self._task = asyncio.create_task(self.run(), name="proxy-bus")
+        return self._task
+
     async def run(self) -> None:
-        self.nc = await self._connect()
-        self.publisher.attach(self.nc)
-        js = self.nc.jetstream()
+        nc = await self._connect()
+        if self.closing:  # a cancel was lost while connecting: do not keep a second connection
+            await nc.close()
+            return
+        self.nc = nc
+        self.publisher.attach(nc)
+        js = nc.jetstream()
         await self._bootstrap(js)
         failures = 0
-        while True:
+        while not self.closing:
             try:
                 await self._watch(js)
                 failures = 0
@@ -94,7 +111,7 @@ class BusLink:
     async def _bootstrap(self, js: JetStreamContext) -> None:
         """Once, at the first connection: make sure the streams and bucket exist (retrying)."""
         delay = self.retry_s
-        while True:
+        while not self.closing:
             try:
                 await self._prepare(js)
                 return
@@ -119,7 +136,7 @@ class BusLink:
         kv = await js.key_value(sj.WEIGHTS_BUCKET)
         watcher = await kv.watchall()
         try:
-            while True:
+            while not self.closing:
                 try:
                     entry = await watcher.updates(timeout=self.rewatch_s)
                 except nats.errors.TimeoutError:
@@ -144,12 +161,14 @@ class BusLink:
         if self.router.offer(snapshot, time.monotonic()):
             self.snapshots_applied += 1
 
-    async def close(self) -> None:
-        if self.nc is None or self.nc.is_closed:
+    async def close(self, drain_timeout_s: float = 5.0) -> None:
+        """Stop ``run``, then drain the connection (bounded); close it when the drain fails or is late."""
+        self.closing = True
+        if self._task is not None:
+            await stop_task(self._task)
+        nc = self.nc
+        if nc is None or nc.is_closed:
             return
-        try:
-            await asyncio.wait_for(self.nc.drain(), timeout=5.0)
-        except Exception as exc:  # already gone, or the server stopped answering
-            log.debug("NATS drain: %r", exc)
-            with contextlib.suppress(Exception):
-                await self.nc.close()
+        if not await bounded(nc.drain(), drain_timeout_s, "proxy-nats-drain") or not nc.is_closed:
+            log.debug("NATS drain did not finish; closing")
+            await bounded(nc.close(), 2.0, "proxy-nats-close")

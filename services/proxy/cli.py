@@ -76,13 +76,13 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
 
 
 async def serve(config: ProxyConfig) -> None:
-    proxy = await start(config)
-    print(f"{LISTEN_PREFIX}{proxy.url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before the banner: a parent may signal right after it
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    proxy = await start(config)
+    print(f"{LISTEN_PREFIX}{proxy.url}", flush=True)
     try:
         await stop.wait()
     finally:

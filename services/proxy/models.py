@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 
 from services.proxy.routing import Router
+from services.proxy.tasks import stop_task
 from services.proxy.upstream import upstream_url
 
 log = logging.getLogger("laswrr.proxy.models")
@@ -79,7 +80,5 @@ class ModelCatalog:
         return []
 
     async def close(self) -> None:
-        if self._refresh is not None and not self._refresh.done():
-            self._refresh.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresh
+        if self._refresh is not None:
+            await stop_task(self._refresh, patience_s=2.0)
