@@ -29,6 +29,6 @@ def test_an_exception_becomes_a_rejection_and_moves_the_log_position(monkeypatch
     [output], exc = apply_guarded(scheduler, Envelope(2, 2_000, sj.admin_drain("a"), b"{}"))
     assert isinstance(exc, ZeroDivisionError)
     assert (output.subject, output.as_of_seq, output.msg_id) == (sj.OUT_REJECTED, 2, f"2:{sj.OUT_REJECTED}")
-    assert msgspec.json.decode(output.data) == {
-        "seq": 2, "subject": "lb.admin.drain.a", "reason": "internal error while applying: ZeroDivisionError: division by zero"}
+    reason = "internal error while applying: ZeroDivisionError: division by zero"
+    assert msgspec.json.decode(output.data) == {"seq": 2, "subject": "lb.admin.drain.a", "reason": reason}
     assert scheduler.state.last_seq == 2
