@@ -4,10 +4,10 @@ Theory of operation.
 
 * **Durable pull consumers, AckAll.** One durable consumer per stream (``<durable>-events``,
   ``<durable>-out``; ack policy ``all``, no ack-pending limit), recreated at start from the
-  database's highest recorded seq + 1: the file, not the consumer, says where to resume. Each is read with
-  raw ``$JS.API.CONSUMER.MSG.NEXT`` requests (``batch`` messages or ``flush_ms`` of waiting,
-  whichever comes first) into a callback subscription: nats-py's ``fetch`` waits on every
-  message separately and tops out near 35,000 msg/s here; the callback path is much faster.
+  database's highest recorded seq + 1: the file, not the consumer, says where to resume. Each is
+  read with raw pull requests (``PullReader.fetch``, services/jsreader.py: ``batch`` messages or
+  ``flush_ms`` of waiting, whichever comes first) into a callback subscription: nats-py's
+  ``fetch`` waits on every message separately and tops out near 35,000 msg/s here.
 * **Commit, then ack.** A batch becomes one row per message — ``(stream, stream seq, ts_ns,
   subject, data)`` with ``ts_ns`` the exact JetStream timestamp from the ack subject (the same
   time the scheduler used) and ``data`` the payload text as it came, malformed or not — inserted
@@ -35,34 +35,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
-import datetime
 import json
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import duckdb
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from replay import store
 from schemas import subjects as sj
 from services import settings
+from services.jsreader import PullReader, ack_all_consumer, get_envelope, parse_ack_subject
 from services.natsbus import connect, ensure_streams
-from services.scheduler_service import parse_ack_subject
 
 log = logging.getLogger("laswrr.recorder")
 
-STATUS_DONE = {"404", "408", "409", "503"}  # no messages / expired / ended / no responders
-STATUS_BROKEN = {"409", "503"}  # consumer deleted, leadership change, ... / consumer gone
 SNAPSHOT_SUBJECT = store.SNAPSHOT_SUBJECT
 
 
@@ -86,91 +80,12 @@ class StreamStats:
     gaps: int = 0
 
 
-def parse_rfc3339_ns(text: str) -> int:
-    """``2024-05-01T10:00:00.123456789Z`` -> integer ns since the epoch (no float rounding)."""
-    text = text.strip().replace("z", "Z")
-    offset = datetime.timedelta(0)
-    if not text.endswith("Z"):
-        sign = 1 if text[-6] == "+" else -1
-        offset = sign * datetime.timedelta(hours=int(text[-5:-3]), minutes=int(text[-2:]))
-        text = text[:-6]
-    else:
-        text = text[:-1]
-    whole, _, fraction = text.partition(".")
-    base = datetime.datetime.strptime(whole, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=datetime.timezone.utc)
-    seconds = int((base - offset).timestamp())
-    return seconds * 1_000_000_000 + int((fraction or "0")[:9].ljust(9, "0"))
-
-
 def payload_text(data: bytes) -> str:
     """The payload as text; bytes that are not UTF-8 become U+FFFD (DuckDB VARCHAR is UTF-8)."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         return data.decode("utf-8", "replace")
-
-
-class PullConsumer:
-    """A durable AckAll pull consumer read with raw pull requests into a callback buffer.
-
-    Every delivered message lands in the buffer, whichever request it answered (a late one
-    after a reconnect is still a delivery we must record before acking past it); a status
-    message ends a request only when it answers the current one.
-    """
-
-    def __init__(self, nc: Client, stream: str, durable: str) -> None:
-        self.nc, self.stream, self.durable = nc, stream, durable
-        self._inbox = ""
-        self._request = 0
-        self._current = ""
-        self._want = 0
-        self._buffer: list[Msg] = []
-        self._done = asyncio.Event()
-        self._sub: Any = None
-        self.failure: str | None = None  # why the last pull ended without working, if it did
-
-    async def start(self, js: JetStreamContext, from_seq: int) -> None:
-        """(Re)create the durable consumer at ``from_seq``: the database, not the consumer's ack
-        state, decides where recording resumes (messages delivered to a killed recorder are
-        delivered again at once instead of after the ack wait)."""
-        with contextlib.suppress(NotFoundError):
-            await js.delete_consumer(self.stream, self.durable)
-        config = ConsumerConfig(durable_name=self.durable, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                                opt_start_seq=max(1, from_seq), ack_policy=AckPolicy.ALL, ack_wait=60.0,
-                                max_ack_pending=-1, max_deliver=-1)
-        await js.add_consumer(self.stream, config)
-        if self._sub is None:
-            self._inbox = self.nc.new_inbox()
-            self._sub = await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_msg)
-        self.failure = None
-
-    async def _on_msg(self, msg: Msg) -> None:
-        if not msg.data and msg.headers and "Status" in msg.headers:
-            status = msg.headers["Status"]
-            if msg.subject == self._current and status in STATUS_DONE:
-                if status in STATUS_BROKEN:
-                    self.failure = f"{status} {msg.headers.get('Description', '')}".strip()
-                self._done.set()
-            return
-        self._buffer.append(msg)
-        if len(self._buffer) >= self._want:
-            self._done.set()
-
-    async def fetch(self, batch: int, wait_ms: int) -> list[Msg]:
-        """Up to ``batch`` messages, waiting at most ``wait_ms`` for them to arrive."""
-        if len(self._buffer) < batch:
-            self._request += 1
-            self._current = f"{self._inbox}.{self._request}"
-            self._want = batch
-            self._done.clear()
-            body = json.dumps({"batch": batch - len(self._buffer), "expires": wait_ms * 1_000_000}).encode()
-            await self.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.durable}", body,
-                                  reply=self._current)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._done.wait(), wait_ms / 1000 + 5.0)
-            self._current = ""
-        taken, self._buffer = self._buffer, []
-        return taken
 
 
 class Recorder:
@@ -203,15 +118,14 @@ class Recorder:
                                 stream, recorded + 1, first - 1)
                 self.recorded_through[stream] = max(recorded, first - 1)
                 await self._repair_holes(stream)
-            pullers = [PullConsumer(self.nc, stream, f"{self.options.durable}-{suffix}")
-                       for stream, suffix in ((sj.EVENTS_STREAM, "events"), (sj.OUT_STREAM, "out"))]
-            for puller in pullers:
-                await puller.start(self.js, self.recorded_through[puller.stream] + 1)
+            readers = [PullReader(self.nc, self.js, stream, self.options.batch) for stream in self.stats]
+            for reader in readers:
+                await self._open(reader)
             await self.nc.subscribe(SNAPSHOT_SUBJECT, cb=self._on_snapshot_request)
             log.info("recording %s into %s (batch %d, flush %d ms)", ", ".join(self.stats),
                      self.options.db_path, self.options.batch, self.options.flush_ms)
             self.ready.set()
-            await asyncio.gather(*(self._record(puller, stop) for puller in pullers))
+            await asyncio.gather(*(self._record(reader, stop) for reader in readers))
         finally:
             for _, _, future in self._snapshots:
                 if not future.done():
@@ -235,16 +149,16 @@ class Recorder:
 
     # -- the batch loop -------------------------------------------------------------------------
 
-    async def _record(self, puller: PullConsumer, stop: asyncio.Event) -> None:
-        stream = puller.stream
+    async def _record(self, reader: PullReader, stop: asyncio.Event) -> None:
+        stream, flush_s = reader.stream, self.options.flush_ms / 1000
         pending: asyncio.Task[list[Msg]] | None = None
         while True:
-            msgs = await (pending or puller.fetch(self.options.batch, self.options.flush_ms))
+            msgs = await (pending or reader.fetch(flush_s))
             pending = None
             if not stop.is_set():
-                pending = asyncio.create_task(puller.fetch(self.options.batch, self.options.flush_ms))
-            if not msgs and puller.failure is not None:
-                await self._recover(puller)
+                pending = asyncio.create_task(reader.fetch(flush_s))
+            if not msgs and reader.gone is not None:
+                await self._recover(reader)
             if msgs:
                 if stream == sj.OUT_STREAM:
                     await self._out_gate.wait()
@@ -257,16 +171,24 @@ class Recorder:
             if pending is None:
                 return
 
-    async def _recover(self, puller: PullConsumer) -> None:
+    async def _open(self, reader: PullReader) -> None:
+        """(Re)create the stream's durable consumer at the database's position: the file, not the
+        consumer's ack state, decides where recording resumes (messages delivered to a killed
+        recorder are delivered again at once instead of after the ack wait)."""
+        suffix = "events" if reader.stream == sj.EVENTS_STREAM else "out"
+        await reader.open(ack_all_consumer(self.recorded_through[reader.stream] + 1, max_deliver=-1,
+                                           durable_name=f"{self.options.durable}-{suffix}"))
+
+    async def _recover(self, reader: PullReader) -> None:
         """The consumer is gone or unusable (deleted by hand, leadership change): recreate it
         from the database's position, slowly, until that works."""
-        log.warning("%s: pull failed (%s); recreating consumer %s from seq %d", puller.stream, puller.failure,
-                    puller.durable, self.recorded_through[puller.stream] + 1)
+        log.warning("%s: pull failed (%s); recreating consumer %s from seq %d", reader.stream, reader.gone,
+                    reader.consumer, self.recorded_through[reader.stream] + 1)
         await asyncio.sleep(1.0)
         try:
-            await puller.start(self.js, self.recorded_through[puller.stream] + 1)
+            await self._open(reader)
         except Exception as exc:  # noqa: BLE001 - NATS trouble: try again after the next pull
-            log.warning("%s: could not recreate the consumer: %s", puller.stream, exc)
+            log.warning("%s: could not recreate the consumer: %s", reader.stream, exc)
 
     async def _commit(self, stream: str, msgs: list[Msg]) -> Msg | None:
         """Insert one batch (plus any seq missing before its highest); returns the message to
@@ -318,14 +240,10 @@ class Recorder:
             stats.repaired += 1
 
     async def _get_msg(self, stream: str, seq: int) -> tuple[int, int, str, str] | None:
-        reply = await self.nc.request(f"$JS.API.STREAM.MSG.GET.{stream}", json.dumps({"seq": seq}).encode(),
-                                      timeout=5.0)
-        answer = json.loads(reply.data)
-        message = answer.get("message")
-        if not message:
+        envelope = await get_envelope(self.nc, stream, seq)
+        if envelope is None:
             return None
-        data = base64.b64decode(message.get("data") or "")
-        return seq, parse_rfc3339_ns(message["time"]), message["subject"], payload_text(data)
+        return seq, envelope.ts_ns, envelope.subject, payload_text(envelope.data)
 
     async def _repair_holes(self, stream: str) -> None:
         """Once at start: seqs missing inside the recorded range (an older crash) are fetched."""
