@@ -1,7 +1,9 @@
-"""The collector's view of ``nodes.toml``: where to scrape each node and which chips serve it.
+"""``nodes.toml``, the one parser: the ``[[node]]`` file ``laswrr up --nodes``, ``laswrr register
+--nodes`` and the collector all read, with one set of validation errors.
 
-The file is the one ``laswrr up`` reads (``[[node]]`` tables with ``id``, ``url``, ``pool``,
-``chip``, ``capacity``); the collector reads ``id`` and ``url`` and these optional keys:
+Each ``[[node]]`` table has ``id`` and ``url``; ``pool`` (default ``"default"``), ``chip`` and
+``capacity`` (an integer > 0) are what registration publishes (``lb.admin.node.<id>``), and
+registering requires ``capacity``; the collector reads ``id``, ``url`` and these optional keys:
 
 ```toml
 [[node]]
@@ -24,16 +26,21 @@ Nodes with the same ``npu_smi`` string share one host: the command runs once per
 and each node gets its selected chips. For a simulated engine the command is
 ``"<python> -m services.cli sim-npu-smi --url <engine url>"``.
 
-Rules: ``parse_nodes`` is pure (a decoded TOML document in, ``CollectorNode``s out) and
-raises ``NodesConfigError`` with a one-line message naming the node for anything wrong;
-unknown keys are returned as warnings (``laswrr up`` may add its own keys), never errors.
+Rules: ``parse_node_entries`` is pure (a decoded TOML document in, ``NodeEntry``s out: the up
+keys, every other key as written, and the collector's ``CollectorNode``) and validates every
+known key of every node, whoever reads the file, so a file is valid for all three commands or
+for none (except that registering needs ``capacity`` and at least one node:
+``registration=True``). Anything wrong raises ``NodesConfigError`` with a one-line message
+naming the node (``node #<n>`` until its id is known, then ``node '<id>'``) and the key;
+``load_node_entries`` adds the file. Unknown keys are returned as warnings, never errors.
+``parse_nodes`` / ``load_nodes`` are the collector's view of the same.
 """
 
 from __future__ import annotations
 
 import tomllib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 from urllib.parse import urlsplit
@@ -49,7 +56,7 @@ COLLECTOR_KEYS = frozenset({"metrics_url", "health_url", "engine", "npu_smi", "n
 
 
 class NodesConfigError(ValueError):
-    """``nodes.toml`` cannot be used by the collector; the message is one line."""
+    """``nodes.toml`` cannot be used; the message is one line naming the node and the key."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,13 +70,43 @@ class CollectorNode:
     selector: ChipSelector = ChipSelector()
 
 
-def _http_url(value: Any, key: str, where: str) -> str:
+@dataclass(frozen=True)
+class NodeEntry:
+    """One validated ``[[node]]`` table."""
+
+    id: str
+    url: str  # without a trailing "/"
+    collector: CollectorNode  # what the collector polls for this node
+    pool: str = "default"
+    chip: str | None = None  # None: not given
+    capacity: int | None = None  # None: not given (then the node cannot be registered)
+    extra: dict[str, Any] = field(default_factory=dict)  # every key but the up keys, as written
+
+
+# -- one table --------------------------------------------------------------------------------------
+
+
+def _string(value: Any, key: str, where: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise NodesConfigError(f"{where}: {key} must be a non-empty string")
-    parts = urlsplit(value.strip())
+    return value
+
+
+def _http_url(value: Any, key: str, where: str) -> str:
+    url = _string(value, key, where).strip()
+    parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise NodesConfigError(f"{where}: {key} {value!r} is not an http(s) URL with a host")
-    return value.strip()
+    return url
+
+
+def _capacity(value: Any, where: str, required: bool) -> int | None:
+    if value is None and not required:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        got = "none given" if value is None else f"got {value!r}"
+        raise NodesConfigError(f"{where}: capacity must be an integer > 0, {got}")
+    return value
 
 
 def _nonneg_ints(value: Any, key: str, where: str, size: int | None = None) -> tuple[int, ...]:
@@ -102,19 +139,19 @@ def _npu_smi(table: dict[str, Any], selector: ChipSelector, where: str) -> str |
     return command.strip()
 
 
-def _node(table: Any, index: int) -> CollectorNode:
-    where = f"node #{index + 1}"
+def _node_id(table: Any, where: str) -> str:
     if not isinstance(table, dict):
         raise NodesConfigError(f"{where}: expected a [[node]] table")
     node_id = table.get("id")
     if not isinstance(node_id, str):
         raise NodesConfigError(f"{where}: id must be a string")
     try:
-        check_token(node_id)
+        return check_token(node_id)
     except SubjectError as exc:
         raise NodesConfigError(f"{where}: {exc}") from None
-    where = f"node {node_id!r}"
-    url = _http_url(table.get("url"), "url", where).rstrip("/")
+
+
+def _collector_node(table: dict[str, Any], node_id: str, url: str, where: str) -> CollectorNode:
     engine = table.get("engine", "auto")
     if engine not in ENGINES:
         raise NodesConfigError(f"{where}: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -125,6 +162,23 @@ def _node(table: Any, index: int) -> CollectorNode:
         health_url=_http_url(table.get("health_url", f"{url}/health"), "health_url", where),
         engine=engine, npu_smi=_npu_smi(table, selector, where), selector=selector,
     )
+
+
+def _entry(table: Any, index: int, registration: bool) -> NodeEntry:
+    node_id = _node_id(table, f"node #{index + 1}")
+    where = f"node {node_id!r}"
+    url = _http_url(table.get("url"), "url", where).rstrip("/")
+    try:
+        pool = check_token(_string(table.get("pool", "default"), "pool", where), "pool name")
+    except SubjectError as exc:
+        raise NodesConfigError(f"{where}: {exc}") from None
+    chip = None if table.get("chip") is None else _string(table["chip"], "chip", where)
+    capacity = _capacity(table.get("capacity"), where, required=registration)
+    return NodeEntry(id=node_id, url=url, collector=_collector_node(table, node_id, url, where), pool=pool,
+                     chip=chip, capacity=capacity, extra={k: v for k, v in table.items() if k not in UP_KEYS})
+
+
+# -- the file ---------------------------------------------------------------------------------------
 
 
 def _warnings(tables: Sequence[dict[str, Any]], nodes: Sequence[CollectorNode]) -> list[str]:
@@ -145,22 +199,25 @@ def _warnings(tables: Sequence[dict[str, Any]], nodes: Sequence[CollectorNode]) 
     return notes
 
 
-def parse_nodes(document: dict[str, Any]) -> tuple[list[CollectorNode], list[str]]:
-    """``(nodes, warnings)`` from a decoded nodes.toml document."""
+def parse_node_entries(document: dict[str, Any], registration: bool = False) -> tuple[list[NodeEntry], list[str]]:
+    """``(entries, warnings)`` from a decoded nodes.toml document; ``registration``: every node
+    needs a capacity and there must be at least one (``laswrr up --nodes``, ``register --nodes``)."""
     tables = document.get("node", [])
     if not isinstance(tables, list):
         raise NodesConfigError("'node' must be an array of tables: write [[node]], not [node]")
-    nodes = [_node(table, i) for i, table in enumerate(tables)]
+    if registration and not tables:
+        raise NodesConfigError("no [[node]] tables (each needs id, url and capacity; pool and chip are optional)")
+    entries = [_entry(table, i, registration) for i, table in enumerate(tables)]
     seen: set[str] = set()
-    for node in nodes:
-        if node.id in seen:
-            raise NodesConfigError(f"node {node.id!r} is defined twice")
-        seen.add(node.id)
-    return nodes, _warnings(tables, nodes)
+    for entry in entries:
+        if entry.id in seen:
+            raise NodesConfigError(f"node {entry.id!r} is defined twice")
+        seen.add(entry.id)
+    return entries, _warnings(tables, [e.collector for e in entries])
 
 
-def load_nodes(path: str | Path) -> tuple[list[CollectorNode], list[str]]:
-    """Read and parse ``path``; NodesConfigError (one line) when unreadable or invalid."""
+def load_node_entries(path: str | Path, registration: bool = False) -> tuple[list[NodeEntry], list[str]]:
+    """Read and parse ``path``; NodesConfigError (one line, naming the file) when unreadable or invalid."""
     try:
         document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
@@ -168,6 +225,18 @@ def load_nodes(path: str | Path) -> tuple[list[CollectorNode], list[str]]:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise NodesConfigError(f"{path} is not valid TOML: {exc}") from None
     try:
-        return parse_nodes(document)
+        return parse_node_entries(document, registration)
     except NodesConfigError as exc:
         raise NodesConfigError(f"{path}: {exc}") from None
+
+
+def parse_nodes(document: dict[str, Any]) -> tuple[list[CollectorNode], list[str]]:
+    """The collector's view: ``(nodes, warnings)`` from a decoded nodes.toml document."""
+    entries, warnings = parse_node_entries(document)
+    return [entry.collector for entry in entries], warnings
+
+
+def load_nodes(path: str | Path) -> tuple[list[CollectorNode], list[str]]:
+    """The collector's view of the file at ``path`` (``load_node_entries``)."""
+    entries, warnings = load_node_entries(path)
+    return [entry.collector for entry in entries], warnings

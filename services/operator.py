@@ -23,9 +23,7 @@ import contextlib
 import json
 import sys
 import time
-import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import nats
@@ -33,6 +31,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError, NotFoundError
 
+from collectors.nodes import NodesConfigError, load_node_entries
 from schemas import subjects as sj
 from services import settings
 
@@ -195,26 +194,19 @@ def _register_body(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def nodes_file_bodies(path: str) -> list[tuple[str, dict[str, Any]]]:
-    """``(node id, lb.admin.node body)`` per ``[[node]]`` of a nodes.toml (id, url, pool, chip, capacity)."""
+    """``(subject, lb.admin.node body)`` per ``[[node]]`` of a nodes.toml (id, url, pool, chip,
+    capacity), validated by collectors/nodes.py before anything is published."""
     try:
-        document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise OperatorError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise OperatorError(f"{path} is not valid TOML: {exc}") from None
-    tables = document.get("node")
-    if not isinstance(tables, list) or not tables:
-        raise OperatorError(f"{path}: no [[node]] tables")
+        entries, _ = load_node_entries(path, registration=True)
+    except NodesConfigError as exc:
+        raise OperatorError(str(exc)) from None
     bodies = []
-    for index, table in enumerate(tables, 1):
-        node, url, capacity = (table.get(k) for k in ("id", "url", "capacity")) if isinstance(table, dict) else (None,) * 3
-        if not (isinstance(node, str) and isinstance(url, str) and type(capacity) is int):
-            raise OperatorError(f"{path}: node #{index} needs id (string), url (string) and capacity (integer)")
-        body: dict[str, Any] = {"url": url, "pool": table.get("pool", "default")}
-        if table.get("chip") is not None:
-            body["chip"] = str(table["chip"])
-        body["capacity"] = capacity
-        bodies.append((_subject(sj.admin_node, node), body))
+    for entry in entries:
+        body: dict[str, Any] = {"url": entry.url, "pool": entry.pool}
+        if entry.chip is not None:
+            body["chip"] = entry.chip
+        body["capacity"] = entry.capacity
+        bodies.append((sj.admin_node(entry.id), body))
     return bodies
 
 

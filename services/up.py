@@ -49,7 +49,6 @@ import re
 import signal
 import sys
 import time
-import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +58,7 @@ import nats
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
 
+from collectors.nodes import NodeEntry, NodesConfigError, load_node_entries, parse_node_entries
 from schemas import subjects as sj
 from services import settings
 from services.natsbus import EmbeddedNats, ensure_streams
@@ -104,61 +104,27 @@ DEFAULT_SIMS: tuple[tuple[str, str, int], ...] = (
 # -- nodes.toml -----------------------------------------------------------------------------------------
 
 
+def _spec(entry: NodeEntry) -> NodeSpec:
+    assert entry.capacity is not None  # registration=True requires it
+    return NodeSpec(id=entry.id, url=entry.url, pool=entry.pool, chip=entry.chip or "unknown",
+                    capacity=entry.capacity, extra=dict(entry.extra))
+
+
 def parse_nodes(document: dict[str, Any]) -> list[NodeSpec]:
-    """``[[node]]`` tables -> NodeSpecs; StackError names the bad node."""
-    tables = document.get("node")
-    if not isinstance(tables, list) or not tables:
-        raise StackError("no [[node]] tables (each needs id, url, capacity; pool and chip are optional)")
-    nodes: list[NodeSpec] = []
-    for index, table in enumerate(tables, start=1):
-        nodes.append(_node_spec(table, f"node #{index}"))
-    ids = [n.id for n in nodes]
-    duplicates = sorted({i for i in ids if ids.count(i) > 1})
-    if duplicates:
-        raise StackError(f"duplicate node id(s): {', '.join(duplicates)}")
-    return nodes
-
-
-def _node_spec(table: Any, where: str) -> NodeSpec:
-    if not isinstance(table, dict):
-        raise StackError(f"{where}: expected a [[node]] table")
-    node_id = _string(table, "id", where)
+    """``[[node]]`` tables -> NodeSpecs (validated by collectors/nodes.py); StackError names the bad node."""
     try:
-        sj.check_token(node_id)
-        where = f"node {node_id!r}"
-        pool = sj.check_token(_string(table, "pool", where, "default"), "pool name")
-    except sj.SubjectError as exc:
-        raise StackError(f"{where}: {exc}") from None
-    url = _string(table, "url", where)
-    if not url.startswith(("http://", "https://")):
-        raise StackError(f"{where}: url {url!r} is not an http(s) URL")
-    capacity = table.get("capacity")
-    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
-        raise StackError(f"{where}: capacity must be an integer > 0, got {capacity!r}")
-    chip = _string(table, "chip", where, "unknown")
-    extra = {k: v for k, v in table.items() if k not in ("id", "url", "pool", "chip", "capacity")}
-    return NodeSpec(id=node_id, url=url.rstrip("/"), pool=pool, chip=chip, capacity=capacity, extra=extra)
-
-
-def _string(table: dict[str, Any], key: str, where: str, default: str | None = None) -> str:
-    value = table.get(key, default)
-    if not isinstance(value, str) or not value:
-        raise StackError(f"{where}: {key} must be a non-empty string")
-    return value
+        entries, _ = parse_node_entries(document, registration=True)
+    except NodesConfigError as exc:
+        raise StackError(str(exc)) from None
+    return [_spec(entry) for entry in entries]
 
 
 def load_nodes(path: str | os.PathLike[str]) -> list[NodeSpec]:
     try:
-        with open(path, "rb") as handle:
-            document = tomllib.load(handle)
-    except OSError as exc:
-        raise StackError(f"cannot read {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise StackError(f"{path}: not valid TOML: {exc}") from None
-    try:
-        return parse_nodes(document)
-    except StackError as exc:
-        raise StackError(f"{path}: {exc}") from None
+        entries, _ = load_node_entries(path, registration=True)
+    except NodesConfigError as exc:
+        raise StackError(str(exc)) from None
+    return [_spec(entry) for entry in entries]
 
 
 def _toml_value(value: Any) -> str:

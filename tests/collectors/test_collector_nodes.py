@@ -1,4 +1,5 @@
-"""nodes.toml as the collector reads it: defaults, chip selectors, one-line errors, warnings."""
+"""nodes.toml as the collector reads it (defaults, chip selectors, one-line errors, warnings), and the
+same validation errors for `laswrr up --nodes` and `laswrr register --nodes`."""
 
 from __future__ import annotations
 
@@ -102,3 +103,34 @@ def test_load_nodes_reports_the_file(tmp_path: Path) -> None:
     empty = tmp_path / "empty.toml"
     empty.write_text("")
     assert load_nodes(empty) == ([], [])
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ('[[node]]\nid = "a"\nurl = "http://h:1"\ncapacity = 2\nengine = "trt"\n', "node 'a': engine must be one of"),
+    ('[[node]]\nid = "a"\nurl = "http://h:1"\ncapacity = 2\npool = "p q"\n', "node 'a': invalid pool name 'p q'"),
+    ('[[node]]\nid = "a"\nurl = "http://h:1"\ncapacity = 0\n', "node 'a': capacity must be an integer > 0, got 0"),
+    ('[[node]]\nid = "a"\nurl = "http://h:1"\ncapacity = 2\nchip = 910\n', "node 'a': chip must be a non-empty string"),
+])
+def test_collector_up_and_register_reject_a_file_with_the_same_error(tmp_path: Path, body: str, message: str) -> None:
+    from services.operator import OperatorError, nodes_file_bodies
+    from services.up import StackError
+    from services.up import load_nodes as up_load_nodes
+
+    path = tmp_path / "nodes.toml"
+    path.write_text(body)
+    errors = []
+    for load, error in ((load_nodes, NodesConfigError), (up_load_nodes, StackError), (nodes_file_bodies, OperatorError)):
+        with pytest.raises(error) as caught:
+            load(str(path))  # type: ignore[operator]
+        errors.append(str(caught.value))
+    assert errors[0].startswith(f"{path}: {message}") and errors == errors[:1] * 3
+
+
+def test_registration_needs_a_capacity_the_collector_does_not(tmp_path: Path) -> None:
+    from services.operator import OperatorError, nodes_file_bodies
+
+    path = tmp_path / "nodes.toml"
+    path.write_text('[[node]]\nid = "a"\nurl = "http://h:1/"\n')
+    assert [n.url for n in load_nodes(path)[0]] == ["http://h:1"]
+    with pytest.raises(OperatorError, match=r"node 'a': capacity must be an integer > 0, none given$"):
+        nodes_file_bodies(str(path))

@@ -33,9 +33,10 @@ def test_bodies_are_what_lb_admin_node_takes(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("text, message", [
-    ("[[node]]\nid = 'n1'\nurl = 'http://a:1'\n", "node #1 needs id (string), url (string) and capacity (integer)"),
+    ("[[node]]\nid = 'n1'\nurl = 'http://a:1'\n", "node 'n1': capacity must be an integer > 0"),
     ("[[node]]\nid = 'n.1'\nurl = 'http://a:1'\ncapacity = 1\n", "invalid node id 'n.1'"),
-    ("[node]\nid = 'n1'\n", "no [[node]] tables"),
+    ("[node]\nid = 'n1'\n", "write [[node]], not [node]"),
+    ("", "no [[node]] tables"),
     ("not toml = = =", "is not valid TOML"),
 ])
 def test_bad_files_are_rejected_before_publishing(tmp_path: Path, text: str, message: str) -> None:
@@ -49,7 +50,7 @@ def test_cli_errors_are_one_line_usage_errors(tmp_path: Path) -> None:
     nodes = tmp_path / "nodes.toml"
     nodes.write_text("[[node]]\nid = 'n1'\n")
     bad = register("--nodes", str(nodes))
-    assert bad.returncode == 2 and "node #1 needs id" in bad.stderr and len(bad.stderr.splitlines()) == 1
+    assert bad.returncode == 2 and "node 'n1': url must be" in bad.stderr and len(bad.stderr.splitlines()) == 1
     mixed = register("n1", "--nodes", str(tmp_path / "nodes.toml"))
     assert mixed.returncode == 2 and "takes no NODE" in mixed.stderr
     incomplete = register("n1", "--url", "http://a:1")

@@ -47,7 +47,7 @@ def test_example_nodes_file_is_valid() -> None:
     ('[[node]]\nid = "a.b"\nurl = "http://h"\ncapacity = 1\n', "invalid node id"),
     ('[[node]]\nid = "a"\nurl = "h:1"\ncapacity = 1\n', "not an http(s) URL"),
     ('[[node]]\nid = "a"\nurl = "http://h"\ncapacity = 1\n[[node]]\nid = "a"\nurl = "http://g"\ncapacity = 2\n',
-     "duplicate node id"),
+     "is defined twice"),
 ])
 def test_bad_nodes_files_are_one_line_errors(text: str, message: str) -> None:
     with pytest.raises(StackError, match=re.escape(message)):
