@@ -38,6 +38,7 @@ from services.proxy.models import ModelCatalog
 from services.proxy.routing import Router
 from services.proxy.tasks import stop_task
 from services.proxy.upstream import Exchange, Forwarder, error_response, forward_headers
+from services.proxy.upstream_http import UpstreamPool
 
 log = logging.getLogger("laswrr.proxy")
 
@@ -129,7 +130,7 @@ async def _completions(request: web.Request, state: ProxyState, arrived: float) 
                               headers={"Retry-After": "1"})
     request_id = state.next_request_id()
     exchange = Exchange(request_id=request_id, pool=pool, path_qs=request.path_qs, method=request.method, body=body,
-                        headers=forward_headers(request.headers, request_id), arrived=arrived)
+                        headers=forward_headers(request.raw_headers, request_id), arrived=arrived)
     assert state.forwarder is not None
     return await state.forwarder.forward(request, exchange, admission)
 
@@ -208,8 +209,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
                                     skip_auto_headers=("Accept-Encoding",))
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
                                     sock_read=config.upstream_timeout_s)
+    pool = UpstreamPool(config.connect_timeout_s, config.upstream_timeout_s)
     state.forwarder = Forwarder(session, state.router, state.events, state.metrics, config.max_retries,
-                                timeout, aborting=lambda: state.aborting)
+                                timeout, aborting=lambda: state.aborting, pool=pool)
     state.catalog = ModelCatalog(session, state.router, ttl_s=config.models_ttl_s)
     publisher = asyncio.create_task(state.events.run(), name="proxy-events")
     heartbeat = asyncio.create_task(_heartbeats(state), name="proxy-heartbeat")
@@ -224,6 +226,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         await stop_task(publisher)  # stop_task: a single cancel may be lost (services.proxy.tasks)
         await state.catalog.close()
         await state.bus.close()  # stops the watch, then drains NATS
+        pool.close()
         await session.close()
 
 

@@ -21,6 +21,10 @@ Rules (issue 4, "never cut"):
   closed, which cancels the engine's work; outcome ``client_cancelled``. A cancel during
   shutdown after the grace period is ``router_aborted``.
 
+Transport: ``http://`` engines are reached through ``upstream_http.UpstreamPool`` (keep-alive,
+one write per request); any other scheme through the aiohttp session. Both answers are seen
+through the same small interface (status, content_type, headers, read, readany, close).
+
 Events: one started/finished pair per attempt (see ``services.proxy.events``).
 """
 
@@ -30,9 +34,10 @@ import asyncio
 import json
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
@@ -42,6 +47,7 @@ from multidict import CIMultiDict
 from services.proxy.events import RETRIED_PREFIX, Attempt, EventPublisher
 from services.proxy.metrics import ProxyMetrics
 from services.proxy.routing import Admission, Router
+from services.proxy.upstream_http import UpstreamError, UpstreamPool, request_head
 
 NODE_HEADER = "x-laswrr-node"
 REQUEST_ID_HEADER = "x-laswrr-request-id"
@@ -51,6 +57,8 @@ HOP_BY_HOP = frozenset({
 })
 REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}  # the body is already read
 RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
+_REQUEST_DROP_BYTES = frozenset(name.encode() for name in REQUEST_DROP)
+UPSTREAM_ERRORS = (UpstreamError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
 SSE_ERROR_TYPE = "upstream_error"
 _TAIL_CHUNKS = 4
 
@@ -77,7 +85,7 @@ class Exchange:
     path_qs: str
     method: str
     body: bytes
-    headers: CIMultiDict[str]
+    headers: list[tuple[bytes, bytes]]  # the client's, minus hop-by-hop ones, plus x-laswrr-request-id
     arrived: float  # perf_counter at handler entry
     tried: list[str] = field(default_factory=list)
 
@@ -115,11 +123,58 @@ class Done:
     attempt: Attempt
 
 
+class Body(Protocol):
+    """An engine's answer as the forwarder reads it (``UpstreamResponse`` or ``AiohttpAnswer``)."""
+
+    status: int
+    content_type: str
+    headers: list[tuple[str, str]]
+
+    async def read(self) -> bytes: ...
+
+    async def readany(self) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class AiohttpAnswer:
+    """An aiohttp client response behind the ``Body`` interface (non-http:// engines)."""
+
+    __slots__ = ("up", "status", "content_type", "headers")
+
+    def __init__(self, up: aiohttp.ClientResponse) -> None:
+        self.up = up
+        self.status = up.status
+        self.content_type = up.content_type
+        self.headers = list(up.headers.items())
+
+    async def read(self) -> bytes:
+        return await self.up.read()
+
+    async def readany(self) -> bytes:
+        return await self.up.content.readany()
+
+    def close(self) -> None:
+        self.up.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where an engine URL points: parsed once per URL."""
+
+    host: str
+    port: int
+    host_header: str
+    base_path: str  # without a trailing slash
+
+
 class Forwarder:
     def __init__(self, session: aiohttp.ClientSession, router: Router, events: EventPublisher,
                  metrics: ProxyMetrics, max_retries: int, timeout: aiohttp.ClientTimeout,
-                 aborting: Callable[[], bool]) -> None:
+                 aborting: Callable[[], bool], pool: UpstreamPool | None = None) -> None:
         self.session = session
+        self.pool = pool
+        self.targets: dict[str, Target | None] = {}
         self.router = router
         self.events = events
         self.metrics = metrics
@@ -192,14 +247,43 @@ class Forwarder:
 
     # -- one attempt ----------------------------------------------------------------------------
 
+    def _target(self, url: str) -> Target | None:
+        """``url`` parsed (cached); None when the pool cannot reach it (not plain http://)."""
+        try:
+            return self.targets[url]
+        except KeyError:
+            pass
+        target = None
+        parts = urlsplit(url)
+        if self.pool is not None and parts.scheme == "http" and parts.hostname:
+            port = parts.port or 80
+            host = parts.hostname
+            host_header = f"[{host}]" if ":" in host else host
+            target = Target(host=host, port=port, host_header=host_header if port == 80 else f"{host_header}:{port}",
+                            base_path=parts.path.rstrip("/"))
+        if len(self.targets) > 10_000:
+            self.targets.clear()
+        self.targets[url] = target
+        return target
+
+    async def _send(self, ex: Exchange, admission: Admission) -> Body:
+        target = self._target(admission.url)
+        if target is None or self.pool is None:
+            headers = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in ex.headers)
+            up = await self.session.request(ex.method, upstream_url(admission.url, ex.path_qs), data=ex.body,
+                                            headers=headers, timeout=self.timeout)
+            return AiohttpAnswer(up)
+        head = request_head(ex.method, upstream_url(target.base_path, ex.path_qs), target.host_header, ex.headers,
+                            b"", len(ex.body))
+        return await self.pool.request(target.host, target.port, head, ex.body)
+
     async def _attempt(self, request: web.Request, ex: Exchange, admission: Admission,
                        state: AttemptState) -> Done | Failed:
-        url = upstream_url(admission.url, ex.path_qs)
         state.sent = time.perf_counter()
         state.overhead = state.sent - ex.arrived
         try:
-            up = await self.session.request(ex.method, url, data=ex.body, headers=ex.headers, timeout=self.timeout)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            up = await self._send(ex, admission)
+        except UPSTREAM_ERRORS as exc:
             return Failed(reason=describe(exc))
         try:
             if up.status >= 500:
@@ -210,20 +294,20 @@ class Forwarder:
         finally:
             up.close()  # no-op after a full read; on cancel or error it aborts the engine's work
 
-    async def _failed_status(self, up: aiohttp.ClientResponse, admission: Admission, ex: Exchange) -> Failed:
+    async def _failed_status(self, up: Body, admission: Admission, ex: Exchange) -> Failed:
         try:
             body = await up.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except UPSTREAM_ERRORS:
             body = b""
         response = web.Response(status=up.status, body=body, headers=pass_headers(up.headers))
         self._tag(response, admission, ex)
         return Failed(reason=f"HTTP {up.status}", status=up.status, response=response)
 
     async def _buffered(self, request: web.Request, ex: Exchange, admission: Admission, state: AttemptState,
-                        up: aiohttp.ClientResponse) -> Done | Failed:
+                        up: Body) -> Done | Failed:
         try:
             body = await up.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except UPSTREAM_ERRORS as exc:
             return Failed(reason=describe(exc), status=up.status)
         received = time.perf_counter()
         response = web.Response(status=up.status, body=body, headers=pass_headers(up.headers))
@@ -239,10 +323,10 @@ class Forwarder:
         return Done(response, self._record(ex, state, "completed", up.status, usage))
 
     async def _stream(self, request: web.Request, ex: Exchange, admission: Admission, state: AttemptState,
-                      up: aiohttp.ClientResponse) -> Done | Failed:
+                      up: Body) -> Done | Failed:
         try:
-            first = await up.content.readany()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            first = await up.readany()
+        except UPSTREAM_ERRORS as exc:
             return Failed(reason=describe(exc), status=up.status)
         received = time.perf_counter()
         response = web.StreamResponse(status=up.status, headers=pass_headers(up.headers))
@@ -267,13 +351,13 @@ class Forwarder:
         return Done(response, self._record(ex, state, "completed", up.status, usage_from_sse(b"".join(tail))))
 
     @staticmethod
-    async def _pump(up: aiohttp.ClientResponse, response: web.StreamResponse, tail: deque[bytes]) -> str | None:
+    async def _pump(up: Body, response: web.StreamResponse, tail: deque[bytes]) -> str | None:
         """Copy the rest of the stream as it arrives; the upstream error that cut it, if any."""
-        content = up.content
+        readany = up.readany
         while True:
             try:
-                chunk = await content.readany()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                chunk = await readany()
+            except UPSTREAM_ERRORS as exc:
                 return describe(exc)
             if not chunk:
                 return None
@@ -301,14 +385,15 @@ def upstream_url(base: str, path_qs: str) -> str:
     return base + path_qs
 
 
-def forward_headers(headers: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in REQUEST_DROP)
-    out[REQUEST_ID_HEADER] = request_id
+def forward_headers(raw_headers: Iterable[tuple[bytes, bytes]], request_id: str) -> list[tuple[bytes, bytes]]:
+    """The client's headers (aiohttp's ``raw_headers``) minus hop-by-hop ones, plus the request id."""
+    out = [(k, v) for k, v in raw_headers if k.lower() not in _REQUEST_DROP_BYTES]
+    out.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
     return out
 
 
-def pass_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
-    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in RESPONSE_DROP)
+def pass_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in headers if k.lower() not in RESPONSE_DROP]
 
 
 def describe(exc: BaseException) -> str:
