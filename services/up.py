@@ -3,8 +3,10 @@
 Theory of operation. ``Stack`` owns every part as a child process (``python -m services.cli
 <command>``), each in its own session so a terminal's Ctrl-C reaches only ``up``, which then
 stops the children in order; each child also gets SIGTERM if ``up`` itself dies (Linux
-``PR_SET_PDEATHSIG``). Parts that another module provides (recorder, collector, proxy,
-sim-engine) are started only when their module exists and is listed in ``services.cli``.
+``PR_SET_PDEATHSIG``; the process handling is ``ChildProcesses`` in services/children.py, the
+nodes.toml parser is collectors/nodes.py). Parts that another module provides (recorder,
+collector, proxy, sim-engine) are started only when their module exists and is listed in
+``services.cli``.
 
 Start order: NATS (embedded ``nats-server`` under ``<data_dir>/jetstream`` unless a URL is
 given) -> streams -> scheduler, recorder -> simulated engines (when no nodes file is given:
@@ -40,13 +42,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import importlib.util
 import json
 import logging
 import os
-import re
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -61,22 +60,16 @@ from nats.js.errors import KeyNotFoundError
 from collectors.nodes import NodeEntry, NodesConfigError, load_node_entries, parse_node_entries
 from schemas import subjects as sj
 from services import settings
+from services.children import Child, ChildProcesses, StackError
 from services.natsbus import EmbeddedNats, ensure_streams
 
 log = logging.getLogger("laswrr.up")
 
-LISTENING = re.compile(r"listening on (\S+)")
 STOP_ORDER = ("proxy", "collector", "sim-engine", "other", "scheduler", "recorder")
-STOP_TIMEOUT_S = {"proxy": 35.0, "recorder": 30.0}
-DEFAULT_STOP_TIMEOUT_S = 10.0
-START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = {"proxy": 35.0, "recorder": 30.0}  # others: children.DEFAULT_STOP_TIMEOUT_S
 # Where each optional sub-command lives: started only if the module exists and is registered.
 COMMAND_MODULE = {"recorder": "services.recorder", "collector": "services.collector",
                   "proxy": "services.proxy.cli", "sim-engine": "services.sim_engine.cli"}
-
-
-class StackError(RuntimeError):
-    """The stack cannot start (bad nodes file, a child that failed to come up); one line."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +143,7 @@ def render_nodes(nodes: Sequence[NodeSpec]) -> str:
     return "\n".join(lines)
 
 
-# -- children -------------------------------------------------------------------------------------------
+# -- optional parts -------------------------------------------------------------------------------------
 
 
 def command_available(command: str) -> bool:
@@ -164,39 +157,6 @@ def command_available(command: str) -> bool:
     with contextlib.suppress(ImportError, ValueError):
         return registered and importlib.util.find_spec(module) is not None
     return False
-
-
-_LIBC: Any = None
-if sys.platform.startswith("linux"):
-    with contextlib.suppress(OSError):
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies (PR_SET_PDEATHSIG = 1)."""
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGTERM, 0, 0, 0)
-
-
-@dataclass
-class Child:
-    name: str
-    role: str
-    process: asyncio.subprocess.Process
-    log_path: Path
-    url: str | None = None
-    expected_exit: bool = False
-    watcher: asyncio.Task[None] | None = None
-    pump: asyncio.Task[None] | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def tail(self, lines: int = 8) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return ""
 
 
 class Stack:
@@ -214,15 +174,13 @@ class Stack:
         self.tick_ms = tick_ms
         self.scheduler_args = tuple(scheduler_args)
         self.python = python
-        self.children: list[Child] = []
+        self.processes = ChildProcesses(self.log_dir, python, STOP_TIMEOUT_S)
         self.nodes: list[NodeSpec] = []
         self.nodes_file: Path | None = None
         self.proxy_url: str | None = None
         self.embedded: EmbeddedNats | None = None
         self._nats_url = nats_url
         self._nc: Client | None = None
-        self._failures: asyncio.Queue[Child] = asyncio.Queue()
-        self._stopping = False
 
     @property
     def nats_url(self) -> str:
@@ -376,107 +334,31 @@ class Stack:
                 await asyncio.sleep(0.1)
         log.warning("%s not routing yet after %g s (healthz status %s)", child.name, timeout_s, status)
 
+    # -- children and stopping -----------------------------------------------------------------
+
+    @property
+    def children(self) -> list[Child]:
+        return self.processes.children
+
     async def spawn(self, name: str, command: str, *args: str, role: str = "other",
                     wait_listening: bool = False) -> Child:
         """Start ``python -m services.cli COMMAND ARGS`` as a child; with ``wait_listening``, wait
-        for its ``... listening on URL`` stdout line and record the URL."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{name}.log"
-        log_file = open(log_path, "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        try:
-            process = await asyncio.create_subprocess_exec(
-                self.python, "-m", "services.cli", command, *args, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=log_file, env=env, start_new_session=True,
-                preexec_fn=_die_with_parent if _LIBC is not None else None,
-            )
-        finally:
-            log_file.close()
-        child = Child(name=name, role=role, process=process, log_path=log_path)
-        self.children.append(child)
-        if wait_listening:
-            child.url = await self._read_url(child)
-        child.pump = asyncio.create_task(self._pump(child))
-        child.watcher = asyncio.create_task(self._watch(child))
-        log.info("started %s (pid %d)%s", name, process.pid, f" at {child.url}" if child.url else "")
-        return child
-
-    async def _read_url(self, child: Child) -> str:
-        assert child.process.stdout is not None
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                line = await asyncio.wait_for(child.process.stdout.readline(), deadline - time.monotonic())
-            except asyncio.TimeoutError:
-                break
-            if not line:
-                await child.process.wait()
-                raise StackError(f"{child.name} exited with {child.process.returncode} before listening: "
-                                 f"{child.tail(3) or 'no output'} (log {child.log_path})")
-            _append(child.log_path, line)
-            match = LISTENING.search(line.decode(errors="replace"))
-            if match:
-                return match.group(1)
-        raise StackError(f"{child.name} did not report a listening URL within {START_TIMEOUT_S:g} s (log {child.log_path})")
-
-    async def _pump(self, child: Child) -> None:
-        """Copy the child's stdout into its log (a full pipe would block the child)."""
-        assert child.process.stdout is not None
-        with open(child.log_path, "ab") as sink:
-            while line := await child.process.stdout.readline():
-                sink.write(line)
-                sink.flush()
-
-    async def _watch(self, child: Child) -> None:
-        code = await child.process.wait()
-        if not child.expected_exit and not self._stopping:
-            log.error("%s (pid %d) exited unexpectedly with %s", child.name, child.pid, code)
-            self._failures.put_nowait(child)
+        for its ``... listening on URL`` stdout line and record the URL (services/children.py)."""
+        return await self.processes.spawn(name, command, *args, role=role, wait_listening=wait_listening)
 
     async def wait_unexpected_exit(self) -> Child:
         """The first child that exits while the stack runs (not during ``stop``)."""
-        return await self._failures.get()
-
-    # -- stopping ---------------------------------------------------------------------------------
+        return await self.processes.wait_unexpected_exit()
 
     async def stop(self) -> None:
         """Ordered shutdown: proxies, collector, engines, scheduler, recorder, then NATS (idempotent)."""
-        self._stopping = True
-        for role in STOP_ORDER:
-            group = [c for c in self.children if c.role == role]
-            await asyncio.gather(*(self._stop_child(c) for c in group))
+        await self.processes.stop(STOP_ORDER)
         if self._nc is not None:
             with contextlib.suppress(Exception):
                 await self._nc.close()
             self._nc = None
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.stop)
-
-    async def _stop_child(self, child: Child) -> None:
-        child.expected_exit = True
-        process = child.process
-        if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGTERM)
-            timeout = STOP_TIMEOUT_S.get(child.role, DEFAULT_STOP_TIMEOUT_S)
-            try:
-                await asyncio.wait_for(process.wait(), timeout)
-            except asyncio.TimeoutError:
-                log.warning("%s did not stop within %g s: killed", child.name, timeout)
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-                await process.wait()
-        for task in (child.pump, child.watcher):
-            if task is not None:
-                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                    await asyncio.wait_for(task, 2.0)
-        if process.returncode not in (0, -signal.SIGTERM):
-            log.warning("%s exited with %s (log %s)", child.name, process.returncode, child.log_path)
-
-
-def _append(path: Path, line: bytes) -> None:
-    with open(path, "ab") as sink:
-        sink.write(line)
 
 
 # -- laswrr up ------------------------------------------------------------------------------------------

@@ -1,0 +1,177 @@
+"""The child processes of ``laswrr up`` (``services.up.Stack``): start, watch, stop in order.
+
+Theory of operation. Each child is ``python -m services.cli <command> <args>`` in its own
+session, so a terminal's Ctrl-C reaches only the parent, which stops the children in order; each
+child also gets SIGTERM if the parent itself dies (Linux ``PR_SET_PDEATHSIG``). Its stderr goes
+to ``<log_dir>/<name>.log`` and so does its stdout, through a pump (a full pipe would block the
+child); a child that prints ``... listening on URL`` can be waited for, and the URL is recorded.
+A child that exits on its own (not during ``stop``, not marked ``expected_exit``) is reported by
+``wait_unexpected_exit``. ``stop(order)`` takes the roles in ``order``, all children of one role
+at once: SIGTERM, up to the role's stop timeout, then SIGKILL. Only these processes are
+signalled, by pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("laswrr.up")
+
+LISTENING = re.compile(r"listening on (\S+)")
+DEFAULT_STOP_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 30.0
+
+
+class StackError(RuntimeError):
+    """The stack cannot start (bad nodes file, a child that failed to come up); one line."""
+
+
+_LIBC: Any = None
+if sys.platform.startswith("linux"):
+    with contextlib.suppress(OSError):
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (PR_SET_PDEATHSIG = 1)."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    process: asyncio.subprocess.Process
+    log_path: Path
+    url: str | None = None
+    expected_exit: bool = False
+    watcher: asyncio.Task[None] | None = None
+    pump: asyncio.Task[None] | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def tail(self, lines: int = 8) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+class ChildProcesses:
+    """Every child started through ``spawn``, in start order (module header)."""
+
+    def __init__(self, log_dir: Path, python: str = sys.executable,
+                 stop_timeout_s: Mapping[str, float] | None = None) -> None:
+        self.log_dir, self.python = log_dir, python
+        self.stop_timeout_s = dict(stop_timeout_s or {})  # per role; others DEFAULT_STOP_TIMEOUT_S
+        self.children: list[Child] = []
+        self._failures: asyncio.Queue[Child] = asyncio.Queue()
+        self._stopping = False
+
+    async def spawn(self, name: str, command: str, *args: str, role: str = "other",
+                    wait_listening: bool = False) -> Child:
+        """Start ``python -m services.cli COMMAND ARGS`` as a child; with ``wait_listening``, wait
+        for its ``... listening on URL`` stdout line and record the URL."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        log_file = open(log_path, "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        try:
+            process = await asyncio.create_subprocess_exec(
+                self.python, "-m", "services.cli", command, *args, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=log_file, env=env, start_new_session=True,
+                preexec_fn=_die_with_parent if _LIBC is not None else None,
+            )
+        finally:
+            log_file.close()
+        child = Child(name=name, role=role, process=process, log_path=log_path)
+        self.children.append(child)
+        if wait_listening:
+            child.url = await self._read_url(child)
+        child.pump = asyncio.create_task(self._pump(child))
+        child.watcher = asyncio.create_task(self._watch(child))
+        log.info("started %s (pid %d)%s", name, process.pid, f" at {child.url}" if child.url else "")
+        return child
+
+    async def _read_url(self, child: Child) -> str:
+        assert child.process.stdout is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                line = await asyncio.wait_for(child.process.stdout.readline(), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                break
+            if not line:
+                await child.process.wait()
+                raise StackError(f"{child.name} exited with {child.process.returncode} before listening: "
+                                 f"{child.tail(3) or 'no output'} (log {child.log_path})")
+            _append(child.log_path, line)
+            match = LISTENING.search(line.decode(errors="replace"))
+            if match:
+                return match.group(1)
+        raise StackError(f"{child.name} did not report a listening URL within {START_TIMEOUT_S:g} s (log {child.log_path})")
+
+    async def _pump(self, child: Child) -> None:
+        """Copy the child's stdout into its log (a full pipe would block the child)."""
+        assert child.process.stdout is not None
+        with open(child.log_path, "ab") as sink:
+            while line := await child.process.stdout.readline():
+                sink.write(line)
+                sink.flush()
+
+    async def _watch(self, child: Child) -> None:
+        code = await child.process.wait()
+        if not child.expected_exit and not self._stopping:
+            log.error("%s (pid %d) exited unexpectedly with %s", child.name, child.pid, code)
+            self._failures.put_nowait(child)
+
+    async def wait_unexpected_exit(self) -> Child:
+        """The first child that exits while the group runs (not during ``stop``)."""
+        return await self._failures.get()
+
+    async def stop(self, order: Sequence[str]) -> None:
+        """Stop the children role by role in ``order`` (idempotent)."""
+        self._stopping = True
+        for role in order:
+            group = [c for c in self.children if c.role == role]
+            await asyncio.gather(*(self._stop_child(c) for c in group))
+
+    async def _stop_child(self, child: Child) -> None:
+        child.expected_exit = True
+        process = child.process
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+            timeout = self.stop_timeout_s.get(child.role, DEFAULT_STOP_TIMEOUT_S)
+            try:
+                await asyncio.wait_for(process.wait(), timeout)
+            except asyncio.TimeoutError:
+                log.warning("%s did not stop within %g s: killed", child.name, timeout)
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+        for task in (child.pump, child.watcher):
+            if task is not None:
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(task, 2.0)
+        if process.returncode not in (0, -signal.SIGTERM):
+            log.warning("%s exited with %s (log %s)", child.name, process.returncode, child.log_path)
+
+
+def _append(path: Path, line: bytes) -> None:
+    with open(path, "ab") as sink:
+        sink.write(line)
