@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -24,6 +25,7 @@ from services.proxy.app import start
 from services.proxy.config import ProxyConfig, default_nats_url, default_proxy_id, parse_size
 
 LISTEN_PREFIX = "proxy listening on "
+GC_GEN0_THRESHOLD = 10_000  # CPython's 700 runs a young collection every few requests
 
 
 def _size(text: str) -> int:
@@ -82,12 +84,25 @@ async def serve(config: ProxyConfig) -> None:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     proxy = await start(config)
+    tune_gc()
     print(f"{LISTEN_PREFIX}{proxy.url}", flush=True)
     try:
         await stop.wait()
     finally:
         logging.getLogger("laswrr.proxy").info("signal received: stopping gracefully")
         await proxy.stop()
+
+
+def tune_gc() -> None:
+    """Fewer cyclic-GC passes on the request path (they cost ~5 % of the proxy's CPU at 700).
+
+    Everything alive after start-up (modules, the app) is frozen out of the collector's scans;
+    requests free their objects by reference counting, so young collections can be rarer.
+    """
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
 def run_proxy(args: argparse.Namespace) -> int:

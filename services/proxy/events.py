@@ -126,13 +126,14 @@ class EventPublisher:
         self._idle.set()
         self._heartbeats = 0
         self._last_drop_log = 0.0
+        self._subjects: dict[str, tuple[str, str]] = {}  # node -> (started, finished) subjects
 
     # -- producers (synchronous, never block) ------------------------------------------------
 
     def started(self, request_id: str, node: str, pool: str, snapshot_seq: int) -> None:
         event = ev.RequestStarted(request_id=request_id, proxy=self.proxy_id, pool=pool,
                                   snapshot_seq=snapshot_seq, ts_ns=time.time_ns())
-        self._put(sj.req_started(node), encode(event), f"{self.proxy_id}:{request_id}:started")
+        self._put(self._subjects_of(node)[0], encode(event), f"{self.proxy_id}:{request_id}:started")
 
     def finished(self, request_id: str, node: str, pool: str, attempt: Attempt) -> None:
         event = ev.RequestFinished(
@@ -140,7 +141,15 @@ class EventPublisher:
             ttft_ms=attempt.ttft_ms, duration_ms=attempt.duration_ms, prompt_tokens=attempt.prompt_tokens,
             completion_tokens=attempt.completion_tokens, status=attempt.status, error=attempt.error,
             ts_ns=time.time_ns())
-        self._put(sj.req_finished(node), encode(event), f"{self.proxy_id}:{request_id}:finished")
+        self._put(self._subjects_of(node)[1], encode(event), f"{self.proxy_id}:{request_id}:finished")
+
+    def _subjects_of(self, node: str) -> tuple[str, str]:
+        subjects = self._subjects.get(node)
+        if subjects is None:
+            if len(self._subjects) > 10_000:
+                self._subjects.clear()
+            subjects = self._subjects[node] = (sj.req_started(node), sj.req_finished(node))
+        return subjects
 
     def heartbeat(self, inflight: int) -> None:
         self._heartbeats += 1

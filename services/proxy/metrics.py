@@ -6,15 +6,22 @@ by ``refresh`` when /metrics is scraped, so the request path never computes them
 Latency histograms: ``ttft`` (arrival at the proxy -> first byte sent to the client),
 ``duration`` (arrival -> last byte), ``overhead`` (time the proxy itself adds: arrival -> upstream
 request sent, plus upstream first byte received -> first byte written to the client).
+
+The per-request series (requests, in-flight, the three histograms) are plain ints and lists
+updated in the request path (no label lookup, no lock: the proxy is one event loop) and turned
+into metric families by ``_RequestCollector`` only when /metrics is scraped.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from services.proxy.events import EventPublisher
 from services.proxy.routing import Router
@@ -24,23 +31,71 @@ OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+class Buckets:
+    """One histogram series: counts per bucket (not cumulative), sum and count."""
+
+    __slots__ = ("bounds", "counts", "total", "count")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # le: the first bound >= value
+        self.total += value
+        self.count += 1
+
+    def exposition(self) -> list[tuple[str, float]]:
+        cumulative, out = 0, []
+        for bound, n in zip([*map(str, self.bounds), "+Inf"], self.counts):
+            cumulative += n
+            out.append((bound, float(cumulative)))
+        return out
+
+
+class _RequestCollector(Collector):
+    def __init__(self, metrics: "ProxyMetrics") -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        requests = CounterMetricFamily("laswrr_proxy_requests", "Attempts by pool, node and outcome",
+                                       labels=["pool", "node", "outcome"])
+        for key, n in sorted(m.requests.items()):
+            requests.add_metric(list(key), n)
+        inflight = GaugeMetricFamily("laswrr_proxy_inflight", "This proxy's live in-flight requests per node",
+                                     labels=["node"])
+        for node, n in sorted(m.inflight.items()):
+            inflight.add_metric([node], n)
+        yield requests
+        yield inflight
+        for name, doc, series in (("laswrr_proxy_ttft_seconds", "Arrival to first byte sent to the client", m.ttft),
+                                  ("laswrr_proxy_duration_seconds", "Arrival to last byte sent to the client",
+                                   m.duration)):
+            family = HistogramMetricFamily(name, doc, labels=["pool"])
+            for pool, buckets in sorted(series.items()):
+                family.add_metric([pool], buckets.exposition(), buckets.total)
+            yield family
+        overhead = HistogramMetricFamily("laswrr_proxy_overhead_seconds", "Time added by the proxy itself")
+        overhead.add_metric([], m.overhead.exposition(), m.overhead.total)
+        yield overhead
+
+
 class ProxyMetrics:
     def __init__(self, proxy_id: str) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("laswrr_proxy_requests", "Attempts by pool, node and outcome",
-                                ["pool", "node", "outcome"], registry=registry)
+        self.requests: dict[tuple[str, str, str], int] = {}
+        self.inflight: dict[str, int] = {}
+        self.ttft: dict[str, Buckets] = {}
+        self.duration: dict[str, Buckets] = {}
+        self.overhead = Buckets(OVERHEAD_BUCKETS)
+        registry.register(_RequestCollector(self))
         self.rejected = Counter("laswrr_proxy_rejected", "Requests answered by the proxy itself, by reason",
                                 ["reason"], registry=registry)
         self.retries = Counter("laswrr_proxy_retries", "Retries on another node before the first byte",
                                ["pool"], registry=registry)
-        self.inflight = Gauge("laswrr_proxy_inflight", "This proxy's live in-flight requests per node",
-                              ["node"], registry=registry)
-        self.ttft = Histogram("laswrr_proxy_ttft_seconds", "Arrival to first byte sent to the client",
-                              ["pool"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.duration = Histogram("laswrr_proxy_duration_seconds", "Arrival to last byte sent to the client",
-                                  ["pool"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.overhead = Histogram("laswrr_proxy_overhead_seconds", "Time added by the proxy itself",
-                                  buckets=OVERHEAD_BUCKETS, registry=registry)
         self.snapshot_age = Gauge("laswrr_proxy_snapshot_age_seconds",
                                   "Age of the snapshot in force (now - its event time)", ["pool"], registry=registry)
         self.snapshot_seq = Gauge("laswrr_proxy_snapshot_seq", "as_of_seq of the snapshot in force",
@@ -54,34 +109,31 @@ class ProxyMetrics:
                                       registry=registry)
         info = Gauge("laswrr_proxy_info", "This replica", ["proxy"], registry=registry)
         info.labels(proxy=proxy_id).set(1)
-        self._inflight: dict[str, Any] = {}
-        self._requests: dict[tuple[str, str, str], Any] = {}
-        self._ttft: dict[str, Any] = {}
-        self._duration: dict[str, Any] = {}
 
-    # Label lookups cost microseconds each; the request path uses these cached children.
+    # The request path: plain dict and list updates.
 
-    def inflight_of(self, node: str) -> Any:
-        child = self._inflight.get(node)
-        if child is None:
-            child = self._inflight[node] = self.inflight.labels(node=node)
-        return child
+    def started(self, node: str) -> None:
+        self.inflight[node] = self.inflight.get(node, 0) + 1
+
+    def ended(self, node: str) -> None:
+        self.inflight[node] -= 1
 
     def count_request(self, pool: str, node: str, outcome: str) -> None:
         key = (pool, node, outcome)
-        child = self._requests.get(key)
-        if child is None:
-            child = self._requests[key] = self.requests.labels(pool=pool, node=node, outcome=outcome)
-        child.inc()
+        self.requests[key] = self.requests.get(key, 0) + 1
 
     def observe_latency(self, pool: str, ttft_s: float | None, duration_s: float, overhead_s: float | None) -> None:
         if ttft_s is not None:
-            child = self._ttft.get(pool) or self._ttft.setdefault(pool, self.ttft.labels(pool=pool))
-            child.observe(ttft_s)
+            series = self.ttft.get(pool)
+            if series is None:
+                series = self.ttft[pool] = Buckets(LATENCY_BUCKETS)
+            series.observe(ttft_s)
         if overhead_s is not None:
             self.overhead.observe(overhead_s)
-        child = self._duration.get(pool) or self._duration.setdefault(pool, self.duration.labels(pool=pool))
-        child.observe(duration_s)
+        series = self.duration.get(pool)
+        if series is None:
+            series = self.duration[pool] = Buckets(LATENCY_BUCKETS)
+        series.observe(duration_s)
 
     def refresh(self, router: Router, publisher: EventPublisher, nats_connected: bool) -> None:
         now_ns = time.time_ns()

@@ -204,7 +204,7 @@ class Forwarder:
     async def _attempt_with_events(self, request: web.Request, ex: Exchange, admission: Admission,
                                    rid: str) -> Done | Failed:
         self.events.started(rid, admission.node, admission.pool, admission.snapshot_seq)
-        self.metrics.inflight_of(admission.node).inc()
+        self.metrics.started(admission.node)
         state = AttemptState(started=time.perf_counter())
         try:
             result = await self._attempt(request, ex, admission, state)
@@ -217,7 +217,7 @@ class Forwarder:
             raise
         finally:
             self.router.release(admission)
-            self.metrics.inflight_of(admission.node).dec()
+            self.metrics.ended(admission.node)
         if isinstance(result, Done):
             self._finish(rid, admission, result.attempt)
             self._observe(ex, state)
