@@ -2,9 +2,10 @@
 per line, for inputs and outputs alike. ``data`` is the payload as JSON; a payload that was not
 valid JSON when recorded is carried as a JSON string of its raw text.
 
-``read_events`` yields envelopes, or a ``LineError`` for a line that cannot become one (it is
-reported with its line number and becomes a rejection; reading goes on). ``replay_lines`` runs
-the lines through a fresh core and yields output lines, byte-identical for identical input.
+``input_line`` / ``output_line`` write the form. ``read_events`` yields envelopes, or a
+``LineError`` for a line that cannot become one (it is reported with its line number and
+becomes a rejection; reading goes on). ``replay_lines`` runs the lines through a fresh core and
+yields output lines, byte-identical for identical input.
 """
 
 from __future__ import annotations
@@ -60,6 +61,16 @@ def read_events(lines: Iterable[bytes]) -> Iterator[Envelope | LineError]:
             continue
         last_seq = entry.seq
         yield Envelope(entry.seq, entry.ts_ns, entry.subject, payload_bytes(bytes(entry.data)))
+
+
+def input_line(seq: int, ts_ns: int, subject: str, payload: str) -> bytes:
+    """One recorded input (payload text as stored) as a log line; ``payload_bytes`` reads it back."""
+    try:
+        msgspec.json.decode(payload)
+        data = payload.encode()
+    except msgspec.DecodeError:
+        data = encode(payload)  # not JSON: carried as a JSON string of its text
+    return encode(LogLine(seq, ts_ns, subject, msgspec.Raw(data))) + b"\n"
 
 
 def output_line(output: Output, ts_ns: int) -> bytes:

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from replay import store
+from replay.portable import input_line
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler, apply_guarded
 from schemas import subjects as sj
@@ -101,17 +102,8 @@ class LogBuilder:
 
     def jsonl(self) -> bytes:
         """The inputs in the portable form (``laswrr replay --events``)."""
-        lines = []
-        for seq, ts_ns, subject, data in zip(self.inputs.seq, self.inputs.ts_ns, self.inputs.subject,
-                                             self.inputs.data):
-            try:
-                msgspec.json.decode(data)
-                body = data.encode()
-            except msgspec.DecodeError:
-                body = msgspec.json.encode(data)
-            lines.append(b'{"seq":%d,"ts_ns":%d,"subject":%s,"data":%s}\n'
-                         % (seq, ts_ns, msgspec.json.encode(subject), body))
-        return b"".join(lines)
+        columns = (self.inputs.seq, self.inputs.ts_ns, self.inputs.subject, self.inputs.data)
+        return b"".join(input_line(*row) for row in zip(*columns))
 
 
 def workload(requests: int = 10_000, nodes: int = 4, capacity: int = 8, per_tick: int = 100,

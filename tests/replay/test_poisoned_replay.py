@@ -20,7 +20,7 @@ import msgspec
 import pytest
 
 from replay import store
-from replay.portable import LogLine, replay_lines
+from replay.portable import LogLine, input_line, replay_lines
 from replay.replay import replay_db
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
@@ -86,8 +86,7 @@ async def record_live_run(nats_url: str, data_dir: Path) -> tuple[int, int]:
 
 def portable_inputs(con: Any) -> list[bytes]:
     rows = con.execute("SELECT seq, ts_ns, subject, data FROM events WHERE stream = 'LB_EVENTS' ORDER BY seq")
-    return [b'{"seq":%d,"ts_ns":%d,"subject":%s,"data":%s}\n' % (seq, ts, msgspec.json.encode(subject), data.encode())
-            for seq, ts, subject, data in rows.fetchall()]
+    return [input_line(*row) for row in rows.fetchall()]
 
 
 async def test_a_core_exception_in_a_live_run_is_reproduced_by_every_replay(
