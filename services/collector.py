@@ -28,23 +28,12 @@ from typing import Any
 import nats.errors
 from aiohttp import web
 from nats.aio.client import Client
-from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 
 from collectors.nodes import CollectorNode, NodesConfigError, load_nodes
 from collectors.poller import Collector, RateLimitedLog, Settings, Stats, npu_hosts
-from schemas import subjects as sj
-from services.natsbus import connect, ensure_streams
+from services.natsbus import connect, ensure_streams_exist
 
 log = logging.getLogger("laswrr.collector")
-
-async def ensure_events_stream(js: JetStreamContext) -> None:
-    """Create the streams with defaults if LB_EVENTS is missing; never reconfigure them."""
-    try:
-        await js.stream_info(sj.EVENTS_STREAM)
-    except NotFoundError:
-        await ensure_streams(js)
-
 
 async def _connect(nats_url: str, timeout_s: float, stop: asyncio.Event) -> Client:
     """Connect (reconnecting forever later on); give up on a server never reached at start."""
@@ -110,7 +99,7 @@ async def serve(nats_url: str, nodes: list[CollectorNode], settings: Settings,
     runner = None
     collector = Collector(nodes, nc.jetstream(), settings)
     try:
-        await ensure_events_stream(collector.js)
+        await ensure_streams_exist(collector.js)
         if settings.metrics_port is not None:
             runner = await _metrics_site(collector.stats, settings.metrics_port)
         log.info("collecting %d node(s) every %.0f ms, %d npu-smi command(s), publishing to %s",

@@ -65,6 +65,18 @@ async def ensure_streams(js: JetStreamContext, limits: StreamLimits | None = Non
             await js.create_key_value(KeyValueConfig(bucket=sj.WEIGHTS_BUCKET, history=1, storage=limits.storage))
 
 
+async def ensure_streams_exist(js: JetStreamContext) -> None:
+    """For services that only read or write the log (collector, recorder): create the streams
+    with defaults when one is missing, but never change the limits an operator or the scheduler
+    configured on existing ones."""
+    for name in (sj.EVENTS_STREAM, sj.OUT_STREAM):
+        try:
+            await js.stream_info(name)
+        except NotFoundError:
+            await ensure_streams(js)
+            return
+
+
 async def connect(url: str, name: str, **options: object) -> Client:
     """Connect with reconnects forever (services must outlive a NATS restart)."""
     defaults: dict[str, object] = dict(name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,

@@ -47,13 +47,12 @@ from typing import Any
 import duckdb
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.errors import NotFoundError
 
 from replay import store
 from schemas import subjects as sj
 from services import settings
 from services.jsreader import PullReader, ack_all_consumer, get_envelope, parse_ack_subject
-from services.natsbus import connect, ensure_streams
+from services.natsbus import connect, ensure_streams_exist
 
 log = logging.getLogger("laswrr.recorder")
 
@@ -109,7 +108,7 @@ class Recorder:
     async def run(self, stop: asyncio.Event) -> None:
         self.con = await asyncio.to_thread(store.open_writer, self.options.db_path)
         try:
-            await self._ensure_streams()
+            await ensure_streams_exist(self.js)
             for stream in self.stats:
                 first = (await self.js.stream_info(stream)).state.first_seq
                 recorded = await self._db(store.max_seq, self.con, stream)
@@ -133,15 +132,6 @@ class Recorder:
             await asyncio.to_thread(self.con.close)
             self.con = None
             log.info("stopped: %s", ", ".join(f"{s} {st.recorded} rows" for s, st in self.stats.items()))
-
-    async def _ensure_streams(self) -> None:
-        """Create missing streams with defaults; never change the limits of existing ones."""
-        for stream in self.stats:
-            try:
-                await self.js.stream_info(stream)
-            except NotFoundError:
-                await ensure_streams(self.js)
-                return
 
     async def _db(self, fn: Any, *args: Any) -> Any:
         async with self._db_lock:
