@@ -4,7 +4,6 @@ graceful stop, malformed payloads, hole repair, and live reads while it holds th
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
