@@ -34,19 +34,19 @@ import asyncio
 import json
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
-from aiohttp import web
 from multidict import CIMultiDict
 
 from services.proxy.events import RETRIED_PREFIX, Attempt, EventPublisher
 from services.proxy.metrics import ProxyMetrics
 from services.proxy.routing import Admission, Router
+from services.proxy.server import Responder
 from services.proxy.upstream_http import UpstreamError, UpstreamPool, request_head
 
 NODE_HEADER = "x-laswrr-node"
@@ -67,13 +67,25 @@ def error_body(message: str, err_type: str, code: str | int | None) -> dict[str,
     return {"error": {"message": message, "type": err_type, "code": code, "param": None}}
 
 
+_JSON = msgspec.json.Encoder()
+JSON_TYPE = ("Content-Type", "application/json; charset=utf-8")
+
+
+@dataclass(slots=True)
+class Reply:
+    """A whole answer not sent yet (the proxy's own error, or an engine's 5xx held for a retry)."""
+
+    status: int
+    body: bytes
+    headers: list[tuple[str, str]]
+
+    def send(self, responder: Responder) -> None:
+        responder.send(self.status, self.body, self.headers)
+
+
 def error_response(status: int, message: str, err_type: str, code: str | int | None,
-                   headers: Mapping[str, str] | None = None) -> web.Response:
-    return web.json_response(error_body(message, err_type, code), status=status, headers=headers)
-
-
-class ClientGone(Exception):
-    """Writing to the client failed: it went away."""
+                   headers: Iterable[tuple[str, str]] = ()) -> Reply:
+    return Reply(status, _JSON.encode(error_body(message, err_type, code)), [JSON_TYPE, *headers])
 
 
 @dataclass(slots=True)
@@ -98,7 +110,7 @@ class AttemptState:
     sent: float | None = None  # upstream request issued
     first_byte: float | None = None  # first byte written to the client
     overhead: float = 0.0
-    sse: web.StreamResponse | None = None  # the client's SSE response, once prepared
+    sse: Responder | None = None  # the client's SSE answer, once started
 
 
 @dataclass(slots=True)
@@ -107,9 +119,9 @@ class Failed:
 
     reason: str
     status: int | None = None
-    response: web.Response | None = None  # the engine's 5xx, passed through if no retry is left
+    response: Reply | None = None  # the engine's 5xx, passed through if no retry is left
 
-    def to_response(self, node: str) -> web.Response:
+    def to_response(self, node: str) -> Reply:
         if self.response is not None:
             return self.response
         if self.reason.startswith("timeout"):
@@ -119,7 +131,6 @@ class Failed:
 
 @dataclass(slots=True)
 class Done:
-    response: web.StreamResponse
     attempt: Attempt
 
 
@@ -182,32 +193,35 @@ class Forwarder:
         self.timeout = timeout
         self.aborting = aborting
 
-    async def forward(self, request: web.Request, ex: Exchange, admission: Admission) -> web.StreamResponse:
+    async def forward(self, responder: Responder, ex: Exchange, admission: Admission) -> None:
         """Run attempts until one answers or retries run out; ``admission`` is the first node."""
         attempt_no = 0
         while True:
             rid = ex.request_id if attempt_no == 0 else f"{ex.request_id}.{attempt_no}"
             ex.tried.append(admission.node)
-            result = await self._attempt_with_events(request, ex, admission, rid)
+            result = await self._attempt_with_events(responder, ex, admission, rid)
             if isinstance(result, Done):
-                return result.response
+                return
             nxt = self.router.admit(ex.pool, ex.tried) if attempt_no < self.max_retries else None
             prefix = RETRIED_PREFIX if nxt is not None else ""
             self._finish(rid, admission, Attempt(outcome="upstream_error", status=result.status,
                                                  duration_ms=_ms(time.perf_counter() - ex.arrived),
                                                  error=prefix + result.reason))
             if nxt is None:
-                return self._tag(result.to_response(admission.node), admission, ex)
+                reply = result.to_response(admission.node)
+                reply.headers.extend(self._tags(admission, ex))
+                reply.send(responder)  # ConnectionResetError: the client is gone, nothing to tell
+                return
             self.metrics.retries.labels(pool=ex.pool).inc()
             admission, attempt_no = nxt, attempt_no + 1
 
-    async def _attempt_with_events(self, request: web.Request, ex: Exchange, admission: Admission,
+    async def _attempt_with_events(self, responder: Responder, ex: Exchange, admission: Admission,
                                    rid: str) -> Done | Failed:
         self.events.started(rid, admission.node, admission.pool, admission.snapshot_seq)
         self.metrics.started(admission.node)
         state = AttemptState(started=time.perf_counter())
         try:
-            result = await self._attempt(request, ex, admission, state)
+            result = await self._attempt(responder, ex, admission, state)
         except asyncio.CancelledError:
             aborted = self.aborting()
             outcome = "router_aborted" if aborted else "client_cancelled"
@@ -240,10 +254,8 @@ class Forwarder:
                        prompt_tokens=usage[0], completion_tokens=usage[1], error=error)
 
     @staticmethod
-    def _tag(response: web.StreamResponse, admission: Admission, ex: Exchange) -> web.StreamResponse:
-        response.headers[NODE_HEADER] = admission.node
-        response.headers[REQUEST_ID_HEADER] = ex.request_id
-        return response
+    def _tags(admission: Admission, ex: Exchange) -> tuple[tuple[str, str], tuple[str, str]]:
+        return (NODE_HEADER, admission.node), (REQUEST_ID_HEADER, ex.request_id)
 
     # -- one attempt ----------------------------------------------------------------------------
 
@@ -277,7 +289,7 @@ class Forwarder:
                             b"", len(ex.body))
         return await self.pool.request(target.host, target.port, head, ex.body)
 
-    async def _attempt(self, request: web.Request, ex: Exchange, admission: Admission,
+    async def _attempt(self, responder: Responder, ex: Exchange, admission: Admission,
                        state: AttemptState) -> Done | Failed:
         state.sent = time.perf_counter()
         state.overhead = state.sent - ex.arrived
@@ -289,8 +301,8 @@ class Forwarder:
             if up.status >= 500:
                 return await self._failed_status(up, admission, ex)
             if up.content_type == "text/event-stream":
-                return await self._stream(request, ex, admission, state, up)
-            return await self._buffered(request, ex, admission, state, up)
+                return await self._stream(responder, ex, admission, state, up)
+            return await self._buffered(responder, ex, admission, state, up)
         finally:
             up.close()  # no-op after a full read; on cancel or error it aborts the engine's work
 
@@ -299,59 +311,57 @@ class Forwarder:
             body = await up.read()
         except UPSTREAM_ERRORS:
             body = b""
-        response = web.Response(status=up.status, body=body, headers=pass_headers(up.headers))
-        self._tag(response, admission, ex)
-        return Failed(reason=f"HTTP {up.status}", status=up.status, response=response)
+        reply = Reply(up.status, body, pass_headers(up.headers))
+        return Failed(reason=f"HTTP {up.status}", status=up.status, response=reply)
 
-    async def _buffered(self, request: web.Request, ex: Exchange, admission: Admission, state: AttemptState,
+    async def _buffered(self, responder: Responder, ex: Exchange, admission: Admission, state: AttemptState,
                         up: Body) -> Done | Failed:
         try:
             body = await up.read()
         except UPSTREAM_ERRORS as exc:
             return Failed(reason=describe(exc), status=up.status)
         received = time.perf_counter()
-        response = web.Response(status=up.status, body=body, headers=pass_headers(up.headers))
-        self._tag(response, admission, ex)
+        headers = pass_headers(up.headers)
+        headers.extend(self._tags(admission, ex))
         try:
-            await response.prepare(request)
-            state.first_byte = time.perf_counter()
-            state.overhead += state.first_byte - received
-            await response.write_eof()
-        except (ConnectionResetError, RuntimeError) as exc:  # RuntimeError: transport already closed
-            return Done(response, self._record(ex, state, "client_cancelled", up.status, error=describe(exc)))
+            responder.send(up.status, body, headers)
+        except ConnectionResetError as exc:
+            return Done(self._record(ex, state, "client_cancelled", up.status, error=describe(exc)))
+        state.first_byte = time.perf_counter()
+        state.overhead += state.first_byte - received
         usage = usage_from_json(body) if up.content_type == "application/json" else (None, None)
-        return Done(response, self._record(ex, state, "completed", up.status, usage))
+        return Done(self._record(ex, state, "completed", up.status, usage))
 
-    async def _stream(self, request: web.Request, ex: Exchange, admission: Admission, state: AttemptState,
+    async def _stream(self, responder: Responder, ex: Exchange, admission: Admission, state: AttemptState,
                       up: Body) -> Done | Failed:
         try:
             first = await up.readany()
         except UPSTREAM_ERRORS as exc:
             return Failed(reason=describe(exc), status=up.status)
         received = time.perf_counter()
-        response = web.StreamResponse(status=up.status, headers=pass_headers(up.headers))
-        self._tag(response, admission, ex)
+        headers = pass_headers(up.headers)
+        headers.extend(self._tags(admission, ex))
         tail: deque[bytes] = deque(maxlen=_TAIL_CHUNKS)
         try:
-            await response.prepare(request)
-            state.sse = response
+            await responder.start(up.status, headers)
+            state.sse = responder
             if first:
-                await response.write(first)
+                await responder.write(first)
                 tail.append(first)
             state.first_byte = time.perf_counter()
             state.overhead += state.first_byte - received
-            error = await self._pump(up, response, tail)
+            error = await self._pump(up, responder, tail)
             if error is not None:
-                await response.write(sse_error(f"upstream node {admission.node} failed mid-stream: {error}"))
-            await response.write_eof()
-        except (ConnectionResetError, RuntimeError) as exc:
-            return Done(response, self._record(ex, state, "client_cancelled", up.status, error=describe(exc)))
+                await responder.write(sse_error(f"upstream node {admission.node} failed mid-stream: {error}"))
+            await responder.end()
+        except ConnectionResetError as exc:
+            return Done(self._record(ex, state, "client_cancelled", up.status, error=describe(exc)))
         if error is not None:
-            return Done(response, self._record(ex, state, "upstream_error", up.status, error=error))
-        return Done(response, self._record(ex, state, "completed", up.status, usage_from_sse(b"".join(tail))))
+            return Done(self._record(ex, state, "upstream_error", up.status, error=error))
+        return Done(self._record(ex, state, "completed", up.status, usage_from_sse(b"".join(tail))))
 
     @staticmethod
-    async def _pump(up: Body, response: web.StreamResponse, tail: deque[bytes]) -> str | None:
+    async def _pump(up: Body, response: Responder, tail: deque[bytes]) -> str | None:
         """Copy the rest of the stream as it arrives; the upstream error that cut it, if any."""
         readany = up.readany
         while True:
@@ -365,12 +375,13 @@ class Forwarder:
             tail.append(chunk)
 
 
-async def _tell_aborted(response: web.StreamResponse) -> None:
-    """Best effort: end an SSE stream cut by shutdown with an error event, not silently."""
+async def _tell_aborted(response: Responder) -> None:
+    """Best effort: end an SSE stream cut by shutdown with an error event, not silently (never waits)."""
+    data = sse_error("proxy shut down before the stream ended")
     try:
-        await asyncio.wait_for(response.write(sse_error("proxy shut down before the stream ended")), 0.5)
-        await asyncio.wait_for(response.write_eof(), 0.5)
-    except (asyncio.TimeoutError, ConnectionResetError, RuntimeError):
+        response.conn.write(b"%x\r\n%b\r\n" % (len(data), data) if response.chunked else data)
+        await response.end()
+    except ConnectionResetError:
         pass
 
 
