@@ -23,7 +23,8 @@ Theory of operation.
   HTTP/1.0 only with ``Connection: keep-alive``. A client that goes away while its handler runs
   gets that handler cancelled (the forwarder then aborts the engine's work). ``shutdown`` stops
   accepting, closes idle connections and marks busy ones to close after their answer
-  (``Connection: close``); ``abort`` drops whatever is left.
+  (``Connection: close``); ``abort`` drops whatever is left. A client that half-closes (EOF) is
+  treated as gone, as aiohttp does.
 """
 
 from __future__ import annotations
@@ -189,7 +190,6 @@ class HttpConnection(asyncio.Protocol):
         self._chunked = False
         self._chunk_state = 0  # 0 size line, 1 data, 2 CRLF after data, 3 trailer
         self._reading_paused = False
-        self._eof = False
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -216,8 +216,7 @@ class HttpConnection(asyncio.Protocol):
             drain.set_exception(ConnectionResetError("client disconnected"))
 
     def eof_received(self) -> bool:
-        self._eof = True
-        return self.task is not None  # a half-closed client still gets its answer; an idle one is closed
+        return False  # as aiohttp: a client that stops sending is gone (its running request is cancelled)
 
     def pause_writing(self) -> None:
         self.paused = True
@@ -270,7 +269,7 @@ class HttpConnection(asyncio.Protocol):
             while self.task is None and not self.closed and self._buf:
                 if self._req is None:
                     end = self._buf.find(_CRLF2)
-                    if end < 0:
+                    if end < 0 or end > MAX_HEAD_BYTES:
                         if len(self._buf) > MAX_HEAD_BYTES:
                             raise BadRequest(431, "request head too large")
                         return
@@ -446,8 +445,6 @@ class HttpConnection(asyncio.Protocol):
             self.transport.resume_reading()
         if self._buf:
             self._parse()
-        if self._eof and self.task is None:
-            self.close()
 
     def _too_large(self, request: HttpRequest) -> None:
         self._req = None
