@@ -21,7 +21,11 @@ machine may be shared; the best round is kept), each after the stack went idle.
 
 CPU per request: the utime+stime each process spent during the throughput run (for ``laswrr``
 until the scheduler and recorder caught up) divided by the requests served. Unlike requests/s,
-this does not depend on what else runs on the machine, and shows where the time goes.
+this does not depend on what else runs on the machine, and shows where the time goes. When the
+machine's cores are the bottleneck (as on a 2-core box), requests/s of a target tends to
+cores / its total CPU per request, so ``cpu_bound_ratio_vs_vllm_router`` (vllm-router's total
+CPU per request over ours, engines included in both, the load generator in neither) is the
+ratio the measured one approaches on a busy machine.
 
 The load generator is ``wrk`` (C, one thread) when installed (``apt-get install wrk``), else a
 lean asyncio client in its own process (``python -m bench.proxy_bench load``). The engine is a
@@ -478,6 +482,11 @@ def summarize(results: list[Result]) -> dict[str, Any]:
             report["rps_ratio_vs_vllm_router_sse"] = round(ours.rps_stream / peer.rps_stream, 3)
             report["rps_ratio_proxy_only_vs_vllm_router"] = round(by["laswrr-proxy-only"].rps / peer.rps, 3)
             report["goal_rps_ge_0.6x_vllm_router"] = ours.rps / peer.rps >= 0.6
+            ours_cpu, peer_cpu = sum(ours.cpu_us_per_request.values()), sum(peer.cpu_us_per_request.values())
+            report["cpu_us_per_request_laswrr"] = round(ours_cpu, 1)
+            report["cpu_us_per_request_vllm_router"] = round(peer_cpu, 1)
+            if ours_cpu > 0:
+                report["cpu_bound_ratio_vs_vllm_router"] = round(peer_cpu / ours_cpu, 3)
     for key, value in report.items():
         print(f"  {key}: {value}")
     return report

@@ -91,7 +91,7 @@ async def completions(state: ProxyState, request: HttpRequest, responder: Respon
         return
     state.active += 1
     state.idle.clear()
-    task = asyncio.current_task()
+    task = responder.conn.task  # the task running this request (cancelled at the end of the grace period)
     if task is not None:
         state.handlers.add(task)
     try:

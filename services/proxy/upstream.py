@@ -418,23 +418,31 @@ def sse_error(message: str) -> bytes:
     return b"data: " + json.dumps(error_body(message, SSE_ERROR_TYPE, 502)).encode() + b"\n\n"
 
 
+class _UsageHolder(msgspec.Struct):
+    """Only ``usage`` of an answer is kept (as raw JSON); msgspec skips the rest without building it."""
+
+    usage: msgspec.Raw = msgspec.Raw(b"null")
+
+
+_HOLDER = msgspec.json.Decoder(_UsageHolder)
 _USAGE = msgspec.json.Decoder()
 
 
-def _usage_of(obj: Any) -> tuple[int | None, int | None] | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("usage"), dict):
+def _usage_in(payload: bytes) -> tuple[int | None, int | None] | None:
+    """(prompt, completion) tokens from a JSON object's ``usage``; None when it has none."""
+    try:
+        usage = _USAGE.decode(_HOLDER.decode(payload).usage)
+    except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    usage = obj["usage"]
+    if not isinstance(usage, dict):
+        return None
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
     return (prompt if isinstance(prompt, int) and prompt >= 0 else None,
             completion if isinstance(completion, int) and completion >= 0 else None)
 
 
 def usage_from_json(body: bytes) -> tuple[int | None, int | None]:
-    try:
-        return _usage_of(_USAGE.decode(body)) or (None, None)
-    except msgspec.DecodeError:
-        return None, None
+    return _usage_in(body) or (None, None)
 
 
 def usage_from_sse(tail: bytes) -> tuple[int | None, int | None]:
@@ -448,10 +456,7 @@ def usage_from_sse(tail: bytes) -> tuple[int | None, int | None]:
         if not payload.startswith(b"{"):
             continue
         seen += 1
-        try:
-            found = _usage_of(_USAGE.decode(payload))
-        except msgspec.DecodeError:
-            found = None
+        found = _usage_in(payload)
         if found is not None or seen >= 3:
             return found or (None, None)
     return None, None
