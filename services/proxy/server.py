@@ -44,6 +44,7 @@ log = logging.getLogger("laswrr.proxy.server")
 
 MAX_HEAD_BYTES = 64 * 1024
 MAX_PIPELINED_BYTES = 256 * 1024
+_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"expect"})
 _CRLF2 = b"\r\n\r\n"
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 _JSON = msgspec.json.Encoder()
@@ -88,7 +89,7 @@ class HttpRequest:
         return None if value is None else value.decode("latin-1")
 
 
-Headers = Iterable[tuple[str, str]]
+Headers = Iterable[tuple[str | bytes, str | bytes]]
 
 
 def _date() -> str:
@@ -101,12 +102,27 @@ def _date() -> str:
 _date.cache = (0, "")  # type: ignore[attr-defined]
 
 
+_STATUS_LINES: dict[int, bytes] = {}
+
+
+def _status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        line = _STATUS_LINES[status] = f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n".encode("latin-1")
+    return line
+
+
 def _head(status: int, headers: Headers, framing: bytes, close: bool) -> bytes:
-    parts = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"]
+    """Status line, ``headers`` (str or bytes pairs, passed through as they are), framing, end of head."""
+    parts = [_status_line(status)]
     for name, value in headers:
-        parts.append(f"{name}: {value}\r\n")
-    head = "".join(parts).encode("latin-1")
-    return head + framing + (b"Connection: close\r\n\r\n" if close else b"\r\n")
+        parts.append(name if type(name) is bytes else name.encode("latin-1"))  # type: ignore[union-attr]
+        parts.append(b": ")
+        parts.append(value if type(value) is bytes else value.encode("latin-1"))  # type: ignore[union-attr]
+        parts.append(b"\r\n")
+    parts.append(framing)
+    parts.append(b"Connection: close\r\n\r\n" if close else b"\r\n")
+    return b"".join(parts)
 
 
 class Responder:
@@ -290,43 +306,40 @@ class HttpConnection(asyncio.Protocol):
 
     def _start_request(self, head: bytes) -> None:
         arrived = time.perf_counter()
-        try:
-            text = head.decode("latin-1")
-        except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes anything
-            raise BadRequest(400, "undecodable request head") from None
-        lines = text.split("\r\n")
-        parts = lines[0].split(" ")
-        if len(parts) != 3 or not parts[0].isalpha() or parts[2] not in ("HTTP/1.1", "HTTP/1.0") or not parts[1]:
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ")
+        if len(parts) != 3 or not parts[0].isalpha() or parts[2] not in (b"HTTP/1.1", b"HTTP/1.0") or not parts[1]:
             raise BadRequest(400, f"bad request line {lines[0][:100]!r}")
-        method, target, version = parts
+        method, target, version = (part.decode("latin-1") for part in parts)
         raw: list[tuple[bytes, bytes]] = []
         length: int | None = None
         chunked = False
         keep_alive = version == "HTTP/1.1"
         expect_continue = False
         for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep or not name or name != name.strip() or " " in name:
+            name, sep, value = line.partition(b":")
+            if not sep or not name or name != name.strip() or b" " in name:
                 raise BadRequest(400, f"bad header line {line[:100]!r}")
             value = value.strip()
+            raw.append((name, value))
             lower = name.lower()
-            if lower == "content-length":
-                if not value.isdigit() or (length is not None and length != int(value)):
-                    raise BadRequest(400, f"bad Content-Length {value[:40]!r}")
-                length = int(value)
-            elif lower == "transfer-encoding":
-                if value.lower() != "chunked":
-                    raise BadRequest(501, f"transfer coding {value[:40]!r} not supported (only chunked)")
-                chunked = True
-            elif lower == "connection":
-                tokens = value.lower()
-                if "close" in tokens:
-                    keep_alive = False
-                elif "keep-alive" in tokens:
-                    keep_alive = True
-            elif lower == "expect" and value.lower() == "100-continue":
-                expect_continue = True
-            raw.append((name.encode("latin-1"), value.encode("latin-1")))
+            if lower in _FRAMING:
+                if lower == b"content-length":
+                    if not value.isdigit() or (length is not None and length != int(value)):
+                        raise BadRequest(400, f"bad Content-Length {value[:40]!r}")
+                    length = int(value)
+                elif lower == b"transfer-encoding":
+                    if value.lower() != b"chunked":
+                        raise BadRequest(501, f"transfer coding {value[:40]!r} not supported (only chunked)")
+                    chunked = True
+                elif lower == b"connection":
+                    tokens = value.lower()
+                    if b"close" in tokens:
+                        keep_alive = False
+                    elif b"keep-alive" in tokens:
+                        keep_alive = True
+                elif value.lower() == b"100-continue":  # expect
+                    expect_continue = True
         if chunked and length is not None:
             raise BadRequest(400, "both Content-Length and Transfer-Encoding")
         if length is not None and length > self.server.max_body:

@@ -58,6 +58,7 @@ HOP_BY_HOP = frozenset({
 REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}  # the body is already read
 RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 _REQUEST_DROP_BYTES = frozenset(name.encode() for name in REQUEST_DROP)
+_RESPONSE_DROP_BYTES = frozenset(name.encode() for name in RESPONSE_DROP)
 UPSTREAM_ERRORS = (UpstreamError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
 SSE_ERROR_TYPE = "upstream_error"
 _TAIL_CHUNKS = 4
@@ -77,14 +78,14 @@ class Reply:
 
     status: int
     body: bytes
-    headers: list[tuple[str, str]]
+    headers: list[tuple[str | bytes, str | bytes]]
 
     def send(self, responder: Responder) -> None:
         responder.send(self.status, self.body, self.headers)
 
 
 def error_response(status: int, message: str, err_type: str, code: str | int | None,
-                   headers: Iterable[tuple[str, str]] = ()) -> Reply:
+                   headers: Iterable[tuple[str | bytes, str | bytes]] = ()) -> Reply:
     return Reply(status, _JSON.encode(error_body(message, err_type, code)), [JSON_TYPE, *headers])
 
 
@@ -139,7 +140,7 @@ class Body(Protocol):
 
     status: int
     content_type: str
-    headers: list[tuple[str, str]]
+    headers: list[tuple[bytes, bytes]]
 
     async def read(self) -> bytes: ...
 
@@ -157,7 +158,7 @@ class AiohttpAnswer:
         self.up = up
         self.status = up.status
         self.content_type = up.content_type
-        self.headers = list(up.headers.items())
+        self.headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in up.headers.items()]
 
     async def read(self) -> bytes:
         return await self.up.read()
@@ -403,8 +404,9 @@ def forward_headers(raw_headers: Iterable[tuple[bytes, bytes]], request_id: str)
     return out
 
 
-def pass_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
-    return [(k, v) for k, v in headers if k.lower() not in RESPONSE_DROP]
+def pass_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[str | bytes, str | bytes]]:
+    """The engine's headers minus hop-by-hop ones and the length (the proxy frames the answer itself)."""
+    return [(k, v) for k, v in headers if k.lower() not in _RESPONSE_DROP_BYTES]
 
 
 def describe(exc: BaseException) -> str:

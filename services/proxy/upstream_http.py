@@ -40,6 +40,7 @@ LOW_WATER = 64 * 1024
 MAX_HEAD_BYTES = 64 * 1024
 MAX_CHUNK_LINE = 4096
 _NO_BODY_STATUS = frozenset({204, 304})
+_NOTED = frozenset({b"content-length", b"transfer-encoding", b"connection", b"content-type"})
 
 
 class UpstreamError(Exception):
@@ -72,7 +73,7 @@ class UpstreamResponse:
     __slots__ = ("status", "reason", "headers", "content_type", "keep_alive", "_conn", "_chunks", "_buffered",
                  "_complete", "_error", "_waiter", "_closed", "_greedy")
 
-    def __init__(self, conn: "_Connection", status: int, reason: str, headers: list[tuple[str, str]],
+    def __init__(self, conn: "_Connection", status: int, reason: str, headers: list[tuple[bytes, bytes]],
                  content_type: str, keep_alive: bool) -> None:
         self.status = status
         self.reason = reason
@@ -357,41 +358,43 @@ class _Connection(asyncio.Protocol):
         del buf[:pos]
 
     def _on_head(self, head: bytes) -> None:
-        lines = head.decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
             raise UpstreamProtocolError(f"bad status line {lines[0][:80]!r}")
         status = int(parts[1])
         if 100 <= status < 200:
             return  # interim answer (100 Continue, 103 Early Hints): the real one follows
-        headers: list[tuple[str, str]] = []
+        headers: list[tuple[bytes, bytes]] = []
         length: int | None = None
         chunked = False
-        keep_alive = parts[0] == "HTTP/1.1"
+        keep_alive = parts[0] == b"HTTP/1.1"
         content_type = ""
         for line in lines[1:]:
-            name, sep, value = line.partition(":")
+            name, sep, value = line.partition(b":")
             if not sep or not name or name != name.strip():
                 raise UpstreamProtocolError(f"bad header line {line[:80]!r}")
             value = value.strip()
+            headers.append((name, value))
             lower = name.lower()
-            if lower == "content-length":
+            if lower not in _NOTED:
+                continue
+            if lower == b"content-length":
                 if not value.isdigit() or (length is not None and length != int(value)):
                     raise UpstreamProtocolError(f"bad content-length {value[:40]!r}")
                 length = int(value)
-            elif lower == "transfer-encoding":
-                chunked = value.lower().endswith("chunked")
-            elif lower == "connection":
+            elif lower == b"transfer-encoding":
+                chunked = value.lower().endswith(b"chunked")
+            elif lower == b"connection":
                 tokens = value.lower()
-                if "close" in tokens:
+                if b"close" in tokens:
                     keep_alive = False
-                elif "keep-alive" in tokens:
+                elif b"keep-alive" in tokens:
                     keep_alive = True
-            elif lower == "content-type":
-                content_type = value.split(";", 1)[0].strip().lower()
-            headers.append((name, value))
-        response = UpstreamResponse(self, status, parts[2] if len(parts) > 2 else "", headers, content_type,
-                                    keep_alive)
+            else:
+                content_type = value.split(b";", 1)[0].strip().lower().decode("latin-1")
+        reason = parts[2].decode("latin-1") if len(parts) > 2 else ""
+        response = UpstreamResponse(self, status, reason, headers, content_type, keep_alive)
         self.response = response
         if self._head_only or status in _NO_BODY_STATUS:
             self._state = _DONE

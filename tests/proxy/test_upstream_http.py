@@ -114,7 +114,7 @@ async def test_content_length_body_in_pieces_then_keep_alive(server: ScriptedSer
     ])
     response = await ask(pool, server, b'{"model": "m"}')
     assert response.status == 200 and response.content_type == "application/json"
-    assert ("X-Engine", "a") in response.headers
+    assert (b"X-Engine", b"a") in response.headers
     assert await response.read() == b'{"a": 123}'
     response.close()
     second = await ask(pool, server)
