@@ -128,7 +128,7 @@ def _head(status: int, headers: Headers, framing: bytes, close: bool) -> bytes:
 class Responder:
     """Writes the answer to one request, whole (``send``) or streamed (``start``/``write``/``end``)."""
 
-    __slots__ = ("conn", "request", "started", "finished", "chunked", "status")
+    __slots__ = ("conn", "request", "started", "finished", "chunked", "status", "_head")
 
     def __init__(self, conn: "HttpConnection", request: HttpRequest) -> None:
         self.conn = conn
@@ -137,6 +137,7 @@ class Responder:
         self.finished = False
         self.chunked = False
         self.status = 0
+        self._head = b""  # a streamed answer's head, held back to go out with the first piece
 
     @property
     def closing(self) -> bool:
@@ -158,31 +159,50 @@ class Responder:
                   [("Content-Type", "application/json; charset=utf-8"), ("Date", _date()), *headers])
 
     async def start(self, status: int, headers: Headers = ()) -> None:
-        """Send the head of a streamed answer (chunked for HTTP/1.1, close-delimited for 1.0)."""
+        """Begin a streamed answer (chunked for HTTP/1.1, close-delimited for 1.0).
+
+        The head goes out with the first ``write`` (or ``end``): one write instead of two."""
         if self.started:
             raise RuntimeError("response already started")
         self.started = True
         self.status = status
         self.chunked = self.request.version == "HTTP/1.1"
         close = self.closing or not self.chunked
-        self.conn.write(_head(status, headers, b"Transfer-Encoding: chunked\r\n" if self.chunked else b"", close))
+        self._head = _head(status, headers, b"Transfer-Encoding: chunked\r\n" if self.chunked else b"", close)
         if close:
             self.conn.close_after_response = True
 
-    async def write(self, data: bytes) -> None:
-        if not data:
-            return
+    async def write(self, data: bytes, last: bool = False) -> None:
+        """One piece of a streamed answer; ``last`` ends the answer in the same write."""
+        if self.finished:
+            raise RuntimeError("response already finished")
+        self._write(data, last)
         conn = self.conn
-        conn.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
-        if conn.paused:
+        if conn.paused and not last:
             await conn.drain()
 
     async def end(self) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        if self.chunked:
-            self.conn.write(b"0\r\n\r\n")
+        if not self.finished:
+            self._write(b"", True)
+
+    def cut(self, data: bytes) -> None:
+        """Best effort, never waits: ``data`` as the last piece (a stream ended by the proxy)."""
+        if self.started and not self.finished:
+            try:
+                self._write(data, True)
+            except ConnectionResetError:
+                pass
+
+    def _write(self, data: bytes, last: bool) -> None:
+        frame = (b"%x\r\n%b\r\n" % (len(data), data) if data else b"") if self.chunked else data
+        if last:
+            self.finished = True
+            if self.chunked:
+                frame += b"0\r\n\r\n"
+        if self._head:
+            frame, self._head = self._head + frame, b""
+        if frame:
+            self.conn.write(frame)
 
 
 Handler = Callable[[HttpRequest, Responder], Awaitable[None]]

@@ -146,6 +146,9 @@ class Body(Protocol):
 
     async def readany(self) -> bytes: ...
 
+    @property
+    def at_eof(self) -> bool: ...
+
     def close(self) -> None: ...
 
 
@@ -165,6 +168,10 @@ class AiohttpAnswer:
 
     async def readany(self) -> bytes:
         return await self.up.content.readany()
+
+    @property
+    def at_eof(self) -> bool:
+        return self.up.content.at_eof()
 
     def close(self) -> None:
         self.up.close()
@@ -346,12 +353,12 @@ class Forwarder:
         try:
             await responder.start(up.status, headers)
             state.sse = responder
-            if first:
-                await responder.write(first)
-                tail.append(first)
+            whole = up.at_eof  # the engine's whole stream is in hand: one write for all of it
+            await responder.write(first, last=whole)
+            tail.append(first)
             state.first_byte = time.perf_counter()
             state.overhead += state.first_byte - received
-            error = await self._pump(up, responder, tail)
+            error = None if whole else await self._pump(up, responder, tail)
             if error is not None:
                 await responder.write(sse_error(f"upstream node {admission.node} failed mid-stream: {error}"))
             await responder.end()
@@ -378,12 +385,7 @@ class Forwarder:
 
 async def _tell_aborted(response: Responder) -> None:
     """Best effort: end an SSE stream cut by shutdown with an error event, not silently (never waits)."""
-    data = sse_error("proxy shut down before the stream ended")
-    try:
-        response.conn.write(b"%x\r\n%b\r\n" % (len(data), data) if response.chunked else data)
-        await response.end()
-    except ConnectionResetError:
-        pass
+    response.cut(sse_error("proxy shut down before the stream ended"))
 
 
 def _ms(seconds: float) -> float:

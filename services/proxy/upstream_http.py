@@ -128,6 +128,11 @@ class UpstreamResponse:
         self._take(len(data))
         return data
 
+    @property
+    def at_eof(self) -> bool:
+        """The whole body arrived and was read."""
+        return self._complete and not self._chunks
+
     async def read(self) -> bytes:
         """The rest of the body, whole."""
         self._greedy = True  # read() wants it all: no backpressure
