@@ -23,7 +23,9 @@ Theory of operation.
   HTTP/1.0 only with ``Connection: keep-alive``. A client that goes away while its handler runs
   gets that handler cancelled (the forwarder then aborts the engine's work). ``shutdown`` stops
   accepting, closes idle connections and marks busy ones to close after their answer
-  (``Connection: close``); ``abort`` drops whatever is left. A client that half-closes (EOF) is
+  (``Connection: close``); ``abort`` drops whatever is left. A connection with no request
+  running for ``keepalive_s`` (75 s, as aiohttp; idle, or stuck in a head that never ends) is
+  closed. A client that half-closes (EOF) is
   treated as gone, as aiohttp does.
 """
 
@@ -44,6 +46,7 @@ log = logging.getLogger("laswrr.proxy.server")
 
 MAX_HEAD_BYTES = 64 * 1024
 MAX_PIPELINED_BYTES = 256 * 1024
+KEEPALIVE_S = 75.0  # as aiohttp: a connection without a running request is closed after this long
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"expect"})
 _CRLF2 = b"\r\n\r\n"
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
@@ -226,6 +229,7 @@ class HttpConnection(asyncio.Protocol):
         self._chunked = False
         self._chunk_state = 0  # 0 size line, 1 data, 2 CRLF after data, 3 trailer
         self._reading_paused = False
+        self.last_active = 0.0
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -238,6 +242,7 @@ class HttpConnection(asyncio.Protocol):
             except (OSError, AttributeError):
                 pass
         self.server.connections.add(self)
+        self.last_active = self.loop.time()
         if self.server.closing:
             self.close()
 
@@ -462,6 +467,7 @@ class HttpConnection(asyncio.Protocol):
                     pass
         finally:
             self.task = None
+            self.last_active = self.loop.time()
             server.active -= 1
             if server.active == 0:
                 server.idle.set()
@@ -511,8 +517,11 @@ def _error(message: str, err_type: str, code: str) -> dict[str, Any]:
 class HttpServer:
     """Listening socket(s) + the live connections; ``handler`` answers every request."""
 
-    def __init__(self, handler: Handler, too_large: Callable[[Responder], None], max_body: int) -> None:
+    def __init__(self, handler: Handler, too_large: Callable[[Responder], None], max_body: int,
+                 keepalive_s: float = KEEPALIVE_S) -> None:
         self.loop = asyncio.get_running_loop()
+        self.keepalive_s = keepalive_s
+        self._sweeper: asyncio.TimerHandle | None = None
         self.handler = handler
         self.too_large = too_large
         self.max_body = max_body
@@ -526,12 +535,24 @@ class HttpServer:
     async def listen(self, host: str, port: int, reuse_port: bool = False) -> int:
         self.listener = await self.loop.create_server(lambda: HttpConnection(self), host or None, port,
                                                       reuse_port=reuse_port or None, backlog=1024)
+        self._sweeper = self.loop.call_later(self.keepalive_s / 4, self._sweep)
         sockets = self.listener.sockets or ()
         return int(sockets[0].getsockname()[1]) if sockets else port
+
+    def _sweep(self) -> None:
+        """Close connections with no request running for ``keepalive_s`` (idle, or a head that never ended)."""
+        deadline = self.loop.time() - self.keepalive_s
+        for conn in list(self.connections):
+            if conn.task is None and conn.last_active < deadline:
+                conn.close()
+        if not self.closing:
+            self._sweeper = self.loop.call_later(self.keepalive_s / 4, self._sweep)
 
     def shutdown(self) -> None:
         """Stop accepting; close idle connections now and busy ones after their answer."""
         self.closing = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self.listener is not None:
             self.listener.close()
         for conn in list(self.connections):

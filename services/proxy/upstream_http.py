@@ -467,7 +467,9 @@ class UpstreamPool:
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < self.idle_ttl_s:
+            transport = conn.transport
+            if not conn.closed and transport is not None and not transport.is_closing() \
+                    and now - conn.idle_since < self.idle_ttl_s:
                 return conn
             conn.abort()
         return None

@@ -221,3 +221,23 @@ async def test_proxy_unknown_path_and_method(start_proxy: StartProxy, http: aioh
         assert resp.status == 405 and resp.headers["Allow"] == "POST"
     async with http.post(proxy.url + "/healthz", json={}) as resp:
         assert resp.status == 405
+
+
+async def test_connections_without_a_request_are_closed_after_keepalive() -> None:
+    handler = Echo()
+    server = HttpServer(handler, too_large, LIMIT, keepalive_s=0.4)
+    port = await server.listen("127.0.0.1", 0)
+    try:
+        idle_reader, idle_writer = await exchange(port, b"GET /echo HTTP/1.1\r\n\r\n")
+        await read_response(idle_reader)
+        stuck_reader, stuck_writer = await exchange(port, b"GET /echo HTTP/1.1\r\nX-Never: ends")
+        busy_reader, busy_writer = await exchange(port, b"GET /hang HTTP/1.1\r\n\r\n")
+        assert await closed(idle_reader) and await closed(stuck_reader)
+        assert server.active == 1  # a running request is never cut
+        handler.release.set()
+        assert (await read_response(busy_reader))[2] == b"released"
+        for writer in (idle_writer, stuck_writer, busy_writer):
+            writer.close()
+    finally:
+        server.shutdown()
+        server.abort()
