@@ -62,7 +62,7 @@ class BadRequest(Exception):
 class HttpRequest:
     """One whole request: method, target, headers as sent (bytes), body."""
 
-    __slots__ = ("method", "target", "version", "raw_headers", "body", "keep_alive", "arrived", "_lower")
+    __slots__ = ("_lower", "arrived", "body", "keep_alive", "method", "raw_headers", "target", "version")
 
     def __init__(self, method: str, target: str, version: str, raw_headers: list[tuple[bytes, bytes]],
                  keep_alive: bool, arrived: float) -> None:
@@ -131,9 +131,9 @@ def _head(status: int, headers: Headers, framing: bytes, close: bool) -> bytes:
 class Responder:
     """Writes the answer to one request, whole (``send``) or streamed (``start``/``write``/``end``)."""
 
-    __slots__ = ("conn", "request", "started", "finished", "chunked", "status", "_head")
+    __slots__ = ("_head", "chunked", "conn", "finished", "request", "started", "status")
 
-    def __init__(self, conn: "HttpConnection", request: HttpRequest) -> None:
+    def __init__(self, conn: HttpConnection, request: HttpRequest) -> None:
         self.conn = conn
         self.request = request
         self.started = False
@@ -212,7 +212,7 @@ Handler = Callable[[HttpRequest, Responder], Awaitable[None]]
 
 
 class HttpConnection(asyncio.Protocol):
-    def __init__(self, server: "HttpServer") -> None:
+    def __init__(self, server: HttpServer) -> None:
         self.server = server
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None

@@ -155,7 +155,7 @@ class Body(Protocol):
 class AiohttpAnswer:
     """An aiohttp client response behind the ``Body`` interface (non-http:// engines)."""
 
-    __slots__ = ("up", "status", "content_type", "headers")
+    __slots__ = ("content_type", "headers", "status", "up")
 
     def __init__(self, up: aiohttp.ClientResponse) -> None:
         self.up = up

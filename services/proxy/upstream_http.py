@@ -70,10 +70,23 @@ _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _UNTIL_CLOSE, _D
 class UpstreamResponse:
     """One engine answer: status and headers at once, the body as it arrives."""
 
-    __slots__ = ("status", "reason", "headers", "content_type", "keep_alive", "_conn", "_chunks", "_buffered",
-                 "_complete", "_error", "_waiter", "_closed", "_greedy")
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_closed",
+        "_complete",
+        "_conn",
+        "_error",
+        "_greedy",
+        "_waiter",
+        "content_type",
+        "headers",
+        "keep_alive",
+        "reason",
+        "status",
+    )
 
-    def __init__(self, conn: "_Connection", status: int, reason: str, headers: list[tuple[bytes, bytes]],
+    def __init__(self, conn: _Connection, status: int, reason: str, headers: list[tuple[bytes, bytes]],
                  content_type: str, keep_alive: bool) -> None:
         self.status = status
         self.reason = reason
@@ -183,7 +196,7 @@ def _expire(waiter: asyncio.Future[None], seconds: float) -> None:
 class _Connection(asyncio.Protocol):
     """One TCP connection to an engine: writes requests, parses their answers."""
 
-    def __init__(self, pool: "UpstreamPool", key: tuple[str, int]) -> None:
+    def __init__(self, pool: UpstreamPool, key: tuple[str, int]) -> None:
         self.pool = pool
         self.key = key
         self.loop = pool.loop

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-
 from proxy_support import StartProxy
+
 from services.proxy.server import HttpRequest, HttpServer, Responder
 
 LIMIT = 1000
@@ -154,16 +154,22 @@ async def test_body_over_the_limit_is_413_before_reading_it(echo: tuple[Echo, Ht
 
 async def test_keep_alive_rules(echo: tuple[Echo, HttpServer, int]) -> None:
     _, _, port = echo
+    writers = []
     reader, writer = await exchange(port, b"GET /echo HTTP/1.0\r\n\r\n")
+    writers.append(writer)
     status, headers, _ = await read_response(reader)
     assert status == 200 and headers["connection"] == "close" and await closed(reader)
     reader, writer = await exchange(port, b"GET /echo HTTP/1.0\r\nConnection: keep-alive\r\n\r\nGET /echo HTTP/1.1\r\n"
                                           b"Connection: close\r\n\r\n")
+    writers.append(writer)
     first, second = await read_response(reader), await read_response(reader)
     assert "connection" not in first[1] and second[1]["connection"] == "close" and await closed(reader)
     reader, writer = await exchange(port, b"GET /stream HTTP/1.0\r\n\r\n")  # streamed to 1.0: close-delimited
+    writers.append(writer)
     status, headers, body = await read_response(reader)
     assert "transfer-encoding" not in headers and body == b"data: 0 \n\ndata: 1 \n\ndata: 2 \n\n"
+    for writer in writers:
+        writer.close()
 
 
 async def test_streaming_waits_for_a_slow_client(echo: tuple[Echo, HttpServer, int]) -> None:

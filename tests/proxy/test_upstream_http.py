@@ -12,8 +12,16 @@ from dataclasses import dataclass, field
 import pytest
 
 from services.natsbus import free_port
-from services.proxy.upstream_http import (HIGH_WATER, UpstreamConnectError, UpstreamDisconnected, UpstreamPool,
-                                          UpstreamProtocolError, UpstreamResponse, UpstreamTimeout, request_head)
+from services.proxy.upstream_http import (
+    HIGH_WATER,
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamPool,
+    UpstreamProtocolError,
+    UpstreamResponse,
+    UpstreamTimeout,
+    request_head,
+)
 
 Step = bytes | float | str  # bytes to write, seconds to sleep, "close", "abort", "silence" (until the client hangs up)
 
@@ -29,7 +37,7 @@ class ScriptedServer:
     server: asyncio.Server | None = None
     port: int = 0
 
-    async def start(self) -> "ScriptedServer":
+    async def start(self) -> ScriptedServer:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.port = self.server.sockets[0].getsockname()[1]
         return self
