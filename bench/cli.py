@@ -30,6 +30,8 @@ from bench.workload import generate
 from scheduler.policies import POLICIES
 
 DEFAULT_POLICIES = ("la-swrr", "rr", "least-request", "p2c")
+DEFAULT_PEER = "vllm-router:power_of_two"  # an extra row when the `peers` extra is installed
+PEER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "sticky_least_loaded")
 BENCH_SCENARIOS = tuple(name for name in SCENARIOS if name != "smoke")
 
 
@@ -38,8 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", default="announced-drop", metavar="NAME",
                         help=f"one of {', '.join(SCENARIOS)}, or 'all' (default announced-drop)")
-    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES), metavar="LIST",
-                        help=f"comma-separated, from {', '.join(POLICIES)} (default: all four)")
+    parser.add_argument("--policies", default=None, metavar="LIST",
+                        help=f"comma-separated, from {', '.join(POLICIES)}, or vllm-router:<its policy> "
+                             f"(default: all four, plus {DEFAULT_PEER} when vllm-router is installed)")
+    parser.add_argument("--no-peers", action="store_true", help="no vllm-router row by default")
     parser.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out)")
     parser.add_argument("--duration-scale", type=float, default=1.0, metavar="F",
@@ -54,11 +58,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.set_defaults(func=main)
 
 
-def parse_policies(text: str) -> list[str]:
+def parse_policies(text: str | None, peers: bool = True) -> list[str]:
+    from bench.stack_adapter import PEER_PREFIX, vllm_router_binary
+
+    if text is None:
+        extra = [DEFAULT_PEER] if peers and vllm_router_binary() is not None else []
+        return list(DEFAULT_POLICIES) + extra
     policies = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
+    unknown = [p for p in policies if p not in POLICIES and not
+               (p.startswith(PEER_PREFIX) and p[len(PEER_PREFIX):] in PEER_POLICIES)]
     if unknown or not policies:
-        raise ValueError(f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(POLICIES)}")
+        raise ValueError(f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(POLICIES)} "
+                         f"or {PEER_PREFIX}{{{','.join(PEER_POLICIES)}}}")
+    if any(p.startswith(PEER_PREFIX) for p in policies) and vllm_router_binary() is None:
+        raise ValueError("vllm-router is not installed (pip install 'laswrr[peers]')")
     return policies
 
 
@@ -106,7 +119,7 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
     with Progress(*columns, transient=False) as progress:
         for policy in policies:
             task = progress.add_task(f"{scenario.name} · {policy:<13}", total=len(workload))
-            runs.append(await run_policy(scenario, policy, workload, out_dir / "runs" / policy,
+            runs.append(await run_policy(scenario, policy, workload, out_dir / "runs" / policy.replace(":", "-"),
                                          on_result=lambda _r, t=task: progress.advance(t)))
     summary = scenario_summary(scenario, runs, seed, scale)
     (out_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -126,7 +139,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"{name:<16} {scenario.description}")
         return 0
     try:
-        policies = parse_policies(args.policies)
+        policies = parse_policies(args.policies, peers=not args.no_peers)
         names = scenario_names(args.scenario)
         if args.duration_scale <= 0:
             raise ValueError("--duration-scale must be > 0")

@@ -189,7 +189,7 @@ def print_table(summary: dict[str, Any]) -> None:
         table.add_column(name, justify="left" if i == 0 else "right", no_wrap=i == 0)
     for row in table_rows(summary):
         table.add_row(*row)
-    console = Console(width=max(Console().width, 132))
+    console = Console(width=max(Console().width, 150))
     console.print(table)
     for name, goal in summary["goals"].items():
         met = goal.get("met")

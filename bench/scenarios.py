@@ -13,8 +13,15 @@ prompt P, one engine of capacity c saturates at
 
 TPOT grows with the batch, so throughput is concave in the batch: a 910B reaches ~80 % of R_sat at
 a batch of ~3 of its 10 slots. "60-75 % of capacity" in *slots* would mean ~95 % of throughput
-(no headroom at all); the scenarios use 50-60 % of *throughput* (a batch of ~1.5-2 per 910B),
-so a drop of one node out of four pushes the others to ~70-80 %: real pressure, still stable.
+(no headroom at all); the scenarios use 45-60 % of *throughput* (a batch of ~1.5-2 per 910B),
+so a 10→1 drop of one node out of four pushes the other three to ~65 %: real pressure, stable.
+
+The same concavity means a slot is worth more than its share: one slot of a 910B sustains 48 % of
+its 10-slot throughput (at speed 4: 1.05 vs 2.19 requests/s with the default workload), so a 10→1
+*slot* cut removes about half of the node's throughput, while the scheduler, for which capacity is
+a throughput unit (ascend.md §6.2: 10 × decode speed), moves ~97 % of its traffic away. Likewise
+the chips' saturation throughputs (910C 8.0, 910B 2.19, 910 1.23 requests/s at speed 4) are not
+in the ratio of their capacities 20 : 10 : 7. ``saturation_rps`` computes these figures.
 
 Phases around a disturbance have equal lengths so they hold about as many requests: with the
 stratified lengths (``bench.workload``) each phase then sees the same length distribution, and
@@ -86,7 +93,7 @@ class Scenario:
             raise ValueError(f"duration scale must be > 0, got {factor}")
         phases = tuple(Phase(p.name, p.start_s * factor, p.end_s * factor) for p in self.phases)
         actions = tuple(replace(a, at_s=a.at_s * factor) for a in self.actions)
-        return replace(self, phases=phases, actions=actions, workload=replace(self.workload))
+        return replace(self, phases=phases, actions=actions)
 
     def workload_spec(self) -> WorkloadSpec:
         """The workload at ``util`` of the pool's saturation rate, over the whole scenario."""

@@ -11,18 +11,43 @@ No npu-smi sampling in benchmarks: the simulated npu-smi is a Python process per
 of them every two seconds would take a large share of this 2-core machine from the system under
 test (the NPU signal's weight in the load is 0.05). Engine metrics (running, waiting, KV use,
 TTFT) and health probes are collected as usual.
+
+**Peers.** A policy named ``vllm-router:<its policy>`` (e.g. ``vllm-router:power_of_two``) runs
+the same stack and engines but sends the load through ``vllm-router`` (PyPI, Rust; the
+``peers`` extra) instead of our proxy: it knows nothing of the bus, so capacity announcements do
+not reach it, exactly as in a deployment. Its responses carry the engine's ``x-sim-node``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from dataclasses import dataclass, replace
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import aiohttp
+
 from bench.scenarios import Scenario
-from services.up import Stack
+from services.natsbus import free_port
+from services.up import NodeSpec, Stack
 
 log = logging.getLogger("laswrr.bench.stack")
+
+PEER_PREFIX = "vllm-router:"
+PEER_START_TIMEOUT_S = 60.0
+
+
+def is_peer(policy: str) -> bool:
+    return policy.startswith(PEER_PREFIX)
+
+
+def vllm_router_binary() -> str | None:
+    candidate = Path(sys.executable).parent / "vllm-router"
+    return str(candidate) if candidate.exists() else shutil.which("vllm-router")
 
 
 @dataclass
@@ -31,6 +56,7 @@ class RunningStack:
     proxy_url: str
     engine_urls: dict[str, str]
     db_path: Path
+    peers: list[asyncio.subprocess.Process] = field(default_factory=list)
 
     @property
     def nats_url(self) -> str:
@@ -40,6 +66,7 @@ class RunningStack:
 async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Path | None) -> RunningStack:
     data_dir = run_dir / "data"
     stack = Stack(data_dir, proxy_port=0, config=str(config_path) if config_path else None)
+    peers: list[asyncio.subprocess.Process] = []
     try:
         await stack.start_nats()
         await stack.start_core()
@@ -48,12 +75,63 @@ async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Pat
         await stack.register(nodes)
         stack.write_nodes_file(nodes)
         await stack.start_collector()
-        proxy_url = await stack.start_proxy(port=0, extra_args=("--policy", policy), name="proxy")
+        if is_peer(policy):
+            proxy_url = await start_vllm_router(policy[len(PEER_PREFIX):], nodes, stack.log_dir, peers)
+        else:
+            proxy_url = await stack.start_proxy(port=0, extra_args=("--policy", policy), name="proxy")
     except BaseException:
+        await _stop_peers(peers)
         await stack.stop()
         raise
-    return RunningStack(stack, proxy_url, {n.id: n.url for n in nodes}, stack.data_dir / "events.duckdb")
+    return RunningStack(stack, proxy_url, {n.id: n.url for n in nodes}, stack.data_dir / "events.duckdb", peers)
+
+
+async def start_vllm_router(router_policy: str, nodes: list[NodeSpec], log_dir: Path,
+                            peers: list[asyncio.subprocess.Process]) -> str:
+    binary = vllm_router_binary()
+    if binary is None:
+        raise RuntimeError("vllm-router is not installed (pip install 'laswrr[peers]')")
+    port = free_port()
+    with open(log_dir / "vllm-router.log", "ab") as sink:
+        proc = await asyncio.create_subprocess_exec(
+            binary, "--host", "127.0.0.1", "--port", str(port), "--policy", router_policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--worker-urls", *[n.url for n in nodes], "--log-level", "warning",
+            stdin=asyncio.subprocess.DEVNULL, stdout=sink, stderr=sink, start_new_session=True)
+    peers.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    await _wait_answering(url, proc)
+    return url
+
+
+async def _wait_answering(url: str, proc: asyncio.subprocess.Process) -> None:
+    body = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    deadline = time.monotonic() + PEER_START_TIMEOUT_S
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        while time.monotonic() < deadline:
+            if proc.returncode is not None:
+                raise RuntimeError(f"vllm-router exited with {proc.returncode}")
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"vllm-router did not answer within {PEER_START_TIMEOUT_S:.0f}s")
+
+
+async def _stop_peers(peers: list[asyncio.subprocess.Process]) -> None:
+    for proc in peers:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
 
 
 async def stop(running: RunningStack) -> None:
+    await _stop_peers(running.peers)
     await running.stack.stop()

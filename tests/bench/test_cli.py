@@ -35,3 +35,16 @@ def test_list_names_every_scenario(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for name in ("announced-drop", "silent-slowdown", "heterogeneous", "crash-return", "bursty"):
         assert name in out
+
+
+def test_policies_default_and_peer_names() -> None:
+    from bench.cli import DEFAULT_POLICIES, parse_policies
+    from bench.stack_adapter import vllm_router_binary
+
+    assert parse_policies(None, peers=False) == list(DEFAULT_POLICIES)
+    with_peer = parse_policies(None)
+    assert with_peer[:4] == list(DEFAULT_POLICIES)
+    assert with_peer[4:] == (["vllm-router:power_of_two"] if vllm_router_binary() else [])
+    assert parse_policies("rr, la-swrr") == ["rr", "la-swrr"]
+    with pytest.raises(ValueError, match="unknown policy vllm-router:bogus"):
+        parse_policies("vllm-router:bogus")
