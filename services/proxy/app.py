@@ -199,7 +199,7 @@ def dispatcher(state: ProxyState) -> Callable[[HttpRequest, Responder], Awaitabl
         if methods is None:
             error_response(404, f"no route {request.path}", "invalid_request_error", "not_found").send(responder)
             return
-        route = methods.get(request.method)
+        route = methods.get("GET" if request.method == "HEAD" else request.method)  # HEAD: GET without the body
         if route is None:
             allowed = ", ".join(methods)
             error_response(405, f"{request.method} not allowed on {request.path} (use {allowed})",

@@ -15,7 +15,8 @@ Theory of operation.
 * **Refusals.** A malformed head or body is answered 400 (431 for a head too large, 501 for a
   transfer coding other than chunked, 413 for a body over the limit) and the connection is
   closed. ``Expect: 100-continue`` is answered ``100 Continue`` before the body is read.
-* **Responses.** ``Responder.send`` writes a whole answer in one write (``Content-Length``);
+* **Responses.** ``Responder.send`` writes a whole answer in one write (``Content-Length``; the
+  head alone for ``HEAD``);
   ``start``/``write``/``end`` stream one with chunked coding (close-delimited for an HTTP/1.0
   client), each ``write`` waiting while the client's socket buffer is full (backpressure).
   A handler that returns without answering gets a 500.
@@ -153,7 +154,8 @@ class Responder:
         self.started = self.finished = True
         self.status = status
         close = self.closing
-        self.conn.write(_head(status, headers, b"Content-Length: %d\r\n" % len(body), close) + body)
+        head = _head(status, headers, b"Content-Length: %d\r\n" % len(body), close)
+        self.conn.write(head if self.request.method == "HEAD" else head + body)
         if close:
             self.conn.close_after_response = True
 

@@ -227,6 +227,8 @@ async def test_proxy_unknown_path_and_method(start_proxy: StartProxy, http: aioh
         assert resp.status == 405 and resp.headers["Allow"] == "POST"
     async with http.post(proxy.url + "/healthz", json={}) as resp:
         assert resp.status == 405
+    async with http.head(proxy.url + "/healthz") as resp:
+        assert resp.status == 200 and int(resp.headers["Content-Length"]) > 0 and await resp.read() == b""
 
 
 async def test_connections_without_a_request_are_closed_after_keepalive() -> None:
