@@ -1,22 +1,19 @@
-"""The proxy's HTTP face: OpenAI-compatible routes, health, metrics, graceful stop.
+"""The proxy's HTTP face (aiohttp): OpenAI-compatible routes, health, metrics, graceful stop.
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (forwarded, SSE or not),
-``GET /v1/models``, ``GET /healthz``, ``GET /metrics`` (404 for any other path, 405 for another
-method). Handlers hold no policy: they validate input (400 invalid JSON, 413 body over
-``max_body_bytes`` (refused by the server before the body is read), 404 unknown model, 503 no
-snapshot yet or no routable node, all OpenAI-style ``{"error": {message, type, code}}``), pick
-the pool, ask the router for an admission and hand over to ``upstream.Forwarder``. The HTTP/1.1
-plumbing is ``services.proxy.server``.
+``GET /v1/models``, ``GET /healthz``, ``GET /metrics``. Handlers hold no policy: they validate
+input (400 invalid JSON, 413 body over ``max_body_bytes``, 404 unknown model, 503 no snapshot
+yet or no routable node, all OpenAI-style ``{"error": {message, type, code}}``), pick the pool, ask the router for an
+admission and hand over to ``upstream.Forwarder``.
 
 Model -> pool: a pool with that exact name; else the pool whose engines list that model id on
 their ``/v1/models``; else the pool ``default`` if it exists; else 404.
 
-Lifecycle. ``start`` opens the resources (the upstream pool and an aiohttp session for
-``/v1/models`` and non-http engines, the NATS link (background connect + LB_WEIGHTS watch), the
-event publisher and the heartbeat) and then listens. ``RunningProxy.stop`` stops accepting and
-closes idle connections first, lets in-flight requests finish within ``grace_s`` (requests still
-running then are cancelled: ``router_aborted``), then publishes ``lb.proxy.stopped.<proxy>``,
-flushes the event buffer, drains NATS and closes what is left.
+Lifecycle. ``init_app`` builds the app; its ``cleanup_ctx`` owns the client session, the NATS
+link (background connect + LB_WEIGHTS watch), the event publisher and the heartbeat. ``start``
+/ ``RunningProxy.stop`` run it: stop closes the listening socket first, lets in-flight requests
+finish within ``grace_s`` (requests still running then are cancelled: ``router_aborted``),
+then publishes ``lb.proxy.stopped.<proxy>``, flushes the event buffer and drains NATS.
 """
 
 from __future__ import annotations
@@ -25,12 +22,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from itertools import count
 
 import aiohttp
 import msgspec
+from aiohttp import web
 
 from services.proxy.bus import BusLink
 from services.proxy.config import ProxyConfig
@@ -38,10 +36,8 @@ from services.proxy.events import EventPublisher
 from services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from services.proxy.models import ModelCatalog
 from services.proxy.routing import Router
-from services.proxy.server import HttpRequest, HttpServer, Responder
 from services.proxy.tasks import stop_task
 from services.proxy.upstream import Exchange, Forwarder, error_response, forward_headers
-from services.proxy.upstream_http import UpstreamPool
 
 log = logging.getLogger("laswrr.proxy")
 
@@ -78,24 +74,25 @@ class ProxyState:
         return f"{self.config.proxy_id}-{self.boot}-{next(self.ids)}"
 
 
-Route = Callable[[ProxyState, HttpRequest, Responder], Awaitable[None]]
+STATE = web.AppKey("proxy_state", ProxyState)
 
 
 # -- handlers ----------------------------------------------------------------------------------
 
-async def completions(state: ProxyState, request: HttpRequest, responder: Responder) -> None:
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    arrived = time.perf_counter()
     if state.stopping:
         state.metrics.rejected.labels(reason="stopping").inc()
-        error_response(503, "proxy is shutting down", "service_unavailable", "shutting_down",
-                       headers=[("Retry-After", "1"), ("Connection", "close")]).send(responder)
-        return
+        return error_response(503, "proxy is shutting down", "service_unavailable", "shutting_down",
+                              headers={"Retry-After": "1", "Connection": "close"})
     state.active += 1
     state.idle.clear()
-    task = responder.conn.task  # the task running this request (cancelled at the end of the grace period)
+    task = asyncio.current_task()
     if task is not None:
         state.handlers.add(task)
     try:
-        await _completions(state, request, responder)
+        return await _completions(request, state, arrived)
     finally:
         state.handlers.discard(task)  # type: ignore[arg-type]
         state.active -= 1
@@ -103,64 +100,74 @@ async def completions(state: ProxyState, request: HttpRequest, responder: Respon
             state.idle.set()
 
 
-async def _completions(state: ProxyState, request: HttpRequest, responder: Responder) -> None:
-    body = request.body
+async def _completions(request: web.Request, state: ProxyState, arrived: float) -> web.StreamResponse:
+    body_or_error = await _read_body(request, state)
+    if isinstance(body_or_error, web.Response):
+        return body_or_error
+    body = body_or_error
     try:
         peek = _PEEK.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         state.metrics.rejected.labels(reason="bad_json").inc()
-        error_response(400, f"invalid JSON body: {exc}", "invalid_request_error", "invalid_json").send(responder)
-        return
+        return error_response(400, f"invalid JSON body: {exc}", "invalid_request_error", "invalid_json")
     router = state.router
     if not router.pools:  # cold start with NATS not (yet) reachable: nothing to route on
         state.metrics.rejected.labels(reason="no_snapshot").inc()
-        error_response(503, "no routing snapshot yet (is the scheduler running?)", "service_unavailable",
-                       "no_snapshot", headers=[("Retry-After", "1")]).send(responder)
-        return
+        return error_response(503, "no routing snapshot yet (is the scheduler running?)", "service_unavailable",
+                              "no_snapshot", headers={"Retry-After": "1"})
     hint = None
     if peek.model is not None and peek.model not in router.pools and state.catalog is not None:
         hint = await state.catalog.pool_hint()
     pool = router.resolve_pool(peek.model, hint)
     if pool is None:
         state.metrics.rejected.labels(reason="unknown_model").inc()
-        _unknown_model(peek.model, router, responder)
-        return
+        return _unknown_model(peek.model, router)
     admission = router.admit(pool)
     if admission is None:
         state.metrics.rejected.labels(reason="no_routable_node").inc()
-        error_response(503, f"no routable node in pool {pool!r}", "service_unavailable", "no_routable_node",
-                       headers=[("Retry-After", "1")]).send(responder)
-        return
+        return error_response(503, f"no routable node in pool {pool!r}", "service_unavailable", "no_routable_node",
+                              headers={"Retry-After": "1"})
     request_id = state.next_request_id()
-    exchange = Exchange(request_id=request_id, pool=pool, path_qs=request.target, method=request.method, body=body,
-                        headers=forward_headers(request.raw_headers, request_id), arrived=request.arrived)
+    exchange = Exchange(request_id=request_id, pool=pool, path_qs=request.path_qs, method=request.method, body=body,
+                        headers=forward_headers(request.headers, request_id), arrived=arrived)
     assert state.forwarder is not None
-    await state.forwarder.forward(responder, exchange, admission)
+    return await state.forwarder.forward(request, exchange, admission)
 
 
-def too_large(state: ProxyState, responder: Responder) -> None:
-    """Called by the server for a body over the limit (the connection closes afterwards)."""
+async def _read_body(request: web.Request, state: ProxyState) -> bytes | web.Response:
     limit = state.config.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        return _too_large(state, limit)
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return _too_large(state, limit)
+
+
+def _too_large(state: ProxyState, limit: int) -> web.Response:
     state.metrics.rejected.labels(reason="body_too_large").inc()
-    error_response(413, f"request body exceeds the {limit}-byte limit", "invalid_request_error",
-                   "request_too_large").send(responder)
+    return error_response(413, f"request body exceeds the {limit}-byte limit", "invalid_request_error",
+                          "request_too_large", headers={"Connection": "close"})
 
 
-def _unknown_model(model: str | None, router: Router, responder: Responder) -> None:
+def _unknown_model(model: str | None, router: Router) -> web.Response:
     pools = ", ".join(sorted(router.pools)) or "none yet"
     message = f"The model `{model}` does not exist (pools: {pools})" if model else \
         f"no model given and no pool 'default' (pools: {pools})"
-    responder.json(404, {"error": {"message": message, "type": "invalid_request_error", "param": "model",
-                                   "code": "model_not_found"}})
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "param": "model",
+                                        "code": "model_not_found"}}, status=404)
 
 
-async def list_models(state: ProxyState, request: HttpRequest, responder: Responder) -> None:
-    assert state.catalog is not None
-    responder.json(200, await state.catalog.listing())
+async def list_models(request: web.Request) -> web.Response:
+    catalog = request.app[STATE].catalog
+    assert catalog is not None
+    return web.json_response(await catalog.listing())
 
 
-async def healthz(state: ProxyState, request: HttpRequest, responder: Responder) -> None:
-    responder.json(503 if state.stopping else 200, health_report(state))
+async def healthz(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = health_report(state)
+    return web.json_response(body, status=503 if state.stopping else 200)
 
 
 def health_report(state: ProxyState) -> dict[str, object]:
@@ -179,34 +186,10 @@ def health_report(state: ProxyState) -> dict[str, object]:
             "events_buffered": state.events.buffered, "events_dropped": state.events.dropped, "pools": pools}
 
 
-async def metrics(state: ProxyState, request: HttpRequest, responder: Responder) -> None:
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
     state.metrics.refresh(state.router, state.events, state.bus.connected)
-    responder.send(200, state.metrics.render(), [("Content-Type", CONTENT_TYPE)])
-
-
-ROUTES: dict[str, dict[str, Route]] = {
-    "/v1/chat/completions": {"POST": completions},
-    "/v1/completions": {"POST": completions},
-    "/v1/models": {"GET": list_models},
-    "/healthz": {"GET": healthz},
-    "/metrics": {"GET": metrics},
-}
-
-
-def dispatcher(state: ProxyState) -> Callable[[HttpRequest, Responder], Awaitable[None]]:
-    async def dispatch(request: HttpRequest, responder: Responder) -> None:
-        methods = ROUTES.get(request.path)
-        if methods is None:
-            error_response(404, f"no route {request.path}", "invalid_request_error", "not_found").send(responder)
-            return
-        route = methods.get("GET" if request.method == "HEAD" else request.method)  # HEAD: GET without the body
-        if route is None:
-            allowed = ", ".join(methods)
-            error_response(405, f"{request.method} not allowed on {request.path} (use {allowed})",
-                           "invalid_request_error", "method_not_allowed", headers=[("Allow", allowed)]).send(responder)
-            return
-        await route(state, request, responder)
-    return dispatch
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
 # -- resources ---------------------------------------------------------------------------------
@@ -217,63 +200,58 @@ async def _heartbeats(state: ProxyState) -> None:
         state.events.heartbeat(state.router.total_inflight)
 
 
-@dataclass
-class Resources:
-    """What ``start`` opened besides the listening socket, closed by ``RunningProxy.stop``."""
-
-    session: aiohttp.ClientSession
-    pool: UpstreamPool
-    publisher: asyncio.Task[None]
-    heartbeat: asyncio.Task[None]
-
-
-def _open(state: ProxyState) -> Resources:
+async def _resources(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
     config = state.config
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                     skip_auto_headers=("Accept-Encoding",))
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
                                     sock_read=config.upstream_timeout_s)
-    pool = UpstreamPool(config.connect_timeout_s, config.upstream_timeout_s)
     state.forwarder = Forwarder(session, state.router, state.events, state.metrics, config.max_retries,
-                                timeout, aborting=lambda: state.aborting, pool=pool)
+                                timeout, aborting=lambda: state.aborting)
     state.catalog = ModelCatalog(session, state.router, ttl_s=config.models_ttl_s)
     publisher = asyncio.create_task(state.events.run(), name="proxy-events")
     heartbeat = asyncio.create_task(_heartbeats(state), name="proxy-heartbeat")
     state.bus.start()
-    return Resources(session=session, pool=pool, publisher=publisher, heartbeat=heartbeat)
-
-
-async def _close(state: ProxyState, res: Resources) -> None:
-    await stop_task(res.heartbeat)
-    state.events.stopped()
-    if not await state.events.flush(EVENT_FLUSH_TIMEOUT_S):
-        log.warning("%d event(s) not published at shutdown (NATS unreachable?)", state.events.buffered)
-    await stop_task(res.publisher)  # stop_task: a single cancel may be lost (services.proxy.tasks)
-    if state.catalog is not None:
+    try:
+        yield
+    finally:
+        await stop_task(heartbeat)
+        state.events.stopped()
+        if not await state.events.flush(EVENT_FLUSH_TIMEOUT_S):
+            log.warning("%d event(s) not published at shutdown (NATS unreachable?)", state.events.buffered)
+        await stop_task(publisher)  # stop_task: a single cancel may be lost (services.proxy.tasks)
         await state.catalog.close()
-    await state.bus.close()  # stops the watch, then drains NATS
-    res.pool.close()
-    await res.session.close()
+        await state.bus.close()  # stops the watch, then drains NATS
+        await session.close()
 
 
-def new_state(config: ProxyConfig) -> ProxyState:
+def init_app(config: ProxyConfig) -> web.Application:
     config.validate()
     router = Router(config.policy, config.seed, config.inflight_cap_per_capacity)
     events = EventPublisher(config.proxy_id, capacity=config.event_buffer)
     state = ProxyState(config=config, router=router, events=events, metrics=ProxyMetrics(config.proxy_id),
                        bus=BusLink(config.nats_url, f"laswrr-proxy-{config.proxy_id}", router, events))
     state.idle.set()
-    return state
+    app = web.Application(client_max_size=config.max_body_bytes)
+    app[STATE] = state
+    app.cleanup_ctx.append(_resources)
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    return app
 
 
 # -- running -----------------------------------------------------------------------------------
 
 @dataclass
 class RunningProxy:
-    state: ProxyState
-    server: HttpServer
-    resources: Resources
+    app: web.Application
+    runner: web.AppRunner
+    site: web.TCPSite
     host: str
     port: int
 
@@ -282,11 +260,18 @@ class RunningProxy:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         return f"http://{host}:{self.port}"
 
+    @property
+    def state(self) -> ProxyState:
+        return self.app[STATE]
+
     async def stop(self) -> None:
         """Graceful stop: close the socket, let in-flight requests finish (grace), flush, stopped."""
         state = self.state
         state.stopping = True
-        self.server.shutdown()  # no new connections; idle keep-alive ones close, busy ones after their answer
+        await self.site.stop()
+        server = self.runner.server
+        if server is not None and hasattr(server, "pre_shutdown"):
+            server.pre_shutdown()  # idle keep-alive connections close; busy ones after their response
         if state.active:
             log.info("stopping: waiting up to %.1f s for %d request(s) in flight", state.config.grace_s, state.active)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -297,16 +282,22 @@ class RunningProxy:
             for task in list(state.handlers):
                 task.cancel()
             await asyncio.gather(*state.handlers, return_exceptions=True)  # their finished events first
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.server.idle.wait(), 1.0)  # /healthz and the like
-        await _close(state, self.resources)  # then: stopped event, flush, NATS drain
-        self.server.abort()
+        await self.runner.cleanup()  # then: stopped event, flush, NATS drain (cleanup_ctx)
 
 
 async def start(config: ProxyConfig) -> RunningProxy:
-    state = new_state(config)
-    server = HttpServer(dispatcher(state), lambda responder: too_large(state, responder), config.max_body_bytes)
-    port = await server.listen(config.host, config.port, reuse_port=config.reuse_port)
-    resources = _open(state)  # no await since listen: no request can arrive before the forwarder exists
+    app = init_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port or None)
+    await site.start()
+    port = _bound_port(site, config.port)
     log.info("proxy %s listening on %s:%d (policy %s)", config.proxy_id, config.host, port, config.policy)
-    return RunningProxy(state=state, server=server, resources=resources, host=config.host, port=port)
+    return RunningProxy(app=app, runner=runner, site=site, host=config.host, port=port)
+
+
+def _bound_port(site: web.TCPSite, fallback: int) -> int:
+    server = site._server  # aiohttp keeps the asyncio Server here; the only way to learn port 0's choice
+    if server is not None and getattr(server, "sockets", None):
+        return int(server.sockets[0].getsockname()[1])
+    return fallback

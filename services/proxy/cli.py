@@ -22,12 +22,7 @@ from typing import Any
 
 from scheduler.policies import POLICIES
 from services.proxy.app import start
-from services.proxy.config import (
-    ProxyConfig,
-    default_nats_url,
-    default_proxy_id,
-    parse_size,
-)
+from services.proxy.config import ProxyConfig, default_nats_url, default_proxy_id, parse_size
 
 LISTEN_PREFIX = "proxy listening on "
 GC_GEN0_THRESHOLD = 10_000  # CPython's 700 runs a young collection every few requests

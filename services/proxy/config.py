@@ -13,8 +13,8 @@ import re
 import socket
 from dataclasses import dataclass
 
-from scheduler.policies import POLICIES
 from schemas import subjects as sj
+from scheduler.policies import POLICIES
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 MIB = 1 << 20
@@ -54,7 +54,7 @@ class ProxyConfig:
     models_ttl_s: float = 5.0
     reuse_port: bool = False  # several replicas may share one port (SO_REUSEPORT)
 
-    def validate(self) -> ProxyConfig:
+    def validate(self) -> "ProxyConfig":
         sj.check_token(self.proxy_id, "proxy name")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")

@@ -3,17 +3,11 @@
 Theory of operation. Handlers call ``started``/``finished`` (plain synchronous appends to an
 in-memory buffer, a few microseconds); one background task, ``run``, drains the buffer into
 JetStream: it lets events gather for ``linger_s`` (a few ms), takes up to ``batch_max`` of them,
-publishes them all and awaits their acks together (one socket write and one burst of acks per
-batch instead of one per event). Every event carries a ``Nats-Msg-Id`` (``<proxy>:<request_id>:started``
+publishes them all with ``publish_async`` and awaits their acks together (one socket write and
+one burst of acks per batch instead of one per event). Every event carries a ``Nats-Msg-Id`` (``<proxy>:<request_id>:started``
 and so on), so re-sending after a lost ack is harmless (the stream's de-duplication window
 keeps one copy). On a failure the batch is re-sent from its first unacknowledged event on, in
 order, after a short back-off; while NATS is disconnected nothing is sent and events wait.
-
-Acks: the JetStream publish protocol is a plain publish with a reply subject, answered by a
-PubAck (``{"stream":..., "seq":...}``) or an error. nats-py's ``publish_async`` costs a
-semaphore, a future, random bytes and a JSON parse into a dataclass per event; here each event of
-batch ``g`` replies to ``<inbox>.<g>.<i>`` on one subscription, and an ack just marks slot ``i``
-(acks of an abandoned batch, ``g`` older than the current one, are ignored).
 
 The buffer is bounded (``capacity``): when full, the *oldest* event is dropped, counted
 (``dropped``, exported in /metrics) and logged. A dropped ``finished`` leaves a phantom
@@ -50,10 +44,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import msgspec
 from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
 
 from schemas import events as ev
 from schemas import subjects as sj
@@ -88,18 +80,6 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 3)
 
 
-class PubAckReply(msgspec.Struct):
-    """What a JetStream publish is answered with: a stream and sequence, or an error."""
-
-    stream: str | None = None
-    seq: int | None = None
-    error: dict[str, object] | None = None
-
-
-_ACK = msgspec.json.Decoder(PubAckReply)
-_PENDING, _ACKED, _FAILED = 0, 1, 2
-
-
 class EventPublisher:
     def __init__(self, proxy_id: str, capacity: int = 100_000, batch_max: int = 512,
                  ack_timeout_s: float = 2.0, retry_backoff_s: float = 0.25, linger_s: float = 0.005) -> None:
@@ -113,14 +93,7 @@ class EventPublisher:
         self.dropped = 0
         self.published = 0
         self.nc: Client | None = None
-        self._ack_prefix = ""
-        self._ack_sub: Subscription | None = None
-        self._batch_no = 0
-        self._slots = bytearray()
-        self._answered = 0
-        self._expected = 0
-        self._batch_done: asyncio.Future[None] | None = None
-        self._first_error: str | None = None
+        self.js: JetStreamContext | None = None
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -183,7 +156,7 @@ class EventPublisher:
     # -- connection ---------------------------------------------------------------------------
 
     def attach(self, nc: Client) -> None:
-        self.nc = nc
+        self.nc, self.js = nc, nc.jetstream()
         self._wakeup.set()
 
     @property
@@ -203,81 +176,39 @@ class EventPublisher:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            nc = self.nc
-            if nc is None or not nc.is_connected or not await self._acks_subscribed(nc):
+            if not self.connected or self.js is None:
                 await asyncio.sleep(self.retry_backoff_s)
                 continue
             if self.linger_s and len(self.buffer) < self.batch_max:
                 await asyncio.sleep(self.linger_s)  # let a batch gather: one write, one burst of acks
             batch = [self.buffer.popleft() for _ in range(min(self.batch_max, len(self.buffer)))]
-            acked = await self._publish(nc, batch)
+            acked = await self._publish(self.js, batch)
             self.published += acked
             if acked < len(batch):
                 self.buffer.extendleft(reversed(batch[acked:]))
                 self._enforce_bound()
                 await asyncio.sleep(self.retry_backoff_s)
 
-    async def _acks_subscribed(self, nc: Client) -> bool:
-        """Subscribe to this publisher's ack inbox once (nats-py renews it after a reconnect)."""
-        if self._ack_sub is not None:
-            return True
-        prefix = nc.new_inbox() + "."
-        try:
-            self._ack_sub = await nc.subscribe(prefix + ">", cb=self._on_ack)
-        except Exception as exc:
-            log.debug("cannot subscribe to the ack inbox: %r", exc)
-            return False
-        self._ack_prefix = prefix
-        return True
-
-    async def _on_ack(self, msg: Msg) -> None:
-        batch, _, slot = msg.subject[len(self._ack_prefix):].partition(".")
-        try:
-            if int(batch) != self._batch_no:
-                return  # a late answer to an abandoned batch
-            i = int(slot)
-        except ValueError:
-            return
-        if i >= len(self._slots) or self._slots[i] != _PENDING:
-            return
-        error = _ack_error(msg)
-        self._slots[i] = _ACKED if error is None else _FAILED
-        if error is not None and self._first_error is None:
-            self._first_error = error
-        self._answered += 1
-        done = self._batch_done
-        if self._answered >= self._expected and done is not None and not done.done():
-            done.set_result(None)
-
-    async def _publish(self, nc: Client, batch: list[Pending]) -> int:
+    async def _publish(self, js: JetStreamContext, batch: list[Pending]) -> int:
         """Publish ``batch`` in order; the number of leading events whose acks arrived."""
-        self._batch_no += 1
-        prefix = f"{self._ack_prefix}{self._batch_no}."
-        self._slots = bytearray(len(batch))
-        self._answered, self._expected, self._first_error = 0, len(batch), None
-        done = self._batch_done = asyncio.get_running_loop().create_future()
-        sent = 0
+        futures: list[asyncio.Future[object]] = []
         try:
-            publish = nc.publish
-            for i, item in enumerate(batch):
-                await publish(item.subject, item.data, reply=f"{prefix}{i}", headers={"Nats-Msg-Id": item.msg_id})
-                sent += 1
-        except Exception as exc:  # disconnected, buffer limit: re-send later
-            log.debug("event publish interrupted after %d of %d: %r", sent, len(batch), exc)
-        self._expected = sent
-        try:
-            if sent and self._answered < sent:
-                await asyncio.wait({done}, timeout=self.ack_timeout_s)
-        finally:
-            self._batch_done = None
-            if not done.done():
-                done.cancel()
+            for item in batch:
+                futures.append(await js.publish_async(item.subject, item.data, headers={"Nats-Msg-Id": item.msg_id}))
+        except Exception as exc:  # disconnected, buffer limit, stalled: re-send later
+            log.debug("event publish interrupted after %d of %d: %r", len(futures), len(batch), exc)
+        if futures:
+            await asyncio.wait(futures, timeout=self.ack_timeout_s)
         acked = 0
-        slots = self._slots
-        while acked < sent and slots[acked] == _ACKED:
+        for future in futures:
+            if not future.done() or future.cancelled() or future.exception() is not None:
+                break
             acked += 1
-        if self._first_error is not None:
-            log.warning("event publish failed: %s", self._first_error)
+        for future in futures[acked:]:
+            if not future.done():
+                future.cancel()  # frees nats-py's pending-ack slot
+            elif not future.cancelled() and future.exception() is not None:
+                log.warning("event publish failed: %r", future.exception())
         return acked
 
     async def flush(self, timeout: float) -> bool:
@@ -285,18 +216,3 @@ class EventPublisher:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout)
         return not self.buffer and self._idle.is_set()
-
-
-def _ack_error(msg: Msg) -> str | None:
-    """None for a PubAck; else what went wrong (no stream for the subject, an API error, garbage)."""
-    if msg.headers and msg.headers.get("Status") == "503":
-        return "no stream answered (503 no responders)"
-    try:
-        reply = _ACK.decode(msg.data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        return f"unreadable ack: {exc}"
-    if reply.error is not None:
-        return f"JetStream error: {reply.error}"
-    if reply.stream is None:
-        return "ack without a stream"
-    return None

@@ -19,12 +19,7 @@ from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -39,7 +34,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class Buckets:
     """One histogram series: counts per bucket (not cumulative), sum and count."""
 
-    __slots__ = ("bounds", "count", "counts", "total")
+    __slots__ = ("bounds", "counts", "total", "count")
 
     def __init__(self, bounds: Sequence[float]) -> None:
         self.bounds = bounds
@@ -61,7 +56,7 @@ class Buckets:
 
 
 class _RequestCollector(Collector):
-    def __init__(self, metrics: ProxyMetrics) -> None:
+    def __init__(self, metrics: "ProxyMetrics") -> None:
         self.m = metrics
 
     def collect(self) -> Iterator[Metric]:

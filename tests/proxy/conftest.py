@@ -8,8 +8,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from proxy_support import CoreDriver, EchoEngine, EventTap, StartProxy
 
+from proxy_support import CoreDriver, EchoEngine, EventTap, StartProxy
 from schemas import subjects as sj
 from services.natsbus import connect, ensure_streams
 from services.proxy.app import RunningProxy, start

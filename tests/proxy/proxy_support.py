@@ -29,6 +29,7 @@ from schemas import subjects as sj
 from schemas.codec import Envelope
 from services.proxy.app import RunningProxy
 
+
 # -- the echo engine -----------------------------------------------------------------------------
 
 @dataclass
@@ -101,7 +102,7 @@ class EchoEngine:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "echo"}]})
 
-    async def start(self) -> EchoEngine:
+    async def start(self) -> "EchoEngine":
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_post("/v1/completions", self.completions)
@@ -186,7 +187,7 @@ class EventTap:
         self.messages: list[tuple[str, dict[str, Any]]] = []
         self.sub: Any = None
 
-    async def start(self, js: Any) -> EventTap:
+    async def start(self, js: Any) -> "EventTap":
         async def on_msg(msg: Any) -> None:
             self.messages.append((msg.subject, json.loads(msg.data)))
         self.sub = await js.subscribe("lb.>", stream=sj.EVENTS_STREAM, cb=on_msg, ordered_consumer=True)

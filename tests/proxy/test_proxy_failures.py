@@ -6,8 +6,8 @@ import asyncio
 import json
 
 import aiohttp
-from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
 
+from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
 from schemas import subjects as sj
 from services.natsbus import free_port
 

@@ -9,8 +9,8 @@ import signal
 import sys
 
 import aiohttp
-from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
 
+from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
 from schemas import subjects as sj
 from services.natsbus import EmbeddedNats
 

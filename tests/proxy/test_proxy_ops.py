@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import aiohttp
-from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
 
+from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
 from schemas import subjects as sj
 from services.natsbus import free_port
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 from nats.js import JetStreamContext
-from proxy_support import wait_for
 
+from proxy_support import wait_for
 from services.proxy import app
 from services.proxy.bus import BusLink
 from services.proxy.config import ProxyConfig

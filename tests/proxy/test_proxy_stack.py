@@ -8,8 +8,8 @@ import json
 from typing import Any
 
 import aiohttp
-from proxy_support import StartProxy, wait_for
 
+from proxy_support import StartProxy, wait_for
 from schemas import subjects as sj
 from services.scheduler_service import SchedulerOptions, SchedulerService
 

@@ -6,9 +6,9 @@ import json
 
 import aiohttp
 import openai
-from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
 
 from schemas import subjects as sj
+from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
 
 CHAT = "/v1/chat/completions"
 
