@@ -8,7 +8,8 @@ Theory of operation:
 * **Per request** the client records start, TTFT (first data chunk with content), E2E (``[DONE]``),
   the node that served it (``x-laswrr-node``; ``x-sim-node`` when talking to an engine directly)
   and the outcome:
-    - ``completed``: ``data: [DONE]`` arrived;
+    - ``completed``: ``data: [DONE]`` arrived (E2E is stamped then; the client still reads the
+      stream to its end, as the official ``openai`` client does, so the proxy sees a clean finish);
     - ``client_cancelled``: the workload's cancel delay passed first and the client hung up;
     - ``error``: non-200 status, connection failure before the response, or an SSE error event;
     - ``interrupted``: the stream ended (EOF or a broken connection) without [DONE] or an error
@@ -47,7 +48,8 @@ class _Progress:
     tokens: int = 0
     outcome: str = "interrupted"
     error: str = ""
-    ended: float | None = None
+    done_at: float | None = None  # [DONE] seen
+    ended: float | None = None  # connection released
 
 
 @dataclass(slots=True)
@@ -97,7 +99,9 @@ async def _read_stream(resp: aiohttp.ClientResponse, progress: _Progress, now: C
         if not line.startswith(b"data:"):
             continue
         if line.startswith(DONE):
-            progress.outcome = "completed"
+            progress.outcome, progress.done_at = "completed", now()
+            async for _ in resp.content:  # read to the end, as the openai client does
+                pass
             return
         payload = line[5:].strip()
         if b'"error"' in payload and b'"choices"' not in payload:
@@ -149,9 +153,10 @@ async def send_one(session: aiohttp.ClientSession, url: str, spec: RequestSpec, 
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            progress.outcome, progress.error = "client_cancelled", ""
+            if progress.outcome != "completed":  # [DONE] may have come while reading to the end
+                progress.outcome, progress.error = "client_cancelled", ""
     end = progress.ended if progress.ended is not None else now()
-    e2e = end - progress.start if progress.outcome == "completed" else None
+    e2e = progress.done_at - progress.start if progress.outcome == "completed" and progress.done_at else None
     return RequestResult(index=spec.index, start_s=round(progress.start, 6), end_s=round(end, 6),
                          ttft_s=None if progress.ttft is None else round(progress.ttft, 6),
                          e2e_s=None if e2e is None else round(e2e, 6), node=progress.node,

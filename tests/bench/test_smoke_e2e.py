@@ -28,6 +28,11 @@ async def test_smoke_two_policies_same_workload(tmp_path: Path) -> None:
         assert s["interrupted"] == 0 and s["errors"] == 0
         assert set(s["requests_per_node"]) == {"n1", "n2"}  # served through the proxy, node header seen
         assert len(s["notes"]) == 2  # both actions applied
+        # the analyst report on the recorded log counts what the clients saw, and replay is exact
+        report = s["report"]
+        assert (report["completed"], report["client_cancelled"], report["interrupted"]) == (
+            s["overall"]["completed"], s["overall"]["client_cancelled"], 0)
+        assert report["admitted_to_draining"] == 0 and s["replay"]["ok"], s["replay"]
     # the weights the scheduler published show the announced drop of n2 (4 -> 1) and its return
     assert len(paths) == 4 and all(p.exists() for p in paths)
     snapshots = [json.loads(x) for x in (tmp_path / "runs" / "la-swrr" / "snapshots.jsonl").read_text().splitlines()]
