@@ -489,7 +489,8 @@ class Scheduler:
         age = None if node.engine_ns is None else now - node.engine_ns
         stale = wt.staleness(age, cfg)
         sampled = None if node.running is None else node.running + (node.waiting or 0)
-        queue, running = wt.occupancy_signals(node.capacity, sampled, stale, node.inflight, cfg.unknown_load)
+        queue, running = wt.occupancy_signals(node.capacity, sampled, stale, node.inflight, cfg.unknown_load,
+                                              node.waiting or 0)
         npu_stale = wt.staleness(None if node.npu_ns is None else now - node.npu_ns, cfg)
         return wt.Signals(
             queue=queue, running=running,

@@ -81,9 +81,14 @@ def split_occupancy(capacity: int, occupancy: int) -> tuple[float, float]:
 
 
 def occupancy_signals(capacity: int, sampled: int | None, stale: float, inflight: int,
-                      unknown: float) -> tuple[float, float]:
+                      unknown: float, sampled_waiting: int = 0) -> tuple[float, float]:
     """(queue, running): the engine's sampled occupancy aged toward ``unknown``, but never below
-    what the in-flight count (dead reckoning from request events, never stale) already shows."""
+    what the in-flight count (dead reckoning from request events, never stale) already shows.
+
+    An engine that reports a waiting queue is full at its *real* slot count, whatever the
+    registered capacity says: a silent slowdown (slots lost without an announcement) shows up as
+    running 2, waiting 3 on a node registered with 10. Its queue is then measured against the
+    slots it actually runs and its running signal is saturated."""
     if capacity <= 0:
         return 1.0, 1.0
     queue_i, running_i = split_occupancy(capacity, inflight)
@@ -91,6 +96,9 @@ def occupancy_signals(capacity: int, sampled: int | None, stale: float, inflight
         queue_s = running_s = unknown
     else:
         queue_s, running_s = split_occupancy(capacity, sampled)
+        if sampled_waiting > 0:
+            slots = max(sampled - sampled_waiting, 1)
+            queue_s, running_s = max(queue_s, sampled_waiting / (sampled_waiting + slots)), 1.0
         queue_s, running_s = blend(queue_s, stale, unknown), blend(running_s, stale, unknown)
     return max(queue_s, queue_i), max(running_s, running_i)
 

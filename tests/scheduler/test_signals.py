@@ -85,6 +85,20 @@ def test_a_node_with_a_queue_gets_a_lower_target() -> None:
     assert feed.node("n1").target == round(10 * (1 - 0.9 * expected), 3)
 
 
+def test_an_engine_that_queues_below_its_registered_capacity_is_saturated() -> None:
+    # Silent slowdown: registered with 10 slots, the engine now runs only 2 and queues 3.
+    # Without looking at the engine's own queue, 5 of 10 would read as half-idle.
+    feed = _idle_pool("n1", "n2")
+    feed.engine("n1", running=2, waiting=3, kv=0.1)
+    feed.engine("n2", running=5, waiting=0, kv=0.1)
+    feed.tick()
+    slow, healthy = _load(feed, "n1"), _load(feed, "n2")
+    assert (slow["queue"], slow["running"]) == (0.6, 1.0)  # 3 waiting on its 2 real slots
+    assert (healthy["queue"], healthy["running"]) == (0.0, 0.5)
+    expected = 0.35 * 0.6 + 0.25 * 1.0 + 0.15 * 0.1
+    assert feed.node("n1").target == round(10 * (1 - 0.9 * expected), 3) < 0.7 * feed.node("n2").target
+
+
 def test_inflight_from_request_events_is_dead_reckoned_over_the_last_sample() -> None:
     feed = _idle_pool("n1", "n2")
     for _ in range(8):
