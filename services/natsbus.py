@@ -9,13 +9,16 @@ scheduler replicas yield one tick per period and one copy of each output.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +29,8 @@ from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageT
 from nats.js.errors import BadRequestError, NotFoundError
 
 from schemas import subjects as sj
+
+log = logging.getLogger("laswrr.natsbus")
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,33 @@ async def ensure_streams_exist(js: JetStreamContext) -> None:
         except NotFoundError:
             await ensure_streams(js)
             return
+
+
+async def publish_acked(js: JetStreamContext, messages: Sequence[tuple[str, bytes, str]], timeout_s: float,
+                        wait_stall: float | None = None) -> int:
+    """Publish ``(subject, data, msg_id)`` messages in order with their pub acks awaited together;
+    return how many leading messages were acknowledged. The caller re-sends the rest later (the
+    msg ids de-duplicate whatever did land), so the stream keeps the order."""
+    futures: list[asyncio.Future[object]] = []
+    options = {} if wait_stall is None else {"wait_stall": wait_stall}
+    try:
+        for subject, data, msg_id in messages:
+            futures.append(await js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id}, **options))
+    except Exception as exc:  # disconnected, too many pending acks, stalled: re-sent later
+        log.debug("publish interrupted after %d of %d: %r", len(futures), len(messages), exc)
+    if futures:
+        await asyncio.wait(futures, timeout=timeout_s)
+    acked = 0
+    for future in futures:
+        if not future.done() or future.cancelled() or future.exception() is not None:
+            break
+        acked += 1
+    for future in futures[acked:]:
+        if not future.done():
+            future.cancel()  # frees nats-py's pending-ack slot
+        elif not future.cancelled() and future.exception() is not None:
+            log.warning("publish failed: %r", future.exception())
+    return acked
 
 
 async def connect(url: str, name: str, **options: object) -> Client:

@@ -33,6 +33,7 @@ from nats.js.kv import KeyValue
 from schemas import subjects as sj
 from schemas.codec import Output
 from services import settings
+from services.natsbus import publish_acked
 
 log = logging.getLogger("laswrr.scheduler")
 
@@ -109,24 +110,8 @@ class OutputWriter:
 
     async def _publish_once(self, outputs: Sequence[Output]) -> int:
         """The number of leading outputs whose pub acks arrived."""
-        futures: list[asyncio.Future[Any]] = []
-        try:
-            for output in outputs:
-                futures.append(await self.js.publish_async(output.subject, output.data, wait_stall=PUBLISH_TIMEOUT_S,
-                                                           headers={settings.MSG_ID: output.msg_id}))
-        except Exception as exc:  # disconnected, too many pending acks: send the rest again later
-            log.debug("publish interrupted after %d of %d: %r", len(futures), len(outputs), exc)
-        if futures:
-            await asyncio.wait(futures, timeout=PUBLISH_TIMEOUT_S)
-        acked = 0
-        for future in futures:
-            if not future.done() or future.cancelled() or future.exception() is not None:
-                break
-            acked += 1
-        for future in futures[acked:]:
-            if not future.done():
-                future.cancel()  # frees nats-py's pending-ack slot
-        return acked
+        messages = [(output.subject, output.data, output.msg_id) for output in outputs]
+        return await publish_acked(self.js, messages, PUBLISH_TIMEOUT_S, wait_stall=PUBLISH_TIMEOUT_S)
 
     # -- LB_WEIGHTS -----------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ from nats.js import JetStreamContext
 from schemas import events as ev
 from schemas import subjects as sj
 from schemas.codec import encode
+from services.natsbus import publish_acked
 
 log = logging.getLogger("laswrr.proxy.events")
 
@@ -191,25 +192,8 @@ class EventPublisher:
 
     async def _publish(self, js: JetStreamContext, batch: list[Pending]) -> int:
         """Publish ``batch`` in order; the number of leading events whose acks arrived."""
-        futures: list[asyncio.Future[object]] = []
-        try:
-            for item in batch:
-                futures.append(await js.publish_async(item.subject, item.data, headers={"Nats-Msg-Id": item.msg_id}))
-        except Exception as exc:  # disconnected, buffer limit, stalled: re-send later
-            log.debug("event publish interrupted after %d of %d: %r", len(futures), len(batch), exc)
-        if futures:
-            await asyncio.wait(futures, timeout=self.ack_timeout_s)
-        acked = 0
-        for future in futures:
-            if not future.done() or future.cancelled() or future.exception() is not None:
-                break
-            acked += 1
-        for future in futures[acked:]:
-            if not future.done():
-                future.cancel()  # frees nats-py's pending-ack slot
-            elif not future.cancelled() and future.exception() is not None:
-                log.warning("event publish failed: %r", future.exception())
-        return acked
+        messages = [(item.subject, item.data, item.msg_id) for item in batch]
+        return await publish_acked(js, messages, self.ack_timeout_s)
 
     async def flush(self, timeout: float) -> bool:
         """Wait until every buffered event is acknowledged; False on timeout."""
