@@ -57,11 +57,7 @@ log = logging.getLogger("laswrr.proxy.events")
 RETRIED_PREFIX = "retried: "
 
 
-@dataclass(frozen=True, slots=True)
-class Pending:
-    subject: str
-    data: bytes
-    msg_id: str
+Pending = tuple[str, bytes, str]  # (subject, data, msg_id): what ``publish_acked`` takes, built once
 
 
 @dataclass(slots=True)
@@ -135,7 +131,7 @@ class EventPublisher:
         self._put(sj.proxy_stopped(self.proxy_id), encode(event), f"{self.proxy_id}:stopped:{time.time_ns()}")
 
     def _put(self, subject: str, data: bytes, msg_id: str) -> None:
-        self.buffer.append(Pending(subject, data, msg_id))
+        self.buffer.append((subject, data, msg_id))
         self._enforce_bound()
         if not self._wakeup.is_set():
             self._wakeup.set()
@@ -152,7 +148,7 @@ class EventPublisher:
         if now - self._last_drop_log >= 5.0:  # log the first drop and then at most every 5 s
             self._last_drop_log = now
             log.warning("event buffer full (%d): dropped the oldest event (%s); %d dropped so far",
-                        self.capacity, lost.subject, self.dropped)
+                        self.capacity, lost[0], self.dropped)
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -183,17 +179,12 @@ class EventPublisher:
             if self.linger_s and len(self.buffer) < self.batch_max:
                 await asyncio.sleep(self.linger_s)  # let a batch gather: one write, one burst of acks
             batch = [self.buffer.popleft() for _ in range(min(self.batch_max, len(self.buffer)))]
-            acked = await self._publish(self.js, batch)
+            acked = await publish_acked(self.js, batch, self.ack_timeout_s)  # publish in order, count acked prefix
             self.published += acked
             if acked < len(batch):
                 self.buffer.extendleft(reversed(batch[acked:]))
                 self._enforce_bound()
                 await asyncio.sleep(self.retry_backoff_s)
-
-    async def _publish(self, js: JetStreamContext, batch: list[Pending]) -> int:
-        """Publish ``batch`` in order; the number of leading events whose acks arrived."""
-        messages = [(item.subject, item.data, item.msg_id) for item in batch]
-        return await publish_acked(js, messages, self.ack_timeout_s)
 
     async def flush(self, timeout: float) -> bool:
         """Wait until every buffered event is acknowledged; False on timeout."""

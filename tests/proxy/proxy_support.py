@@ -4,9 +4,10 @@ and proxies started in-process on port 0 against the test's nats-server.
 EchoEngine answers the OpenAI routes like vLLM does (SSE chunks, ``[DONE]``, ``usage``) and is
 steered per request by a non-standard ``"test"`` field in the body: ``chunks`` (number of SSE
 content chunks), ``delay`` (seconds between chunks), ``cut_after`` (abort the connection after
-that many chunks), ``status`` (answer with this status). Engine-wide ``fail`` modes:
+that many chunks), ``status`` (answer with this status), ``headers`` (extra response headers, with
+``status``). Engine-wide ``fail`` modes:
 ``"http500"`` (every completion answers 500) and ``"drop"`` (close the connection without an
-answer). It records every completion it received and every one the client cancelled.
+answer). It records every completion it received (and its Cookie header) and every one the client cancelled.
 
 CoreDriver runs ``scheduler.core.Scheduler`` in the test, feeding it admin events with
 increasing sequence numbers and real timestamps, and puts each snapshot it emits into KV
@@ -39,6 +40,7 @@ class EchoEngine:
     fail: str = "none"
     received: list[dict[str, Any]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    cookies: list[str | None] = field(default_factory=list)  # the Cookie header of each completion
     runner: web.AppRunner | None = None
     url: str = ""
 
@@ -63,10 +65,12 @@ class EchoEngine:
         body = await request.json()
         control = body.get("test") or {}
         self.received.append(body)
+        self.cookies.append(request.headers.get("Cookie"))
         if self.fail == "http500":
             return web.json_response({"error": {"message": f"{self.name} broken", "type": "server_error"}}, status=500)
         if "status" in control:
-            return web.json_response({"error": {"message": "as asked", "type": "test"}}, status=control["status"])
+            return web.json_response({"error": {"message": "as asked", "type": "test"}}, status=control["status"],
+                                     headers=control.get("headers"))
         n = int(control.get("chunks", 3))
         if not body.get("stream"):
             content = "".join(f"t{i} " for i in range(n))

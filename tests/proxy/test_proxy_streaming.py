@@ -120,3 +120,25 @@ async def test_unknown_model_goes_to_default_pool(engines, core: CoreDriver, sta
         async with http.post(proxy.url + CHAT, data=json.dumps(body)) as resp:
             assert resp.status == 200
             assert resp.headers["x-laswrr-node"] == "a"
+
+
+async def test_redirects_pass_through_and_engine_cookies_are_not_kept(engines, core: CoreDriver,
+                                                                       start_proxy: StartProxy,
+                                                                       http: aiohttp.ClientSession) -> None:
+    engine = await engines("a")
+    proxy = await start_proxy()
+    # by host name: a cookie jar would refuse cookies from an IP address and hide the leak
+    await wait_seq(proxy, "default", await core.register("a", engine.url.replace("127.0.0.1", "localhost")))
+    moved = {"model": "m", "messages": [], "test": {"status": 307, "headers": {"Location": engine.url + CHAT}}}
+    async with http.post(proxy.url + CHAT, json=moved, allow_redirects=False) as resp:
+        assert resp.status == 307  # the client decides whether to follow, not the proxy
+        assert resp.headers["Location"] == engine.url + CHAT
+    assert len(engine.received) == 1
+
+    cookie = {"model": "m", "messages": [], "test": {"status": 200, "headers": {"Set-Cookie": "sid=client-1; Path=/"}}}
+    async with http.post(proxy.url + CHAT, json=cookie) as resp:
+        assert resp.status == 200 and resp.headers["Set-Cookie"].startswith("sid=client-1")
+    async with aiohttp.ClientSession() as other_client:  # another client, no cookie of its own
+        async with other_client.post(proxy.url + CHAT, json={"model": "m", "messages": []}) as resp:
+            assert resp.status == 200
+    assert engine.cookies == [None, None, None]  # the proxy's session never replays an engine's cookie
