@@ -13,7 +13,7 @@ so the sum is still exactly 0 and a node coming back never bursts on stale credi
 arithmetic throughout; the remainder of the spread goes to the earliest nodes.
 
 State is kept in parallel lists indexed by position (the hot path of a proxy's pick); ``pass_``
-does the add step and finds the leader and runner-up in one loop, for LA-SWRR's referee.
+does the add step, finds the leader and hands back the eligible positions, for LA-SWRR's referee.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ class Swrr:
         for rank, i in enumerate(kept):
             self.cw[i] -= share + (1 if rank < remainder else 0)
 
-    def pass_(self, exclude: Container[str] = ()) -> tuple[int, int, int]:
-        """The add step over the eligible nodes: (leader, runner-up, total); -1 = none."""
+    def pass_(self, exclude: Container[str] = ()) -> tuple[int, int, list[int]]:
+        """The add step over the eligible nodes: (leader or -1, total, eligible positions)."""
         cw, weights = self.cw, self.weights
         if exclude:
             nodes = self.nodes
@@ -69,20 +69,18 @@ class Swrr:
             total = sum(weights[i] for i in active)
         else:
             active, total = self.active, self.total
-        lead = run = -1
-        lead_cw = run_cw = 0
+        lead = -1
+        lead_cw = 0
         for i in active:
             value = cw[i] + weights[i]
             cw[i] = value
             if lead < 0 or value > lead_cw:
-                run, run_cw, lead, lead_cw = lead, lead_cw, i, value
-            elif run < 0 or value > run_cw:
-                run, run_cw = i, value
-        return lead, run, total
+                lead, lead_cw = i, value
+        return lead, total, active
 
     def pick(self, exclude: Container[str] = ()) -> str | None:
         """Plain nginx SWRR."""
-        lead, _, total = self.pass_(exclude)
+        lead, total, _ = self.pass_(exclude)
         if lead < 0:
             return None
         self.cw[lead] -= total

@@ -1,17 +1,21 @@
-"""LA-SWRR pick: SWRR over effective weights, refereed by power-of-two on live in-flight.
+"""LA-SWRR pick: SWRR over effective weights, refereed by live in-flight against the lightest node.
 
-Each pick runs one nginx SWRR add step over the eligible nodes and looks at SWRR's two highest
-accumulators (the "two choices"): the leader L and the runner-up R. In-flight counts are the
-proxy's own and never stale; snapshot weights may be 100 ms old. The referee:
+Each pick runs one nginx SWRR add step over the eligible nodes; the node with the highest
+accumulator is the leader L. The challenger C is the eligible node that would be lightest per
+unit of weight after taking the request (least ``(inflight + 1) / w``; ties: higher accumulator,
+then list order). In-flight counts are the proxy's own and never stale; snapshot weights may be
+100 ms old. The referee:
 
-    choose R  iff  inflight_L / w_L  >  (inflight_R + 1) / w_R      (cross-multiplied, integers)
+    choose C  iff  inflight_L / w_L  >=  (inflight_C + 1) / w_C      (cross-multiplied, integers)
 
-i.e. the runner-up takes the request only if, even after taking it, it is still less loaded per
-unit of weight than the leader is now. Without that "+1" the referee would fire on any single
-request in flight on a heavy leader and wash out the weights at low concurrency (weights 11:19
-with three requests in flight came out 50:50); with it, equal per-weight load (including no
-load at all) never triggers it and the sequence is exactly nginx's (5,1,1 -> a a b a c a a),
-while a node that is really backed up loses its turns to the runner-up.
+i.e. the challenger takes the request if, even after taking it, it is at most as loaded per unit
+of weight as the leader is now. The "+1" keeps the weights at low concurrency: one request in
+flight on a heavy leader (1/5 per weight) does not send the next one to an idle light node (it
+would then be at 1/1). Equal per-weight load (including no load at all) never triggers it, so the
+sequence is exactly nginx's (5,1,1 -> a a b a c a a). The ">=" settles the one-request gap: with
+equal weights the leader yields whenever another node has fewer requests in flight, so a
+homogeneous pool is kept as level as least-request keeps it. Looking at the lightest node rather
+than at SWRR's runner-up is what lets that node be found in any position of the rotation.
 
 The SWRR charge (cw -= total) goes to the node actually chosen, so Σ cw = 0 still holds. If the
 leader was passed over, its credit above one full round (total) is forfeited to the chosen node:
@@ -46,17 +50,25 @@ class LaSwrr:
 
     def pick(self, inflight: Mapping[str, int], exclude: Container[str] = ()) -> str | None:
         swrr = self.swrr
-        lead, run, total = swrr.pass_(exclude)
+        lead, total, active = swrr.pass_(exclude)
         if lead < 0:
             return None
+        nodes, weights, cw = swrr.nodes, swrr.weights, swrr.cw
+        lead_inflight = inflight.get(nodes[lead], 0)
         chosen = lead
-        if run >= 0:
-            nodes, weights = swrr.nodes, swrr.weights
-            if inflight.get(nodes[lead], 0) * weights[run] > (inflight.get(nodes[run], 0) + 1) * weights[lead]:
-                chosen = run
-        cw = swrr.cw
+        if lead_inflight:
+            best = -1
+            best_after = best_weight = 0
+            for i in active:
+                after = inflight.get(nodes[i], 0) + 1
+                # after / weights[i] < best_after / best_weight, or equal with a higher accumulator
+                lhs, rhs = after * best_weight, best_after * weights[i]
+                if best < 0 or lhs < rhs or (lhs == rhs and cw[i] > cw[best]):
+                    best, best_after, best_weight = i, after, weights[i]
+            if best != lead and lead_inflight * best_weight >= best_after * weights[lead]:
+                chosen = best
         cw[chosen] -= total
         if chosen != lead and cw[lead] > total:
             cw[chosen] += cw[lead] - total
             cw[lead] = total
-        return swrr.nodes[chosen]
+        return nodes[chosen]

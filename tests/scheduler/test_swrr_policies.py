@@ -182,7 +182,7 @@ def test_la_swrr_moves_picks_off_a_loaded_node_and_keeps_the_sum() -> None:
     for _ in range(14):
         seq += policy.pick(inflight)
         assert _cw_sum(policy) == 0
-    # a is SWRR's leader every pass but far busier per unit of weight: the runner-up gets it.
+    # a is SWRR's leader every pass but far busier per unit of weight: the lightest node gets it.
     # Pass 1: a5 b1 c1 -> b is charged 7; pass 2: a10 b-5 c2 -> c is charged 7 and a's 3 above
     # one round go to c; then b and c alternate with a parked at cw = 7 (one round).
     assert seq == "bcccbcbcbcbcbc"
@@ -196,8 +196,35 @@ def test_la_swrr_moves_picks_off_a_loaded_node_and_keeps_the_sum() -> None:
     assert _cw_sum(policy) == 0
 
 
+def test_la_swrr_leader_yields_to_a_lighter_node_anywhere_in_the_rotation() -> None:
+    # Equal weights: SWRR's leader is a, its runner-up b; d, last in the rotation, is the one
+    # with a request fewer in flight, and the one-request gap is enough (">=").
+    policy = _la(("a", 1000), ("b", 1000), ("c", 1000), ("d", 1000))
+    assert policy.pick({"a": 1, "b": 1, "c": 1, "d": 0}) == "d"
+    assert _cw_sum(policy) == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(min_value=2, max_value=8), st.integers(min_value=1, max_value=20),
+       st.lists(st.tuples(st.integers(0, 7), st.booleans()), min_size=1, max_size=80))
+def test_la_swrr_with_equal_weights_always_picks_a_least_loaded_node(size: int, weight: int,
+                                                                      steps: list) -> None:  # type: ignore[type-arg]
+    """In a homogeneous pool the referee keeps in-flight as level as least-request does: every
+    pick goes to a node with the fewest requests in flight, whatever finishes in between."""
+    names = [f"n{i}" for i in range(size)]
+    policy = _la(*((n, weight * 1000) for n in names))
+    inflight = Counter({n: 0 for n in names})
+    for index, finish in steps:
+        node = names[index % size]
+        if finish and inflight[node]:
+            inflight[node] -= 1
+        chosen = policy.pick(inflight)
+        assert chosen is not None and inflight[chosen] == min(inflight.values()), (chosen, inflight)
+        inflight[chosen] += 1
+
+
 def test_la_swrr_referee_does_not_undo_weights_at_low_concurrency() -> None:
-    # One request in flight on the heavy leader (1/5 per weight) vs none on a light runner-up:
+    # One request in flight on the heavy leader (1/5 per weight) vs none on a light node:
     # sending the next request to b would leave b at 1/1 per weight, worse than a. SWRR stands.
     policy = _la(("a", 5000), ("b", 1000))
     assert policy.pick({"a": 1, "b": 0}) == "a"
