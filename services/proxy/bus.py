@@ -10,6 +10,18 @@ while the server is still recovering would shadow the recovered ones. Each value
 ``WeightSnapshot`` and offered to the router, which keeps only a newer ``as_of_seq``. A deleted
 or purged key forgets the pool. A bad value is logged and skipped.
 
+A recreated LB_WEIGHTS. ``as_of_seq`` only orders snapshots of one stream: the scheduler writes
+a pool's key compare-and-set, never over a newer ``as_of_seq``, so within one stream a watcher
+never meets an older snapshot than one it already saw. After ``nats stream rm`` (or a new
+JetStream store) a fresh scheduler counts from 1 again, and "newest wins" alone would ignore it
+forever. So the link tracks the identity of the stream it reads, its creation time
+(``StreamInfo.created``, kept across server restarts, new for a recreated stream): it reads it
+after creating each watcher, and again (at most once per ``stream_check_s``) when the router
+refuses a snapshot as not newer, which is the symptom a recreated stream shows on a watcher
+that survived it. A changed identity calls ``Router.new_stream``: each pool takes the next
+snapshot offered, whatever its ``as_of_seq``, and the refused one is offered again. Wall-clock
+``ts_ns`` is not used to order snapshots: it can step backwards, the stream identity cannot.
+
 Self-healing: if the watcher has been silent for ``rewatch_s`` (the scheduler ticks far more
 often) or fails, it is re-created; the new watcher first re-delivers the newest value of each
 key, so nothing published during an outage is missed, and older ones are ignored by the router.
@@ -26,7 +38,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
+from datetime import datetime
 
 import msgspec
 import nats.errors
@@ -45,11 +59,13 @@ from services.proxy.tasks import bounded, stop_task
 log = logging.getLogger("laswrr.proxy.bus")
 
 _SNAPSHOT = msgspec.json.Decoder(WeightSnapshot)
+WEIGHTS_STREAM = f"KV_{sj.WEIGHTS_BUCKET}"
 
 
 class BusLink:
     def __init__(self, url: str, name: str, router: Router, publisher: EventPublisher,
-                 rewatch_s: float = 10.0, retry_s: float = 0.5, max_retry_s: float = 5.0) -> None:
+                 rewatch_s: float = 10.0, retry_s: float = 0.5, max_retry_s: float = 5.0,
+                 stream_check_s: float = 1.0) -> None:
         self.url = url
         self.name = name
         self.router = router
@@ -57,6 +73,9 @@ class BusLink:
         self.rewatch_s = rewatch_s
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s
+        self.stream_check_s = stream_check_s
+        self.stream_created: datetime | None = None  # identity of the LB_WEIGHTS stream being read
+        self._stream_checked_at = -math.inf
         self.nc: Client | None = None
         self.closing = False
         self._task: asyncio.Task[None] | None = None
@@ -130,7 +149,7 @@ class BusLink:
         try:
             await js.stream_info(sj.EVENTS_STREAM)
             await js.stream_info(sj.OUT_STREAM)
-            await js.stream_info(f"KV_{sj.WEIGHTS_BUCKET}")
+            await js.stream_info(WEIGHTS_STREAM)
         except NotFoundError:
             await ensure_streams(js)
 
@@ -138,30 +157,48 @@ class BusLink:
         kv = await js.key_value(sj.WEIGHTS_BUCKET)
         watcher = await kv.watchall()
         try:
+            await self._check_stream(js)  # after the watcher exists: it reads this stream or a newer one
             while not self.closing:
                 try:
                     entry = await watcher.updates(timeout=self.rewatch_s)
                 except nats.errors.TimeoutError:
                     return  # silent too long: re-create the watcher
-                if entry is not None:
-                    self.apply(entry)
+                if entry is None or not self.apply(entry):
+                    continue
+                if time.monotonic() - self._stream_checked_at >= self.stream_check_s and await self._check_stream(js):
+                    self.apply(entry)  # refused as older than a snapshot of the stream that is gone
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
 
-    def apply(self, entry: KeyValue.Entry) -> None:
+    async def _check_stream(self, js: JetStreamContext) -> bool:
+        """Note the identity of LB_WEIGHTS; True (and the router told) if it changed: the stream was recreated."""
+        self._stream_checked_at = time.monotonic()
+        created = (await js.stream_info(WEIGHTS_STREAM)).created
+        known, self.stream_created = self.stream_created, created
+        if known is None or created is None or created == known:
+            return False
+        log.warning("%s was recreated (created %s, was %s): the next snapshot of each pool replaces the one held",
+                    WEIGHTS_STREAM, created, known)
+        self.router.new_stream()
+        return True
+
+    def apply(self, entry: KeyValue.Entry) -> bool:
+        """Apply one KV entry; True when it is a snapshot the router refused as not newer than its own."""
         self.last_update = time.monotonic()
         if entry.operation in (KV_DEL, KV_PURGE):
             log.info("pool %s removed from %s", entry.key, sj.WEIGHTS_BUCKET)
             self.router.forget(entry.key)
-            return
+            return False
         try:
             snapshot = _SNAPSHOT.decode(entry.value or b"")
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("ignoring bad snapshot under %s/%s: %s", sj.WEIGHTS_BUCKET, entry.key, exc)
-            return
-        if self.router.offer(snapshot, time.monotonic()):
-            self.snapshots_applied += 1
+            return False
+        if not self.router.offer(snapshot, time.monotonic()):
+            return True
+        self.snapshots_applied += 1
+        return False
 
     async def close(self, drain_timeout_s: float = 5.0) -> None:
         """Stop ``run``, then drain the connection (bounded); close it when the drain fails or is late."""

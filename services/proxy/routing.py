@@ -2,9 +2,13 @@
 
 Rules:
 
-* **Newest wins.** ``offer(snapshot)`` installs a pool's snapshot only if its ``as_of_seq`` is
-  higher than the one held; a late or replayed older snapshot never replaces a newer one. With
-  NATS gone the last snapshot stays in force (never fail closed).
+* **Newest wins, within one LB_WEIGHTS stream.** ``offer(snapshot)`` installs a pool's snapshot
+  only if its ``as_of_seq`` is higher than the one held; a late or replayed older snapshot never
+  replaces a newer one. ``as_of_seq`` numbers only compare within one stream, though: when the
+  bus finds LB_WEIGHTS recreated (``services.proxy.bus``), ``new_stream()`` marks every held
+  snapshot *superseded*, and the next snapshot offered for that pool replaces it whatever its
+  ``as_of_seq`` (a fresh scheduler on a fresh stream counts from 1 again). With NATS gone, or a
+  pool the new stream does not (yet) carry, the last snapshot stays in force (never fail closed).
 * **Candidates.** A node is a candidate iff the snapshot marks it ``routable`` and its
   ``effective_weight`` > 0 (the core already folded phase and the panic rail into ``routable``).
   Each new snapshot goes to the pool's policy with ``set_candidates``; policy state (SWRR
@@ -50,9 +54,10 @@ class PoolRoute:
     policy: Policy
     received_at: float
     targets: dict[str, NodeView] = field(default_factory=dict)
+    superseded: bool = False  # from a stream that no longer exists: any next snapshot replaces it
 
     def install(self, snapshot: WeightSnapshot, now: float) -> None:
-        self.snapshot, self.received_at = snapshot, now
+        self.snapshot, self.received_at, self.superseded = snapshot, now, False
         self.targets = {n.node: n for n in snapshot.nodes if n.routable and n.effective_weight > 0}
         self.policy.set_candidates([Candidate.from_weight(n.node, n.effective_weight) for n in self.targets.values()])
 
@@ -70,16 +75,21 @@ class Router:
     # -- snapshots ----------------------------------------------------------------------------
 
     def offer(self, snapshot: WeightSnapshot, now: float) -> bool:
-        """Install ``snapshot`` if it is newer than the pool's current one; True if installed."""
+        """Install ``snapshot`` if it is newer than the pool's current one (or that one is superseded); True if installed."""
         route = self.pools.get(snapshot.pool)
         if route is None:
             seed = (self.seed ^ zlib.crc32(snapshot.pool.encode())) & ((1 << 64) - 1)
             route = PoolRoute(snapshot=snapshot, policy=make_policy(self.policy_name, seed), received_at=now)
             self.pools[snapshot.pool] = route
-        elif snapshot.as_of_seq <= route.snapshot.as_of_seq:
+        elif snapshot.as_of_seq <= route.snapshot.as_of_seq and not route.superseded:
             return False
         route.install(snapshot, now)
         return True
+
+    def new_stream(self) -> None:
+        """LB_WEIGHTS was recreated: its ``as_of_seq`` restart; each pool takes the next snapshot offered."""
+        for route in self.pools.values():
+            route.superseded = True
 
     def forget(self, pool: str) -> None:
         """The pool's key was deleted from the bucket: the scheduler no longer knows it."""

@@ -32,6 +32,18 @@ def test_an_older_snapshot_never_replaces_a_newer_one() -> None:
     assert list(router.pools["default"].targets) == ["b"]
 
 
+def test_after_a_new_stream_each_pool_takes_its_next_snapshot_once() -> None:
+    router = Router("rr", seed=1)
+    router.offer(snap(500, node("a", 1)), now=0)
+    router.offer(snap(700, node("a", 1), pool="other"), now=0)
+    router.new_stream()
+    assert list(router.pools["default"].targets) == ["a"]  # still routing on the old one meanwhile
+    assert router.offer(snap(1, node("b", 1)), now=1)  # the new stream counts from 1
+    assert not router.offer(snap(1, node("c", 1)), now=1)  # and newest wins again within it
+    assert list(router.pools["default"].targets) == ["b"]
+    assert router.pools["other"].superseded and not router.pools["default"].superseded
+
+
 def test_only_routable_nodes_with_weight_are_candidates() -> None:
     router = Router("la-swrr", seed=0)
     router.offer(snap(1, node("a", 2), node("b", 0), node("c", 3, routable=False)), now=0)

@@ -1,0 +1,85 @@
+"""LB_WEIGHTS recreated (``nats stream rm``, a fresh scheduler counting ``as_of_seq`` from 1 again):
+the proxy must follow the new stream, not keep its higher-numbered snapshot from the old one forever."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import aiohttp
+
+from proxy_support import CoreDriver, StartProxy, wait_for, wait_seq
+from schemas import subjects as sj
+from services.natsbus import ensure_streams
+from services.proxy.bus import WEIGHTS_STREAM
+
+CHAT = "/v1/chat/completions"
+
+
+async def _node_of(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.post(url + CHAT, json={"model": "m", "messages": []}) as resp:
+        assert resp.status == 200
+        return resp.headers["x-laswrr-node"]
+
+
+async def _recreate_and_follow(nc: Any, core: CoreDriver, engines: Any, proxy: Any, http: aiohttp.ClientSession,
+                               ticking: bool) -> None:
+    a, b = await engines("a"), await engines("b")
+    core.seq = 1_000_000  # the old scheduler has run for a while: a fresh one would take ages to catch up
+    await core.register("a", a.url)
+    for _ in range(5):
+        seq = await core.tick()
+    await wait_seq(proxy, "default", seq)
+    assert await _node_of(http, proxy.url) == "a"
+    first_stream = proxy.state.bus.stream_created
+    assert first_stream is not None
+
+    js = nc.jetstream()
+    await js.delete_stream(WEIGHTS_STREAM)
+    await ensure_streams(js)  # a new, empty LB_WEIGHTS
+    fresh = CoreDriver(await js.key_value(sj.WEIGHTS_BUCKET))  # a fresh scheduler: as_of_seq from 1 again
+    await fresh.register("b", b.url)
+
+    async def tick_forever() -> None:  # a live scheduler: a snapshot every 100 ms
+        while True:
+            await fresh.tick()
+            await asyncio.sleep(0.1)
+
+    ticker = asyncio.create_task(tick_forever()) if ticking else None
+    try:
+        await wait_for(lambda: set(proxy.state.router.pools["default"].targets) == {"b"}, timeout=30,
+                       what="the snapshots of the new stream")
+        assert proxy.state.router.pools["default"].snapshot.as_of_seq <= fresh.seq  # numbered by the new stream
+        assert proxy.state.bus.stream_created not in (None, first_stream)
+        assert await _node_of(http, proxy.url) == "b"
+        later = await fresh.tick()  # and it keeps following the new stream's numbering
+        await wait_seq(proxy, "default", later)
+    finally:
+        if ticker is not None:
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+
+
+async def test_proxy_follows_a_recreated_weights_stream_on_rewatch(engines, nc: Any, core: CoreDriver,
+                                                                   start_proxy: StartProxy,
+                                                                   http: aiohttp.ClientSession) -> None:
+    """The watcher of the deleted stream goes silent; the next watcher reads a stream of another identity."""
+    proxy = await start_proxy()
+    proxy.state.bus.rewatch_s = 2.0  # sooner than the default 10 s
+    await _recreate_and_follow(nc, core, engines, proxy, http, ticking=False)
+
+
+async def test_proxy_follows_a_recreated_weights_stream_on_a_surviving_watcher(engines, nc: Any, core: CoreDriver,
+                                                                              start_proxy: StartProxy,
+                                                                              http: aiohttp.ClientSession) -> None:
+    """nats-py's ordered consumer outlives the deletion (after missed heartbeats it re-subscribes past its
+    last stream seq) and goes on delivering the new stream's snapshots, all with lower ``as_of_seq``: never
+    silent, so no re-watch. The first refused snapshot makes the link check the stream identity."""
+    proxy = await start_proxy()
+    proxy.state.bus.rewatch_s = 120.0  # no re-watch during the test: only the refused-snapshot check can help
+    started = time.monotonic()
+    await _recreate_and_follow(nc, core, engines, proxy, http, ticking=True)
+    assert time.monotonic() - started < 60
