@@ -46,6 +46,8 @@ import importlib.util
 import json
 import logging
 import os
+import shlex
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -141,6 +143,17 @@ def render_nodes(nodes: Sequence[NodeSpec]) -> str:
         lines.extend(f"{key} = {_toml_value(value)}" for key, value in fields.items())
         lines.append("")
     return "\n".join(lines)
+
+
+def sim_npu_smi_command(url: str, python: str = sys.executable) -> str:
+    """The ``npu_smi`` command line (nodes.toml) that samples the simulated engine at ``url``:
+    ``curl`` of its GET /sim/npu-smi when curl is installed (a few ms of CPU per sample), else
+    ``sim-npu-smi`` (a Python start-up per sample, far dearer on a small machine)."""
+    base = url.rstrip("/")
+    if shutil.which("curl"):
+        return f"curl -sf --max-time 2 {shlex.quote(base + '/sim/npu-smi')}"
+    # the sim-engine module alone starts twice as fast as the whole dispatcher
+    return f"{shlex.quote(python)} -m services.sim_engine.cli sim-npu-smi --url {shlex.quote(base)}"
 
 
 # -- optional parts -------------------------------------------------------------------------------------
@@ -240,8 +253,8 @@ class Stack:
     async def start_sim_engines(self, sims: Sequence[tuple[str, str, int]] = DEFAULT_SIMS, speed: float = 1.0,
                                 pool: str = "default", npu_smi: bool = True) -> list[NodeSpec]:
         """One ``laswrr sim-engine`` per ``(node id, chip, capacity)``; their NodeSpecs (not yet
-        registered). ``npu_smi``: the collector samples each one's simulated npu-smi (a short
-        Python process per sample: on a small machine benchmarks may prefer False)."""
+        registered). ``npu_smi``: the collector samples each one's simulated npu-smi
+        (``sim_npu_smi_command``)."""
         if not command_available("sim-engine"):
             raise StackError("no nodes file given and the simulated engine (laswrr sim-engine) is not available")
         children = await asyncio.gather(*(
@@ -251,8 +264,7 @@ class Stack:
         specs = []
         for child, (node_id, chip, capacity) in zip(children, sims):
             assert child.url is not None
-            # the sim-engine module alone starts twice as fast as the whole dispatcher
-            extra = {"npu_smi": f"{self.python} -m services.sim_engine.cli sim-npu-smi --url {child.url}"}
+            extra = {"npu_smi": sim_npu_smi_command(child.url, self.python)}
             specs.append(NodeSpec(id=node_id, url=child.url, pool=pool, chip=chip, capacity=capacity,
                                   extra=extra if npu_smi else {}))
         return specs

@@ -5,8 +5,11 @@ Models a vLLM-Ascend OpenAI server in front of the continuous-batching physics:
 * ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``), ``GET /v1/models``;
 * ``GET /health`` (200, or 503 when fail=http500 or chip health is Alarm/Critical);
 * ``GET /metrics`` in vLLM format; ``GET /sim/state`` (load + npu-smi readings, JSON);
+* ``GET /sim/npu-smi``: this engine's NPU as ``npu-smi info`` prints it (text/plain, built by
+  ``npu_smi.render``), so a collector can sample it with ``curl`` instead of a Python process;
 * ``GET|POST /admin``: capacity, slowdown, fail (none|refuse|http500|cut_stream), health,
-  cut_after. ``refuse`` drops every connection except /admin and /sim/state unanswered.
+  cut_after. ``refuse`` drops every connection except /admin, /sim/state and /sim/npu-smi
+  unanswered (the engine process is down, the NPU is still there: its HBM falls to the floor).
 
 Every response carries ``x-sim-node``. A client that goes away cancels its request (the
 server runs with aiohttp ``handler_cancellation``; see ``start_server``).
@@ -41,7 +44,7 @@ from services.sim_engine.openai_api import (
 from services.sim_engine.physics import EngineSim, TokenEvent
 
 NODE_HEADER = "x-sim-node"
-REFUSE_EXEMPT_PATHS = frozenset({"/admin", "/sim/state"})
+REFUSE_EXEMPT_PATHS = frozenset({"/admin", "/sim/state", "/sim/npu-smi"})
 
 
 @dataclass(slots=True)
@@ -288,6 +291,11 @@ async def get_sim_state(request: web.Request) -> web.Response:
     return _json(sim_state(request.app))
 
 
+async def get_sim_npu_smi(request: web.Request) -> web.Response:
+    app = request.app
+    return web.Response(text=npu_smi.render(sim_state(app), app[CONFIG_KEY].npu_id), content_type="text/plain")
+
+
 # --------------------------------------------------------------------------- app
 
 
@@ -325,6 +333,7 @@ def init_app(config: SimConfig) -> web.Application:
     app.router.add_get("/admin", get_admin)
     app.router.add_post("/admin", post_admin)
     app.router.add_get("/sim/state", get_sim_state)
+    app.router.add_get("/sim/npu-smi", get_sim_npu_smi)
     return app
 
 

@@ -10,8 +10,9 @@ Models what the real tool shows for a chip running vLLM-Ascend (ascend.md sectio
 * Health is whatever POST /admin set.
 
 ``readings`` is pure (used by the engine's GET /sim/state); ``render`` builds the table with
-``collectors.npu_smi.render_info`` so the project's parser reads it back; ``main`` is the
-``laswrr sim-npu-smi`` command (fetches /sim/state with urllib).
+``collectors.npu_smi.render_info`` so the project's parser reads it back (the engine serves it
+as GET /sim/npu-smi, which ``curl`` can sample); ``run`` is the ``laswrr sim-npu-smi`` command
+(fetches /sim/state with urllib).
 """
 
 from __future__ import annotations

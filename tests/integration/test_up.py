@@ -16,7 +16,8 @@ import nats
 import pytest
 
 from schemas import subjects as sj
-from services.up import NodeSpec, Stack, StackError, command_available, load_nodes, parse_nodes, render_nodes
+from services.up import (NodeSpec, Stack, StackError, command_available, load_nodes, parse_nodes, render_nodes,
+                         sim_npu_smi_command)
 
 NODES = """
 [[node]]
@@ -149,7 +150,7 @@ async def test_stack_library_with_a_simulated_engine(tmp_path: Path) -> None:
         await stack.start_nats()
         await stack.start_core()
         nodes = await stack.start_sim_engines([("sim-a", "910B", 4)], speed=20.0)
-        assert nodes[0].url.startswith("http://127.0.0.1:") and "sim-npu-smi" in nodes[0].extra["npu_smi"] and nodes[0].extra["npu_smi"].endswith(nodes[0].url)
+        assert nodes[0].url.startswith("http://127.0.0.1:") and nodes[0].extra["npu_smi"] == sim_npu_smi_command(nodes[0].url)
         await stack.register(nodes)  # returns once LB_WEIGHTS shows the node
         assert [n.id for n in stack.nodes] == ["sim-a"]
         path = stack.write_nodes_file(nodes)

@@ -4,6 +4,7 @@ commands run as real subprocesses (`--port 0`, URL read from the first stdout li
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -11,11 +12,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 
+from collectors.npu import NpuSmiError, run_npu_smi, split_command
 from collectors.npu_smi import parse_info
 from services.sim_engine import npu_smi
 from services.sim_engine.app import RunningServer
 from services.sim_engine.cli import LISTEN_PREFIX
 from services.sim_engine.profiles import get_profile
+from services.up import sim_npu_smi_command
 
 StartEngine = Callable[..., Awaitable[RunningServer]]
 CLI = [sys.executable, "-m", "services.sim_engine.cli"]
@@ -80,6 +83,43 @@ async def test_sim_state_and_npu_smi_command_show_load(start_engine: StartEngine
     for hog in hogs:
         hog.cancel()
     await asyncio.gather(*hogs, return_exceptions=True)
+
+
+async def test_sim_npu_smi_endpoint_parses_and_survives_refuse(start_engine: StartEngine,
+                                                                 http: aiohttp.ClientSession) -> None:
+    server = await start_engine(chip="910C")
+    async with http.get(f"{server.url}/sim/npu-smi") as r:
+        assert r.status == 200 and r.content_type == "text/plain"
+        chips = parse_info(await r.text())
+    assert [(c.npu_id, c.chip_id, c.health) for c in chips] == [(0, 0, "OK"), (0, 1, "OK")]
+    up_hbm = chips[0].hbm_used_mb
+    assert up_hbm is not None and up_hbm > 0.9 * chips[0].hbm_total_mb  # pre-allocated by the engine
+    async with http.post(f"{server.url}/admin", json={"health": "Critical", "fail": "refuse"}) as r:
+        assert r.status == 200
+    with pytest.raises(aiohttp.ClientError):  # the engine is down ...
+        async with http.get(f"{server.url}/v1/models") as r:
+            await r.read()
+    async with http.get(f"{server.url}/sim/npu-smi") as r:  # ... its NPU still answers npu-smi
+        assert r.status == 200
+        chips = parse_info(await r.text())
+    assert {c.health for c in chips} == {"Critical"}
+    assert chips[0].hbm_used_mb is not None and chips[0].hbm_used_mb < 4000  # nothing allocated: the floor
+    await http.post(f"{server.url}/admin", json={"health": "OK", "fail": "none"})
+    async with http.get(f"{server.url}/sim/npu-smi") as r:
+        assert {c.health for c in parse_info(await r.text())} == {"OK"}
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
+async def test_sampling_command_line_runs_as_the_collector_runs_it(start_engine: StartEngine,
+                                                                    http: aiohttp.ClientSession) -> None:
+    server = await start_engine()
+    await http.post(f"{server.url}/admin", json={"health": "Warning"})
+    command = sim_npu_smi_command(server.url + "/")
+    assert command.startswith("curl ")
+    chips = await run_npu_smi(split_command(command), timeout_s=10)
+    assert [(c.name, c.health) for c in chips] == [("910B3", "Warning")]
+    with pytest.raises(NpuSmiError):  # no engine there: curl fails, the collector counts an error
+        await run_npu_smi(split_command(sim_npu_smi_command("http://127.0.0.1:1")), timeout_s=10)
 
 
 def test_npu_smi_command_fails_cleanly_without_engine() -> None:
