@@ -1,6 +1,8 @@
 """The portable log form (design §7): one ``{"seq", "ts_ns", "subject", "data"}`` JSON object
-per line, for inputs and outputs alike. ``data`` is the payload as JSON; a payload that was not
-valid JSON when recorded is carried as a JSON string of its raw text.
+per line, for inputs and outputs alike. ``data`` is the payload as JSON when the payload is a
+JSON value other than a string, with no surrounding whitespace; any other payload (not valid JSON,
+a bare JSON string, padded with whitespace) is carried as a JSON string of its raw text. A JSON
+string in ``data`` therefore always means raw text, and every payload reads back byte for byte.
 
 ``input_line`` / ``output_line`` write the form. ``read_events`` yields envelopes, or a
 ``LineError`` for a line that cannot become one (it is reported with its line number and
@@ -41,8 +43,7 @@ _STRING = msgspec.json.Decoder(str)
 
 
 def payload_bytes(raw: bytes) -> bytes:
-    """A JSON string carries a raw (possibly malformed) payload; anything else is the payload."""
-    raw = raw.strip()
+    """A JSON string carries a payload's raw text; anything else is the payload itself."""
     if raw.startswith(b'"'):
         return _STRING.decode(raw).encode()
     return raw
@@ -65,12 +66,18 @@ def read_events(lines: Iterable[bytes]) -> Iterator[Envelope | LineError]:
 
 def input_line(seq: int, ts_ns: int, subject: str, payload: str) -> bytes:
     """One recorded input (payload text as stored) as a log line; ``payload_bytes`` reads it back."""
-    try:
-        msgspec.json.decode(payload)
-        data = payload.encode()
-    except msgspec.DecodeError:
-        data = encode(payload)  # not JSON: carried as a JSON string of its text
+    data = payload.encode()
+    if payload[:1] in ('"', "") or payload != payload.strip() or not _is_json(data):
+        data = encode(payload)  # carried as a JSON string of its text (module header)
     return encode(LogLine(seq, ts_ns, subject, msgspec.Raw(data))) + b"\n"
+
+
+def _is_json(data: bytes) -> bool:
+    try:
+        msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return False
+    return True
 
 
 def output_line(output: Output, ts_ns: int) -> bytes:
