@@ -204,8 +204,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     config = state.config
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
-    session = aiohttp.ClientSession(connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
-                                    skip_auto_headers=("Accept-Encoding",))
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
                                     sock_read=config.upstream_timeout_s)
     state.forwarder = Forwarder(session, state.router, state.events, state.metrics, config.max_retries,

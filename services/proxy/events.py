@@ -132,7 +132,8 @@ class EventPublisher:
 
     def _put(self, subject: str, data: bytes, msg_id: str) -> None:
         self.buffer.append((subject, data, msg_id))
-        self._enforce_bound()
+        if len(self.buffer) > self.capacity:
+            self._enforce_bound()
         if not self._wakeup.is_set():
             self._wakeup.set()
         self._idle.clear()

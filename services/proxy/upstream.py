@@ -307,8 +307,11 @@ def upstream_url(base: str, path_qs: str) -> str:
 
 
 def forward_headers(headers: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
+    """The client's headers for the engine. A client that asked for no encoding gets none: ``identity``
+    (else aiohttp would offer gzip for it, and the proxy passes bodies through undecoded)."""
     out: CIMultiDict[str] = CIMultiDict(headers)
     strip(out, REQUEST_DROP)
+    out.setdefault("Accept-Encoding", "identity")
     out[REQUEST_ID_HEADER] = request_id
     return out
 

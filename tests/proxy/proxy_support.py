@@ -7,7 +7,7 @@ content chunks), ``delay`` (seconds between chunks), ``cut_after`` (abort the co
 that many chunks), ``status`` (answer with this status), ``headers`` (extra response headers, with
 ``status``). Engine-wide ``fail`` modes:
 ``"http500"`` (every completion answers 500) and ``"drop"`` (close the connection without an
-answer). It records every completion it received (and its Cookie header) and every one the client cancelled.
+answer). It records every completion it received (body and headers) and every one the client cancelled.
 
 CoreDriver runs ``scheduler.core.Scheduler`` in the test, feeding it admin events with
 increasing sequence numbers and real timestamps, and puts each snapshot it emits into KV
@@ -40,7 +40,7 @@ class EchoEngine:
     fail: str = "none"
     received: list[dict[str, Any]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
-    cookies: list[str | None] = field(default_factory=list)  # the Cookie header of each completion
+    headers: list[dict[str, str]] = field(default_factory=list)  # the request headers of each completion
     runner: web.AppRunner | None = None
     url: str = ""
 
@@ -65,7 +65,7 @@ class EchoEngine:
         body = await request.json()
         control = body.get("test") or {}
         self.received.append(body)
-        self.cookies.append(request.headers.get("Cookie"))
+        self.headers.append(dict(request.headers))
         if self.fail == "http500":
             return web.json_response({"error": {"message": f"{self.name} broken", "type": "server_error"}}, status=500)
         if "status" in control:

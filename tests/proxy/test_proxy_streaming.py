@@ -141,4 +141,19 @@ async def test_redirects_pass_through_and_engine_cookies_are_not_kept(engines, c
     async with aiohttp.ClientSession() as other_client:  # another client, no cookie of its own
         async with other_client.post(proxy.url + CHAT, json={"model": "m", "messages": []}) as resp:
             assert resp.status == 200
-    assert engine.cookies == [None, None, None]  # the proxy's session never replays an engine's cookie
+    assert [h.get("Cookie") for h in engine.headers] == [None] * 3  # the proxy never replays an engine's cookie
+
+
+async def test_the_engine_is_asked_for_the_encoding_the_client_asked_for(engines, core: CoreDriver,
+                                                                          start_proxy: StartProxy) -> None:
+    engine = await engines("a")
+    proxy = await start_proxy()
+    await wait_seq(proxy, "default", await core.register("a", engine.url))
+    body = json.dumps({"model": "m", "messages": []}).encode()
+    async with aiohttp.ClientSession(skip_auto_headers=("Accept-Encoding",)) as bare:
+        async with bare.post(proxy.url + CHAT, data=body, headers={"Content-Type": "application/json"}) as resp:
+            assert resp.status == 200
+        async with bare.post(proxy.url + CHAT, data=body, headers={"Accept-Encoding": "gzip"}) as resp:
+            assert resp.status == 200
+    assert [h.get("Accept-Encoding") for h in engine.headers] == ["identity", "gzip"]
+    assert all(h["x-laswrr-request-id"] for h in engine.headers)
