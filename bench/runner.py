@@ -115,7 +115,8 @@ async def wait_ready(watch: SnapshotWatch, capacities: dict[str, int], timeout_s
 
 async def apply_action(action: Action, engine_urls: dict[str, str], http: aiohttp.ClientSession,
                        watch: SnapshotWatch) -> None:
-    """One action: engine admin change and, for an announced capacity, the admin event at once."""
+    """One action: the engine admin change (capacity, slowdown, fail, or the health its npu-smi
+    shows) and, for an announced capacity, the admin event at once."""
     changes = {action.kind: action.value}
     calls = [_engine_admin(http, engine_urls[action.node], changes)]
     if action.kind == "capacity" and action.announce:

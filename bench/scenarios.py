@@ -36,8 +36,11 @@ their P99s are comparable.
 **Actions** (times in seconds from the start of the load, before ``--duration-scale``):
 ``capacity`` sets the engine's slots (engine admin) and, when ``announce``, publishes
 ``lb.admin.capacity.<node>`` at the same moment; ``slowdown`` and ``fail`` go to the engine admin
-only (silent faults). Each action also defines the node's *true* capacity for the balance metrics
-(``fail: refuse`` = 0 until ``fail: none``).
+only (silent faults); ``health`` sets the Health its simulated ``npu-smi info`` shows (OK |
+Warning | Alarm | Critical), which reaches the scheduler only through the collector's npu-smi
+samples, as on real hardware. Each action also defines the node's *true* capacity for the balance
+metrics: 0 while its engine refuses (``fail: refuse``) or its NPU is ``Critical`` (ascend.md §3.1:
+eject now), whichever of the two or both; its slots again once neither holds.
 """
 
 from __future__ import annotations
@@ -45,14 +48,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from bench.metrics import CapacityAt, Phase, capacity_timeline
 from bench.workload import WorkloadSpec, mean_output_tokens
+from services.sim_engine.config import HEALTH_STATES
 from services.sim_engine.physics import EngineSim
 from services.sim_engine.profiles import get_profile
 
-ActionKind = Literal["capacity", "slowdown", "fail"]
+ActionKind = Literal["capacity", "slowdown", "fail", "health"]
+ACTION_KINDS: tuple[str, ...] = get_args(ActionKind)
+DOWN_HEALTH = frozenset({"Critical"})  # an NPU health that leaves the node no capacity at all
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +73,15 @@ class Action:
     at_s: float
     kind: ActionKind
     node: str
-    value: Any  # capacity: int; slowdown: float; fail: "refuse" | "none" | ...
+    value: Any  # capacity: int; slowdown: float; fail: "refuse" | "none" | ...; health: "OK" | "Critical" | ...
     announce: bool = False  # capacity only: also publish lb.admin.capacity.<node>
     label: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ACTION_KINDS:
+            raise ValueError(f"action kind must be one of {', '.join(ACTION_KINDS)}, got {self.kind!r}")
+        if self.kind == "health" and self.value not in HEALTH_STATES:
+            raise ValueError(f"health action value must be one of {', '.join(HEALTH_STATES)}, got {self.value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,18 +141,27 @@ def _lognormal_mean_factor(sigma: float) -> float:
 
 
 def true_capacity_changes(scenario: Scenario) -> list[tuple[float, str, float]]:
-    """(t, node, capacity) steps of the engines' real capacity, for the balance metrics."""
+    """(t, node, capacity) steps of the engines' real capacity, for the balance metrics: its slots,
+    or 0 while its engine refuses or its NPU is Critical (one step to 0 when both happen)."""
     slots = {e.node: float(e.capacity) for e in scenario.engines}
-    failed: set[str] = set()
+    current = dict(slots)
+    refused: set[str] = set()
+    critical: set[str] = set()
     changes: list[tuple[float, str, float]] = []
     for action in sorted(scenario.actions, key=lambda a: a.at_s):
+        node = action.node
         if action.kind == "capacity":
-            slots[action.node] = float(action.value)
+            slots[node] = float(action.value)
         elif action.kind == "fail":
-            (failed.add if action.value == "refuse" else failed.discard)(action.node)
+            (refused.add if action.value == "refuse" else refused.discard)(node)
+        elif action.kind == "health":
+            (critical.add if action.value in DOWN_HEALTH else critical.discard)(node)
         else:
             continue
-        changes.append((action.at_s, action.node, 0.0 if action.node in failed else slots[action.node]))
+        capacity = 0.0 if node in refused or node in critical else slots[node]
+        if capacity != current[node]:
+            current[node] = capacity
+            changes.append((action.at_s, node, capacity))
     return changes
 
 
@@ -191,10 +212,13 @@ HETEROGENEOUS = Scenario(
 
 CRASH_RETURN = Scenario(
     name="crash-return",
-    description="4×910B; n4's engine refuses every connection (crash), then comes back",
+    description="4×910B; n4's NPU goes Critical in npu-smi and its engine refuses every connection (crash); "
+                "later npu-smi shows OK again and the engine serves",
     engines=HOMOGENEOUS,
     phases=_three_phases(("steady", "crash", "return"), 14.0, 28.0, 42.0),
-    actions=(Action(14.0, "fail", "n4", "refuse", label="n4 crashes (refuse)"),
+    actions=(Action(14.0, "health", "n4", "Critical", label="n4 NPU Critical"),
+             Action(14.0, "fail", "n4", "refuse", label="n4 crashes (refuse)"),
+             Action(28.0, "health", "n4", "OK", label="n4 NPU OK"),
              Action(28.0, "fail", "n4", "none", label="n4 returns")),
     util=0.5,
     focus_phase="crash",
