@@ -67,7 +67,7 @@ def read_events(lines: Iterable[bytes]) -> Iterator[Envelope | LineError]:
 def input_line(seq: int, ts_ns: int, subject: str, payload: str) -> bytes:
     """One recorded input (payload text as stored) as a log line; ``payload_bytes`` reads it back."""
     data = payload.encode()
-    if payload[:1] in ('"', "") or payload != payload.strip() or not _is_json(data):
+    if payload[:1] == '"' or payload != payload.strip() or not _is_json(data):
         data = encode(payload)  # carried as a JSON string of its text (module header)
     return encode(LogLine(seq, ts_ns, subject, msgspec.Raw(data))) + b"\n"
 
