@@ -31,6 +31,18 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     stale_full_ms: int = 10_000  # ... and count as fully unknown at this age
     latency_alpha: float = 0.2  # EWMA factor for TTFT / end-to-end latency
     warning_health: float = 0.7  # health factor of an NPU reporting Warning
+    # Differences of a node's load from its pool's mean smaller than this are noise: each load is
+    # moved this much toward the mean before it sets the target (identical nodes then get identical
+    # weights, and the proxies' exact in-flight counts settle the small imbalances).
+    load_deadband: float = 0.05
+    # An engine seen twice in a row (``slots_evidence`` samples) with a queue while running fewer
+    # requests than its capacity runs only that many slots (a silent capacity loss); that belief
+    # climbs back to the full capacity over ``slots_regain_ms`` unless the engine confirms it, and
+    # is held at the evidence while the node's latency signal stays above ``slots_hold_latency``
+    # (still answering that much slower than the pool's fastest node: it has not recovered).
+    slots_evidence: int = 2
+    slots_regain_ms: int = 10_000
+    slots_hold_latency: float = 0.5
     # Easing of effective toward target, once per tick.
     ease_alpha: float = 0.5
     ease_max_step: float = 0.25  # per tick, as a fraction of the node's largest capacity
@@ -79,7 +91,7 @@ def _check(config: SchedulerConfig) -> None:
     weights = (config.w_queue, config.w_running, config.w_kv, config.w_npu, config.w_latency)
     if min(weights) < 0 or sum(weights) <= 0:
         raise SchemaError("invalid configuration: load weights must be >= 0 with a positive sum")
-    for name in ("max_load_cut", "floor_fraction", "unknown_load", "latency_alpha", "warning_health",
+    for name in ("max_load_cut", "floor_fraction", "load_deadband", "slots_hold_latency", "unknown_load", "latency_alpha", "warning_health",
                  "ease_alpha", "ease_max_step", "slow_start_min_pct", "panic_threshold"):
         value = getattr(config, name)
         if not 0.0 <= value <= 1.0:
@@ -91,10 +103,10 @@ def _check(config: SchedulerConfig) -> None:
     if config.ease_max_step <= 0:
         raise SchemaError("invalid configuration: ease_max_step must be > 0")
     for name in ("stale_after_ms", "stale_full_ms", "drain_deadline_ms", "slow_start_window_ms",
-                 "base_ejection_ms", "max_ejection_ms", "backoff_decay_ms", "proxy_timeout_ms"):
+                 "base_ejection_ms", "max_ejection_ms", "backoff_decay_ms", "proxy_timeout_ms", "slots_regain_ms"):
         if getattr(config, name) < 0:
             raise SchemaError(f"invalid configuration: {name}={getattr(config, name)} must be >= 0")
-    for name in ("health_fail_threshold", "consecutive_failures"):
+    for name in ("health_fail_threshold", "consecutive_failures", "slots_evidence"):
         if getattr(config, name) < 1:
             raise SchemaError(f"invalid configuration: {name}={getattr(config, name)} must be >= 1")
     if not 0.0 <= config.max_ejection_percent <= 100.0:

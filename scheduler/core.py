@@ -275,6 +275,7 @@ class Scheduler:
             return
         node.capacity = capacity
         node.max_capacity = max(node.max_capacity, capacity)
+        node.queue_evidence, node.slots_seen = 0, None  # the announced capacity replaces any belief
         self._touched.add(node.pool)
         if capacity == 0:
             if node.phase in ROUTABLE or node.phase == Phase.EJECTED:
@@ -320,8 +321,24 @@ class Scheduler:
         node = self._require(key)
         node.running, node.waiting, node.kv = event.running, event.waiting, event.kv_cache_usage
         node.engine_ns = self.state.now_ns
+        self._observe_slots(node, event.running, event.waiting)
         if event.ttft_ms is not None:
             self._observe_latency(node, event.ttft_ms)
+
+    def _observe_slots(self, node: NodeState, running: int, waiting: int) -> None:
+        """Queue evidence of a silent capacity loss (weights.believed_slots): a queue beside free
+        slots, ``slots_evidence`` samples in a row, sets the belief to the running count; running
+        above the belief without a queue raises it to that count."""
+        now = self.state.now_ns
+        believed = wt.believed_slots(node.capacity, node.slots_seen, node.slots_seen_ns, now, self.config)
+        if waiting > 0 and running < node.capacity:
+            node.queue_evidence += 1
+            if node.queue_evidence >= self.config.slots_evidence:
+                node.slots_seen, node.slots_seen_ns = max(running, 1), now
+            return
+        node.queue_evidence = 0
+        if believed is not None and running > believed:
+            node.slots_seen, node.slots_seen_ns = running, now
 
     def _observe_latency(self, node: NodeState, ttft_ms: float) -> None:
         alpha = self.config.latency_alpha
@@ -455,27 +472,37 @@ class Scheduler:
         if members is None:
             members = [n for n in self.state.nodes.values() if n.pool == pool]
         panic = self._panic(members)
+        cfg, now = self.config, self.state.now_ns
         latencies = [n.ttft_ewma for n in members if n.ttft_ewma is not None and n.phase in ROUTABLE]
         best = min(latencies) if latencies else None
+        routed: list[tuple[NodeState, float, float]] = []  # (node, believed slots, load)
         for node in members:
-            signals = self._signals(node, best)
-            node.load = self._signals_view(node, signals)
+            slots = wt.believed_slots(node.capacity, node.slots_seen, node.slots_seen_ns, now, cfg)
+            if slots is None:
+                node.slots_seen = None
+            elif wt.latency_signal(node.ttft_ewma, best) > cfg.slots_hold_latency:
+                node.slots_seen_ns = now  # still slow: the evidence holds
+                slots = wt.believed_slots(node.capacity, node.slots_seen, now, now, cfg)
+            signals = self._signals(node, best, slots)
+            node.load = self._signals_view(node, signals, slots)
             node.health = self._health_factor(node)
             if not self._routable(node, panic):
                 node.target = node.effective = 0.0
                 continue
+            routed.append((node, node.capacity if slots is None else slots, signals.load(cfg)))
+        loads = wt.shrink_loads([load for _, _, load in routed], cfg.load_deadband)
+        for (node, slots, _), load in zip(routed, loads):
             # In panic an ejected node is routed to regardless of its health (Envoy's panic mode).
             health = 1.0 if node.phase == Phase.EJECTED else node.health
-            target = wt.target_weight(node.capacity, health, signals.load(self.config), self.config)
+            target = wt.target_weight(slots, health, load, cfg)
             if node.phase == Phase.RECOVERING:
-                factor = wt.slow_start_factor(self.state.now_ns - node.slow_start_since_ns,
-                                              node.slow_start_floor, self.config)
+                factor = wt.slow_start_factor(now - node.slow_start_since_ns, node.slow_start_floor, cfg)
                 target = wt.r3(target * factor)
             node.target = target
             if node.phase == Phase.EJECTED and node.effective <= 0:
                 node.effective = target  # routable only through the panic rail: spread at once
             elif ease:
-                node.effective = wt.ease(node.effective, target, node.max_capacity, self.config)
+                node.effective = wt.ease(node.effective, target, node.max_capacity, cfg)
 
     def _health_factor(self, node: NodeState) -> float:
         if node.probe_failures >= self.config.health_fail_threshold:
@@ -484,12 +511,13 @@ class Scheduler:
             return 1.0
         return self.config.warning_health if node.npu_health == "Warning" else 0.0
 
-    def _signals(self, node: NodeState, best_latency: float | None) -> wt.Signals:
+    def _signals(self, node: NodeState, best_latency: float | None, slots: float | None) -> wt.Signals:
         cfg, now = self.config, self.state.now_ns
         age = None if node.engine_ns is None else now - node.engine_ns
         stale = wt.staleness(age, cfg)
         sampled = None if node.running is None else node.running + (node.waiting or 0)
-        queue, running = wt.occupancy_signals(node.capacity, sampled, stale, node.inflight, cfg.unknown_load,
+        capacity = node.capacity if slots is None else max(1, round(slots))
+        queue, running = wt.occupancy_signals(capacity, sampled, stale, node.inflight, cfg.unknown_load,
                                               node.waiting or 0)
         npu_stale = wt.staleness(None if node.npu_ns is None else now - node.npu_ns, cfg)
         return wt.Signals(
@@ -500,11 +528,11 @@ class Scheduler:
             staleness=stale, sample_age_ms=None if age is None else age // MS,
         )
 
-    def _signals_view(self, node: NodeState, signals: wt.Signals | None) -> LoadView:
+    def _signals_view(self, node: NodeState, signals: wt.Signals | None, slots: float | None = None) -> LoadView:
         if signals is None:
             return LoadView(queue=0.0, running=0.0, kv=0.0, npu=0.0, latency=0.0, load=0.0,
                             sample_age_ms=None, stale=True)
         r3 = wt.r3
         return LoadView(queue=r3(signals.queue), running=r3(signals.running), kv=r3(signals.kv),
                         npu=r3(signals.npu), latency=r3(signals.latency), load=r3(signals.load(self.config)),
-                        sample_age_ms=signals.sample_age_ms, stale=signals.staleness >= 1.0)
+                        sample_age_ms=signals.sample_age_ms, stale=signals.staleness >= 1.0, slots=slots)

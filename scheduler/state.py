@@ -45,6 +45,9 @@ class NodeState(msgspec.Struct, kw_only=True):
     health: float = 1.0
     load: LoadView | None = None
     npu_ns: int | None = None  # time of the last NPU sample (its signals age on their own)
+    queue_evidence: int = 0  # engine samples in a row with a queue and fewer running than capacity
+    slots_seen: int | None = None  # the running count of the last such evidence (weights.believed_slots)
+    slots_seen_ns: int = 0
 
 
 class OpenRequest(msgspec.Struct, frozen=True):

@@ -14,7 +14,16 @@ npu-smi, each aged by its own sample time) decay toward ``unknown_load`` between
 samples stopped is therefore not mistaken for an idle one.
 
   load   = Σ w_k·signal_k / Σ w_k
-  target = clamp(capacity · health · (1 - max_load_cut·load), floor_fraction·capacity, capacity)
+  load'  = mean + sign(d)·max(0, |d| - load_deadband),  d = load - mean   (mean over the pool's
+           routable nodes): differences within the dead band are noise, not a reason to move weight
+  target = clamp(slots · health · (1 - max_load_cut·load'), floor_fraction·slots, slots)
+
+``slots`` is the registered capacity, unless the engine showed a queue while running fewer
+requests than that (``slots_evidence`` samples in a row): then it runs only that many slots (a
+silent capacity loss), and the belief climbs back linearly to the capacity over
+``slots_regain_ms`` unless a new sample confirms it (AIMD: cut at once to the evidence, probe back
+slowly; a node kept light by its low weight shows no queue, so only time can restore it). While
+the node's latency signal stays above ``slots_hold_latency`` the climb waits at the evidence.
 
 Easing, once per tick (time-driven, unlike nginx's traffic-driven +1 per pass):
   eff ← eff + clip(ease_alpha·(target - eff), -step, +step),  step = ease_max_step·max_capacity
@@ -28,6 +37,7 @@ with aggression 1 → 0.5. Values are rounded to 1e-3 so snapshots are short and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from scheduler.config import SchedulerConfig
@@ -109,7 +119,27 @@ def latency_signal(own_ewma: float | None, best_ewma: float | None) -> float:
     return max(0.0, 1.0 - best_ewma / own_ewma)
 
 
-def target_weight(capacity: int, health: float, load: float, config: SchedulerConfig) -> float:
+def shrink_loads(loads: list[float], band: float) -> list[float]:
+    """Each load moved ``band`` toward the mean of ``loads`` (never past it)."""
+    if band <= 0 or len(loads) < 2:
+        return loads
+    mean = sum(loads) / len(loads)
+    return [mean + math.copysign(max(0.0, abs(load - mean) - band), load - mean) for load in loads]
+
+
+def believed_slots(capacity: int, seen: int | None, seen_ns: int, now_ns: int, config: SchedulerConfig) -> float | None:
+    """The slots a node is believed to run after its engine showed only ``seen`` with a queue at
+    ``seen_ns``: ``seen`` climbing back to ``capacity`` over ``slots_regain_ms``; None once there."""
+    if seen is None or seen >= capacity:
+        return None
+    regain = config.slots_regain_ms * MS
+    if regain <= 0:
+        return None
+    believed = seen + capacity * max(0, now_ns - seen_ns) / regain
+    return None if believed >= capacity else r3(believed)
+
+
+def target_weight(capacity: float, health: float, load: float, config: SchedulerConfig) -> float:
     if capacity <= 0 or health <= 0:
         return 0.0
     raw = capacity * health * (1.0 - config.max_load_cut * min(max(load, 0.0), 1.0))

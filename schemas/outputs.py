@@ -13,7 +13,7 @@ from typing import ClassVar
 import msgspec
 
 
-class LoadView(msgspec.Struct, frozen=True, kw_only=True):
+class LoadView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     queue: float
     running: float
     kv: float
@@ -22,6 +22,7 @@ class LoadView(msgspec.Struct, frozen=True, kw_only=True):
     load: float
     sample_age_ms: int | None
     stale: bool
+    slots: float | None = None  # believed slots after queue evidence of a silent loss; None: the capacity
 
 
 class NodeView(msgspec.Struct, frozen=True, kw_only=True):

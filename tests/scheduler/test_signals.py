@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+from hypothesis import given
+from hypothesis import strategies as st
 from sched_feed import Feed, rejections, warm_pool
 
 from scheduler import weights as wt
@@ -82,7 +84,12 @@ def test_a_node_with_a_queue_gets_a_lower_target() -> None:
     assert (q["queue"], q["running"]) == (0.5, 1.0)  # 10 waiting on 10 slots; all slots busy
     assert feed.node("n1").target < feed.node("n2").target < 10.0
     expected = (0.35 * 0.5 + 0.25 * 1.0 + 0.15 * 0.6 + 0.05 * 0.0) / 1.0
-    assert feed.node("n1").target == round(10 * (1 - 0.9 * expected), 3)
+    other = 0.25 * 0.2 + 0.15 * 0.1
+    assert (q["load"], _load(feed, "n2")["load"]) == (round(expected, 3), round(other, 3))
+    # the target moves each load 0.05 toward the pool's mean first (the dead band)
+    shrunk = wt.shrink_loads([expected, other], CFG.load_deadband)[0]
+    assert shrunk == (expected + other) / 2 + (expected - other) / 2 - 0.05
+    assert feed.node("n1").target == round(10 * (1 - 0.9 * shrunk), 3)
 
 
 def test_an_engine_that_queues_below_its_registered_capacity_is_saturated() -> None:
@@ -95,8 +102,9 @@ def test_an_engine_that_queues_below_its_registered_capacity_is_saturated() -> N
     slow, healthy = _load(feed, "n1"), _load(feed, "n2")
     assert (slow["queue"], slow["running"]) == (0.6, 1.0)  # 3 waiting on its 2 real slots
     assert (healthy["queue"], healthy["running"]) == (0.0, 0.5)
-    expected = 0.35 * 0.6 + 0.25 * 1.0 + 0.15 * 0.1
-    assert feed.node("n1").target == round(10 * (1 - 0.9 * expected), 3) < 0.7 * feed.node("n2").target
+    expected = wt.shrink_loads([0.35 * 0.6 + 0.25 * 1.0 + 0.15 * 0.1, 0.25 * 0.5 + 0.15 * 0.1], CFG.load_deadband)[0]
+    assert feed.node("n1").target == round(10 * (1 - 0.9 * expected), 3) < 0.75 * feed.node("n2").target
+    assert slow.get("slots") is None  # one sample is not yet evidence (a request can wait a step)
 
 
 def test_inflight_from_request_events_is_dead_reckoned_over_the_last_sample() -> None:
@@ -181,3 +189,116 @@ def test_weights_never_exceed_capacity_or_go_negative() -> None:
             target = wt.target_weight(7, health, load, CFG)
             assert 0.0 <= target <= 7.0
             assert math.isclose(target, round(target, 3))
+
+
+# -- silent capacity loss: queue evidence -> believed slots (AIMD) ------------------------------
+
+
+def _slots(feed: Feed, node: str) -> float | None:
+    return _load(feed, node).get("slots")
+
+
+def test_a_queue_beside_free_slots_twice_in_a_row_sets_the_believed_slots() -> None:
+    feed = _idle_pool("n1", "n2")
+    feed.engine("n1", running=2, waiting=3, kv=0.1, dt_ms=500)
+    feed.tick()
+    assert _slots(feed, "n1") is None  # once could be a request waiting for the next step
+    feed.engine("n1", running=2, waiting=3, kv=0.1, dt_ms=500)
+    feed.tick()
+    assert CFG.slots_regain_ms == 10_000
+    assert _slots(feed, "n1") == 2.1  # the tick came 100 ms later: + 10 slots · 0.1 s / 10 s
+    assert feed.node("n1").target <= 2.0 < feed.node("n2").target
+    # the occupancy is now measured against the 2 slots it runs: 2 in flight fill it
+    feed.engine("n1", running=2, waiting=0, dt_ms=100)
+    feed.start("n1")
+    feed.start("n1")
+    feed.tick()
+    assert _load(feed, "n1")["running"] == 1.0
+
+
+def test_the_belief_climbs_back_to_the_capacity_over_slots_regain_ms() -> None:
+    feed = _idle_pool("n1", "n2")
+    feed.engine("n1", running=2, waiting=3)
+    feed.engine("n1", running=2, waiting=3)
+    believed = []
+    for _ in range(20):
+        feed.tick(period_ms=1000)
+        believed.append(_slots(feed, "n1"))
+    assert believed[:3] == [3.0, 4.0, 5.0]  # + capacity / 10 s per second
+    assert believed[6] == 9.0
+    assert believed[7:] == [None] * 13  # back at 10: the registered capacity rules again
+    assert feed.node("n1").slots_seen is None
+    assert feed.node("n1").target == feed.node("n2").target  # both merely stale by now
+
+
+def test_single_or_interleaved_queue_samples_are_not_evidence() -> None:
+    feed = _idle_pool("n1", "n2")
+    for running, waiting in ((3, 1), (3, 0), (2, 1), (4, 0), (10, 5), (10, 5)):
+        feed.engine("n1", running=running, waiting=waiting)
+        feed.tick()
+        assert _slots(feed, "n1") is None  # a queue with every slot busy is just a full node
+
+
+def test_running_above_the_belief_raises_it_and_an_announced_capacity_replaces_it() -> None:
+    feed = _idle_pool("n1", "n2")
+    feed.engine("n1", running=2, waiting=3)
+    feed.engine("n1", running=2, waiting=3)
+    feed.tick()
+    assert _slots(feed, "n1") == 2.1  # 100 ms later: + 10 slots · 0.1 s / 10 s
+    feed.engine("n1", running=6, waiting=0)
+    feed.tick()
+    assert _slots(feed, "n1") == 6.1
+    feed.engine("n1", running=4, waiting=0)  # fewer running without a queue says nothing
+    feed.tick()
+    assert _slots(feed, "n1") == 6.2
+    feed.capacity("n1", 8)
+    feed.tick()
+    assert _slots(feed, "n1") is None and feed.node("n1").capacity == 8
+
+
+# -- the load dead band ---------------------------------------------------------------------------
+
+
+def test_identical_nodes_with_a_little_load_noise_get_identical_targets() -> None:
+    feed = _idle_pool("n1", "n2", "n3")
+    feed.engine("n1", running=1, kv=0.02, ttft_ms=100.0)
+    feed.engine("n2", running=2, kv=0.03, ttft_ms=120.0)
+    feed.engine("n3", running=1, kv=0.01, ttft_ms=110.0)
+    feed.tick()
+    loads = [_load(feed, n)["load"] for n in ("n1", "n2", "n3")]
+    assert len(set(loads)) == 3 and max(loads) - min(loads) < 0.1
+    targets = {feed.node(n).target for n in ("n1", "n2", "n3")}
+    assert len(targets) == 1 and targets.pop() < 10.0
+    # without the dead band the same signals spread the weights
+    feed.config(load_deadband=0.0)
+    feed.tick()
+    assert len({feed.node(n).target for n in ("n1", "n2", "n3")}) == 3
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8), st.floats(0.0, 0.5))
+def test_shrink_moves_each_load_at_most_band_toward_the_mean_and_keeps_the_order(loads: list[float],
+                                                                                 band: float) -> None:
+    out = wt.shrink_loads(loads, band)
+    mean = sum(loads) / len(loads)
+    for before, after in zip(loads, out):
+        assert min(before, mean) - 1e-12 <= after <= max(before, mean) + 1e-12
+        assert abs(after - before) <= band + 1e-12
+        if len(loads) > 1 and abs(before - mean) <= band:
+            assert math.isclose(after, mean)
+    order = sorted(range(len(loads)), key=loads.__getitem__)
+    assert all(out[a] <= out[b] + 1e-12 for a, b in zip(order, order[1:]))
+
+
+def test_the_belief_is_held_while_the_node_answers_much_slower_than_the_pool() -> None:
+    feed = _idle_pool("n1", "n2")
+    feed.engine("n2", ttft_ms=100.0)
+    feed.engine("n1", running=2, waiting=3, ttft_ms=400.0)  # latency 1 − 100/400 = 0.75
+    feed.engine("n1", running=2, waiting=3, ttft_ms=400.0)
+    for _ in range(5):
+        feed.tick(period_ms=1000)
+        assert _slots(feed, "n1") == 2.0
+    for _ in range(12):  # it answers as fast as n2 again: the EWMA falls, the latency signal with it
+        feed.engine("n1", running=1, ttft_ms=100.0)
+    feed.tick(period_ms=1000)
+    assert _load(feed, "n1")["latency"] <= 0.5
+    assert _slots(feed, "n1") == 3.0  # climbing again from the last time it was held
