@@ -28,6 +28,7 @@ from bench.report import PolicyRun, print_table, scenario_summary
 from bench.scenarios import SCENARIOS, Scenario, get_scenario
 from bench.workload import generate
 from scheduler.policies import POLICIES
+from services.children import interrupt_on_sigterm
 
 DEFAULT_POLICIES = ("la-swrr", "rr", "least-request", "p2c")
 DEFAULT_PEER = "vllm-router:power_of_two"  # an extra row when the `peers` extra is installed
@@ -152,6 +153,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
+    interrupt_on_sigterm()  # `kill` stops a run like Ctrl-C: the stack is torn down, nothing left behind
     started = time.monotonic()
     for name in names:
         out_dir = args.out / name

@@ -34,6 +34,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.scenarios import Scenario
+from services.children import preexec
 from services.natsbus import free_port
 from services.up import NodeSpec, Stack
 
@@ -99,7 +100,8 @@ async def start_vllm_router(router_policy: str, nodes: list[NodeSpec], log_dir: 
             binary, "--host", "127.0.0.1", "--port", str(port), "--policy", router_policy,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--worker-urls", *[n.url for n in nodes], "--log-level", "warning",
-            stdin=asyncio.subprocess.DEVNULL, stdout=sink, stderr=sink, start_new_session=True)
+            stdin=asyncio.subprocess.DEVNULL, stdout=sink, stderr=sink, start_new_session=True,
+            preexec_fn=preexec())
     peers.append(proc)
     url = f"http://127.0.0.1:{port}"
     await _wait_answering(url, proc)

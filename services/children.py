@@ -44,10 +44,24 @@ if sys.platform.startswith("linux"):
         _LIBC = ctypes.CDLL(None, use_errno=True)
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies (PR_SET_PDEATHSIG = 1)."""
+def die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (PR_SET_PDEATHSIG = 1).
+
+    Linux ties this to the *thread* that forked: spawn from a thread that lives as long as the
+    child should (the event loop's, or the main thread), not from a worker thread."""
     if _LIBC is not None:
         _LIBC.prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
+def preexec() -> Any:
+    """``preexec_fn`` for a child that must not outlive its parent (None where unsupported)."""
+    return die_with_parent if _LIBC is not None else None
+
+
+def interrupt_on_sigterm() -> None:
+    """Make SIGTERM stop a foreground command the way Ctrl-C does (KeyboardInterrupt), so its
+    cleanup runs and no child (nats-server, engines) is left behind by ``kill``."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: signal.default_int_handler(signum, frame))
 
 
 @dataclass
@@ -94,7 +108,7 @@ class ChildProcesses:
             process = await asyncio.create_subprocess_exec(
                 self.python, "-m", "services.cli", command, *args, stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=log_file, env=env, start_new_session=True,
-                preexec_fn=_die_with_parent if _LIBC is not None else None,
+                preexec_fn=preexec(),
             )
         finally:
             log_file.close()

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.children import interrupt_on_sigterm
+
 DEMO_POLICIES = ("la-swrr", "rr")
 # Twice the scenario's 42 s: long enough for round robin's queue on the one-slot node to show in
 # the drop phase (28 s of it), short enough for `make demo` to end in ~4 min on a fresh 2-core box
@@ -63,6 +65,7 @@ def main(args: argparse.Namespace) -> int:
     if args.duration_scale <= 0:
         print("demo: --duration-scale must be > 0", file=sys.stderr)
         return 2
+    interrupt_on_sigterm()  # `kill` stops the demo like Ctrl-C: the stack is torn down
     started = time.monotonic()
     print(f"demo: {ANNOUNCED_DROP.description}; policies {', '.join(DEMO_POLICIES)}; embedded NATS")
     try:

@@ -29,6 +29,7 @@ from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageT
 from nats.js.errors import BadRequestError, NotFoundError
 
 from schemas import subjects as sj
+from services.children import preexec
 
 log = logging.getLogger("laswrr.natsbus")
 
@@ -150,13 +151,22 @@ class EmbeddedNats:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float = 15.0) -> "EmbeddedNats":
+        self.spawn()
+        return self.wait_ready(timeout)
+
+    def spawn(self) -> None:
+        """Start the process (it dies with this thread's process: ``children.die_with_parent``)."""
         store = self.data_dir / "jetstream"
         store.mkdir(parents=True, exist_ok=True)
         log = ["-l", self.log_file] if self.log_file else []
         self.process = subprocess.Popen(
             [nats_server_binary(), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(store), *log],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec(),
         )
+
+    def wait_ready(self, timeout: float = 15.0) -> "EmbeddedNats":
+        """Block until the server accepts connections (or raise, stopping it)."""
+        assert self.process is not None, "spawn() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -229,7 +229,8 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self._nats_url is None:
             self.embedded = EmbeddedNats(self.data_dir, log_file=str(self.log_dir / "nats.log"))
-            await asyncio.to_thread(self.embedded.start)
+            self.embedded.spawn()  # from the loop's thread: PDEATHSIG follows the spawning thread
+            await asyncio.to_thread(self.embedded.wait_ready)
             self._nats_url = self.embedded.url
         try:
             self._nc = await nats.connect(self.nats_url, name="laswrr-up", connect_timeout=5,
