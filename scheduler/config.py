@@ -91,8 +91,9 @@ def _check(config: SchedulerConfig) -> None:
     weights = (config.w_queue, config.w_running, config.w_kv, config.w_npu, config.w_latency)
     if min(weights) < 0 or sum(weights) <= 0:
         raise SchemaError("invalid configuration: load weights must be >= 0 with a positive sum")
-    for name in ("max_load_cut", "floor_fraction", "load_deadband", "slots_hold_latency", "unknown_load", "latency_alpha", "warning_health",
-                 "ease_alpha", "ease_max_step", "slow_start_min_pct", "panic_threshold"):
+    for name in ("max_load_cut", "floor_fraction", "load_deadband", "slots_hold_latency", "unknown_load",
+                 "latency_alpha", "warning_health", "ease_alpha", "ease_max_step", "slow_start_min_pct",
+                 "panic_threshold"):
         value = getattr(config, name)
         if not 0.0 <= value <= 1.0:
             raise SchemaError(f"invalid configuration: {name}={value} must be within 0..1")
@@ -103,7 +104,8 @@ def _check(config: SchedulerConfig) -> None:
     if config.ease_max_step <= 0:
         raise SchemaError("invalid configuration: ease_max_step must be > 0")
     for name in ("stale_after_ms", "stale_full_ms", "drain_deadline_ms", "slow_start_window_ms",
-                 "base_ejection_ms", "max_ejection_ms", "backoff_decay_ms", "proxy_timeout_ms", "slots_regain_ms"):
+                 "base_ejection_ms", "max_ejection_ms", "backoff_decay_ms", "proxy_timeout_ms",
+                 "slots_regain_ms"):
         if getattr(config, name) < 0:
             raise SchemaError(f"invalid configuration: {name}={getattr(config, name)} must be >= 0")
     for name in ("health_fail_threshold", "consecutive_failures", "slots_evidence"):

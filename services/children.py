@@ -61,7 +61,7 @@ def preexec() -> Any:
 def interrupt_on_sigterm() -> None:
     """Make SIGTERM stop a foreground command the way Ctrl-C does (KeyboardInterrupt), so its
     cleanup runs and no child (nats-server, engines) is left behind by ``kill``."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: signal.default_int_handler(signum, frame))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 @dataclass

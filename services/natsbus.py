@@ -155,7 +155,8 @@ class EmbeddedNats:
         return self.wait_ready(timeout)
 
     def spawn(self) -> None:
-        """Start the process (it dies with this thread's process: ``children.die_with_parent``)."""
+        """Start the process; it gets SIGTERM when the thread that called this exits
+        (``children.die_with_parent``), so call it from a thread that outlives the server."""
         store = self.data_dir / "jetstream"
         store.mkdir(parents=True, exist_ok=True)
         log = ["-l", self.log_file] if self.log_file else []
