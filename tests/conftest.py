@@ -14,7 +14,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "real"
 
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
-    with EmbeddedNats(tmp_path / "nats") as server:
+    with EmbeddedNats(tmp_path / "nats", log_file=str(tmp_path / "nats.log")) as server:  # the log, for failures
         yield server
 
 

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import sys
+from pathlib import Path
 
 import aiohttp
 
@@ -130,7 +131,8 @@ async def test_nats_outage_keeps_routing_and_buffers_events(engines, core: CoreD
     await wait_for(lambda: proxy.state.events.buffered == 0, timeout=15, what="buffered events published")
     js = proxy.state.bus.nc.jetstream()  # type: ignore[union-attr]
     info = await js.stream_info(sj.EVENTS_STREAM)
-    assert info.state.messages >= 10
+    log = Path(nats_server.log_file or "").read_text(errors="replace")[-3000:] if nats_server.log_file else ""
+    assert info.state.messages >= 10, (info.state, proxy.state.events.published, log)
     assert proxy.state.events.dropped == 0
 
 
