@@ -146,10 +146,16 @@ async def test_metrics_show_load_and_queue(make_client: MakeClient, start_engine
     tasks = [asyncio.create_task(oai.completions.create(
         model="sim-910B", prompt="x", max_tokens=200, extra_body={"sim": {"prompt_tokens": 1000}}))
         for _ in range(4)]
-    await asyncio.sleep(0.1)
-    async with http.get(f"{server.url}/metrics") as r:
-        s = _samples(await r.text())
     m = (("model_name", "sim-910B"),)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while True:  # until the next step boundary after all four arrived (a fixed sleep was flaky on a busy box)
+        async with http.get(f"{server.url}/metrics") as r:
+            s = _samples(await r.text())
+        running, waiting = s[("vllm:num_requests_running", m)], s[("vllm:num_requests_waiting", m)]
+        if (running, running + waiting) == (2, 4) or loop.time() > deadline:
+            break
+        await asyncio.sleep(0.02)
     assert s[("vllm:num_requests_running", m)] == 2
     assert s[("vllm:num_requests_waiting", m)] == 2
     assert s[("vllm:kv_cache_usage_perc", m)] > 0.4  # 2 x (1000 + generated) of 5000
