@@ -35,11 +35,13 @@ SELECT s.out_seq, s.as_of_seq, s.tick, s.ts_ns, s.pool,
        TRY_CAST(n->>'capacity' AS BIGINT) AS capacity,
        TRY_CAST(n->>'effective_weight' AS DOUBLE) AS effective_weight,
        TRY_CAST(n->>'target_weight' AS DOUBLE) AS target_weight,
-       TRY_CAST(n->>'inflight' AS BIGINT) AS inflight
+       TRY_CAST(n->>'inflight' AS BIGINT) AS inflight,
+       TRY_CAST(n->'load'->>'slots' AS DOUBLE) AS believed_slots
 FROM snapshots s, unnest(CAST(s.j->'nodes' AS JSON[])) AS t(n);
 
 CREATE OR REPLACE VIEW weights_over_time AS
-SELECT ts_ns, tick, pool, node, phase, effective_weight, target_weight, inflight, capacity, routable, as_of_seq
+SELECT ts_ns, tick, pool, node, phase, effective_weight, target_weight, inflight, capacity, routable, as_of_seq,
+       believed_slots
 FROM snapshot_nodes;
 
 CREATE OR REPLACE VIEW phase_changes AS

@@ -245,3 +245,21 @@ def test_what_if_overrides_outlive_recorded_config_events(crafted: tuple[Path, d
     with open(out / "same" / "weights.csv") as handle:
         assert all(r["recorded_effective"] == r["whatif_effective"] and r["recorded_phase"] == r["whatif_phase"]
                    for r in csv.DictReader(handle))
+
+
+def test_weights_over_time_shows_the_believed_slots_of_a_silent_capacity_loss(tmp_path: Path) -> None:
+    log = LogBuilder()
+    log.node("a", 10)
+    log.node("b", 10)
+    log.tick()
+    for _ in range(2):  # a queue beside free slots, twice in a row: the engine runs only 2
+        log.add(sj.metrics_engine("a"), {"running": 2, "waiting": 3, "kv_cache_usage": 0.1}, after_ms=500)
+    seq = log.tick()
+    path = tmp_path / "events.duckdb"
+    log.write_db(path)
+    rows = query(path, f"SELECT node, believed_slots, target_weight FROM weights_over_time WHERE as_of_seq = {seq} "
+                       "ORDER BY node")
+    assert [(node, slots) for node, slots, _ in rows] == [("a", 2.1), ("b", None)]  # + 10 slots · 0.1 s / 10 s
+    assert rows[0][2] <= 2.1 < rows[1][2]
+    with store.open_read(path) as con:
+        assert replay_db(con).identical
