@@ -330,13 +330,13 @@ class Scheduler:
         slots, ``slots_evidence`` samples in a row, sets the belief to the running count; running
         above the belief without a queue raises it to that count."""
         now = self.state.now_ns
-        believed = wt.believed_slots(node.capacity, node.slots_seen, node.slots_seen_ns, now, self.config)
         if waiting > 0 and running < node.capacity:
             node.queue_evidence += 1
             if node.queue_evidence >= self.config.slots_evidence:
                 node.slots_seen, node.slots_seen_ns = max(running, 1), now
             return
         node.queue_evidence = 0
+        believed = wt.believed_slots(node.capacity, node.slots_seen, node.slots_seen_ns, now, self.config)
         if believed is not None and running > believed:
             node.slots_seen, node.slots_seen_ns = running, now
 
@@ -477,13 +477,14 @@ class Scheduler:
         best = min(latencies) if latencies else None
         routed: list[tuple[NodeState, float, float]] = []  # (node, believed slots, load)
         for node in members:
+            latency = wt.latency_signal(node.ttft_ewma, best)
             slots = wt.believed_slots(node.capacity, node.slots_seen, node.slots_seen_ns, now, cfg)
             if slots is None:
                 node.slots_seen = None
-            elif wt.latency_signal(node.ttft_ewma, best) > cfg.slots_hold_latency:
+            elif latency > cfg.slots_hold_latency:
                 node.slots_seen_ns = now  # still slow: the evidence holds
-                slots = wt.believed_slots(node.capacity, node.slots_seen, now, now, cfg)
-            signals = self._signals(node, best, slots)
+                slots = float(node.slots_seen or 0)
+            signals = self._signals(node, latency, slots)
             node.load = self._signals_view(node, signals, slots)
             node.health = self._health_factor(node)
             if not self._routable(node, panic):
@@ -511,7 +512,7 @@ class Scheduler:
             return 1.0
         return self.config.warning_health if node.npu_health == "Warning" else 0.0
 
-    def _signals(self, node: NodeState, best_latency: float | None, slots: float | None) -> wt.Signals:
+    def _signals(self, node: NodeState, latency: float, slots: float | None) -> wt.Signals:
         cfg, now = self.config, self.state.now_ns
         age = None if node.engine_ns is None else now - node.engine_ns
         stale = wt.staleness(age, cfg)
@@ -524,7 +525,7 @@ class Scheduler:
             queue=queue, running=running,
             kv=wt.blend(node.kv, stale, cfg.unknown_load),
             npu=wt.blend(node.npu_util, npu_stale, cfg.unknown_load),
-            latency=wt.latency_signal(node.ttft_ewma, best_latency),
+            latency=latency,
             staleness=stale, sample_age_ms=None if age is None else age // MS,
         )
 

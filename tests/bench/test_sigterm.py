@@ -72,11 +72,14 @@ def test_sigterm_stops_the_bench_and_every_process_it_started(tmp_path: Path) ->
         assert any("nats-server" in cmdline for cmdline in started.values()), started
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(60) == 130  # the Ctrl-C exit status, after the stack was stopped
-        alive = lambda: {pid: started[pid] for pid in started if pid in _alive_processes()}  # noqa: E731
+        def alive() -> dict[int, str]:
+            now = _alive_processes()  # one /proc scan per check
+            return {pid: cmdline for pid, cmdline in started.items() if pid in now}
         assert _wait_for(lambda: not alive(), 15), alive()
     finally:
         if bench.poll() is None:
             bench.kill()
+        left = _alive_processes()
         for pid in started:
-            if pid in _alive_processes():
+            if pid in left:
                 os.kill(pid, signal.SIGKILL)
