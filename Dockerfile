@@ -18,6 +18,7 @@ RUN groupadd --system --gid 10001 laswrr \
 # Only what `pip install .` needs (pyproject.toml names the packages; README.md is its readme).
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY laswrr ./laswrr
 COPY schemas ./schemas
 COPY scheduler ./scheduler
 COPY collectors ./collectors

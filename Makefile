@@ -19,11 +19,11 @@ test: $(STAMP)
 
 # Speed goals live here, not in timed tests. Each prints its figures; results land in bench-out/.
 bench: $(STAMP)
-	$(PY) -m bench.micro
-	$(PY) -m bench.bus_bench
-	$(PY) -m bench.recorder_bench
-	$(PY) -m bench.replay_bench
-	$(PY) -m bench.proxy_bench
+	$(PY) -m laswrr.bench.micro
+	$(PY) -m laswrr.bench.bus_bench
+	$(PY) -m laswrr.bench.recorder_bench
+	$(PY) -m laswrr.bench.replay_bench
+	$(PY) -m laswrr.bench.proxy_bench
 
 demo: $(STAMP)
 	$(VENV)/bin/laswrr demo --out demo-out

@@ -1,6 +1,6 @@
 """Scheduler-service throughput on a real nats-server: events/s applied, published and acked.
 
-  python -m bench.bus_bench [--events 100000] [--batch 1000] [--mode backlog|live|both]
+  python -m laswrr.bench.bus_bench [--events 100000] [--batch 1000] [--mode backlog|live|both]
 
 Workload: four registered nodes, then a request-shaped mix as the proxies and collectors produce
 it (per 100 events: 45 ``lb.req.started`` + 45 ``lb.req.finished``, 8 engine samples, 1 health
@@ -27,9 +27,9 @@ from collections.abc import Iterator
 
 from nats.js import JetStreamContext
 
-from schemas import subjects as sj
-from services.natsbus import EmbeddedNats, connect, ensure_streams
-from services.scheduler_service import SchedulerOptions, SchedulerService
+from laswrr.schemas import subjects as sj
+from laswrr.services.natsbus import EmbeddedNats, connect, ensure_streams
+from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService
 
 NODES = ("n910c", "n910b-1", "n910b-2", "n910")
 
@@ -99,7 +99,7 @@ async def live(url: str, count: int, batch: int) -> dict[str, float]:
     js = nc.jetstream()
     await ensure_streams(js)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", "scheduler", "--nats-url", url, "--tick-ms", "0",
+        sys.executable, "-m", "laswrr", "scheduler", "--nats-url", url, "--tick-ms", "0",
         "--batch", str(batch), "--checkpoint-every", "0", stderr=asyncio.subprocess.DEVNULL)
     await asyncio.sleep(2.0)  # let it start and go live on the empty stream
     kv = await js.key_value(sj.WEIGHTS_BUCKET)

@@ -24,11 +24,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.report import PolicyRun, print_table, scenario_summary
-from bench.scenarios import SCENARIOS, Scenario, get_scenario
-from bench.workload import generate
-from scheduler.policies import POLICIES
-from services.children import interrupt_on_sigterm
+from laswrr.bench.report import PolicyRun, print_table, scenario_summary
+from laswrr.bench.scenarios import SCENARIOS, Scenario, get_scenario
+from laswrr.bench.workload import generate
+from laswrr.scheduler.policies import POLICIES
+from laswrr.services.children import interrupt_on_sigterm
 
 DEFAULT_POLICIES = ("la-swrr", "rr", "least-request", "p2c")
 DEFAULT_PEER = "vllm-router:power_of_two"  # an extra row when the `peers` extra is installed
@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def parse_policies(text: str | None, peers: bool = True) -> list[str]:
-    from bench.stack_adapter import PEER_PREFIX, vllm_router_binary
+    from laswrr.bench.stack_adapter import PEER_PREFIX, vllm_router_binary
 
     if text is None:
         extra = [DEFAULT_PEER] if peers and vllm_router_binary() is not None else []
@@ -82,8 +82,8 @@ def read_scheduler_config(path: Path | None) -> dict[str, Any] | None:
         return None
     import tomllib
 
-    from scheduler.config import load_file
-    from schemas.codec import SchemaError
+    from laswrr.scheduler.config import load_file
+    from laswrr.schemas.codec import SchemaError
 
     try:
         load_file(str(path))
@@ -106,7 +106,7 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
     """Run every policy on the same workload; write results.json (and plots); return the summary."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from bench.runner import run_policy
+    from laswrr.bench.runner import run_policy
 
     scenario = scenario.scaled(scale)
     if util is not None:
@@ -126,7 +126,7 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
     (out_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     paths: list[Path] = []
     if plots:
-        from bench.plots import plot_all
+        from laswrr.bench.plots import plot_all
 
         paths = plot_all(scenario, runs, summary, out_dir)
     return summary, paths

@@ -29,8 +29,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from bench.metrics import RequestResult
-from bench.workload import RequestSpec, prompt_text
+from laswrr.bench.metrics import RequestResult
+from laswrr.bench.workload import RequestSpec, prompt_text
 
 NODE_HEADERS = ("x-laswrr-node", "x-sim-node")
 DONE = b"data: [DONE]"

@@ -1,6 +1,6 @@
 """Micro-benchmarks of the pure core: pick per policy, and ``Scheduler.apply`` throughput.
 
-    .venv/bin/python -m bench.micro            (or: make bench)
+    .venv/bin/python -m laswrr.bench.micro            (or: make bench)
 
 * **pick**: each policy over 16 candidates with mixed weights and live in-flight counts; the
   figure is the median over ``--rounds`` batches of the per-pick time (target ≤ 5 µs).
@@ -23,10 +23,10 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-from scheduler.core import Scheduler
-from scheduler.policies import POLICIES, Candidate, make_policy
-from schemas import subjects as sj
-from schemas.codec import Envelope
+from laswrr.scheduler.core import Scheduler
+from laswrr.scheduler.policies import POLICIES, Candidate, make_policy
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import Envelope
 
 NODES = [f"node-{i:02d}" for i in range(16)]
 PICK_TARGET_US = 5.0
@@ -125,7 +125,7 @@ def bench_apply(seconds: int, rps: int, rounds: int) -> tuple[int, float, dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.micro", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m laswrr.bench.micro", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=31, help="timing rounds per figure (default 31)")
     parser.add_argument("--seconds", type=int, default=10, help="simulated seconds in the apply mix (default 10)")

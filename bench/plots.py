@@ -19,9 +19,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
-from bench.metrics import inflight_series, sample_times  # noqa: E402
-from bench.report import PolicyRun  # noqa: E402
-from bench.scenarios import Scenario  # noqa: E402
+from laswrr.bench.metrics import inflight_series, sample_times  # noqa: E402
+from laswrr.bench.report import PolicyRun  # noqa: E402
+from laswrr.bench.scenarios import Scenario  # noqa: E402
 
 PHASE_SHADES = ("#ffffff", "#f3f3f3")
 

@@ -1,6 +1,6 @@
 """Proxy overhead benchmark: requests/s and added latency, direct vs our stack vs vllm-router.
 
-    python -m bench.proxy_bench [--duration 8] [--connections 64] [--rounds 2] [--out bench-out/proxy_bench.json]
+    python -m laswrr.bench.proxy_bench [--duration 8] [--connections 64] [--rounds 2] [--out bench-out/proxy_bench.json]
 
 One run starts, as separate processes on this machine: an embedded nats-server, two instant
 engines (below), the real stack (``laswrr scheduler``, ``laswrr recorder``, ``laswrr proxy``;
@@ -28,7 +28,7 @@ CPU per request over ours, engines included in both, the load generator in neith
 ratio the measured one approaches on a busy machine.
 
 The load generator is ``wrk`` (C, one thread) when installed (``apt-get install wrk``), else a
-lean asyncio client in its own process (``python -m bench.proxy_bench load``). The engine is a
+lean asyncio client in its own process (``python -m laswrr.bench.proxy_bench load``). The engine is a
 raw asyncio HTTP/1.1 server answering at once with a fixed completion (JSON, or SSE when the
 body asks for ``"stream": true``), so neither is the bottleneck.
 """
@@ -232,7 +232,7 @@ def load(url: str, body: dict[str, Any], connections: int, duration: float, work
     payload = json.dumps(body).encode()
     if shutil.which("wrk"):
         return wrk_load(url, payload, connections, duration, workdir)
-    out = subprocess.run([sys.executable, "-m", "bench.proxy_bench", "load", "--url", url, "--body", payload.decode(),
+    out = subprocess.run([sys.executable, "-m", "laswrr.bench.proxy_bench", "load", "--url", url, "--body", payload.decode(),
                           "-c", str(connections), "-d", str(duration)], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -314,7 +314,7 @@ def quiesce(pids: dict[str, int], timeout: float = 30.0) -> None:
 
 
 def laswrr(*args: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", *args]
+    return [sys.executable, "-m", "laswrr", *args]
 
 
 def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 2.0) -> Any:
@@ -335,7 +335,7 @@ def wait_until(check: Any, what: str, timeout: float = 60.0) -> None:
 
 
 async def register_nodes(nats_url: str, engines: dict[str, str]) -> None:
-    from services.natsbus import connect, ensure_streams
+    from laswrr.services.natsbus import connect, ensure_streams
     nc = await connect(nats_url, "proxy-bench")
     js = nc.jetstream()
     await ensure_streams(js)
@@ -348,7 +348,7 @@ def start_vllm_router(stack: Stack, engines: list[str]) -> tuple[str | None, str
     binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
     if not Path(binary).exists():
         return None, "vllm-router not installed (pip install 'laswrr[peers]' or pip install vllm-router)"
-    from services.natsbus import free_port
+    from laswrr.services.natsbus import free_port
     port = free_port()
     stack.spawn("vllm-router", [binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *engines,
                                 "--policy", "round_robin", "--log-level", "warning"])
@@ -407,7 +407,7 @@ def show(result: Result) -> None:
 
 
 def start_stack(stack: Stack, nats_url: str, policy: str) -> tuple[dict[str, str], str]:
-    engines = {f"e{i}": stack.spawn(f"engine-{i}", [sys.executable, "-m", "bench.proxy_bench", "engine"], LISTEN)
+    engines = {f"e{i}": stack.spawn(f"engine-{i}", [sys.executable, "-m", "laswrr.bench.proxy_bench", "engine"], LISTEN)
                for i in (1, 2)}
     stack.spawn("scheduler", laswrr("scheduler", "--nats-url", nats_url))
     stack.spawn("recorder", laswrr("recorder", "--nats-url", nats_url, "--data-dir", str(stack.workdir / "data")))
@@ -419,7 +419,7 @@ def start_stack(stack: Stack, nats_url: str, policy: str) -> tuple[dict[str, str
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.natsbus import EmbeddedNats
+    from laswrr.services.natsbus import EmbeddedNats
     workdir = Path(tempfile.mkdtemp(prefix="proxy-bench-"))
     stack = Stack(workdir)
     nats = EmbeddedNats(workdir / "nats").start()
@@ -493,7 +493,7 @@ def summarize(results: list[Result]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.proxy_bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m laswrr.bench.proxy_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
     engine = sub.add_parser("engine", help="run one instant engine")

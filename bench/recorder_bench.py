@@ -3,7 +3,7 @@
 Starts an embedded nats-server, fills LB_EVENTS with ``--events`` request events and LB_OUT with
 one snapshot per ``--out-every`` events (core publishes, so filling is not what is measured),
 then runs the real ``Recorder`` (same code as ``laswrr recorder``) until every message is
-committed and acked, and prints rows/s. Run: ``.venv/bin/python -m bench.recorder_bench``.
+committed and acked, and prints rows/s. Run: ``.venv/bin/python -m laswrr.bench.recorder_bench``.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import duckdb
 
-from schemas import subjects as sj
-from services.natsbus import EmbeddedNats, connect, ensure_streams
-from services.recorder import Recorder, RecorderOptions
+from laswrr.schemas import subjects as sj
+from laswrr.services.natsbus import EmbeddedNats, connect, ensure_streams
+from laswrr.services.recorder import Recorder, RecorderOptions
 
 GOAL = 20_000
 

@@ -5,7 +5,7 @@ Builds a realistic recorded log with ``replay.synthetic.workload`` (request star
 100 ms ticks, engine samples, a capacity drop and a drain; outputs recorded as the scheduler
 service publishes them), writes it to a DuckDB file with the recorder's insert path, then times
 ``replay_db`` (the code behind ``laswrr replay --db``) end to end: queries, fetch, core, diff.
-Prints the best of ``--runs``. Run: ``.venv/bin/python -m bench.replay_bench``.
+Prints the best of ``--runs``. Run: ``.venv/bin/python -m laswrr.bench.replay_bench``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import duckdb
 
-from replay import store
-from replay.replay import INPUTS_SQL, replay_db
-from scheduler.core import Scheduler
-from schemas.codec import Envelope
-from replay.synthetic import workload
+from laswrr.replay import store
+from laswrr.replay.replay import INPUTS_SQL, replay_db
+from laswrr.scheduler.core import Scheduler
+from laswrr.schemas.codec import Envelope
+from laswrr.replay.synthetic import workload
 
 GOAL = 200_000
 

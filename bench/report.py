@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.metrics import RequestResult, balance, by_phase, latency_summary, node_shares, ratio
-from bench.scenarios import Scenario
+from laswrr.bench.metrics import RequestResult, balance, by_phase, latency_summary, node_shares, ratio
+from laswrr.bench.scenarios import Scenario
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,12 +35,12 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from bench import stack_adapter
-from bench.load import make_session, run_load
-from bench.metrics import RequestResult
-from bench.report import NodePoint, PolicyRun, SnapshotPoint
-from bench.scenarios import Action, Scenario
-from bench.workload import RequestSpec
+from laswrr.bench import stack_adapter
+from laswrr.bench.load import make_session, run_load
+from laswrr.bench.metrics import RequestResult
+from laswrr.bench.report import NodePoint, PolicyRun, SnapshotPoint
+from laswrr.bench.scenarios import Action, Scenario
+from laswrr.bench.workload import RequestSpec
 
 log = logging.getLogger("laswrr.bench")
 
@@ -196,7 +196,7 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
 
 
 def _laswrr(*args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "services.cli", *args]
+    cmd = [sys.executable, "-m", "laswrr", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=os.environ.copy())
 
 

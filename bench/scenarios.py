@@ -50,11 +50,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
-from bench.metrics import CapacityAt, Phase, capacity_timeline
-from bench.workload import WorkloadSpec, mean_output_tokens
-from services.sim_engine.config import HEALTH_STATES
-from services.sim_engine.physics import EngineSim
-from services.sim_engine.profiles import get_profile
+from laswrr.bench.metrics import CapacityAt, Phase, capacity_timeline
+from laswrr.bench.workload import WorkloadSpec, mean_output_tokens
+from laswrr.services.sim_engine.config import HEALTH_STATES
+from laswrr.services.sim_engine.physics import EngineSim
+from laswrr.services.sim_engine.profiles import get_profile
 
 ActionKind = Literal["capacity", "slowdown", "fail", "health"]
 ACTION_KINDS: tuple[str, ...] = get_args(ActionKind)

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.scenarios import Scenario
-from services.children import preexec
-from services.natsbus import free_port
-from services.up import NodeSpec, Stack
+from laswrr.bench.scenarios import Scenario
+from laswrr.services.children import preexec
+from laswrr.services.natsbus import free_port
+from laswrr.services.up import NodeSpec, Stack
 
 log = logging.getLogger("laswrr.bench.stack")
 

@@ -13,9 +13,9 @@ import json
 import sys
 from typing import Any
 
-from collectors.errors import ParseError
-from collectors.npu_smi import parse_info
-from collectors.prometheus import EngineMetrics, Histogram, parse_engine_metrics
+from laswrr.collectors.errors import ParseError
+from laswrr.collectors.npu_smi import parse_info
+from laswrr.collectors.prometheus import EngineMetrics, Histogram, parse_engine_metrics
 
 EXIT_BAD_INPUT = 2
 _CHIP_FIELDS = (

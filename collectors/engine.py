@@ -28,9 +28,9 @@ from typing import Literal
 
 import aiohttp
 
-from collectors.errors import ParseError
-from collectors.prometheus import EngineKind, EngineMetrics, parse_engine_metrics
-from schemas.events import HealthProbed
+from laswrr.collectors.errors import ParseError
+from laswrr.collectors.prometheus import EngineKind, EngineMetrics, parse_engine_metrics
+from laswrr.schemas.events import HealthProbed
 
 MAX_BODY_BYTES = 8 << 20
 ERROR_BODY_CHARS = 120

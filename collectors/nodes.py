@@ -24,7 +24,7 @@ chips = [[2, 0], [2, 1]]        # exact (npu_id, chip_id) pairs; neither = every
 
 Nodes with the same ``npu_smi`` string share one host: the command runs once per interval
 and each node gets its selected chips. For a simulated engine the command is
-``"<python> -m services.cli sim-npu-smi --url <engine url>"``.
+``"<python> -m laswrr sim-npu-smi --url <engine url>"``.
 
 Rules: ``parse_node_entries`` is pure (a decoded TOML document in, ``NodeEntry``s out: the up
 keys, every other key as written, and the collector's ``CollectorNode``) and validates every
@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any, Literal, cast
 from urllib.parse import urlsplit
 
-from collectors.npu import ChipSelector, split_command
-from collectors.prometheus import EngineKind
-from schemas.subjects import SubjectError, check_token
+from laswrr.collectors.npu import ChipSelector, split_command
+from laswrr.collectors.prometheus import EngineKind
+from laswrr.schemas.subjects import SubjectError, check_token
 
 DEFAULT_NPU_SMI = "npu-smi info"
 ENGINES = ("auto", "vllm", "mindie", "sglang")

@@ -23,9 +23,9 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from collectors.errors import ParseError
-from collectors.npu_smi import parse_info
-from schemas.events import NpuChip
+from laswrr.collectors.errors import ParseError
+from laswrr.collectors.npu_smi import parse_info
+from laswrr.schemas.events import NpuChip
 
 STDERR_CHARS = 200
 

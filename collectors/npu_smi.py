@@ -47,8 +47,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from collectors.errors import ParseError
-from schemas.events import NpuChip
+from laswrr.collectors.errors import ParseError
+from laswrr.schemas.events import NpuChip
 
 __all__ = [
     "KvChipMetrics",

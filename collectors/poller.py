@@ -42,14 +42,14 @@ from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from collectors.engine import probe_health, scrape_metrics
-from collectors.errors import ParseError
-from collectors.nodes import CollectorNode
-from collectors.npu import NpuSmiError, run_npu_smi, select_chips, split_command
-from collectors.prometheus import EngineMetrics, engine_sample
-from schemas import subjects as sj
-from schemas.codec import encode_event
-from schemas.events import Event, NpuSampled
+from laswrr.collectors.engine import probe_health, scrape_metrics
+from laswrr.collectors.errors import ParseError
+from laswrr.collectors.nodes import CollectorNode
+from laswrr.collectors.npu import NpuSmiError, run_npu_smi, select_chips, split_command
+from laswrr.collectors.prometheus import EngineMetrics, engine_sample
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import encode_event
+from laswrr.schemas.events import Event, NpuSampled
 
 log = logging.getLogger("laswrr.collector")
 Labels = tuple[tuple[str, str], ...]

@@ -57,8 +57,8 @@ from typing import Literal
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from collectors.errors import ParseError
-from schemas.events import EngineSampled
+from laswrr.collectors.errors import ParseError
+from laswrr.schemas.events import EngineSampled
 
 __all__ = [
     "EngineKind",

@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deploy.compose_plan import ComposeError, Health, ProcessPlan, Runtime, load_compose, plan  # noqa: E402
-from services.natsbus import free_port, nats_server_binary  # noqa: E402
+from laswrr.services.natsbus import free_port, nats_server_binary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "compose.yaml"
@@ -54,7 +54,7 @@ class StackError(RuntimeError):
 
 def local_runtime(build_context: Path = ROOT) -> Runtime:
     venv_laswrr = Path(sys.executable).parent / "laswrr"
-    laswrr = (str(venv_laswrr),) if venv_laswrr.exists() else (sys.executable, "-m", "services.cli")
+    laswrr = (str(venv_laswrr),) if venv_laswrr.exists() else (sys.executable, "-m", "laswrr")
     return Runtime(build_context=build_context, laswrr=laswrr, python=sys.executable,
                    nats_server=nats_server_binary())
 

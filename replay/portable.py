@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import msgspec
 
-from scheduler.config import SchedulerConfig
-from scheduler.core import Scheduler, apply_guarded
-from schemas import subjects as sj
-from schemas.codec import Envelope, Output, encode
-from schemas.outputs import Rejected
+from laswrr.scheduler.config import SchedulerConfig
+from laswrr.scheduler.core import Scheduler, apply_guarded
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import Envelope, Output, encode
+from laswrr.schemas.outputs import Rejected
 
 
 class LogLine(msgspec.Struct, frozen=True):

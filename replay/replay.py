@@ -38,10 +38,10 @@ from typing import Any
 
 import duckdb
 
-from scheduler import config as config_mod
-from scheduler.core import Scheduler, apply_guarded
-from schemas import subjects as sj
-from schemas.codec import Envelope, Output
+from laswrr.scheduler import config as config_mod
+from laswrr.scheduler.core import Scheduler, apply_guarded
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import Envelope, Output
 
 FETCH_ROWS = 50_000
 CORE_OUT_FILTER = ("(subject LIKE 'lb.out.snapshot.%' OR subject LIKE 'lb.out.phase.%' "

@@ -10,10 +10,12 @@ One writer per DuckDB file (design §8). While the recorder runs it holds the fi
 and no other process can open it, not even read-only. ``open_read`` therefore:
 
 1. opens the file read-only when nobody holds it (the stack is stopped);
-2. otherwise asks the running recorder, over NATS request ``lb.recorder.snapshot``, for a
-   consistent copy (between two batches, after recording LB_EVENTS up to the stream's end, the
-   recorder copies the database with DuckDB's ``COPY FROM DATABASE``) into a private temporary
-   directory, and opens that copy;
+2. otherwise calls ``copy_locked(db, target)``, given by the caller, to have a consistent copy
+   written into a private temporary directory, and opens that copy. The ``laswrr`` commands
+   pass ``services.recorder.copy_from_recorder``, which asks the running recorder over the
+   NATS request ``lb.recorder.snapshot`` (between two batches, after recording LB_EVENTS up to
+   the stream's end, the recorder copies the database with DuckDB's ``COPY FROM DATABASE``);
+   this module itself does no IO beyond DuckDB files;
 3. fails with one clear line when neither works.
 
 A Parquet export (``laswrr export``) is opened in memory with ``events`` as a view over it, so
@@ -23,11 +25,10 @@ every reader also works on long-retention exports.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -53,7 +54,6 @@ SELECT * FROM (SELECT unnest($stream::VARCHAR[]) AS stream, unnest($seq::BIGINT[
 ON CONFLICT DO NOTHING
 """
 
-SNAPSHOT_SUBJECT = "lb.recorder.snapshot"
 QUERY_SUBJECT = "lb.recorder.query"
 DB_FILE = "events.duckdb"
 
@@ -83,7 +83,7 @@ class Columns:
 
 
 def views_sql() -> str:
-    return resources.files("replay").joinpath("views.sql").read_text(encoding="utf-8")
+    return resources.files("laswrr.replay").joinpath("views.sql").read_text(encoding="utf-8")
 
 
 def create_schema(con: duckdb.DuckDBPyConnection) -> None:
@@ -155,9 +155,14 @@ def open_parquet(source: Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
+CopyLocked = Callable[[Path, Path], None]
+"""``copy_locked(db, target)``: write a consistent copy of the locked ``db`` at ``target``, or
+raise StoreError with the reason."""
+
+
 @contextlib.contextmanager
-def open_read(path: str | os.PathLike[str], nats_url: str | None = None,
-              timeout_s: float = 60.0) -> Iterator[duckdb.DuckDBPyConnection]:
+def open_read(path: str | os.PathLike[str],
+              copy_locked: CopyLocked | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
     """A connection on which ``events`` and the views can be read (see the module header)."""
     db = Path(path)
     parquet = parquet_source(db)
@@ -175,7 +180,9 @@ def open_read(path: str | os.PathLike[str], nats_url: str | None = None,
     except duckdb.Error as exc:
         if not is_lock_conflict(exc):
             raise StoreError(f"cannot open {db}: {first_line(exc)}") from None
-        with _live_copy(db, nats_url, timeout_s, exc) as copy:
+        if copy_locked is None:
+            raise StoreError(f"{db} is locked by another process ({first_line(exc)})") from None
+        with _locked_copy(db, copy_locked) as copy:
             con = _open_copy(copy)
             try:
                 yield con
@@ -202,43 +209,11 @@ def _open_copy(copy: Path) -> duckdb.DuckDBPyConnection:
 
 
 @contextlib.contextmanager
-def _live_copy(db: Path, nats_url: str | None, timeout_s: float, lock_error: BaseException) -> Iterator[Path]:
-    url = nats_url or os.environ.get("NATS_URL") or "nats://127.0.0.1:4222"
+def _locked_copy(db: Path, copy_locked: CopyLocked) -> Iterator[Path]:
     workdir = Path(tempfile.mkdtemp(prefix="laswrr-db-"))
-    target = workdir / DB_FILE
     try:
-        reply = request_snapshot(url, db, target, timeout_s)
-        if "error" in reply:
-            raise StoreError(f"{db} is locked by a running recorder, which could not copy it: {reply['error']}")
+        target = workdir / DB_FILE
+        copy_locked(db, target)
         yield target
-    except StoreError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any NATS failure becomes the one-line explanation
-        raise StoreError(
-            f"{db} is locked by another process ({first_line(lock_error)}) and no recorder answered "
-            f"{SNAPSHOT_SUBJECT} on {url} ({first_line(exc) or type(exc).__name__}); "
-            f"pass --nats-url of the running stack, or stop the recorder") from None
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def request_snapshot(url: str, db: Path, target: Path, timeout_s: float) -> dict[str, str]:
-    """Ask the recorder that owns ``db`` for a consistent copy at ``target`` (blocking)."""
-    import asyncio
-
-    import nats
-
-    async def ask() -> dict[str, str]:
-        async def quiet(exc: Exception) -> None:
-            return None
-
-        nc = await asyncio.wait_for(nats.connect(url, connect_timeout=2, max_reconnect_attempts=0,
-                                                 allow_reconnect=False, error_cb=quiet), 3.0)
-        try:
-            body = json.dumps({"db": str(db.resolve()), "to": str(target)}).encode()
-            msg = await nc.request(SNAPSHOT_SUBJECT, body, timeout=timeout_s)
-            return dict(json.loads(msg.data))
-        finally:
-            await nc.close()
-
-    return asyncio.run(ask())

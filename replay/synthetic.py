@@ -17,12 +17,12 @@ from typing import Any
 
 import msgspec
 
-from replay import store
-from replay.portable import input_line
-from scheduler.config import SchedulerConfig
-from scheduler.core import Scheduler, apply_guarded
-from schemas import subjects as sj
-from schemas.codec import Envelope
+from laswrr.replay import store
+from laswrr.replay.portable import input_line
+from laswrr.scheduler.config import SchedulerConfig
+from laswrr.scheduler.core import Scheduler, apply_guarded
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import Envelope
 
 MS = 1_000_000
 T0_NS = 1_700_000_000_000_000_000

@@ -23,11 +23,11 @@ from typing import Any
 import duckdb
 import msgspec
 
-from replay.portable import output_line
-from replay.replay import replay_db
-from schemas import subjects as sj
-from schemas.codec import Envelope, Output
-from schemas.outputs import WeightSnapshot
+from laswrr.replay.portable import output_line
+from laswrr.replay.replay import replay_db
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import Envelope, Output
+from laswrr.schemas.outputs import WeightSnapshot
 
 _SNAPSHOT = msgspec.json.Decoder(WeightSnapshot)
 

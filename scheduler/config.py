@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from schemas.codec import SchemaError
-from schemas.events import MAX_INT
+from laswrr.schemas.codec import SchemaError
+from laswrr.schemas.events import MAX_INT
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -28,14 +28,14 @@ from typing import Any
 
 import msgspec
 
-from scheduler import config as config_mod
-from scheduler import weights as wt
-from scheduler.phases import ROUTABLE, Phase, PhaseError, Trigger, next_phase
-from scheduler.state import CoreState, NodeState, OpenRequest
-from schemas import events as ev
-from schemas import subjects as sj
-from schemas.codec import Envelope, Output, SchemaError, decode_event, encode
-from schemas.outputs import LoadView, NodeView, PhaseChanged, Rejected, WeightSnapshot
+from laswrr.scheduler import config as config_mod
+from laswrr.scheduler import weights as wt
+from laswrr.scheduler.phases import ROUTABLE, Phase, PhaseError, Trigger, next_phase
+from laswrr.scheduler.state import CoreState, NodeState, OpenRequest
+from laswrr.schemas import events as ev
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import Envelope, Output, SchemaError, decode_event, encode
+from laswrr.schemas.outputs import LoadView, NodeView, PhaseChanged, Rejected, WeightSnapshot
 
 MS = wt.MS
 HEALTH_ORDER = {"OK": 0, "Warning": 1, "Alarm": 2, "Critical": 3, "UNKNOWN": 4}

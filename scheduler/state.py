@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import msgspec
 
-from scheduler.config import SchedulerConfig
-from scheduler.phases import Phase
-from schemas.outputs import LoadView
+from laswrr.scheduler.config import SchedulerConfig
+from laswrr.scheduler.phases import Phase
+from laswrr.schemas.outputs import LoadView
 
 
 class NodeState(msgspec.Struct, kw_only=True):

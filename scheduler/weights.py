@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from scheduler.config import SchedulerConfig
+from laswrr.scheduler.config import SchedulerConfig
 
 MS = 1_000_000
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import msgspec
 
-from schemas import events as ev
-from schemas import subjects as sj
+from laswrr.schemas import events as ev
+from laswrr.schemas import subjects as sj
 
 MAX_PAYLOAD_BYTES = 1 << 20
 

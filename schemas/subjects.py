@@ -35,6 +35,9 @@ OUT_SNAPSHOT = "lb.out.snapshot"
 OUT_REJECTED = "lb.out.rejected"
 OUT_PHASE = "lb.out.phase"
 
+# Core NATS request (not in any stream): a reader asks the recorder for a copy of its DuckDB file.
+RECORDER_SNAPSHOT = "lb.recorder.snapshot"
+
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
 
 

@@ -1,6 +1,6 @@
 """The child processes of ``laswrr up`` (``services.up.Stack``): start, watch, stop in order.
 
-Theory of operation. Each child is ``python -m services.cli <command> <args>`` in its own
+Theory of operation. Each child is ``python -m laswrr <command> <args>`` in its own
 session, so a terminal's Ctrl-C reaches only the parent, which stops the children in order; each
 child also gets SIGTERM if the parent itself dies (Linux ``PR_SET_PDEATHSIG``). Its stderr goes
 to ``<log_dir>/<name>.log`` and so does its stdout, through a pump (a full pipe would block the
@@ -98,7 +98,7 @@ class ChildProcesses:
 
     async def spawn(self, name: str, command: str, *args: str, role: str = "other",
                     wait_listening: bool = False) -> Child:
-        """Start ``python -m services.cli COMMAND ARGS`` as a child; with ``wait_listening``, wait
+        """Start ``python -m laswrr COMMAND ARGS`` as a child; with ``wait_listening``, wait
         for its ``... listening on URL`` stdout line and record the URL."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
@@ -106,7 +106,7 @@ class ChildProcesses:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         try:
             process = await asyncio.create_subprocess_exec(
-                self.python, "-m", "services.cli", command, *args, stdin=asyncio.subprocess.DEVNULL,
+                self.python, "-m", "laswrr", command, *args, stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=log_file, env=env, start_new_session=True,
                 preexec_fn=preexec(),
             )

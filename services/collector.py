@@ -29,9 +29,9 @@ import nats.errors
 from aiohttp import web
 from nats.aio.client import Client
 
-from collectors.nodes import CollectorNode, NodesConfigError, load_nodes
-from collectors.poller import Collector, RateLimitedLog, Settings, Stats, npu_hosts
-from services.natsbus import connect, ensure_streams_exist
+from laswrr.collectors.nodes import CollectorNode, NodesConfigError, load_nodes
+from laswrr.collectors.poller import Collector, RateLimitedLog, Settings, Stats, npu_hosts
+from laswrr.services.natsbus import connect, ensure_streams_exist
 
 log = logging.getLogger("laswrr.collector")
 

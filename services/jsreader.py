@@ -51,7 +51,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from schemas.codec import Envelope
+from laswrr.schemas.codec import Envelope
 
 log = logging.getLogger("laswrr.jsreader")
 

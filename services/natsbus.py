@@ -28,8 +28,8 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 
-from schemas import subjects as sj
-from services.children import preexec
+from laswrr.schemas import subjects as sj
+from laswrr.services.children import preexec
 
 log = logging.getLogger("laswrr.natsbus")
 
@@ -108,6 +108,22 @@ async def publish_acked(js: JetStreamContext, messages: Sequence[tuple[str, byte
         elif not future.cancelled() and future.exception() is not None:
             log.warning("publish failed: %r", future.exception())
     return acked
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit for a log line: any password or token in it becomes ``***``
+    (``nats://operator:***@host:4222``; a bare token ``nats://tok@host`` becomes ``nats://***@host``).
+    Several comma-separated URLs are redacted one by one."""
+    return ",".join(_redact_one(part) for part in url.split(","))
+
+
+def _redact_one(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest.split("/", 1)[0]:
+        return url
+    userinfo, _, host = rest.partition("@")
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user}:***@{host}" if colon else f"{scheme}://***@{host}"
 
 
 async def connect(url: str, name: str, **options: object) -> Client:

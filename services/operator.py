@@ -31,9 +31,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError, NotFoundError
 
-from collectors.nodes import NodesConfigError, load_node_entries
-from schemas import subjects as sj
-from services import settings
+from laswrr.collectors.nodes import NodesConfigError, load_node_entries
+from laswrr.schemas import subjects as sj
+from laswrr.services import settings
 
 EXIT_APPLIED, EXIT_REJECTED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
 DESCRIBE_GRACE_S = 0.5  # after the proof of application, time allowed for a snapshot with the node

@@ -30,10 +30,10 @@ from nats.js import JetStreamContext
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
-from schemas import subjects as sj
-from schemas.codec import Output
-from services import settings
-from services.natsbus import publish_acked
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import Output
+from laswrr.services import settings
+from laswrr.services.natsbus import publish_acked
 
 log = logging.getLogger("laswrr.scheduler")
 

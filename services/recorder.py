@@ -48,16 +48,13 @@ import duckdb
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from replay import store
-from schemas import subjects as sj
-from services import settings
-from services.jsreader import PullReader, ack_all_consumer, get_envelope, parse_ack_subject
-from services.natsbus import connect, ensure_streams_exist
+from laswrr.replay import store
+from laswrr.schemas import subjects as sj
+from laswrr.services import settings
+from laswrr.services.jsreader import PullReader, ack_all_consumer, get_envelope, parse_ack_subject
+from laswrr.services.natsbus import connect, ensure_streams_exist, redact_url
 
 log = logging.getLogger("laswrr.recorder")
-
-SNAPSHOT_SUBJECT = store.SNAPSHOT_SUBJECT
-
 
 @dataclass
 class RecorderOptions:
@@ -120,7 +117,7 @@ class Recorder:
             readers = [PullReader(self.nc, self.js, stream, self.options.batch) for stream in self.stats]
             for reader in readers:
                 await self._open(reader)
-            await self.nc.subscribe(SNAPSHOT_SUBJECT, cb=self._on_snapshot_request)
+            await self.nc.subscribe(sj.RECORDER_SNAPSHOT, cb=self._on_snapshot_request)
             log.info("recording %s into %s (batch %d, flush %d ms)", ", ".join(self.stats),
                      self.options.db_path, self.options.batch, self.options.flush_ms)
             self.ready.set()
@@ -284,6 +281,38 @@ class Recorder:
                 future.set_result({"error": f"copy failed: {exc}"})
         if not self._snapshots:
             self._out_gate.set()
+
+
+def copy_from_recorder(nats_url: str, timeout_s: float = 60.0) -> store.CopyLocked:
+    """``store.open_read``'s ``copy_locked`` for a file that a running recorder holds: ask it,
+    over ``lb.recorder.snapshot`` on ``nats_url``, for a consistent copy (blocking)."""
+
+    def copy_locked(db: Path, target: Path) -> None:
+        try:
+            reply = asyncio.run(_request_copy(nats_url, db, target, timeout_s))
+        except Exception as exc:  # noqa: BLE001 - any NATS failure becomes the one-line explanation
+            raise store.StoreError(
+                f"{db} is locked by another process and no recorder answered {sj.RECORDER_SNAPSHOT} on "
+                f"{redact_url(nats_url)} ({store.first_line(exc) or type(exc).__name__}); "
+                f"pass --nats-url of the running stack, or stop the recorder") from None
+        if "error" in reply:
+            raise store.StoreError(f"{db} is locked by a running recorder, which could not copy it: {reply['error']}")
+
+    return copy_locked
+
+
+async def _request_copy(nats_url: str, db: Path, target: Path, timeout_s: float) -> dict[str, str]:
+    async def quiet(exc: Exception) -> None:
+        return None
+
+    nc = await asyncio.wait_for(connect(nats_url, "laswrr-reader", connect_timeout=2, max_reconnect_attempts=0,
+                                        allow_reconnect=False, error_cb=quiet), 3.0)
+    try:
+        body = json.dumps({"db": str(db.resolve()), "to": str(target)}).encode()
+        msg = await nc.request(sj.RECORDER_SNAPSHOT, body, timeout=timeout_s)
+        return dict(json.loads(msg.data))
+    finally:
+        await nc.close()
 
 
 def is_contiguous(seqs: list[int], start: int, top: int) -> bool:

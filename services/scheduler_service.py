@@ -58,18 +58,18 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
-from scheduler import config as config_mod
-from scheduler.core import Scheduler, apply_guarded
-from schemas import subjects as sj
-from schemas.codec import Envelope, Output, encode
-from services import settings
-from services.jsreader import ConsumerGone, InOrder, PullReader, ack_all_consumer
-from services.natsbus import connect, ensure_streams
-from services.output_writer import OutputWriter, highest_published_seq
+from laswrr.scheduler import config as config_mod
+from laswrr.scheduler.core import Scheduler, apply_guarded
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import Envelope, Output, encode
+from laswrr.services import settings
+from laswrr.services.jsreader import ConsumerGone, InOrder, PullReader, ack_all_consumer
+from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.services.output_writer import OutputWriter, highest_published_seq
 
 # Re-exported: tests and tools import these from here.
-from services.jsreader import envelope_of as envelope_of, parse_ack_subject as parse_ack_subject
-from services.output_writer import as_of_seq_of as as_of_seq_of
+from laswrr.services.jsreader import envelope_of as envelope_of, parse_ack_subject as parse_ack_subject
+from laswrr.services.output_writer import as_of_seq_of as as_of_seq_of
 
 log = logging.getLogger("laswrr.scheduler")
 

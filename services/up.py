@@ -1,12 +1,10 @@
 """`laswrr up`: the whole stack in one process tree, and ``Stack``, the same thing as a library.
 
-Theory of operation. ``Stack`` owns every part as a child process (``python -m services.cli
+Theory of operation. ``Stack`` owns every part as a child process (``python -m laswrr
 <command>``), each in its own session so a terminal's Ctrl-C reaches only ``up``, which then
 stops the children in order; each child also gets SIGTERM if ``up`` itself dies (Linux
 ``PR_SET_PDEATHSIG``; the process handling is ``ChildProcesses`` in services/children.py, the
-nodes.toml parser is collectors/nodes.py). Parts that another module provides (recorder,
-collector, proxy, sim-engine) are started only when their module exists and is listed in
-``services.cli``.
+nodes.toml parser is collectors/nodes.py).
 
 Start order: NATS (embedded ``nats-server`` under ``<data_dir>/jetstream`` unless a URL is
 given) -> streams -> scheduler, recorder -> simulated engines (when no nodes file is given:
@@ -42,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
 import logging
 import os
@@ -59,19 +56,16 @@ import nats
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
 
-from collectors.nodes import NodeEntry, NodesConfigError, load_node_entries, parse_node_entries
-from schemas import subjects as sj
-from services import settings
-from services.children import Child, ChildProcesses, StackError
-from services.natsbus import EmbeddedNats, ensure_streams
+from laswrr.collectors.nodes import NodeEntry, NodesConfigError, load_node_entries, parse_node_entries
+from laswrr.schemas import subjects as sj
+from laswrr.services import settings
+from laswrr.services.children import Child, ChildProcesses, StackError
+from laswrr.services.natsbus import EmbeddedNats, ensure_streams
 
 log = logging.getLogger("laswrr.up")
 
 STOP_ORDER = ("proxy", "collector", "sim-engine", "other", "scheduler", "recorder")
 STOP_TIMEOUT_S = {"proxy": 35.0, "recorder": 30.0}  # others: children.DEFAULT_STOP_TIMEOUT_S
-# Where each optional sub-command lives: started only if the module exists and is registered.
-COMMAND_MODULE = {"recorder": "services.recorder", "collector": "services.collector",
-                  "proxy": "services.proxy.cli", "sim-engine": "services.sim_engine.cli"}
 
 
 @dataclass(frozen=True)
@@ -153,23 +147,7 @@ def sim_npu_smi_command(url: str, python: str = sys.executable) -> str:
     if shutil.which("curl"):
         return f"curl -sf --max-time 2 {shlex.quote(base + '/sim/npu-smi')}"
     # the sim-engine module alone starts twice as fast as the whole dispatcher
-    return f"{shlex.quote(python)} -m services.sim_engine.cli sim-npu-smi --url {shlex.quote(base)}"
-
-
-# -- optional parts -------------------------------------------------------------------------------------
-
-
-def command_available(command: str) -> bool:
-    """A sub-command another module provides: its module exists and ``services.cli`` lists it."""
-    module = COMMAND_MODULE.get(command)
-    if module is None:
-        return True
-    from services.cli import COMMAND_MODULES
-
-    registered = module in COMMAND_MODULES or module.rsplit(".", 1)[0] in COMMAND_MODULES
-    with contextlib.suppress(ImportError, ValueError):
-        return registered and importlib.util.find_spec(module) is not None
-    return False
+    return f"{shlex.quote(python)} -m laswrr.services.sim_engine.cli sim-npu-smi --url {shlex.quote(base)}"
 
 
 class Stack:
@@ -219,8 +197,7 @@ class Stack:
                     self.write_nodes_file(specs)
             await self.register(specs)
             await self.start_collector()
-            if command_available("proxy"):
-                await self.start_proxy()
+            await self.start_proxy()
         except BaseException:
             await self.stop()
             raise
@@ -245,19 +222,14 @@ class Stack:
         if self.config:
             args += ["--config", self.config]
         await self.spawn("scheduler", "scheduler", *args, role="scheduler")
-        if command_available("recorder"):
-            await self.spawn("recorder", "recorder", "--nats-url", self.nats_url, "--data-dir", str(self.data_dir),
-                             role="recorder")
-        else:
-            log.warning("no recorder (services/recorder.py not available): events are not recorded")
+        await self.spawn("recorder", "recorder", "--nats-url", self.nats_url, "--data-dir", str(self.data_dir),
+                         role="recorder")
 
     async def start_sim_engines(self, sims: Sequence[tuple[str, str, int]] = DEFAULT_SIMS, speed: float = 1.0,
                                 pool: str = "default", npu_smi: bool = True) -> list[NodeSpec]:
         """One ``laswrr sim-engine`` per ``(node id, chip, capacity)``; their NodeSpecs (not yet
         registered). ``npu_smi``: the collector samples each one's simulated npu-smi
         (``sim_npu_smi_command``)."""
-        if not command_available("sim-engine"):
-            raise StackError("no nodes file given and the simulated engine (laswrr sim-engine) is not available")
         children = await asyncio.gather(*(
             self.spawn(node_id, "sim-engine", "--port", "0", "--chip", chip, "--capacity", str(capacity),
                        "--node-id", node_id, "--speed", str(speed), role="sim-engine", wait_listening=True)
@@ -308,9 +280,7 @@ class Stack:
 
     async def start_collector(self, nodes_file: str | os.PathLike[str] | None = None) -> Child | None:
         path = nodes_file or self.nodes_file
-        if path is None or not command_available("collector"):
-            if path is not None:
-                log.warning("no collector (services/collector.py not available): weights use no live samples")
+        if path is None:
             return None
         return await self.spawn("collector", "collector", "--nats-url", self.nats_url, "--nodes", str(path),
                                 role="collector")
@@ -318,8 +288,6 @@ class Stack:
     async def start_proxy(self, port: int | None = None, extra_args: Sequence[str] = (),
                           name: str | None = None) -> str:
         """One proxy replica; returns its URL (port 0 picks a free one). Call again for more."""
-        if not command_available("proxy"):
-            raise StackError("the proxy (laswrr proxy) is not available")
         replicas = sum(1 for c in self.children if c.role == "proxy")
         name = name or ("proxy" if replicas == 0 else f"proxy-{replicas + 1}")
         port = self.proxy_port if port is None else port
@@ -355,7 +323,7 @@ class Stack:
 
     async def spawn(self, name: str, command: str, *args: str, role: str = "other",
                     wait_listening: bool = False) -> Child:
-        """Start ``python -m services.cli COMMAND ARGS`` as a child; with ``wait_listening``, wait
+        """Start ``python -m laswrr COMMAND ARGS`` as a child; with ``wait_listening``, wait
         for its ``... listening on URL`` stdout line and record the URL (services/children.py)."""
         return await self.processes.spawn(name, command, *args, role=role, wait_listening=wait_listening)
 
@@ -481,7 +449,7 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"laswrr up: {exc}", file=sys.stderr)
             return 2
     if args.config is not None:
-        from scheduler import config as config_mod
+        from laswrr.scheduler import config as config_mod
 
         try:
             config_mod.load_file(args.config)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.natsbus import EmbeddedNats
+from laswrr.services.natsbus import EmbeddedNats
 
 FIXTURES = Path(__file__).parent / "fixtures" / "real"
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from scheduler.policies.base import WEIGHT_UNIT, Candidate, Policy
-from scheduler.policies.la_swrr import LaSwrr
-from scheduler.policies.least_request import LeastRequest
-from scheduler.policies.p2c import PowerOfTwo
-from scheduler.policies.round_robin import RoundRobin
-from scheduler.rng import Rng
+from laswrr.scheduler.policies.base import WEIGHT_UNIT, Candidate, Policy
+from laswrr.scheduler.policies.la_swrr import LaSwrr
+from laswrr.scheduler.policies.least_request import LeastRequest
+from laswrr.scheduler.policies.p2c import PowerOfTwo
+from laswrr.scheduler.policies.round_robin import RoundRobin
+from laswrr.scheduler.rng import Rng
 
 POLICIES: dict[str, type[LaSwrr] | type[RoundRobin] | type[LeastRequest] | type[PowerOfTwo]] = {
     LaSwrr.name: LaSwrr,

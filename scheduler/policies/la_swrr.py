@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections.abc import Container, Mapping, Sequence
 from typing import ClassVar
 
-from scheduler.policies.base import Candidate
-from scheduler.rng import Rng
-from scheduler.swrr import Swrr
+from laswrr.scheduler.policies.base import Candidate
+from laswrr.scheduler.rng import Rng
+from laswrr.scheduler.swrr import Swrr
 
 
 class LaSwrr:

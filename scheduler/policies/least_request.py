@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Container, Mapping, Sequence
 from typing import ClassVar
 
-from scheduler.policies.base import Candidate, eligible_names, without
-from scheduler.rng import Rng
+from laswrr.scheduler.policies.base import Candidate, eligible_names, without
+from laswrr.scheduler.rng import Rng
 
 
 class LeastRequest:

@@ -30,14 +30,14 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from services.proxy.bus import BusLink
-from services.proxy.config import ProxyConfig
-from services.proxy.events import EventPublisher
-from services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
-from services.proxy.models import ModelCatalog
-from services.proxy.routing import Router
-from services.proxy.tasks import stop_task
-from services.proxy.upstream import Exchange, Forwarder, error_response, forward_headers
+from laswrr.services.proxy.bus import BusLink
+from laswrr.services.proxy.config import ProxyConfig
+from laswrr.services.proxy.events import EventPublisher
+from laswrr.services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from laswrr.services.proxy.models import ModelCatalog
+from laswrr.services.proxy.routing import Router
+from laswrr.services.proxy.tasks import stop_task
+from laswrr.services.proxy.upstream import Exchange, Forwarder, error_response, forward_headers
 
 log = logging.getLogger("laswrr.proxy")
 

@@ -49,12 +49,12 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
-from schemas import subjects as sj
-from schemas.outputs import WeightSnapshot
-from services.natsbus import connect, ensure_streams
-from services.proxy.events import EventPublisher
-from services.proxy.routing import Router
-from services.proxy.tasks import bounded, stop_task
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.outputs import WeightSnapshot
+from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.services.proxy.events import EventPublisher
+from laswrr.services.proxy.routing import Router
+from laswrr.services.proxy.tasks import bounded, stop_task
 
 log = logging.getLogger("laswrr.proxy.bus")
 

@@ -5,7 +5,7 @@ can read the port chosen for --port 0), then serves until SIGINT/SIGTERM: the li
 closes at once, in-flight requests get --grace-s to finish, events are flushed,
 ``lb.proxy.stopped.<proxy-id>`` is published, and the process exits 0. Several replicas may run
 side by side (distinct --proxy-id; --reuse-port lets them share one port).
-Runnable without the dispatcher too: ``python -m services.proxy.cli``.
+Runnable without the dispatcher too: ``python -m laswrr.services.proxy.cli``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from scheduler.policies import POLICIES
-from services.proxy.app import start
-from services.proxy.config import ProxyConfig, default_nats_url, default_proxy_id, parse_size
+from laswrr.scheduler.policies import POLICIES
+from laswrr.services.proxy.app import start
+from laswrr.services.proxy.config import ProxyConfig, default_nats_url, default_proxy_id, parse_size
 
 LISTEN_PREFIX = "proxy listening on "
 GC_GEN0_THRESHOLD = 10_000  # CPython's 700 runs a young collection every few requests

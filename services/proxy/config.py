@@ -13,8 +13,8 @@ import re
 import socket
 from dataclasses import dataclass
 
-from schemas import subjects as sj
-from scheduler.policies import POLICIES
+from laswrr.schemas import subjects as sj
+from laswrr.scheduler.policies import POLICIES
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 MIB = 1 << 20

@@ -47,10 +47,10 @@ from dataclasses import dataclass
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from schemas import events as ev
-from schemas import subjects as sj
-from schemas.codec import encode
-from services.natsbus import publish_acked
+from laswrr.schemas import events as ev
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import encode
+from laswrr.services.natsbus import publish_acked
 
 log = logging.getLogger("laswrr.proxy.events")
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import aiohttp
 
-from services.proxy.routing import Router
-from services.proxy.tasks import stop_task
-from services.proxy.upstream import upstream_url
+from laswrr.services.proxy.routing import Router
+from laswrr.services.proxy.tasks import stop_task
+from laswrr.services.proxy.upstream import upstream_url
 
 log = logging.getLogger("laswrr.proxy.models")
 

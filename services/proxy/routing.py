@@ -32,8 +32,8 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from scheduler.policies import Candidate, Policy, make_policy
-from schemas.outputs import NodeView, WeightSnapshot
+from laswrr.scheduler.policies import Candidate, Policy, make_policy
+from laswrr.schemas.outputs import NodeView, WeightSnapshot
 
 DEFAULT_POOL = "default"
 

@@ -41,9 +41,9 @@ import msgspec
 from aiohttp import web
 from multidict import CIMultiDict
 
-from services.proxy.events import RETRIED_PREFIX, Attempt, EventPublisher
-from services.proxy.metrics import ProxyMetrics
-from services.proxy.routing import Admission, Router
+from laswrr.services.proxy.events import RETRIED_PREFIX, Attempt, EventPublisher
+from laswrr.services.proxy.metrics import ProxyMetrics
+from laswrr.services.proxy.routing import Admission, Router
 
 NODE_HEADER = "x-laswrr-node"
 REQUEST_ID_HEADER = "x-laswrr-request-id"

@@ -27,11 +27,11 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from services.sim_engine import npu_smi
-from services.sim_engine.config import FAIL_MODES, HEALTH_STATES, FaultState, SimConfig
-from services.sim_engine.driver import EngineDriver, RequestHandle
-from services.sim_engine.metrics import CONTENT_TYPE, SimMetrics
-from services.sim_engine.openai_api import (
+from laswrr.services.sim_engine import npu_smi
+from laswrr.services.sim_engine.config import FAIL_MODES, HEALTH_STATES, FaultState, SimConfig
+from laswrr.services.sim_engine.driver import EngineDriver, RequestHandle
+from laswrr.services.sim_engine.metrics import CONTENT_TYPE, SimMetrics
+from laswrr.services.sim_engine.openai_api import (
     ApiError,
     CompletionRequest,
     Kind,
@@ -41,7 +41,7 @@ from services.sim_engine.openai_api import (
     stream_chunk,
     usage_chunk,
 )
-from services.sim_engine.physics import EngineSim, TokenEvent
+from laswrr.services.sim_engine.physics import EngineSim, TokenEvent
 
 NODE_HEADER = "x-sim-node"
 REFUSE_EXEMPT_PATHS = frozenset({"/admin", "/sim/state", "/sim/npu-smi"})

@@ -2,7 +2,7 @@
 
 ``sim-engine`` binds, prints ``sim-engine listening on http://HOST:PORT`` as its first stdout
 line (flushed, so a parent process can read the port when --port 0), then serves until
-SIGINT/SIGTERM. Runnable without the dispatcher too: ``python -m services.sim_engine.cli``.
+SIGINT/SIGTERM. Runnable without the dispatcher too: ``python -m laswrr.services.sim_engine.cli``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from services.sim_engine import npu_smi
-from services.sim_engine.app import start_server
-from services.sim_engine.config import SimConfig
-from services.sim_engine.profiles import PROFILES
+from laswrr.services.sim_engine import npu_smi
+from laswrr.services.sim_engine.app import start_server
+from laswrr.services.sim_engine.config import SimConfig
+from laswrr.services.sim_engine.profiles import PROFILES
 
 LISTEN_PREFIX = "sim-engine listening on "
 

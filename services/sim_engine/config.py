@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
-from services.sim_engine.profiles import ChipProfile, get_profile
+from laswrr.services.sim_engine.profiles import ChipProfile, get_profile
 
 FailMode = Literal["none", "refuse", "http500", "cut_stream"]
 Health = Literal["OK", "Warning", "Alarm", "Critical"]

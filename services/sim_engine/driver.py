@@ -12,8 +12,8 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
-from services.sim_engine.metrics import SimMetrics
-from services.sim_engine.physics import EngineSim, EngineSnapshot, SimRequest, TokenEvent
+from laswrr.services.sim_engine.metrics import SimMetrics
+from laswrr.services.sim_engine.physics import EngineSim, EngineSnapshot, SimRequest, TokenEvent
 
 
 @dataclass(slots=True)

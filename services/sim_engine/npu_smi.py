@@ -24,9 +24,9 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from collectors.npu_smi import render_info
-from schemas.events import NpuChip
-from services.sim_engine.profiles import HBM_IDLE_FLOOR_MB, HBM_PREALLOC_FRACTION, ChipProfile
+from laswrr.collectors.npu_smi import render_info
+from laswrr.schemas.events import NpuChip
+from laswrr.services.sim_engine.profiles import HBM_IDLE_FLOOR_MB, HBM_PREALLOC_FRACTION, ChipProfile
 
 AICORE_BUSY_FLOOR_PCT = 10.0
 AICORE_FULL_BATCH_PCT = 40.0

@@ -32,7 +32,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.sim_engine.profiles import (
+from laswrr.services.sim_engine.profiles import (
     BASE_PREFILL_TOKENS_PER_S,
     BASE_TPOT_S,
     FRONTEND_OVERHEAD_S,

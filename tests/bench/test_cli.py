@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import main
+from laswrr.cli import main
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -38,8 +38,8 @@ def test_list_names_every_scenario(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_policies_default_and_peer_names() -> None:
-    from bench.cli import DEFAULT_POLICIES, parse_policies
-    from bench.stack_adapter import vllm_router_binary
+    from laswrr.bench.cli import DEFAULT_POLICIES, parse_policies
+    from laswrr.bench.stack_adapter import vllm_router_binary
 
     assert parse_policies(None, peers=False) == list(DEFAULT_POLICIES)
     with_peer = parse_policies(None)

@@ -6,10 +6,10 @@ import asyncio
 
 import aiohttp
 
-from bench.load import run_load
-from bench.workload import RequestSpec
-from services.sim_engine.app import start_server
-from services.sim_engine.config import SimConfig
+from laswrr.bench.load import run_load
+from laswrr.bench.workload import RequestSpec
+from laswrr.services.sim_engine.app import start_server
+from laswrr.services.sim_engine.config import SimConfig
 
 FAST = SimConfig(chip="910B", capacity=4, port=0, speed=20.0, node_id="node-a")
 

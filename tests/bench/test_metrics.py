@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.metrics import (
+from laswrr.bench.metrics import (
     Phase,
     RequestResult,
     balance,

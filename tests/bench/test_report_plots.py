@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.metrics import RequestResult
-from bench.plots import plot_all
-from bench.report import NodePoint, PolicyRun, SnapshotPoint, admitted_to_draining_from_snapshots, scenario_summary
-from bench.scenarios import SMOKE
+from laswrr.bench.metrics import RequestResult
+from laswrr.bench.plots import plot_all
+from laswrr.bench.report import NodePoint, PolicyRun, SnapshotPoint, admitted_to_draining_from_snapshots, scenario_summary
+from laswrr.bench.scenarios import SMOKE
 
 
 def _results(slow: float) -> list[RequestResult]:

@@ -10,11 +10,11 @@ from dataclasses import replace
 import aiohttp
 import pytest
 
-from bench.runner import SnapshotWatch, apply_action, run_timeline
-from bench.scenarios import CRASH_RETURN, Action, Scenario, true_capacity_changes
-from collectors.npu_smi import parse_info
-from services.sim_engine.app import RunningServer, start_server
-from services.sim_engine.config import SimConfig
+from laswrr.bench.runner import SnapshotWatch, apply_action, run_timeline
+from laswrr.bench.scenarios import CRASH_RETURN, Action, Scenario, true_capacity_changes
+from laswrr.collectors.npu_smi import parse_info
+from laswrr.services.sim_engine.app import RunningServer, start_server
+from laswrr.services.sim_engine.config import SimConfig
 
 
 def _scenario(*actions: Action) -> Scenario:

@@ -58,7 +58,7 @@ def _wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
 
 def test_sigterm_stops_the_bench_and_every_process_it_started(tmp_path: Path) -> None:
     bench = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "bench", "--scenario", "smoke", "--policies", "la-swrr",
+        [sys.executable, "-m", "laswrr", "bench", "--scenario", "smoke", "--policies", "la-swrr",
          "--no-peers", "--no-plots", "--out", str(tmp_path / "out")],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[2],
     )

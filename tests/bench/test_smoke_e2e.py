@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.cli import bench_scenario
-from bench.scenarios import SMOKE
-from bench.workload import generate
+from laswrr.bench.cli import bench_scenario
+from laswrr.bench.scenarios import SMOKE
+from laswrr.bench.workload import generate
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from bench.workload import WorkloadSpec, burst_rates, generate, mean_output_tokens, prompt_text
-from services.sim_engine.openai_api import parse_request
+from laswrr.bench.workload import WorkloadSpec, burst_rates, generate, mean_output_tokens, prompt_text
+from laswrr.services.sim_engine.openai_api import parse_request
 
 
 def test_same_seed_same_workload_other_seed_other() -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from collectors.nodes import CollectorNode, NodesConfigError, load_nodes, parse_nodes
-from collectors.npu import ChipSelector, select_chips
-from schemas.events import NpuChip
+from laswrr.collectors.nodes import CollectorNode, NodesConfigError, load_nodes, parse_nodes
+from laswrr.collectors.npu import ChipSelector, select_chips
+from laswrr.schemas.events import NpuChip
 
 
 def parse(text: str) -> tuple[list[CollectorNode], list[str]]:
@@ -112,9 +112,9 @@ def test_load_nodes_reports_the_file(tmp_path: Path) -> None:
     ('[[node]]\nid = "a"\nurl = "http://h:1"\ncapacity = 2\nchip = 910\n', "node 'a': chip must be a non-empty string"),
 ])
 def test_collector_up_and_register_reject_a_file_with_the_same_error(tmp_path: Path, body: str, message: str) -> None:
-    from services.operator import OperatorError, nodes_file_bodies
-    from services.up import StackError
-    from services.up import load_nodes as up_load_nodes
+    from laswrr.services.operator import OperatorError, nodes_file_bodies
+    from laswrr.services.up import StackError
+    from laswrr.services.up import load_nodes as up_load_nodes
 
     path = tmp_path / "nodes.toml"
     path.write_text(body)
@@ -127,7 +127,7 @@ def test_collector_up_and_register_reject_a_file_with_the_same_error(tmp_path: P
 
 
 def test_registration_needs_a_capacity_the_collector_does_not(tmp_path: Path) -> None:
-    from services.operator import OperatorError, nodes_file_bodies
+    from laswrr.services.operator import OperatorError, nodes_file_bodies
 
     path = tmp_path / "nodes.toml"
     path.write_text('[[node]]\nid = "a"\nurl = "http://h:1/"\n')

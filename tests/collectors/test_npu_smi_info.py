@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collectors.errors import ParseError
-from collectors.npu_smi import parse_info, render_info
-from schemas.events import NpuChip
+from laswrr.collectors.errors import ParseError
+from laswrr.collectors.npu_smi import parse_info, render_info
+from laswrr.schemas.events import NpuChip
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from collectors.errors import ParseError
-from collectors.npu_smi import KvChipMetrics, kv_chip_metrics, parse_kv
+from laswrr.collectors.errors import ParseError
+from laswrr.collectors.npu_smi import KvChipMetrics, kv_chip_metrics, parse_kv
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 

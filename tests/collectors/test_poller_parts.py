@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from collectors.poller import AsyncTicks, RateLimitedLog, Stats
+from laswrr.collectors.poller import AsyncTicks, RateLimitedLog, Stats
 
 
 def test_stats_totals_summary_and_prometheus_text() -> None:

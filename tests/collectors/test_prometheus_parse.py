@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from collectors.errors import ParseError
-from collectors.prometheus import EngineMetrics, Histogram, engine_sample, parse_engine_metrics
+from laswrr.collectors.errors import ParseError
+from laswrr.collectors.prometheus import EngineMetrics, Histogram, engine_sample, parse_engine_metrics
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 

@@ -21,10 +21,10 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from collectors.nodes import load_nodes
+from laswrr.collectors.nodes import load_nodes
 from deploy.compose_plan import container_ports, health_test, interpolate, load_compose, selected_services
-from services.cli import build_parser
-from services.operator import nodes_file_bodies
+from laswrr.cli import build_parser
+from laswrr.services.operator import nodes_file_bodies
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -216,10 +216,11 @@ def test_dockerfile_builds_one_non_root_image_for_every_service() -> None:
     assert re.search(r'^ENTRYPOINT \["laswrr"\]$', dockerfile, re.M)
     assert len(re.findall(r"^RUN pip install \.", dockerfile, re.M)) == 1
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
+    setuptools = pyproject["tool"]["setuptools"]
+    folders = {setuptools["package-dir"].get(p, p.replace(".", "/")).split("/")[0] for p in setuptools["packages"]}
     copied = re.findall(r"^COPY (\S+) ", dockerfile, re.M)
-    for package in packages:
-        assert package in copied, f"Dockerfile does not copy package {package}"
+    for folder in sorted(folders):
+        assert folder in copied, f"Dockerfile does not copy package folder {folder}"
     assert "README.md" in dockerfile  # pyproject's readme: pip install . needs it
 
 

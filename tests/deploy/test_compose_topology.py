@@ -67,7 +67,7 @@ def stream_chat(proxy: str, text: str) -> tuple[str, list[str]]:
 
 
 def laswrr(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=20)
+    return subprocess.run([sys.executable, "-m", "laswrr", *args], capture_output=True, text=True, timeout=20)
 
 
 async def nats_pub(url: str, subject: str, payload: bytes) -> None:

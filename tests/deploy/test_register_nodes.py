@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from services.operator import OperatorError, nodes_file_bodies
+from laswrr.services.operator import OperatorError, nodes_file_bodies
 
 
 def register(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.cli", "register", *args, "--nats-url",
+    return subprocess.run([sys.executable, "-m", "laswrr", "register", *args, "--nats-url",
                            "nats://127.0.0.1:1"], capture_output=True, text=True, timeout=20)
 
 

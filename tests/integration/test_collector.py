@@ -19,17 +19,17 @@ from aiohttp import web
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from collectors.nodes import CollectorNode
-from collectors.npu import ChipSelector, NpuSmiError, run_npu_smi
-from collectors.npu_smi import render_info
-from scheduler.core import Scheduler
-from schemas import subjects as sj
-from schemas.codec import Envelope, decode_event, encode_event
-from schemas.events import ClockTicked, EngineSampled, Event, HealthProbed, NodeRegistered, NpuChip, NpuSampled
-from collectors.poller import Collector, Settings
-from services.natsbus import ensure_streams, free_port
-from services.sim_engine.app import RunningServer, start_server
-from services.sim_engine.config import SimConfig
+from laswrr.collectors.nodes import CollectorNode
+from laswrr.collectors.npu import ChipSelector, NpuSmiError, run_npu_smi
+from laswrr.collectors.npu_smi import render_info
+from laswrr.scheduler.core import Scheduler
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import Envelope, decode_event, encode_event
+from laswrr.schemas.events import ClockTicked, EngineSampled, Event, HealthProbed, NodeRegistered, NpuChip, NpuSampled
+from laswrr.collectors.poller import Collector, Settings
+from laswrr.services.natsbus import ensure_streams, free_port
+from laswrr.services.sim_engine.app import RunningServer, start_server
+from laswrr.services.sim_engine.config import SimConfig
 
 # Generous timeouts: engines run in the test's own event loop and CI machines are shared.
 FAST = Settings(interval_s=0.2, timeout_s=1.0, npu_interval_s=0.5, npu_timeout_s=10.0, stats_interval_s=60.0)
@@ -95,7 +95,7 @@ def node(node_id: str, url: str, **extra: object) -> CollectorNode:
 
 
 def sim_npu_smi(url: str) -> str:
-    return f"{sys.executable} -m services.cli sim-npu-smi --url {url}"
+    return f"{sys.executable} -m laswrr sim-npu-smi --url {url}"
 
 
 class Running:
@@ -368,7 +368,7 @@ async def test_cli_runs_publishes_serves_counters_and_stops_on_sigterm(
                           f'capacity = 4\nnpu_smi = "{sim_npu_smi(engine.url)}"\n')
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", "collector", "--nats-url", nats_url, "--nodes", str(nodes_toml),
+        sys.executable, "-m", "laswrr", "collector", "--nats-url", nats_url, "--nodes", str(nodes_toml),
         "--interval-ms", "100", "--npu-interval-ms", "300", "--metrics-port", str(port),
         cwd=REPO, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -393,7 +393,7 @@ async def test_cli_rejects_a_bad_nodes_file_in_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "nodes.toml"
     bad.write_text('[[node]]\nid = "n 1"\nurl = "http://x:1"\n')
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", "collector", "--nats-url", "nats://127.0.0.1:1", "--nodes", str(bad),
+        sys.executable, "-m", "laswrr", "collector", "--nats-url", "nats://127.0.0.1:1", "--nodes", str(bad),
         cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await proc.communicate()
     assert proc.returncode == 2 and out == b""

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from schemas import subjects as sj
-from services.jsreader import ConsumerGone, PullReader, ack_all_consumer, envelope_of
-from services.natsbus import connect, ensure_streams
+from laswrr.schemas import subjects as sj
+from laswrr.services.jsreader import ConsumerGone, PullReader, ack_all_consumer, envelope_of
+from laswrr.services.natsbus import connect, ensure_streams
 
 
 async def test_next_batch_and_fetch_read_in_order_and_notice_a_deleted_consumer(nats_url: str) -> None:

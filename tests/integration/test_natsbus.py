@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from services.natsbus import connect, ensure_streams
-from schemas import subjects as sj
+from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.schemas import subjects as sj
 
 
 async def test_streams_and_bucket_are_created_idempotently(nats_url: str) -> None:

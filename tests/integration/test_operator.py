@@ -12,14 +12,14 @@ from collections.abc import AsyncIterator
 import pytest
 from nats.js import JetStreamContext
 
-from schemas import subjects as sj
-from services.natsbus import connect, ensure_streams
-from services.operator import Outcome, publish_and_wait
-from services.scheduler_service import SchedulerOptions, SchedulerService
+from laswrr.schemas import subjects as sj
+from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.services.operator import Outcome, publish_and_wait
+from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService
 
 
 async def laswrr(*args: str) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.cli", *args,
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "laswrr", *args,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode is not None

@@ -14,9 +14,10 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from replay import store
-from schemas import subjects as sj
-from services.natsbus import connect, ensure_streams
+from laswrr.replay import store
+from laswrr.schemas import subjects as sj
+from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.services.recorder import copy_from_recorder
 
 pytestmark = pytest.mark.timeout(60)
 STARTED: list[subprocess.Popen[bytes]] = []
@@ -37,7 +38,7 @@ def start_recorder(url: str, data_dir: Path, *extra: str, ready: bool = True) ->
     """``laswrr recorder`` as a child process; with ``ready``, wait until it records."""
     log_file = data_dir / f"recorder-{time.monotonic_ns()}.log"
     with open(log_file, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "recorder", "--nats-url", url,
+        proc = subprocess.Popen([sys.executable, "-m", "laswrr", "recorder", "--nats-url", url,
                                  "--data-dir", str(data_dir), *extra], stdout=subprocess.DEVNULL, stderr=log)
     proc.log_file = log_file  # type: ignore[attr-defined]
     STARTED.append(proc)
@@ -87,7 +88,7 @@ def rows(db: Path, stream: str) -> list[tuple[int, int, str, str]]:
 
 async def stream_times(js, stream: str, seqs: list[int]) -> dict[int, int]:  # type: ignore[no-untyped-def]
     """The exact stored timestamps (ns) of some messages, read back with STREAM.MSG.GET."""
-    from services.recorder import Recorder, RecorderOptions
+    from laswrr.services.recorder import Recorder, RecorderOptions
 
     recorder = Recorder(js._nc, RecorderOptions())
     out = {}
@@ -207,7 +208,7 @@ async def test_readers_get_a_consistent_copy_while_the_recorder_runs(nats_url: s
 
 
 def read_counts(db: Path, url: str) -> list[tuple[str, int]]:
-    with store.open_read(db, nats_url=url, timeout_s=10) as con:
+    with store.open_read(db, copy_from_recorder(url, timeout_s=10)) as con:
         result = con.execute("SELECT stream, count(*) FROM events GROUP BY stream ORDER BY stream").fetchall()
         con.execute("SELECT count(*) FROM weights_over_time").fetchall()  # views are there too
         return result

@@ -18,11 +18,11 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from scheduler.core import Scheduler
-from schemas import subjects as sj
-from schemas.codec import Envelope
-from services.natsbus import connect, ensure_streams
-from services.scheduler_service import (
+from laswrr.scheduler.core import Scheduler
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import Envelope
+from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.services.scheduler_service import (
     SchedulerOptions,
     SchedulerService,
     as_of_seq_of,
@@ -31,7 +31,7 @@ from services.scheduler_service import (
     parse_ack_subject,
     tick_number,
 )
-from scheduler.config import SchedulerConfig
+from laswrr.scheduler.config import SchedulerConfig
 
 # -- the ack subject (pure) -------------------------------------------------------------------------
 
@@ -393,7 +393,7 @@ async def test_holes_in_a_delivery_are_fetched_with_their_exact_time(bus: JetStr
 
 async def test_an_unreadable_checkpoint_means_a_rebuild_from_the_log(
         bus: JetStreamContext, run_service: RunService) -> None:
-    from services.scheduler_service import ensure_checkpoint_bucket
+    from laswrr.services.scheduler_service import ensure_checkpoint_bucket
 
     await bus.publish("lb.admin.node.n1", REGISTER)
     await (await ensure_checkpoint_bucket(bus)).put("scheduler", b"\x00garbage")

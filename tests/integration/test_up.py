@@ -15,8 +15,8 @@ from pathlib import Path
 import nats
 import pytest
 
-from schemas import subjects as sj
-from services.up import (NodeSpec, Stack, StackError, command_available, load_nodes, parse_nodes, render_nodes,
+from laswrr.schemas import subjects as sj
+from laswrr.services.up import (NodeSpec, Stack, StackError, load_nodes, parse_nodes, render_nodes,
                          sim_npu_smi_command)
 
 NODES = """
@@ -79,7 +79,7 @@ async def no_leftover_stack() -> AsyncIterator[None]:
 async def start_up(*args: str) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
     """Run `laswrr up ARGS`; returns the process and the banner's "name: value" lines once printed."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", "up", *args,
+        sys.executable, "-m", "laswrr", "up", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
     STARTED.append(proc)
     assert proc.stdout is not None
@@ -110,8 +110,7 @@ async def test_up_runs_the_stack_and_stops_cleanly_on_sigint(tmp_path: Path) -> 
     proc, banner = await start_up("--nodes", str(tmp_path / "nodes.toml"), "--data-dir", str(tmp_path / "data"),
                                   "--proxy-port", "0")
     nats_url = banner["NATS URL"].split()[0]
-    if command_available("proxy"):
-        assert banner["proxy URL"].startswith("http://127.0.0.1:")
+    assert banner["proxy URL"].startswith("http://127.0.0.1:")
     nc = await nats.connect(nats_url)
     kv = await nc.jetstream().key_value(sj.WEIGHTS_BUCKET)
     snapshot = json.loads((await kv.get("default")).value)
@@ -137,13 +136,12 @@ async def test_up_exits_non_zero_when_a_child_dies(tmp_path: Path, nats_url: str
 
 async def test_up_rejects_a_bad_nodes_file(tmp_path: Path) -> None:
     (tmp_path / "nodes.toml").write_text('[[node]]\nid = "a"\nurl = "http://h"\ncapacity = -1\n')
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.cli", "up", "--nodes",
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "laswrr", "up", "--nodes",
                                                 str(tmp_path / "nodes.toml"), stderr=asyncio.subprocess.PIPE)
     code, _, err = await finish(proc)
     assert code == 2 and err.count("\n") == 1 and "capacity must be an integer > 0" in err
 
 
-@pytest.mark.skipif(not command_available("sim-engine"), reason="laswrr sim-engine not available")
 async def test_stack_library_with_a_simulated_engine(tmp_path: Path) -> None:
     stack = Stack(tmp_path / "data", proxy_port=0)
     try:

@@ -10,10 +10,10 @@ import aiohttp
 import pytest
 
 from proxy_support import CoreDriver, EchoEngine, EventTap, StartProxy
-from schemas import subjects as sj
-from services.natsbus import connect, ensure_streams
-from services.proxy.app import RunningProxy, start
-from services.proxy.config import ProxyConfig
+from laswrr.schemas import subjects as sj
+from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.services.proxy.app import RunningProxy, start
+from laswrr.services.proxy.config import ProxyConfig
 
 
 @pytest.fixture

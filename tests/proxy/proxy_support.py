@@ -25,10 +25,10 @@ from typing import Any
 
 from aiohttp import web
 
-from scheduler.core import Scheduler
-from schemas import subjects as sj
-from schemas.codec import Envelope
-from services.proxy.app import RunningProxy
+from laswrr.scheduler.core import Scheduler
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import Envelope
+from laswrr.services.proxy.app import RunningProxy
 
 
 # -- the echo engine -----------------------------------------------------------------------------

@@ -8,8 +8,8 @@ import json
 import aiohttp
 
 from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
-from schemas import subjects as sj
-from services.natsbus import free_port
+from laswrr.schemas import subjects as sj
+from laswrr.services.natsbus import free_port
 
 CHAT = "/v1/chat/completions"
 STREAM = {"model": "m", "stream": True, "messages": []}

@@ -12,8 +12,8 @@ from pathlib import Path
 import aiohttp
 
 from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
-from schemas import subjects as sj
-from services.natsbus import EmbeddedNats
+from laswrr.schemas import subjects as sj
+from laswrr.services.natsbus import EmbeddedNats
 
 CHAT = "/v1/chat/completions"
 
@@ -155,7 +155,7 @@ async def test_cli_sigterm_drains_and_exits_zero(engines, core: CoreDriver, nats
     engine = await engines("a")
     await core.register("a", engine.url)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.proxy.cli", "--nats-url", nats_url, "--host", "127.0.0.1", "--port", "0",
+        sys.executable, "-m", "laswrr.services.proxy.cli", "--nats-url", nats_url, "--host", "127.0.0.1", "--port", "0",
         "--proxy-id", "cli-proxy", "--grace-s", "10", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

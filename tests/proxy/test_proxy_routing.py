@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from schemas.outputs import LoadView, NodeView, WeightSnapshot
-from services.proxy.config import parse_size, seed_of
-from services.proxy.routing import Router
-from services.proxy.upstream import upstream_url, usage_from_json, usage_from_sse
+from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
+from laswrr.services.proxy.config import parse_size, seed_of
+from laswrr.services.proxy.routing import Router
+from laswrr.services.proxy.upstream import upstream_url, usage_from_json, usage_from_sse
 
 LOAD = LoadView(queue=0, running=0, kv=0, npu=0, latency=0, load=0, sample_age_ms=None, stale=False)
 

@@ -23,10 +23,10 @@ import pytest
 from nats.js import JetStreamContext
 
 from proxy_support import wait_for
-from services.proxy import app
-from services.proxy.bus import BusLink
-from services.proxy.config import ProxyConfig
-from services.proxy.tasks import bounded, stop_task
+from laswrr.services.proxy import app
+from laswrr.services.proxy.bus import BusLink
+from laswrr.services.proxy.config import ProxyConfig
+from laswrr.services.proxy.tasks import bounded, stop_task
 
 DELAYS_S = (0.0, 0.001, 0.002, 0.003, 0.004, 0.006)
 EXIT_WITHIN_S = 5.0
@@ -34,7 +34,7 @@ EXIT_WITHIN_S = 5.0
 
 def _start_and_signal(nats_url: str, proxy_id: str, delay_s: float) -> tuple[int | None, float, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.proxy.cli", "--nats-url", nats_url, "--host", "127.0.0.1", "--port", "0",
+        [sys.executable, "-m", "laswrr.services.proxy.cli", "--nats-url", nats_url, "--host", "127.0.0.1", "--port", "0",
          "--proxy-id", proxy_id, "--log-level", "DEBUG"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

@@ -10,8 +10,8 @@ from typing import Any
 import aiohttp
 
 from proxy_support import StartProxy, wait_for
-from schemas import subjects as sj
-from services.scheduler_service import SchedulerOptions, SchedulerService
+from laswrr.schemas import subjects as sj
+from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService
 
 CHAT = "/v1/chat/completions"
 

@@ -7,7 +7,7 @@ import json
 import aiohttp
 import openai
 
-from schemas import subjects as sj
+from laswrr.schemas import subjects as sj
 from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
 
 CHAT = "/v1/chat/completions"

@@ -11,9 +11,9 @@ from typing import Any
 import aiohttp
 
 from proxy_support import CoreDriver, StartProxy, wait_for, wait_seq
-from schemas import subjects as sj
-from services.natsbus import ensure_streams
-from services.proxy.bus import WEIGHTS_STREAM
+from laswrr.schemas import subjects as sj
+from laswrr.services.natsbus import ensure_streams
+from laswrr.services.proxy.bus import WEIGHTS_STREAM
 
 CHAT = "/v1/chat/completions"
 

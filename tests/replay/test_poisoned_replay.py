@@ -19,16 +19,16 @@ from typing import Any
 import msgspec
 import pytest
 
-from replay import store
-from replay.portable import LogLine, input_line, replay_lines
-from replay.replay import replay_db
-from scheduler.config import SchedulerConfig
-from scheduler.core import Scheduler
-from schemas import events as ev
-from schemas import subjects as sj
-from services.natsbus import connect, ensure_streams
-from services.recorder import Recorder, RecorderOptions
-from services.scheduler_service import SchedulerOptions, SchedulerService
+from laswrr.replay import store
+from laswrr.replay.portable import LogLine, input_line, replay_lines
+from laswrr.replay.replay import replay_db
+from laswrr.scheduler.config import SchedulerConfig
+from laswrr.scheduler.core import Scheduler
+from laswrr.schemas import events as ev
+from laswrr.schemas import subjects as sj
+from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.services.recorder import Recorder, RecorderOptions
+from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService
 
 BROKEN_CAPACITY = 7
 REASON = "internal error while applying: KeyError: 'broken invariant'"

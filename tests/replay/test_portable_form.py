@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from replay.portable import input_line, read_events, replay_lines
-from schemas import subjects as sj
+from laswrr.replay.portable import input_line, read_events, replay_lines
+from laswrr.schemas import subjects as sj
 
 
 @pytest.mark.parametrize("payload", [

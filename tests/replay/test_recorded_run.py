@@ -14,12 +14,12 @@ import aiohttp
 import nats
 import pytest
 
-from replay import store
-from replay.report import gather
-from replay.replay import replay_db
-from schemas import subjects as sj
+from laswrr.replay import store
+from laswrr.replay.report import gather
+from laswrr.replay.replay import replay_db
+from laswrr.schemas import subjects as sj
 
-up = pytest.importorskip("services.up")
+up = pytest.importorskip("laswrr.services.up")
 pytestmark = pytest.mark.timeout(120)
 
 CHAT = "/v1/chat/completions"

@@ -7,10 +7,10 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from replay import store
-from replay.replay import ReplayResult, replay_db
-from replay.synthetic import LogBuilder, workload
-from schemas import subjects as sj
+from laswrr.replay import store
+from laswrr.replay.replay import ReplayResult, replay_db
+from laswrr.replay.synthetic import LogBuilder, workload
+from laswrr.schemas import subjects as sj
 
 
 def small_log() -> LogBuilder:
@@ -158,7 +158,7 @@ def tamper_seq(db: Path, subject: str) -> int:
 
 
 def test_cli_exit_codes(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from services.cli import main
+    from laswrr.cli import main
 
     assert main(["replay", "--db", str(db)]) == 0
     assert "identical" in capsys.readouterr().out

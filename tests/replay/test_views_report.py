@@ -8,10 +8,10 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from replay import store
-from replay.replay import replay_db
-from replay.synthetic import MS, T0_NS, LogBuilder
-from schemas import subjects as sj
+from laswrr.replay import store
+from laswrr.replay.replay import replay_db
+from laswrr.replay.synthetic import MS, T0_NS, LogBuilder
+from laswrr.schemas import subjects as sj
 
 
 @pytest.fixture
@@ -137,7 +137,7 @@ def test_views_survive_malformed_rows(crafted: tuple[Path, dict[str, int]]) -> N
 
 
 def test_report_json_counts(crafted: tuple[Path, dict[str, int]], capsys: pytest.CaptureFixture[str]) -> None:
-    from services.cli import main
+    from laswrr.cli import main
 
     path, seqs = crafted
     assert main(["report", "--db", str(path), "--json"]) == 0
@@ -155,7 +155,7 @@ def test_report_json_counts(crafted: tuple[Path, dict[str, int]], capsys: pytest
 
 def test_export_round_trip(crafted: tuple[Path, dict[str, int]], tmp_path: Path,
                            capsys: pytest.CaptureFixture[str]) -> None:
-    from services.cli import main
+    from laswrr.cli import main
 
     path, _ = crafted
     out = tmp_path / "parquet"
@@ -188,7 +188,7 @@ def test_retries_are_attempts_of_one_request(tmp_path: Path) -> None:
     assert query(path, "SELECT request_id, node, outcome, attempts, ttft_ms FROM requests") == [
         ("q1", "b", "completed", 2, 70.0)]
     with store.open_read(path) as con:
-        from replay.report import gather
+        from laswrr.replay.report import gather
 
         report = gather(con)
     assert (report["requests"], report["completed"], report["upstream_error"], report["retried_attempts"]) == (1, 1, 0, 1)
@@ -220,7 +220,7 @@ def test_what_if_overrides_outlive_recorded_config_events(crafted: tuple[Path, d
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     import csv
 
-    from services.cli import main
+    from laswrr.cli import main
 
     path, seqs = crafted
     out = tmp_path / "whatif"

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from scheduler.config import SchedulerConfig
-from scheduler.core import Scheduler
-from scheduler.state import NodeState
-from schemas import subjects as sj
-from schemas.codec import Envelope, Output, encode
+from laswrr.scheduler.config import SchedulerConfig
+from laswrr.scheduler.core import Scheduler
+from laswrr.scheduler.state import NodeState
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import Envelope, Output, encode
 
 T0 = 1_700_000_000_000_000_000
 MS = 1_000_000

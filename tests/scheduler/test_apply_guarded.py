@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from scheduler.core import Scheduler, apply_guarded
-from schemas import subjects as sj
-from schemas.codec import Envelope
+from laswrr.scheduler.core import Scheduler, apply_guarded
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import Envelope
 
 REGISTER = b'{"url": "http://a:8000", "capacity": 4}'
 

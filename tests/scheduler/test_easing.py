@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sched_feed import warm_pool
 
-from scheduler import weights as wt
-from scheduler.config import SchedulerConfig
+from laswrr.scheduler import weights as wt
+from laswrr.scheduler.config import SchedulerConfig
 
 CFG = SchedulerConfig()
 ROUNDING = 0.0005  # values are rounded to 1e-3

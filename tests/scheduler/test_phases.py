@@ -13,10 +13,10 @@ from collections.abc import Callable
 import msgspec
 from sched_feed import Feed, phase_changes, rejections, warm_pool
 
-from scheduler.config import SchedulerConfig, with_changes
-from scheduler.phases import TRANSITIONS, Phase, PhaseError, Trigger, next_phase
-from scheduler.state import CoreState
-from schemas import subjects as sj
+from laswrr.scheduler.config import SchedulerConfig, with_changes
+from laswrr.scheduler.phases import TRANSITIONS, Phase, PhaseError, Trigger, next_phase
+from laswrr.scheduler.state import CoreState
+from laswrr.schemas import subjects as sj
 
 # With no engine samples every load signal is "unknown"; for arithmetic on slow start we want
 # the unloaded target to be exactly the capacity, so unknown counts as 0 in those tests.

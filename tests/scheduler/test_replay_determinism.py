@@ -14,11 +14,11 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replay.portable import LogLine, output_line, replay_lines
-from scheduler.core import Scheduler
-from scheduler.policies import Candidate, make_policy
-from schemas import subjects as sj
-from schemas.codec import Envelope, Output, encode
+from laswrr.replay.portable import LogLine, output_line, replay_lines
+from laswrr.scheduler.core import Scheduler
+from laswrr.scheduler.policies import Candidate, make_policy
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import Envelope, Output, encode
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "docs" / "examples" / "capacity-drop.jsonl"
@@ -26,7 +26,7 @@ T0 = 1_700_000_000_000_000_000
 
 
 def _replay_cli(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([sys.executable, "-m", "services.cli", "replay", *args], cwd=ROOT, input=stdin,
+    return subprocess.run([sys.executable, "-m", "laswrr", "replay", *args], cwd=ROOT, input=stdin,
                           capture_output=True, timeout=60, check=False)
 
 

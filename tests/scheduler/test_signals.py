@@ -13,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from sched_feed import Feed, rejections, warm_pool
 
-from scheduler import weights as wt
-from scheduler.config import SchedulerConfig, with_changes
-from schemas import subjects as sj
+from laswrr.scheduler import weights as wt
+from laswrr.scheduler.config import SchedulerConfig, with_changes
+from laswrr.schemas import subjects as sj
 
 CFG = SchedulerConfig()
 

@@ -12,10 +12,10 @@ from collections import Counter, deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.policies import POLICIES, Candidate, make_policy
-from scheduler.policies.la_swrr import LaSwrr
-from scheduler.rng import Rng
-from scheduler.swrr import Swrr
+from laswrr.scheduler.policies import POLICIES, Candidate, make_policy
+from laswrr.scheduler.policies.la_swrr import LaSwrr
+from laswrr.scheduler.rng import Rng
+from laswrr.scheduler.swrr import Swrr
 
 NGINX_517 = "aabacaa"  # nginx commit 52327e062: weights a=5, b=1, c=1
 

@@ -11,10 +11,10 @@ import inspect
 import msgspec
 import pytest
 
-from schemas import events as ev
-from schemas import outputs as out
-from schemas import subjects as sj
-from schemas.codec import MAX_PAYLOAD_BYTES, Envelope, Output, SchemaError, decode_event, encode, event_type
+from laswrr.schemas import events as ev
+from laswrr.schemas import outputs as out
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import MAX_PAYLOAD_BYTES, Envelope, Output, SchemaError, decode_event, encode, event_type
 
 
 def _reason(subject: str, data: bytes) -> str:

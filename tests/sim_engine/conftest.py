@@ -9,8 +9,8 @@ import aiohttp
 import openai
 import pytest
 
-from services.sim_engine.app import RunningServer, start_server
-from services.sim_engine.config import SimConfig
+from laswrr.services.sim_engine.app import RunningServer, start_server
+from laswrr.services.sim_engine.config import SimConfig
 
 FAST = SimConfig(chip="910B", capacity=4, port=0, speed=20.0, node_id="node-a")
 

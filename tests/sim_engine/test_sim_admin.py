@@ -11,7 +11,7 @@ import aiohttp
 import openai
 import pytest
 
-from services.sim_engine.app import RunningServer
+from laswrr.services.sim_engine.app import RunningServer
 
 StartEngine = Callable[..., Awaitable[RunningServer]]
 MakeClient = Callable[[RunningServer], openai.AsyncOpenAI]

@@ -10,7 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.sim_engine.app import RunningServer
+from laswrr.services.sim_engine.app import RunningServer
 
 StartEngine = Callable[..., Awaitable[RunningServer]]
 

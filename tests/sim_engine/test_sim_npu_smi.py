@@ -12,16 +12,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 
-from collectors.npu import NpuSmiError, run_npu_smi, split_command
-from collectors.npu_smi import parse_info
-from services.sim_engine import npu_smi
-from services.sim_engine.app import RunningServer
-from services.sim_engine.cli import LISTEN_PREFIX
-from services.sim_engine.profiles import get_profile
-from services.up import sim_npu_smi_command
+from laswrr.collectors.npu import NpuSmiError, run_npu_smi, split_command
+from laswrr.collectors.npu_smi import parse_info
+from laswrr.services.sim_engine import npu_smi
+from laswrr.services.sim_engine.app import RunningServer
+from laswrr.services.sim_engine.cli import LISTEN_PREFIX
+from laswrr.services.sim_engine.profiles import get_profile
+from laswrr.services.up import sim_npu_smi_command
 
 StartEngine = Callable[..., Awaitable[RunningServer]]
-CLI = [sys.executable, "-m", "services.sim_engine.cli"]
+CLI = [sys.executable, "-m", "laswrr.services.sim_engine.cli"]
 
 
 def test_readings_follow_the_batch_and_preallocation() -> None:
@@ -161,6 +161,6 @@ def test_bad_engine_options_exit_2() -> None:
 
 
 def test_registered_with_the_laswrr_dispatcher() -> None:
-    from services.cli import COMMAND_MODULES
+    from laswrr.cli import COMMAND_MODULES
 
-    assert "services.sim_engine.cli" in COMMAND_MODULES
+    assert "laswrr.services.sim_engine.cli" in COMMAND_MODULES

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.sim_engine.physics import EngineSim, RequestState, TokenEvent
-from services.sim_engine.profiles import PROFILES, get_profile
+from laswrr.services.sim_engine.physics import EngineSim, RequestState, TokenEvent
+from laswrr.services.sim_engine.profiles import PROFILES, get_profile
 
 
 def run_until_idle(sim: EngineSim, limit: int = 1_000_000) -> list[TokenEvent]:

@@ -27,10 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from replay import store
-from replay.portable import LineError, replay_lines
-from scheduler import config as config_mod
-from schemas.codec import SchemaError
+from laswrr.replay import store
+from laswrr.replay.portable import LineError, replay_lines
+from laswrr.scheduler import config as config_mod
+from laswrr.schemas.codec import SchemaError
+from laswrr.services import settings
+from laswrr.services.recorder import copy_from_recorder
 
 
 def register(subparsers: Any) -> None:
@@ -67,8 +69,6 @@ def register(subparsers: Any) -> None:
 
 
 def _add_db_options(parser: argparse.ArgumentParser) -> None:
-    from services import settings
-
     settings.add_nats_url(parser)
 
 
@@ -129,14 +129,14 @@ def parse_what_if(items: list[str]) -> dict[str, Any]:
 
 
 def run_db(args: argparse.Namespace) -> int:
-    from replay.replay import replay_db
+    from laswrr.replay.replay import replay_db
 
     try:
         overrides = parse_what_if(args.what_if)
     except SchemaError as exc:
         return _fail("replay", str(exc))
     try:
-        with store.open_read(args.db, nats_url=args.nats_url) as con:
+        with store.open_read(args.db, copy_from_recorder(args.nats_url)) as con:
             if overrides:
                 return _what_if(con, overrides, Path(args.out), args.fraction)
             started = time.perf_counter()
@@ -156,7 +156,7 @@ def run_db(args: argparse.Namespace) -> int:
 
 
 def _what_if(con: Any, overrides: dict[str, Any], out: Path, fraction: float) -> int:
-    from replay.whatif import run_whatif
+    from laswrr.replay.whatif import run_whatif
 
     events, outputs, reaches = run_whatif(con, overrides, out, fraction)
     changes = ", ".join(f"{k}={v}" for k, v in overrides.items())
@@ -183,10 +183,10 @@ def _w(value: float | None) -> str:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from replay import report
+    from laswrr.replay import report
 
     try:
-        with store.open_read(args.db, nats_url=args.nats_url) as con:
+        with store.open_read(args.db, copy_from_recorder(args.nats_url)) as con:
             data = report.gather(con)
     except store.StoreError as exc:
         return _fail("report", str(exc), 1)
@@ -198,13 +198,13 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from replay.export import export
+    from laswrr.replay.export import export
 
     target = Path(args.parquet)
     if target.exists() and not target.is_dir():
         return _fail("export", f"{target} exists and is not a directory")
     try:
-        with store.open_read(args.db, nats_url=args.nats_url) as con:
+        with store.open_read(args.db, copy_from_recorder(args.nats_url)) as con:
             written = export(con, target, views=not args.no_views)
     except store.StoreError as exc:
         return _fail("export", str(exc), 1)

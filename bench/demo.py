@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.children import interrupt_on_sigterm
+from laswrr.services.children import interrupt_on_sigterm
 
 DEMO_POLICIES = ("la-swrr", "rr")
 # Twice the scenario's 42 s: long enough for round robin's queue on the one-slot node to show in
@@ -57,9 +57,9 @@ def _verdict(policy: str, summary: dict[str, Any]) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from bench.cli import bench_scenario
-    from bench.report import print_table
-    from bench.scenarios import ANNOUNCED_DROP
+    from laswrr.bench.cli import bench_scenario
+    from laswrr.bench.report import print_table
+    from laswrr.bench.scenarios import ANNOUNCED_DROP
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.duration_scale <= 0:

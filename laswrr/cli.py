@@ -14,17 +14,17 @@ import sys
 from collections.abc import Sequence
 
 COMMAND_MODULES: tuple[str, ...] = (
-    "replay.cli",
-    "services.recorder",
-    "collectors.cli",
-    "services.sim_engine.cli",
-    "services.collector",
-    "services.scheduler_service",
-    "services.operator",
-    "services.up",
-    "services.proxy.cli",
-    "bench.cli",
-    "services.demo",
+    "laswrr.services.analysis",
+    "laswrr.services.recorder",
+    "laswrr.collectors.cli",
+    "laswrr.services.sim_engine.cli",
+    "laswrr.services.collector",
+    "laswrr.services.scheduler_service",
+    "laswrr.services.operator",
+    "laswrr.services.up",
+    "laswrr.services.proxy.cli",
+    "laswrr.bench.cli",
+    "laswrr.bench.demo",
 )
 
 
