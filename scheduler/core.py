@@ -29,15 +29,15 @@ from typing import Any
 import msgspec
 
 from laswrr.scheduler import config as config_mod
-from laswrr.scheduler import weights as wt
+from laswrr.scheduler import reweigh
 from laswrr.scheduler.phases import ROUTABLE, Phase, PhaseError, Trigger, next_phase
 from laswrr.scheduler.state import CoreState, NodeState, OpenRequest
-from laswrr.schemas import events as ev
-from laswrr.schemas import subjects as sj
+from laswrr.scheduler.weights import MS, round_milli
+from laswrr.schemas import events
+from laswrr.schemas import subjects
 from laswrr.schemas.codec import Envelope, Output, SchemaError, decode_event, encode
-from laswrr.schemas.outputs import LoadView, NodeView, PhaseChanged, Rejected, WeightSnapshot
+from laswrr.schemas.outputs import NodeView, PhaseChanged, Rejected, WeightSnapshot
 
-MS = wt.MS
 HEALTH_ORDER = {"OK": 0, "Warning": 1, "Alarm": 2, "Critical": 3, "UNKNOWN": 4}
 
 
@@ -48,7 +48,7 @@ class Rejection(ValueError):
 def poisoned(envelope: Envelope, exc: BaseException) -> Output:
     """The rejection recorded for an input on which the core broke an invariant."""
     reason = f"internal error while applying: {type(exc).__name__}: {exc}"
-    return Output(subject=sj.OUT_REJECTED, as_of_seq=envelope.seq,
+    return Output(subject=subjects.OUT_REJECTED, as_of_seq=envelope.seq,
                   data=encode(Rejected(seq=envelope.seq, subject=envelope.subject, reason=reason)))
 
 
@@ -73,21 +73,21 @@ class Scheduler:
         self._touched: set[str] = set()
         self._rephased: set[str] = set()
         self._seq = 0
-        self._handlers: dict[type[ev.Event], Callable[[Any, Any], None]] = {
-            ev.NodeRegistered: self._on_registered,
-            ev.NodeRemoveRequested: self._on_remove,
-            ev.CapacitySet: self._on_capacity,
-            ev.DrainRequested: self._on_drain,
-            ev.UndrainRequested: self._on_undrain,
-            ev.ConfigChanged: self._on_config,
-            ev.EngineSampled: self._on_engine,
-            ev.NpuSampled: self._on_npu,
-            ev.HealthProbed: self._on_health,
-            ev.RequestStarted: self._on_started,
-            ev.RequestFinished: self._on_finished,
-            ev.ProxyHeartbeat: self._on_heartbeat,
-            ev.ProxyStopped: self._on_proxy_stopped,
-            ev.ClockTicked: self._on_tick,
+        self._handlers: dict[type[events.Event], Callable[[Any, Any], None]] = {
+            events.NodeRegistered: self._on_registered,
+            events.NodeRemoveRequested: self._on_remove,
+            events.CapacitySet: self._on_capacity,
+            events.DrainRequested: self._on_drain,
+            events.UndrainRequested: self._on_undrain,
+            events.ConfigChanged: self._on_config,
+            events.EngineSampled: self._on_engine,
+            events.NpuSampled: self._on_npu,
+            events.HealthProbed: self._on_health,
+            events.RequestStarted: self._on_started,
+            events.RequestFinished: self._on_finished,
+            events.ProxyHeartbeat: self._on_heartbeat,
+            events.ProxyStopped: self._on_proxy_stopped,
+            events.ClockTicked: self._on_tick,
         }
 
     # -- public API ---------------------------------------------------------------------------
@@ -108,18 +108,18 @@ class Scheduler:
             key, event = decode_event(envelope.subject, envelope.data)
             self._handlers[type(event)](key, event)
         except (SchemaError, Rejection, PhaseError) as exc:
-            return [self._output(sj.OUT_REJECTED, Rejected(seq=envelope.seq, subject=envelope.subject, reason=str(exc)))]
+            return [self._output(subjects.OUT_REJECTED, Rejected(seq=envelope.seq, subject=envelope.subject, reason=str(exc)))]
         for pool in sorted(self._rephased):
             if pool in self._pool_names():
                 self._reweigh(pool, ease=False)
         for pool in sorted(self._touched):
-            self._outputs.append(self._output(sj.out_snapshot(pool), self.snapshot(pool)))
+            self._outputs.append(self._output(subjects.out_snapshot(pool), self.snapshot(pool)))
         return self._outputs
 
     def snapshot(self, pool: str) -> WeightSnapshot:
         state = self.state
         members = sorted((n for n in state.nodes.values() if n.pool == pool), key=lambda n: n.node)
-        panic = self._panic(members)
+        panic = reweigh.in_panic(members, self.config)
         return WeightSnapshot(
             pool=pool, as_of_seq=state.last_seq, tick=state.tick, ts_ns=state.now_ns, panic=panic,
             nodes=[self._view(n, panic) for n in members],
@@ -145,24 +145,13 @@ class Scheduler:
         return Output(subject=subject, data=encode(payload), as_of_seq=self._seq, index=index)
 
     def _view(self, node: NodeState, panic: bool) -> NodeView:
-        routable = self._routable(node, panic)
+        routable = reweigh.routable(node, panic)
         return NodeView(
             node=node.node, url=node.url, phase=node.phase, routable=routable, capacity=node.capacity,
             target_weight=node.target, effective_weight=node.effective if routable else 0.0,
             inflight=node.inflight, chip=node.chip, health=node.health,
-            load=node.load or self._signals_view(node, None), phase_reason=node.phase_reason,
+            load=node.load or reweigh.load_view(None, self.config), phase_reason=node.phase_reason,
         )
-
-    def _routable(self, node: NodeState, panic: bool) -> bool:
-        if node.capacity <= 0:
-            return False
-        return node.phase in ROUTABLE or (panic and node.phase == Phase.EJECTED)
-
-    def _panic(self, members: list[NodeState]) -> bool:
-        """Envoy's panic rail: too few routable nodes -> ejected ones take traffic again."""
-        considered = [n for n in members if n.capacity > 0 and n.phase not in (Phase.DRAINING, Phase.DRAINED)]
-        routable = sum(1 for n in considered if n.phase in ROUTABLE)
-        return bool(considered) and routable < self.config.panic_threshold * len(considered)
 
     # -- phases -------------------------------------------------------------------------------
 
@@ -175,7 +164,7 @@ class Scheduler:
     def _transition(self, node: NodeState, trigger: Trigger, reason: str, floor: float = 0.0) -> None:
         new = next_phase(Phase(node.phase), trigger)
         now = self.state.now_ns
-        self._outputs.append(self._output(sj.out_phase(node.node), PhaseChanged(
+        self._outputs.append(self._output(subjects.out_phase(node.node), PhaseChanged(
             node=node.node, from_=node.phase, to=new.value, as_of_seq=self._seq, reason=reason, pool=node.pool)))
         self._touched.add(node.pool)
         self._rephased.add(node.pool)
@@ -200,8 +189,8 @@ class Scheduler:
     def _start_slow_start(self, node: NodeState, floor: float) -> None:
         cfg = self.config
         node.slow_start_since_ns = self.state.now_ns
-        node.slow_start_floor = wt.r3(min(1.0, max(cfg.slow_start_min_pct, floor)))
-        start = wt.r3(node.slow_start_floor * node.capacity)
+        node.slow_start_floor = round_milli(min(1.0, max(cfg.slow_start_min_pct, floor)))
+        start = round_milli(node.slow_start_floor * node.capacity)
         node.effective = start if node.effective <= 0 else min(node.effective, start)
         node.target = start
 
@@ -234,7 +223,7 @@ class Scheduler:
 
     # -- admin --------------------------------------------------------------------------------
 
-    def _on_registered(self, key: str, event: ev.NodeRegistered) -> None:
+    def _on_registered(self, key: str, event: events.NodeRegistered) -> None:
         node = self.state.nodes.get(key)
         if node is None:
             self._register(key, event)
@@ -249,7 +238,7 @@ class Scheduler:
                 self._undrain(node, "registered again")
         self._set_capacity(node, event.capacity)
 
-    def _register(self, key: str, event: ev.NodeRegistered) -> None:
+    def _register(self, key: str, event: events.NodeRegistered) -> None:
         now, cfg = self.state.now_ns, self.config
         window = cfg.slow_start_window_ms * MS
         # Slow start is useless when every node is new (Envoy, HAProxy): a cold pool starts active.
@@ -259,7 +248,7 @@ class Scheduler:
         self.state.nodes[key] = node
         phase = Phase.ACTIVE if cold else Phase.RECOVERING
         node.phase = phase.value
-        self._outputs.append(self._output(sj.out_phase(key), PhaseChanged(
+        self._outputs.append(self._output(subjects.out_phase(key), PhaseChanged(
             node=key, from_="new", to=phase.value, as_of_seq=self._seq, reason="registered", pool=node.pool)))
         self._touched.add(node.pool)
         if cold:
@@ -287,21 +276,21 @@ class Scheduler:
             self._transition(node, Trigger.RAMP, f"capacity raised {old} -> {capacity}",
                              floor=node.effective / capacity)
 
-    def _on_capacity(self, key: str, event: ev.CapacitySet) -> None:
+    def _on_capacity(self, key: str, event: events.CapacitySet) -> None:
         node = self._require(key)
         self._set_capacity(node, event.capacity)
         self._reweigh(node.pool, ease=False)
 
-    def _on_drain(self, key: str, event: ev.DrainRequested) -> None:
+    def _on_drain(self, key: str, event: events.DrainRequested) -> None:
         self._drain(self._require(key), "operator", "operator drain")
 
-    def _on_undrain(self, key: str, event: ev.UndrainRequested) -> None:
+    def _on_undrain(self, key: str, event: events.UndrainRequested) -> None:
         node = self._require(key)
         if node.capacity == 0:
             raise Rejection(f"node {key!r} has capacity 0: publish lb.admin.capacity.{key} to return it")
         self._undrain(node, "operator undrain")
 
-    def _on_remove(self, key: str, event: ev.NodeRemoveRequested) -> None:
+    def _on_remove(self, key: str, event: events.NodeRemoveRequested) -> None:
         node = self._require(key)
         if node.phase in (Phase.DRAINING, Phase.DRAINED):
             node.remove_pending = True
@@ -312,43 +301,23 @@ class Scheduler:
         node.drain_cause, node.remove_pending = "remove", True
         self._check_drained(node)
 
-    def _on_config(self, key: None, event: ev.ConfigChanged) -> None:
+    def _on_config(self, key: None, event: events.ConfigChanged) -> None:
         self.state.config = config_mod.with_changes(self.config, dict(event.set))
 
     # -- samples ------------------------------------------------------------------------------
 
-    def _on_engine(self, key: str, event: ev.EngineSampled) -> None:
+    def _on_engine(self, key: str, event: events.EngineSampled) -> None:
         node = self._require(key)
         node.running, node.waiting, node.kv = event.running, event.waiting, event.kv_cache_usage
         node.engine_ns = self.state.now_ns
-        self._observe_slots(node, event.running, event.waiting)
+        reweigh.observe_slots(node, event.running, event.waiting, self.state.now_ns, self.config)
         if event.ttft_ms is not None:
-            self._observe_latency(node, event.ttft_ms)
+            reweigh.observe_latency(node, event.ttft_ms, self.config)
 
-    def _observe_slots(self, node: NodeState, running: int, waiting: int) -> None:
-        """Queue evidence of a silent capacity loss (weights.believed_slots): a queue beside free
-        slots, ``slots_evidence`` samples in a row, sets the belief to the running count; running
-        above the belief without a queue raises it to that count."""
-        now = self.state.now_ns
-        if waiting > 0 and running < node.capacity:
-            node.queue_evidence += 1
-            if node.queue_evidence >= self.config.slots_evidence:
-                node.slots_seen, node.slots_seen_ns = max(running, 1), now
-            return
-        node.queue_evidence = 0
-        believed = wt.believed_slots(node.capacity, node.slots_seen, node.slots_seen_ns, now, self.config)
-        if believed is not None and running > believed:
-            node.slots_seen, node.slots_seen_ns = running, now
-
-    def _observe_latency(self, node: NodeState, ttft_ms: float) -> None:
-        alpha = self.config.latency_alpha
-        previous = node.ttft_ewma
-        node.ttft_ewma = wt.r3(ttft_ms if previous is None else previous + alpha * (ttft_ms - previous))
-
-    def _on_npu(self, key: str, event: ev.NpuSampled) -> None:
+    def _on_npu(self, key: str, event: events.NpuSampled) -> None:
         node = self._require(key)
         utils = [c.aicore_util for c in event.chips if c.aicore_util is not None]
-        node.npu_util = wt.r3(sum(utils) / len(utils)) if utils else None
+        node.npu_util = round_milli(sum(utils) / len(utils)) if utils else None
         node.npu_ns = self.state.now_ns
         states = [c.health if c.health in HEALTH_ORDER else "UNKNOWN" for c in event.chips if c.health]
         worst = max(states, key=HEALTH_ORDER.__getitem__) if states else None
@@ -363,7 +332,7 @@ class Scheduler:
             elif node.phase in (Phase.DRAINING, Phase.DRAINED) and node.drain_cause == "npu":
                 self._undrain(node, f"npu health back to {worst or 'unreported'}")
 
-    def _on_health(self, key: str, event: ev.HealthProbed) -> None:
+    def _on_health(self, key: str, event: events.HealthProbed) -> None:
         node = self._require(key)
         if event.ok:
             node.probe_failures = 0
@@ -377,7 +346,7 @@ class Scheduler:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def _on_started(self, key: str, event: ev.RequestStarted) -> None:
+    def _on_started(self, key: str, event: events.RequestStarted) -> None:
         node = self._require(key)
         if event.request_id in self.state.open_requests:
             raise Rejection(f"duplicate request_id {event.request_id!r}: already in flight")
@@ -385,7 +354,7 @@ class Scheduler:
         self.state.proxies[event.proxy] = self.state.now_ns
         node.inflight += 1
 
-    def _on_finished(self, key: str, event: ev.RequestFinished) -> None:
+    def _on_finished(self, key: str, event: events.RequestFinished) -> None:
         request = self.state.open_requests.pop(event.request_id, None)
         if request is None:
             raise Rejection(f"unknown request_id {event.request_id!r}: never started, already finished, or expired")
@@ -395,7 +364,7 @@ class Scheduler:
             return
         node.inflight -= 1
         if event.ttft_ms is not None and event.outcome == "completed":
-            self._observe_latency(node, event.ttft_ms)
+            reweigh.observe_latency(node, event.ttft_ms, self.config)
         if event.outcome == "upstream_error":
             node.consecutive_failures += 1
             if node.consecutive_failures >= self.config.consecutive_failures and node.phase in ROUTABLE:
@@ -420,10 +389,10 @@ class Scheduler:
         self._eject(node, "outlier", f"{failures} consecutive upstream errors; ejected for {duration_ms / 1000:g} s",
                     until_ns=self.state.now_ns + duration_ms * MS)
 
-    def _on_heartbeat(self, key: str, event: ev.ProxyHeartbeat) -> None:
+    def _on_heartbeat(self, key: str, event: events.ProxyHeartbeat) -> None:
         self.state.proxies[key] = self.state.now_ns
 
-    def _on_proxy_stopped(self, key: str, event: ev.ProxyStopped) -> None:
+    def _on_proxy_stopped(self, key: str, event: events.ProxyStopped) -> None:
         self._expire_proxy(key)
 
     def _expire_proxy(self, proxy: str) -> None:
@@ -439,7 +408,7 @@ class Scheduler:
 
     # -- time ---------------------------------------------------------------------------------
 
-    def _on_tick(self, key: None, event: ev.ClockTicked) -> None:
+    def _on_tick(self, key: None, event: events.ClockTicked) -> None:
         state, cfg = self.state, self.config
         state.tick = max(state.tick, event.tick)
         timeout = cfg.proxy_timeout_ms * MS
@@ -468,72 +437,8 @@ class Scheduler:
             node.last_decay_ns = now
 
     def _reweigh(self, pool: str, ease: bool = True, members: list[NodeState] | None = None) -> None:
-        """Recompute targets from the signals; on a tick also ease effective weights one step."""
+        """Recompute the pool's targets from the signals (scheduler.reweigh); on a tick also ease
+        effective weights one step."""
         if members is None:
             members = [n for n in self.state.nodes.values() if n.pool == pool]
-        panic = self._panic(members)
-        cfg, now = self.config, self.state.now_ns
-        latencies = [n.ttft_ewma for n in members if n.ttft_ewma is not None and n.phase in ROUTABLE]
-        best = min(latencies) if latencies else None
-        routed: list[tuple[NodeState, float, float]] = []  # (node, believed slots, load)
-        for node in members:
-            latency = wt.latency_signal(node.ttft_ewma, best)
-            slots = wt.believed_slots(node.capacity, node.slots_seen, node.slots_seen_ns, now, cfg)
-            if slots is None:
-                node.slots_seen = None
-            elif latency > cfg.slots_hold_latency:
-                node.slots_seen_ns = now  # still slow: the evidence holds
-                slots = float(node.slots_seen or 0)
-            signals = self._signals(node, latency, slots)
-            node.load = self._signals_view(node, signals, slots)
-            node.health = self._health_factor(node)
-            if not self._routable(node, panic):
-                node.target = node.effective = 0.0
-                continue
-            routed.append((node, node.capacity if slots is None else slots, signals.load(cfg)))
-        loads = wt.shrink_loads([load for _, _, load in routed], cfg.load_deadband)
-        for (node, slots, _), load in zip(routed, loads):
-            # In panic an ejected node is routed to regardless of its health (Envoy's panic mode).
-            health = 1.0 if node.phase == Phase.EJECTED else node.health
-            target = wt.target_weight(slots, health, load, cfg)
-            if node.phase == Phase.RECOVERING:
-                factor = wt.slow_start_factor(now - node.slow_start_since_ns, node.slow_start_floor, cfg)
-                target = wt.r3(target * factor)
-            node.target = target
-            if node.phase == Phase.EJECTED and node.effective <= 0:
-                node.effective = target  # routable only through the panic rail: spread at once
-            elif ease:
-                node.effective = wt.ease(node.effective, target, node.max_capacity, cfg)
-
-    def _health_factor(self, node: NodeState) -> float:
-        if node.probe_failures >= self.config.health_fail_threshold:
-            return 0.0
-        if node.npu_health in (None, "OK"):
-            return 1.0
-        return self.config.warning_health if node.npu_health == "Warning" else 0.0
-
-    def _signals(self, node: NodeState, latency: float, slots: float | None) -> wt.Signals:
-        cfg, now = self.config, self.state.now_ns
-        age = None if node.engine_ns is None else now - node.engine_ns
-        stale = wt.staleness(age, cfg)
-        sampled = None if node.running is None else node.running + (node.waiting or 0)
-        capacity = node.capacity if slots is None else max(1, round(slots))
-        queue, running = wt.occupancy_signals(capacity, sampled, stale, node.inflight, cfg.unknown_load,
-                                              node.waiting or 0)
-        npu_stale = wt.staleness(None if node.npu_ns is None else now - node.npu_ns, cfg)
-        return wt.Signals(
-            queue=queue, running=running,
-            kv=wt.blend(node.kv, stale, cfg.unknown_load),
-            npu=wt.blend(node.npu_util, npu_stale, cfg.unknown_load),
-            latency=latency,
-            staleness=stale, sample_age_ms=None if age is None else age // MS,
-        )
-
-    def _signals_view(self, node: NodeState, signals: wt.Signals | None, slots: float | None = None) -> LoadView:
-        if signals is None:
-            return LoadView(queue=0.0, running=0.0, kv=0.0, npu=0.0, latency=0.0, load=0.0,
-                            sample_age_ms=None, stale=True)
-        r3 = wt.r3
-        return LoadView(queue=r3(signals.queue), running=r3(signals.running), kv=r3(signals.kv),
-                        npu=r3(signals.npu), latency=r3(signals.latency), load=r3(signals.load(self.config)),
-                        sample_age_ms=signals.sample_age_ms, stale=signals.staleness >= 1.0, slots=slots)
+        reweigh.reweigh_pool(members, self.state.now_ns, self.config, ease)

@@ -12,7 +12,7 @@ and the credit or debt it held is spread over the nodes that stay (semantics §8
 so the sum is still exactly 0 and a node coming back never bursts on stale credit. Integer
 arithmetic throughout; the remainder of the spread goes to the earliest nodes.
 
-State is kept in parallel lists indexed by position (the hot path of a proxy's pick); ``pass_``
+State is kept in parallel lists indexed by position (the hot path of a proxy's pick); ``add_step``
 does the add step, finds the leader and hands back the eligible positions, for LA-SWRR's referee.
 """
 
@@ -60,7 +60,7 @@ class Swrr:
         for rank, i in enumerate(kept):
             self.cw[i] -= share + (1 if rank < remainder else 0)
 
-    def pass_(self, exclude: Container[str] = ()) -> tuple[int, int, list[int]]:
+    def add_step(self, exclude: Container[str] = ()) -> tuple[int, int, list[int]]:
         """The add step over the eligible nodes: (leader or -1, total, eligible positions)."""
         cw, weights = self.cw, self.weights
         if exclude:
@@ -80,7 +80,7 @@ class Swrr:
 
     def pick(self, exclude: Container[str] = ()) -> str | None:
         """Plain nginx SWRR."""
-        lead, total, _ = self.pass_(exclude)
+        lead, total, _ = self.add_step(exclude)
         if lead < 0:
             return None
         self.cw[lead] -= total

@@ -45,7 +45,7 @@ from laswrr.scheduler.config import SchedulerConfig
 MS = 1_000_000
 
 
-def r3(value: float) -> float:
+def round_milli(value: float) -> float:
     return round(value, 3)
 
 
@@ -136,14 +136,14 @@ def believed_slots(capacity: int, seen: int | None, seen_ns: int, now_ns: int, c
     if regain <= 0:
         return None
     believed = seen + capacity * max(0, now_ns - seen_ns) / regain
-    return None if believed >= capacity else r3(believed)
+    return None if believed >= capacity else round_milli(believed)
 
 
 def target_weight(capacity: float, health: float, load: float, config: SchedulerConfig) -> float:
     if capacity <= 0 or health <= 0:
         return 0.0
     raw = capacity * health * (1.0 - config.max_load_cut * min(max(load, 0.0), 1.0))
-    return r3(min(float(capacity), max(config.floor_fraction * capacity, raw)))
+    return round_milli(min(float(capacity), max(config.floor_fraction * capacity, raw)))
 
 
 def ease(effective: float, target: float, max_capacity: int, config: SchedulerConfig) -> float:
@@ -152,7 +152,7 @@ def ease(effective: float, target: float, max_capacity: int, config: SchedulerCo
         return target
     step_cap = config.ease_max_step * max(max_capacity, 1)
     step = max(-step_cap, min(step_cap, config.ease_alpha * delta))
-    return r3(max(0.0, effective + step))
+    return round_milli(max(0.0, effective + step))
 
 
 def slow_start_factor(elapsed_ns: int, floor: float, config: SchedulerConfig) -> float:

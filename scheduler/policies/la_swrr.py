@@ -50,7 +50,7 @@ class LaSwrr:
 
     def pick(self, inflight: Mapping[str, int], exclude: Container[str] = ()) -> str | None:
         swrr = self.swrr
-        lead, total, active = swrr.pass_(exclude)
+        lead, total, active = swrr.add_step(exclude)
         if lead < 0:
             return None
         nodes, weights, cw = swrr.nodes, swrr.weights, swrr.cw

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sched_feed import warm_pool
 
-from laswrr.scheduler import weights as wt
+from laswrr.scheduler import weights
 from laswrr.scheduler.config import SchedulerConfig
 
 CFG = SchedulerConfig()
@@ -24,7 +24,7 @@ ROUNDING = 0.0005  # values are rounded to 1e-3
 @given(st.floats(0, 100), st.floats(0, 100), st.integers(1, 100))
 def test_one_ease_step_is_bounded_and_never_overshoots(effective: float, target: float, max_capacity: int) -> None:
     effective, target = round(effective, 3), round(target, 3)
-    new = wt.ease(effective, target, max_capacity, CFG)
+    new = weights.ease(effective, target, max_capacity, CFG)
     assert new >= 0
     assert abs(new - effective) <= max(CFG.ease_max_step * max_capacity, CFG.ease_deadband) + ROUNDING
     assert min(effective, target) - ROUNDING <= new <= max(effective, target) + ROUNDING
@@ -38,7 +38,7 @@ def test_easing_converges_within_a_bounded_number_of_ticks(effective: float, tar
     # linear phase while α·Δ exceeds the step, then halving down to the dead band
     bound = math.ceil(abs(target - effective) / step) + math.ceil(math.log2(max(step, 1) / CFG.ease_deadband)) + 2
     for _ in range(bound):
-        effective = wt.ease(effective, target, cap, CFG)
+        effective = weights.ease(effective, target, cap, CFG)
     assert effective == target
 
 

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from sched_feed import Feed, rejections, warm_pool
 
-from laswrr.scheduler import weights as wt
+from laswrr.scheduler import weights
 from laswrr.scheduler.config import SchedulerConfig, with_changes
 from laswrr.schemas import subjects as sj
 
@@ -58,11 +58,11 @@ def test_stale_samples_decay_toward_unknown_not_idle() -> None:
 
 
 def test_halfway_through_the_ageing_window_a_sample_is_half_unknown() -> None:
-    assert wt.staleness(None, CFG) == 1.0
-    assert wt.staleness(3_000 * 1_000_000, CFG) == 0.0
-    assert wt.staleness(6_500 * 1_000_000, CFG) == 0.5
-    assert wt.blend(0.0, 0.5, 0.5) == 0.25
-    assert wt.blend(None, 0.0, 0.5) == 0.5
+    assert weights.staleness(None, CFG) == 1.0
+    assert weights.staleness(3_000 * 1_000_000, CFG) == 0.0
+    assert weights.staleness(6_500 * 1_000_000, CFG) == 0.5
+    assert weights.blend(0.0, 0.5, 0.5) == 0.25
+    assert weights.blend(None, 0.0, 0.5) == 0.5
 
 
 def test_npu_samples_age_on_their_own_clock() -> None:
@@ -87,7 +87,7 @@ def test_a_node_with_a_queue_gets_a_lower_target() -> None:
     other = 0.25 * 0.2 + 0.15 * 0.1
     assert (q["load"], _load(feed, "n2")["load"]) == (round(expected, 3), round(other, 3))
     # the target moves each load 0.05 toward the pool's mean first (the dead band)
-    shrunk = wt.shrink_loads([expected, other], CFG.load_deadband)[0]
+    shrunk = weights.shrink_loads([expected, other], CFG.load_deadband)[0]
     assert shrunk == (expected + other) / 2 + (expected - other) / 2 - 0.05
     assert feed.node("n1").target == round(10 * (1 - 0.9 * shrunk), 3)
 
@@ -102,7 +102,7 @@ def test_an_engine_that_queues_below_its_registered_capacity_is_saturated() -> N
     slow, healthy = _load(feed, "n1"), _load(feed, "n2")
     assert (slow["queue"], slow["running"]) == (0.6, 1.0)  # 3 waiting on its 2 real slots
     assert (healthy["queue"], healthy["running"]) == (0.0, 0.5)
-    expected = wt.shrink_loads([0.35 * 0.6 + 0.25 * 1.0 + 0.15 * 0.1, 0.25 * 0.5 + 0.15 * 0.1], CFG.load_deadband)[0]
+    expected = weights.shrink_loads([0.35 * 0.6 + 0.25 * 1.0 + 0.15 * 0.1, 0.25 * 0.5 + 0.15 * 0.1], CFG.load_deadband)[0]
     assert feed.node("n1").target == round(10 * (1 - 0.9 * expected), 3) < 0.75 * feed.node("n2").target
     assert slow.get("slots") is None  # one sample is not yet evidence (a request can wait a step)
 
@@ -144,9 +144,9 @@ def test_latency_is_an_ewma() -> None:
 
 def test_the_floor_keeps_a_saturated_node_observed() -> None:
     config = with_changes(CFG, {"max_load_cut": 1.0})
-    assert wt.target_weight(10, 1.0, 1.0, config) == 0.5  # floor 5 % of capacity
-    assert wt.target_weight(10, 1.0, 0.0, config) == 10.0
-    assert wt.target_weight(10, 0.0, 0.0, config) == 0.0  # health 0 is not routable at all
+    assert weights.target_weight(10, 1.0, 1.0, config) == 0.5  # floor 5 % of capacity
+    assert weights.target_weight(10, 1.0, 0.0, config) == 10.0
+    assert weights.target_weight(10, 0.0, 0.0, config) == 0.0  # health 0 is not routable at all
 
 
 def test_config_event_takes_effect() -> None:
@@ -186,7 +186,7 @@ def test_config_integer_for_a_float_key_is_accepted() -> None:
 def test_weights_never_exceed_capacity_or_go_negative() -> None:
     for load in (-1.0, 0.0, 0.3, 1.0, 2.0):
         for health in (0.0, 0.7, 1.0):
-            target = wt.target_weight(7, health, load, CFG)
+            target = weights.target_weight(7, health, load, CFG)
             assert 0.0 <= target <= 7.0
             assert math.isclose(target, round(target, 3))
 
@@ -278,7 +278,7 @@ def test_identical_nodes_with_a_little_load_noise_get_identical_targets() -> Non
 @given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8), st.floats(0.0, 0.5))
 def test_shrink_moves_each_load_at_most_band_toward_the_mean_and_keeps_the_order(loads: list[float],
                                                                                  band: float) -> None:
-    out = wt.shrink_loads(loads, band)
+    out = weights.shrink_loads(loads, band)
     mean = sum(loads) / len(loads)
     for before, after in zip(loads, out):
         assert min(before, mean) - 1e-12 <= after <= max(before, mean) + 1e-12
