@@ -7,9 +7,13 @@ Models a vLLM-Ascend OpenAI server in front of the continuous-batching physics:
 * ``GET /metrics`` in vLLM format; ``GET /sim/state`` (load + npu-smi readings, JSON);
 * ``GET /sim/npu-smi``: this engine's NPU as ``npu-smi info`` prints it (text/plain, built by
   ``npu_smi.render``), so a collector can sample it with ``curl`` instead of a Python process;
-* ``GET|POST /admin``: capacity, slowdown, fail (none|refuse|http500|cut_stream), health,
-  cut_after. ``refuse`` drops every connection except /admin, /sim/state and /sim/npu-smi
-  unanswered (the engine process is down, the NPU is still there: its HBM falls to the floor).
+* ``GET|POST /admin``: capacity, slowdown, fail (none|refuse|http500|cut_stream|stall_stream),
+  health, cut_after. ``refuse`` is a dead engine process: it resets the connections of the
+  requests in flight and drops every new connection except /admin, /sim/state and /sim/npu-smi
+  unanswered (the NPU is still there: its HBM falls to the floor). ``cut_stream`` resets each
+  stream's connection after ``cut_after`` tokens (a non-streamed request's before its answer);
+  ``stall_stream`` stops sending each stream after ``cut_after`` tokens and holds the
+  connection open (a hung engine; a test may then kill the process).
 
 Every response carries ``x-sim-node``. A client that goes away cancels its request (the
 server runs with aiohttp ``handler_cancellation``; see ``start_server``).
@@ -60,6 +64,7 @@ METRICS_KEY = web.AppKey("sim_metrics", SimMetrics)
 DRIVER_KEY = web.AppKey("sim_driver", EngineDriver)
 STARTED_KEY = web.AppKey("sim_started", float)
 NODE_KEY = web.AppKey("sim_node", NodeName)
+INFLIGHT_KEY = web.AppKey("sim_inflight", set[asyncio.BaseTransport])  # of the completions being served
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -101,7 +106,7 @@ def _drain(queue: asyncio.Queue[TokenEvent], first: TokenEvent) -> list[TokenEve
 
 def _cut_now(request: web.Request, tokens_sent: int) -> bool:
     faults = request.app[FAULTS_KEY]
-    return faults.fail == "cut_stream" and tokens_sent >= faults.cut_after
+    return faults.fail in ("cut_stream", "stall_stream") and tokens_sent >= faults.cut_after
 
 
 def _abort_connection(request: web.Request) -> None:
@@ -150,11 +155,15 @@ async def _completions(request: web.Request, kind: Kind) -> web.StreamResponse:
         return _error(ApiError(400, str(exc), code="context_length_exceeded"))
     words = filler_tokens(app[CONFIG_KEY].seed, creq.prompt_text, creq.output_tokens)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    transport = request.transport
+    if transport is not None:
+        app[INFLIGHT_KEY].add(transport)
     try:
         if creq.stream:
             return await _stream(request, creq, handle, words, rid)
         return await _unary(request, creq, handle, words, rid)
     finally:
+        app[INFLIGHT_KEY].discard(transport)  # type: ignore[arg-type]
         if not handle.req.done:  # client gone, cut, or server stopping
             app[DRIVER_KEY].cancel(handle)
 
@@ -166,6 +175,8 @@ async def _unary(request: web.Request, creq: CompletionRequest, handle: RequestH
         await handle.queue.get()
         produced += 1
         if _cut_now(request, produced):
+            if request.app[FAULTS_KEY].fail == "stall_stream":
+                await asyncio.Event().wait()  # hung: until the client leaves or the process dies
             _abort_connection(request)
             return web.Response(status=500)  # never reaches the client
     body = full_response(creq.kind, rid, int(time.time()), creq.model, "".join(words), creq.finish_reason,
@@ -187,6 +198,8 @@ async def _stream(request: web.Request, creq: CompletionRequest, handle: Request
             finished = event.finished
             if _cut_now(request, sent):
                 await resp.write(bytes(out))
+                if request.app[FAULTS_KEY].fail == "stall_stream":
+                    await asyncio.Event().wait()  # hung: until the client leaves or the process dies
                 _abort_connection(request)
                 return resp
         await resp.write(bytes(out))
@@ -266,6 +279,9 @@ async def post_admin(request: web.Request) -> web.Response:
     for key in ("fail", "health", "cut_after"):
         if key in changes:
             setattr(faults, key, changes[key])
+    if changes.get("fail") == "refuse":  # the engine process died: its connections reset
+        for transport in list(app[INFLIGHT_KEY]):
+            transport.abort()  # type: ignore[attr-defined]
     driver.kick()
     return _json(admin_state(app))
 
@@ -323,6 +339,7 @@ def init_app(config: SimConfig) -> web.Application:
     app[METRICS_KEY] = SimMetrics(config.model_name)
     app[STARTED_KEY] = time.time()
     app[NODE_KEY] = NodeName(config.node_id or f"{config.profile.chip}-{config.port}")
+    app[INFLIGHT_KEY] = set()
     app.cleanup_ctx.append(_engine_ctx)
     app.on_response_prepare.append(_add_node_header)
     app.router.add_post("/v1/chat/completions", chat_completions)

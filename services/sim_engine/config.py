@@ -7,7 +7,7 @@ from typing import Any, Literal, get_args
 
 from laswrr.services.sim_engine.profiles import ChipProfile, get_profile
 
-FailMode = Literal["none", "refuse", "http500", "cut_stream"]
+FailMode = Literal["none", "refuse", "http500", "cut_stream", "stall_stream"]
 Health = Literal["OK", "Warning", "Alarm", "Critical"]
 FAIL_MODES: tuple[str, ...] = get_args(FailMode)
 HEALTH_STATES: tuple[str, ...] = get_args(Health)
@@ -56,12 +56,12 @@ class FaultState:
 
     fail: FailMode = "none"
     health: Health = "OK"
-    cut_after: int = 2  # tokens streamed before a cut_stream abort
+    cut_after: int = 2  # tokens streamed before a cut_stream abort or a stall_stream stall
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @property
     def endpoint_healthy(self) -> bool:
-        """What GET /health reports (refuse never gets that far; cut_stream is a silent fault)."""
+        """What GET /health reports (refuse never gets that far; cut_stream and stall_stream are silent faults)."""
         return self.fail != "http500" and self.health not in UNHEALTHY_STATES

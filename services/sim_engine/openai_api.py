@@ -6,12 +6,23 @@ message), the output is deterministic filler words (one word = one token) seeded
 engine seed and the prompt text, and errors use the ``{"error": {message, type, code}}``
 shape. Non-standard request field ``"sim": {"output_tokens": N, "prompt_tokens": N}``
 overrides the lengths (for load generators). Pure: no I/O.
+
+**Continuations add up.** A router that continues a broken stream elsewhere sends the text so
+far back as context: for completions appended to the prompt, for chat as a final assistant
+message with vLLM's ``continue_final_message: true`` and ``add_generation_prompt: false`` (both
+true is a 400, as in vLLM; ``add_generation_prompt`` defaults to true there too). Two rules make
+the continued text and its token counts exactly those of an unbroken run:
+
+* each output word is chosen from a running CRC-32 of the whole context (``zlib.crc32`` chains:
+  crc(a + b) = crc(b, crc(a))), so generating from context + the first k words gives word k+1 on;
+* every filler word is three letters and a space, four characters, exactly one token of the
+  chars/4 estimate, so a prompt grown by k words counts k more tokens (a continued chat message
+  counts its characters / 4, without the per-message token).
 """
 
 from __future__ import annotations
 
 import math
-import random
 import zlib
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -19,10 +30,11 @@ from typing import Any, Literal
 Kind = Literal["chat", "completion"]
 
 DEFAULT_MAX_TOKENS = 64
-FILLER_WORDS: tuple[str, ...] = (
-    "tok", "sim", "npu", "ascend", "batch", "slot", "kv", "cache",
-    "decode", "prefill", "step", "queue", "route", "weight", "token", "pool",
+FILLER_WORDS: tuple[str, ...] = (  # three letters each: word + space = 4 chars = one estimated token
+    "tok", "sim", "npu", "hbm", "aic", "ddr", "bus", "die",
+    "run", "ack", "key", "map", "row", "top", "gen", "put",
 )
+CHAT_GENERATION_PROMPT = "\n"  # what "add_generation_prompt" appends to the chat context
 
 
 class ApiError(Exception):
@@ -74,16 +86,26 @@ def _content_text(content: Any) -> str:
 
 
 def _chat_prompt(body: dict[str, Any]) -> tuple[str, int]:
+    """The context the output continues, and its token count (see "Continuations add up")."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list", "messages")
-    parts: list[str] = []
     for message in messages:
         if not isinstance(message, dict) or "role" not in message:
             raise _bad("each message must be an object with a 'role'", "messages")
-        parts.append(_content_text(message.get("content")))
-    text = "\n".join(parts)
-    return text, estimate_tokens(text) + len(messages)
+    continue_final = bool(body.get("continue_final_message", False))
+    if continue_final and body.get("add_generation_prompt", True):
+        raise _bad("Cannot set both `add_generation_prompt` and `continue_final_message` to true.",
+                   "continue_final_message")
+    if continue_final and messages[-1].get("role") != "assistant":
+        raise _bad("continue_final_message needs a final assistant message", "messages")
+    closed = messages[:-1] if continue_final else messages
+    text = "\n".join(_content_text(m.get("content")) for m in closed)
+    tokens = estimate_tokens(text) + len(closed)
+    if not continue_final:
+        return text + CHAT_GENERATION_PROMPT, tokens
+    final = _content_text(messages[-1].get("content"))
+    return text + CHAT_GENERATION_PROMPT + final, tokens + math.ceil(len(final) / 4)
 
 
 def _completion_prompt(body: dict[str, Any]) -> tuple[str, int]:
@@ -139,10 +161,19 @@ def _output_length(max_tokens: int | None, sim: dict[str, Any]) -> tuple[int, st
     return max_tokens, "length"
 
 
-def filler_tokens(seed: int, prompt_text: str, count: int) -> list[str]:
-    """Deterministic output words (each ends with a space) for a seed and a prompt."""
-    rng = random.Random(f"{seed}:{zlib.crc32(prompt_text.encode())}")
-    return [rng.choice(FILLER_WORDS) + " " for _ in range(count)]
+def filler_tokens(seed: int, context: str, count: int) -> list[str]:
+    """Deterministic output words (each ends with a space) that continue ``context``.
+
+    Word i is picked by the CRC-32 of the seed, the context and the words before it, so the
+    words after context + w1..wk are wk+1, wk+2, ... of the words after context alone.
+    """
+    state = zlib.crc32(context.encode(), seed & 0xFFFFFFFF)
+    words: list[str] = []
+    for _ in range(count):
+        word = FILLER_WORDS[(state * 0x9E3779B1 >> 20) % len(FILLER_WORDS)] + " "
+        words.append(word)
+        state = zlib.crc32(word.encode(), state)
+    return words
 
 
 def _choice(kind: Kind, text: str | None, finish: str | None, first: bool) -> dict[str, Any]:
