@@ -16,6 +16,9 @@ Names (tests/fixtures/real/METRIC-NAMES.md)
   ``vllm:time_to_first_token_seconds``, ``vllm:e2e_request_latency_seconds``.
 * SGLang: ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, KV = ``sglang:token_usage``,
   same histogram names with the ``sglang:`` prefix.
+* Prefix cache, where the engine has it: vLLM V1's counters ``vllm:prefix_cache_queries_total``
+  and ``vllm:prefix_cache_hits_total`` (tokens, summed over series), SGLang's gauge
+  ``sglang:cache_hit_rate`` (a fraction, the mean over series). MindIE exposes neither.
 * MindIE: no prefix: ``num_requests_running``, ``num_requests_waiting``,
   ``npu_cache_usage_perc``, ``time_to_first_token_seconds`` (exposed WITHOUT ``_sum``),
   ``e2e_request_latency_seconds``.
@@ -81,6 +84,9 @@ class _Names:
     kv: tuple[str, ...]  # first name with samples wins
     ttft: str
     e2e: str
+    prefix_queries: str = ""  # counter of prompt tokens looked up in the prefix cache ("": none)
+    prefix_hits: str = ""  # counter of those found cached
+    cache_hit_rate: str = ""  # gauge, a fraction
 
     def all(self) -> tuple[str, ...]:
         return (*self.running, *self.waiting, *self.kv, self.ttft, self.e2e)
@@ -93,6 +99,8 @@ _NAMES: dict[EngineKind, _Names] = {
         kv=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
         ttft="vllm:time_to_first_token_seconds",
         e2e="vllm:e2e_request_latency_seconds",
+        prefix_queries="vllm:prefix_cache_queries_total",
+        prefix_hits="vllm:prefix_cache_hits_total",
     ),
     "sglang": _Names(
         running=("sglang:num_running_reqs",),
@@ -100,6 +108,7 @@ _NAMES: dict[EngineKind, _Names] = {
         kv=("sglang:token_usage",),
         ttft="sglang:time_to_first_token_seconds",
         e2e="sglang:e2e_request_latency_seconds",
+        cache_hit_rate="sglang:cache_hit_rate",
     ),
     "mindie": _Names(
         running=("num_requests_running",),
@@ -137,6 +146,9 @@ class EngineMetrics:
     e2e: Histogram | None
     models: tuple[str, ...] = ()
     truncated: bool = False
+    prefix_cache_queries: float | None = None  # tokens looked up, cumulative (vLLM)
+    prefix_cache_hits: float | None = None  # tokens found cached, cumulative (vLLM)
+    cache_hit_rate: float | None = None  # SGLang's gauge, 0..1
 
 
 # --------------------------------------------------------------------------- text -> samples
@@ -232,6 +244,26 @@ def _kv(samples: list[Sample], names: tuple[str, ...]) -> tuple[float | None, fl
     return None, None
 
 
+def _total(samples: list[Sample], name: str) -> float | None:
+    """The sum of a counter's series; None when the engine has no such counter."""
+    series = _by_name(samples, name) if name else []
+    if not series:
+        return None
+    total = sum(_finite(s) for s in series)
+    if total < 0:
+        raise ParseError(f"{name} = {total:g}: a counter cannot be negative")
+    return total
+
+
+def _fraction(samples: list[Sample], name: str) -> float | None:
+    values = [_finite(s) for s in _by_name(samples, name)] if name else []
+    if not values:
+        return None
+    if any(not -_KV_TOLERANCE <= v <= 1.0 + _KV_TOLERANCE for v in values):
+        raise ParseError(f"{name}: must be a fraction 0..1, got {values}")
+    return min(1.0, max(0.0, sum(values) / len(values)))
+
+
 def _le(sample: Sample) -> float:
     raw = sample.labels.get("le")
     try:
@@ -314,6 +346,9 @@ def parse_engine_metrics(
         e2e=_histogram(samples, names.e2e),
         models=_models(samples),
         truncated=truncated,
+        prefix_cache_queries=_total(samples, names.prefix_queries),
+        prefix_cache_hits=_total(samples, names.prefix_hits),
+        cache_hit_rate=_fraction(samples, names.cache_hit_rate),
     )
 
 

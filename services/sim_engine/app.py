@@ -148,7 +148,8 @@ async def _completions(request: web.Request, kind: Kind) -> web.StreamResponse:
         return _error(ApiError(500, "simulated engine failure (fail=http500)", "InternalServerError", "sim_http500"))
     try:
         creq = parse_request(await _read_json(request), kind, app[CONFIG_KEY].model_name)
-        handle = app[DRIVER_KEY].submit(creq.prompt_tokens, creq.output_tokens, creq.finish_reason)
+        handle = app[DRIVER_KEY].submit(creq.prompt_tokens, creq.output_tokens, creq.finish_reason,
+                                        creq.prompt_text)
     except ApiError as err:
         return _error(err)
     except ValueError as exc:  # cannot fit in the KV cache
@@ -297,6 +298,7 @@ def sim_state(app: web.Application) -> dict[str, Any]:
         "kv_usage": snap.kv_usage, "kv_tokens_used": snap.kv_tokens_used, "kv_tokens_total": snap.kv_tokens_total,
         "health": faults.health, "fail": faults.fail, "engine_up": engine_up, "slowdown": driver.sim.slowdown,
         "tokens_generated": driver.sim.tokens_generated, "requests_finished": driver.sim.requests_finished,
+        "prefix_cache_queries": snap.prefix_cache_queries, "prefix_cache_hits": snap.prefix_cache_hits,
         "npu": {"name": profile.npu_name, "chips": profile.chips_per_npu, "aicore_pct": npu.aicore_pct,
                 "hbm_used_mb": npu.hbm_used_mb, "hbm_total_mb": npu.hbm_total_mb,
                 "power_w": npu.power_w, "temp_c": npu.temp_c},

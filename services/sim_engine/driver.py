@@ -48,9 +48,10 @@ class EngineDriver:
                 await self._task
             self._task = None
 
-    def submit(self, prompt_tokens: int, output_tokens: int, finish_reason: str) -> RequestHandle:
+    def submit(self, prompt_tokens: int, output_tokens: int, finish_reason: str,
+               prompt_text: str = "") -> RequestHandle:
         """Queue a request (ValueError if it can never fit); tokens arrive on handle.queue."""
-        req = self.sim.submit(prompt_tokens, output_tokens, self.now())
+        req = self.sim.submit(prompt_tokens, output_tokens, self.now(), prompt_text)
         handle = RequestHandle(req, finish_reason)
         self._handles[req.req_id] = handle
         self._kick.set()

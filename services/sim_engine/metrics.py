@@ -2,8 +2,9 @@
 
 Imitates vLLM's /metrics (V0 names, V1 buckets; see tests/fixtures/real/METRIC-NAMES.md):
 gauges for running/waiting/KV use (new ``kv_cache_usage_perc`` and the old
-``gpu_cache_usage_perc`` alias), token and success counters, and the latency histograms a
-router would read. All series carry the ``model_name`` label.
+``gpu_cache_usage_perc`` alias), token and success counters, the prefix-cache counters of vLLM V1
+(``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``, in tokens), and the
+latency histograms a router would read. All series carry the ``model_name`` label.
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ class SimMetrics:
                              labels, buckets=REQUEST_BUCKETS, registry=r)
         self.queue = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
                                labels, buckets=REQUEST_BUCKETS, registry=r)
-        for metric in (self.running, self.waiting, self.kv_usage, self.gpu_cache, self.prompt_tokens,
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                      "queried tokens.", labels, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                                   "tokens.", labels, registry=r)
+        self._prefix_seen = (0, 0)
+        for metric in (self.prefix_queries, self.prefix_hits, self.running, self.waiting, self.kv_usage, self.gpu_cache, self.prompt_tokens,
                        self.generation_tokens, self.preemptions, self.ttft, self.tpot, self.e2e, self.queue):
             metric.labels(model_name)  # expose every series from the start, as vLLM does
 
@@ -70,4 +76,8 @@ class SimMetrics:
         self.waiting.labels(self.model_name).set(snap.waiting)
         self.kv_usage.labels(self.model_name).set(snap.kv_usage)
         self.gpu_cache.labels(self.model_name).set(snap.kv_usage)
+        queries, hits = self._prefix_seen
+        self.prefix_queries.labels(self.model_name).inc(snap.prefix_cache_queries - queries)
+        self.prefix_hits.labels(self.model_name).inc(snap.prefix_cache_hits - hits)
+        self._prefix_seen = (snap.prefix_cache_queries, snap.prefix_cache_hits)
         return generate_latest(self.registry)

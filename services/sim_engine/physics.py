@@ -18,6 +18,12 @@ What it models (vLLM-style continuous batching with chunk-free mixed steps):
   with 10 running on a 910B (ascend.md 6.3 light/saturated anchors);
 * KV use = tokens held by running requests (prompt + generated, rounded up to 16-token
   blocks) / the chip's KV room;
+* prefix caching (``prefix_cache``): a request submitted with its prompt text looks its
+  prompt's 16-token blocks up when it is admitted; the cached prefix skips prefill (the step
+  pays only the rest), the blocks it computed are cached at the end of its prefill step, and the
+  cache keeps unreferenced blocks in the KV room the running requests' reservations leave free
+  (least recently released evicted first); cached blocks do not count as KV use (vLLM counts
+  them free);
 * lowering ``capacity`` never cuts running requests; it only stops admissions until the batch
   falls below the new value; a cancelled request frees its slot and KV at once.
 
@@ -32,6 +38,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from laswrr.services.sim_engine.prefix_cache import PrefixCache, block_keys
 from laswrr.services.sim_engine.profiles import (
     BASE_PREFILL_TOKENS_PER_S,
     BASE_TPOT_S,
@@ -75,6 +82,9 @@ class SimRequest:
     first_token_at: float | None = None
     finished_at: float | None = None
     generated: int = 0
+    block_keys: tuple[bytes, ...] = ()  # prefix-chain keys of the prompt's full blocks
+    held_blocks: int = 0  # leading block_keys this request references in the prefix cache
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
 
     @property
     def kv_reserve(self) -> int:
@@ -103,6 +113,8 @@ class EngineSnapshot:
     kv_tokens_used: int
     kv_tokens_total: int
     busy: bool
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of which were cached
 
     @property
     def kv_usage(self) -> float:
@@ -143,6 +155,7 @@ class EngineSim:
         self._waiting: deque[SimRequest] = deque()
         self._running: dict[int, SimRequest] = {}
         self._kv_reserved = 0
+        self.prefix_cache = PrefixCache(self.params.kv_block_tokens)
         self._step: _Step | None = None
         self._clock = 0.0  # end of the last step (the engine is free from here on)
         self.steps = 0
@@ -186,8 +199,9 @@ class EngineSim:
         return seconds * self._slowdown / self.speed
 
     # -- requests ----------------------------------------------------------------------
-    def submit(self, prompt_tokens: int, output_tokens: int, now: float) -> SimRequest:
-        """Queue a request; ValueError if it can never fit in the KV cache."""
+    def submit(self, prompt_tokens: int, output_tokens: int, now: float, prompt_text: str = "") -> SimRequest:
+        """Queue a request; ValueError if it can never fit in the KV cache. ``prompt_text``
+        (optional) is what the prefix cache hashes; without it the request never hits."""
         if prompt_tokens < 1 or output_tokens < 1:
             raise ValueError("prompt_tokens and output_tokens must be >= 1")
         if prompt_tokens + output_tokens > self.kv_tokens_total:
@@ -197,7 +211,8 @@ class EngineSim:
             )
         self._next_id += 1
         ready_at = now + self.params.frontend_s / self.speed
-        req = SimRequest(self._next_id, prompt_tokens, output_tokens, now, ready_at)
+        keys = block_keys(prompt_text, self.params.kv_block_tokens, prompt_tokens // self.params.kv_block_tokens)
+        req = SimRequest(self._next_id, prompt_tokens, output_tokens, now, ready_at, block_keys=keys)
         self._waiting.append(req)
         return req
 
@@ -206,6 +221,7 @@ class EngineSim:
         req = self._running.pop(req_id, None)
         if req is not None:
             self._kv_reserved -= req.kv_reserve
+            self._release_blocks(req)
         else:
             req = next((r for r in self._waiting if r.req_id == req_id), None)
             if req is None:
@@ -256,8 +272,20 @@ class EngineSim:
             req.admitted_at = t
             self._running[req.req_id] = req
             self._kv_reserved += req.kv_reserve
-            prefill_tokens += req.prompt_tokens
+            req.held_blocks, req.cached_tokens = self.prefix_cache.admit(req.block_keys, req.prompt_tokens)
+            prefill_tokens += req.prompt_tokens - req.cached_tokens
+        self.prefix_cache.evict_to(self.kv_tokens_total - self._kv_reserved)
         return prefill_tokens
+
+    def _register_blocks(self, req: SimRequest) -> None:
+        """End of the request's prefill step: the blocks it computed join the cache."""
+        self.prefix_cache.acquire(req.block_keys[req.held_blocks:])
+        req.held_blocks = len(req.block_keys)
+        self.prefix_cache.evict_to(self.kv_tokens_total - self._kv_reserved)
+
+    def _release_blocks(self, req: SimRequest) -> None:
+        self.prefix_cache.release(req.block_keys[:req.held_blocks])
+        req.held_blocks = 0
 
     def _begin_step(self, t: float) -> bool:
         prefill_tokens = self._admit_ready(t)
@@ -287,12 +315,14 @@ class EngineSim:
         self.tokens_generated += 1
         if req.first_token_at is None:
             req.first_token_at = t
+            self._register_blocks(req)
         finished = req.generated >= req.output_tokens
         if finished:
             req.state = RequestState.FINISHED
             req.finished_at = t
             del self._running[req.req_id]
             self._kv_reserved -= req.kv_reserve
+            self._release_blocks(req)
             self.requests_finished += 1
         return TokenEvent(req.req_id, req.generated - 1, t, finished)
 
@@ -312,4 +342,6 @@ class EngineSim:
             kv_tokens_used=self.kv_tokens_used(),
             kv_tokens_total=self.kv_tokens_total,
             busy=self._step is not None,
+            prefix_cache_queries=self.prefix_cache.queries,
+            prefix_cache_hits=self.prefix_cache.hits,
         )

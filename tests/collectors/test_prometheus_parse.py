@@ -300,3 +300,25 @@ def test_bad_input_raises_parse_error(text: str, match: str | None) -> None:
 def test_unknown_engine_name_raises_parse_error() -> None:
     with pytest.raises(ParseError):
         parse_engine_metrics(vllm_text(), "triton")  # type: ignore[arg-type]
+
+
+def test_prefix_cache_counters_of_real_captures() -> None:
+    v1 = parse_engine_metrics(_read("vllm-metrics_v1_2026_cache-lines_Qwen3.6-27B_trimmed.txt"))
+    assert (v1.prefix_cache_queries, v1.prefix_cache_hits) == (1.0931263819e10, 6.3046928e08)
+    idle = parse_engine_metrics(_read("vllm-metrics_v1_2026_kserve-llama-vllm-single_head40.txt"))
+    assert idle.prefix_cache_queries == 0.0
+    sglang = parse_engine_metrics(_read("sglang-metrics_v0.4-docs_llama3.1-8b.txt"))
+    assert sglang.cache_hit_rate == pytest.approx(0.007507552643049313)
+    assert sglang.prefix_cache_queries is None
+    mindie = parse_engine_metrics(_read("mindie-metrics_coordinator-doc_llama3-8b.txt"))
+    assert (mindie.prefix_cache_queries, mindie.prefix_cache_hits, mindie.cache_hit_rate) == (None, None, None)
+
+
+def test_prefix_cache_counters_are_summed_over_engines() -> None:
+    text = ("vllm:num_requests_running{engine=\"0\"} 1\nvllm:num_requests_running{engine=\"1\"} 2\n"
+            "vllm:prefix_cache_queries_total{engine=\"0\"} 100\nvllm:prefix_cache_queries_total{engine=\"1\"} 50\n"
+            "vllm:prefix_cache_hits_total{engine=\"0\"} 40\nvllm:prefix_cache_hits_total{engine=\"1\"} 10\n")
+    parsed = parse_engine_metrics(text)
+    assert (parsed.prefix_cache_queries, parsed.prefix_cache_hits) == (150, 50)
+    with pytest.raises(ParseError, match="counter cannot be negative"):
+        parse_engine_metrics("vllm:num_requests_running 1\nvllm:prefix_cache_hits_total -3\n")
