@@ -8,7 +8,7 @@ nodes.toml parser is collectors/nodes.py).
 
 Start order: NATS (embedded ``nats-server`` under ``<data_dir>/jetstream`` unless a URL is
 given) -> streams -> scheduler, recorder -> simulated engines (when no nodes file is given:
-one 910C, two 910B, one 910; their nodes file is written to ``<data_dir>/nodes.toml``) ->
+one 910C, two 910B, one 910, all in pool ``default`` serving one model id, ``SIM_MODEL``; their nodes file is written to ``<data_dir>/nodes.toml``) ->
 registration of every node by publishing ``lb.admin.node.<id>`` (plain JSON, as ``nats pub``
 would), waiting until LB_WEIGHTS shows them -> collector -> proxy.
 Stop order: proxies (they finish in-flight requests), collector, engines, scheduler, recorder
@@ -84,7 +84,9 @@ class NodeSpec:
         return json.dumps({"url": self.url, "pool": self.pool, "chip": self.chip, "capacity": self.capacity}).encode()
 
 
-# Simulated engines of the default stack: (node id, chip, capacity).
+# Simulated engines of the default stack: (node id, chip, capacity). Engines of one pool serve one
+# model id (compose's SIM_MODEL default too): chips differ in speed, not in what they answer.
+SIM_MODEL = "sim-llm"
 DEFAULT_SIMS: tuple[tuple[str, str, int], ...] = (
     ("sim-910c-1", "910C", 16), ("sim-910b-1", "910B", 8), ("sim-910b-2", "910B", 8), ("sim-910-1", "910", 4),
 )
@@ -226,13 +228,15 @@ class Stack:
                          role="recorder")
 
     async def start_sim_engines(self, sims: Sequence[tuple[str, str, int]] = DEFAULT_SIMS, speed: float = 1.0,
-                                pool: str = "default", npu_smi: bool = True) -> list[NodeSpec]:
-        """One ``laswrr sim-engine`` per ``(node id, chip, capacity)``; their NodeSpecs (not yet
-        registered). ``npu_smi``: the collector samples each one's simulated npu-smi
-        (``sim_npu_smi_command``)."""
+                                pool: str = "default", npu_smi: bool = True,
+                                model: str = SIM_MODEL) -> list[NodeSpec]:
+        """One ``laswrr sim-engine`` per ``(node id, chip, capacity)``, each serving ``model``; their
+        NodeSpecs (not yet registered). ``npu_smi``: the collector samples each one's simulated
+        npu-smi (``sim_npu_smi_command``)."""
         children = await asyncio.gather(*(
             self.spawn(node_id, "sim-engine", "--port", "0", "--chip", chip, "--capacity", str(capacity),
-                       "--node-id", node_id, "--speed", str(speed), role="sim-engine", wait_listening=True)
+                       "--node-id", node_id, "--speed", str(speed), "--model", model, role="sim-engine",
+                       wait_listening=True)
             for node_id, chip, capacity in sims))
         specs = []
         for child, (node_id, chip, capacity) in zip(children, sims):

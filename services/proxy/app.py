@@ -1,13 +1,26 @@
-"""The proxy's HTTP face (aiohttp): OpenAI-compatible routes, health, metrics, graceful stop.
+"""The proxy's HTTP face (aiohttp): OpenAI-compatible routes, probes, metrics, graceful stop.
 
-Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (forwarded, SSE or not),
-``GET /v1/models``, ``GET /healthz``, ``GET /metrics``. Handlers hold no policy: they validate
-input (400 invalid JSON, 413 body over ``max_body_bytes``, 404 unknown model, 503 no snapshot
-yet or no routable node, all OpenAI-style ``{"error": {message, type, code}}``), pick the pool, ask the router for an
+Routes. Every OpenAI-compatible POST route the engines serve (``OPENAI_POST_ROUTES``:
+``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/responses``,
+``/v1/rerank``, ``/v1/score``, ``/tokenize``, ``/detokenize``, plus ``ProxyConfig.extra_routes``)
+goes through one handler: the JSON body's ``model`` picks the pool, and admission, retries and
+events are the same for all of them. ``GET /v1/models`` is the union of the engines' lists
+(``services.proxy.models``); ``GET /health`` and ``/healthz`` are liveness (200 while the
+process serves, 503 while stopping; the body is ``health_report``), ``GET /readiness`` is 200
+only while a snapshot is held and some pool has a routable node (503 with the reason
+otherwise); ``GET /metrics`` is Prometheus text. Any other path answers 404 and a known path
+with the wrong method 405 with ``Allow``, both as OpenAI-style JSON errors (``not_found``, a
+catch-all route: no middleware on the request path).
+
+Handlers hold no policy: they validate input (400 invalid JSON, 413 body over
+``max_body_bytes``, 404 unknown model, 503 no snapshot yet or no routable node, all
+OpenAI-style ``{"error": {message, type, code}}``), pick the pool, ask the router for an
 admission and hand over to ``upstream.Forwarder``.
 
 Model -> pool: a pool with that exact name; else the pool whose engines list that model id on
-their ``/v1/models``; else the pool ``default`` if it exists; else 404.
+their ``/v1/models``; else the pool ``default`` if it exists; else 404. A request that names a
+pool (``"model": "default"``) is forwarded with the model id that pool's engines serve, so the
+pool name works as an alias with engines that only know their own model id.
 
 Lifecycle. ``init_app`` builds the app; its ``cleanup_ctx`` owns the client session, the NATS
 link (background connect + LB_WEIGHTS watch), the event publisher and the heartbeat. ``start``
@@ -51,6 +64,12 @@ class RequestPeek(msgspec.Struct):
 
 
 _PEEK = msgspec.json.Decoder(RequestPeek)
+_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])  # a body's top level, values kept as their bytes
+
+OPENAI_POST_ROUTES: tuple[str, ...] = (
+    "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/rerank", "/v1/score",
+    "/tokenize", "/detokenize",
+)
 
 
 @dataclass
@@ -75,11 +94,13 @@ class ProxyState:
 
 
 STATE = web.AppKey("proxy_state", ProxyState)
+ROUTES = web.AppKey("proxy_routes", dict[str, tuple[str, ...]])  # path -> methods, for 405's Allow
 
 
 # -- handlers ----------------------------------------------------------------------------------
 
-async def completions(request: web.Request) -> web.StreamResponse:
+async def forward_by_model(request: web.Request) -> web.StreamResponse:
+    """Every OpenAI POST route: the body's ``model`` picks the pool; then admission and forwarding."""
     state = request.app[STATE]
     arrived = time.perf_counter()
     if state.stopping:
@@ -92,7 +113,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if task is not None:
         state.handlers.add(task)
     try:
-        return await _completions(request, state, arrived)
+        return await _forward(request, state, arrived)
     finally:
         state.handlers.discard(task)  # type: ignore[arg-type]
         state.active -= 1
@@ -100,7 +121,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             state.idle.set()
 
 
-async def _completions(request: web.Request, state: ProxyState, arrived: float) -> web.StreamResponse:
+async def _forward(request: web.Request, state: ProxyState, arrived: float) -> web.StreamResponse:
     body_or_error = await _read_body(request, state)
     if isinstance(body_or_error, web.Response):
         return body_or_error
@@ -122,6 +143,10 @@ async def _completions(request: web.Request, state: ProxyState, arrived: float) 
     if pool is None:
         state.metrics.rejected.labels(reason="unknown_model").inc()
         return _unknown_model(peek.model, router)
+    if peek.model == pool and state.catalog is not None:  # the pool's name as an alias of its model
+        served = await state.catalog.served_model(pool)
+        if served is not None and served != pool:
+            body = with_model(body, served)
     admission = router.admit(pool)
     if admission is None:
         state.metrics.rejected.labels(reason="no_routable_node").inc()
@@ -142,6 +167,13 @@ async def _read_body(request: web.Request, state: ProxyState) -> bytes | web.Res
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
         return _too_large(state, limit)
+
+
+def with_model(body: bytes, model: str) -> bytes:
+    """``body`` with its top-level ``model`` set to ``model``; every other value byte for byte."""
+    fields = _FIELDS.decode(body)
+    fields["model"] = msgspec.Raw(msgspec.json.encode(model))
+    return msgspec.json.encode(fields)
 
 
 def _too_large(state: ProxyState, limit: int) -> web.Response:
@@ -165,9 +197,41 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
+    """Liveness (``/health``, ``/healthz``): 200 while the process serves, 503 while it stops."""
     state = request.app[STATE]
     body = health_report(state)
     return web.json_response(body, status=503 if state.stopping else 200)
+
+
+async def readiness(request: web.Request) -> web.Response:
+    """Readiness: 200 only with a snapshot held and a routable node in some pool; else 503 and why."""
+    state = request.app[STATE]
+    reason = not_ready_reason(state)
+    if reason is None:
+        return web.json_response({"status": "ready", "proxy": state.config.proxy_id})
+    return web.json_response({"status": "not_ready", "reason": reason, "proxy": state.config.proxy_id}, status=503)
+
+
+def not_ready_reason(state: ProxyState) -> str | None:
+    pools = state.router.pools
+    if state.stopping:
+        return "stopping"
+    if not pools:
+        return "no_snapshot"
+    if not any(route.targets for route in pools.values()):
+        return "no_routable_node"
+    return None
+
+
+async def not_found(request: web.Request) -> web.Response:
+    """The catch-all route: 405 with ``Allow`` on a known path, else 404; OpenAI-style JSON."""
+    allowed = request.app[ROUTES].get(request.path)
+    if allowed:
+        return error_response(405, f"method {request.method} not allowed on {request.path} (allowed: "
+                              f"{', '.join(allowed)})", "invalid_request_error", "method_not_allowed",
+                              headers={"Allow": ", ".join(allowed)})
+    return error_response(404, f"no route {request.path} (OpenAI routes: {', '.join(OPENAI_POST_ROUTES)}, "
+                          "GET /v1/models)", "invalid_request_error", "not_found")
 
 
 def health_report(state: ProxyState) -> dict[str, object]:
@@ -236,12 +300,23 @@ def init_app(config: ProxyConfig) -> web.Application:
     app = web.Application(client_max_size=config.max_body_bytes)
     app[STATE] = state
     app.cleanup_ctx.append(_resources)
-    app.router.add_post("/v1/chat/completions", completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics)
+    app[ROUTES] = add_routes(app, config.extra_routes)
     return app
+
+
+def add_routes(app: web.Application, extra_posts: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    gets = {"/v1/models": list_models, "/health": healthz, "/healthz": healthz, "/readiness": readiness,
+            "/metrics": metrics}
+    posts = dict.fromkeys(OPENAI_POST_ROUTES + tuple(p for p in extra_posts if p not in OPENAI_POST_ROUTES))
+    for path in posts:
+        app.router.add_post(path, forward_by_model)
+    for path, handler in gets.items():
+        app.router.add_get(path, handler)
+    app.router.add_route("*", "/{tail:.*}", not_found)  # last: only what no route above matched
+    allowed = {path: ("POST",) for path in posts}
+    for path in gets:
+        allowed[path] = allowed.get(path, ()) + ("GET", "HEAD")
+    return allowed
 
 
 # -- running -----------------------------------------------------------------------------------

@@ -35,6 +35,10 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _paths(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-url", default=default_nats_url(), help="NATS server (default $NATS_URL or %(default)s)")
     parser.add_argument("--host", default="0.0.0.0", help="listen address (default %(default)s)")
@@ -54,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a node's in-flight may not exceed ceil(F x capacity); off by default")
     parser.add_argument("--event-buffer", type=int, default=100_000,
                         help="events held while NATS is slow or away; the oldest drop beyond (default %(default)s)")
+    parser.add_argument("--extra-routes", type=_paths, default=(), metavar="PATH[,PATH...]",
+                        help="more POST paths to route by the body's model, beside the OpenAI ones "
+                             "(e.g. /v1/classify,/pooling)")
     parser.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT: replicas may share --port")
     parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
                         help="event loop; auto = uvloop when installed (default %(default)s)")
@@ -73,7 +80,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         policy=args.policy, max_retries=args.max_retries, max_body_bytes=args.max_body_bytes, grace_s=args.grace_s,
         upstream_timeout_s=args.upstream_timeout_s, connect_timeout_s=args.connect_timeout_s,
         inflight_cap_per_capacity=args.inflight_cap_per_capacity, event_buffer=args.event_buffer,
-        reuse_port=args.reuse_port,
+        reuse_port=args.reuse_port, extra_routes=args.extra_routes,
     ).validate()
 
 

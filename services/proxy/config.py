@@ -53,6 +53,7 @@ class ProxyConfig:
     stale_after_s: float = 10.0  # snapshot older than this (or NATS down) -> /healthz says "stale"
     models_ttl_s: float = 5.0
     reuse_port: bool = False  # several replicas may share one port (SO_REUSEPORT)
+    extra_routes: tuple[str, ...] = ()  # POST paths routed by body ``model`` beside app.OPENAI_POST_ROUTES
 
     def validate(self) -> "ProxyConfig":
         sj.check_token(self.proxy_id, "proxy name")
@@ -69,6 +70,8 @@ class ProxyConfig:
             (self.event_buffer > 0, "--event-buffer must be > 0"),
             (0 <= self.port < 65536, "--port must be 0..65535"),
         ]
+        checks += [(path.startswith("/") and " " not in path, f"--extra-routes: {path!r} is not a path like /v1/x")
+                   for path in self.extra_routes]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)

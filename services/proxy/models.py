@@ -3,8 +3,10 @@
 Each routable node's own ``/v1/models`` is asked (concurrently, short timeout; an engine that
 fails is skipped). The answer is cached for ``ttl_s``; while it is fresh nothing is fetched. The
 same listing maps a model id to the pool whose engines serve it, so a request for
-``Qwen/Qwen2.5-7B`` reaches the pool serving it even though pool names are single tokens. When no
-engine reports anything the listing falls back to the pool names.
+``Qwen/Qwen2.5-7B`` reaches the pool serving it even though pool names are single tokens; and
+a pool to the model id its engines serve (``served_model``), so a request naming the pool
+(``"model": "default"``) can be forwarded with the id the engines know. When no engine reports
+anything the listing falls back to the pool names.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class ModelCatalog:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.entries: list[dict[str, Any]] = []
         self.model_pools: dict[str, str] = {}
+        self.pool_models: dict[str, str] = {}  # pool -> the (first, by node URL) model id its engines serve
         self.fetched_at: float | None = None
         self._refresh: asyncio.Task[None] | None = None
 
@@ -49,23 +52,33 @@ class ModelCatalog:
 
     async def pool_hint(self) -> dict[str, str]:
         """model id -> pool; fetched once if never fetched, else refreshed in the background."""
+        await self._current()
+        return self.model_pools
+
+    async def served_model(self, pool: str) -> str | None:
+        """The model id the engines of ``pool`` serve (None when none reported one)."""
+        await self._current()
+        return self.pool_models.get(pool)
+
+    async def _current(self) -> None:
         if self.fetched_at is None:
             await self.refresh()
         elif not self.fresh() and (self._refresh is None or self._refresh.done()):
             self._refresh = asyncio.create_task(self.refresh())
-        return self.model_pools
 
     async def refresh(self) -> None:
         targets = sorted(set(self.router.routable_urls()))
         answers = await asyncio.gather(*(self._fetch(url) for _, url in targets))
         entries: dict[str, dict[str, Any]] = {}
         model_pools: dict[str, str] = {}
+        pool_models: dict[str, str] = {}
         for (pool, _), models in zip(targets, answers):
             for model in models:
                 entries.setdefault(model["id"], model)
                 model_pools.setdefault(model["id"], pool)
+                pool_models.setdefault(pool, model["id"])
         self.entries = [entries[k] for k in sorted(entries)]
-        self.model_pools = model_pools
+        self.model_pools, self.pool_models = model_pools, pool_models
         self.fetched_at = time.monotonic()
 
     async def _fetch(self, base_url: str) -> list[dict[str, Any]]:

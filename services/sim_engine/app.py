@@ -2,7 +2,8 @@
 
 Models a vLLM-Ascend OpenAI server in front of the continuous-batching physics:
 
-* ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``), ``GET /v1/models``;
+* ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (SSE when
+  ``stream``), ``POST /v1/embeddings`` (``embeddings.py``), ``GET /v1/models``;
 * ``GET /health`` (200, or 503 when fail=http500 or chip health is Alarm/Critical);
 * ``GET /metrics`` in vLLM format; ``GET /sim/state`` (load + npu-smi readings, JSON);
 * ``GET /sim/npu-smi``: this engine's NPU as ``npu-smi info`` prints it (text/plain, built by
@@ -26,6 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -34,6 +36,7 @@ from aiohttp import web
 from laswrr.services.sim_engine import npu_smi
 from laswrr.services.sim_engine.config import FAIL_MODES, HEALTH_STATES, FaultState, SimConfig
 from laswrr.services.sim_engine.driver import EngineDriver, RequestHandle
+from laswrr.services.sim_engine.embeddings import embedding_response, parse_embedding_request
 from laswrr.services.sim_engine.metrics import CONTENT_TYPE, SimMetrics
 from laswrr.services.sim_engine.openai_api import (
     ApiError,
@@ -42,7 +45,10 @@ from laswrr.services.sim_engine.openai_api import (
     filler_tokens,
     full_response,
     parse_request,
+    response_event,
+    response_object,
     stream_chunk,
+    text_delta,
     usage_chunk,
 )
 from laswrr.services.sim_engine.physics import EngineSim, TokenEvent
@@ -142,10 +148,38 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _completions(request, "completion")
 
 
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _completions(request, "response")
+
+
+RID_PREFIX: dict[Kind, str] = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_"}
+HTTP500 = ApiError(500, "simulated engine failure (fail=http500)", "InternalServerError", "sim_http500")
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    """Each request is one prefill of its inputs plus a step: it takes a slot like a completion."""
+    app = request.app
+    if app[FAULTS_KEY].fail == "http500":
+        return _error(HTTP500)
+    try:
+        ereq = parse_embedding_request(await _read_json(request), app[CONFIG_KEY].model_name)
+        handle = app[DRIVER_KEY].submit(ereq.prompt_tokens, 1, "stop")
+    except ApiError as err:
+        return _error(err)
+    except ValueError as exc:  # cannot fit in the KV cache
+        return _error(ApiError(400, str(exc), code="context_length_exceeded"))
+    try:
+        await handle.queue.get()
+    finally:
+        if not handle.req.done:
+            app[DRIVER_KEY].cancel(handle)
+    return _json(embedding_response(ereq, app[CONFIG_KEY].seed))
+
+
 async def _completions(request: web.Request, kind: Kind) -> web.StreamResponse:
     app = request.app
     if app[FAULTS_KEY].fail == "http500":
-        return _error(ApiError(500, "simulated engine failure (fail=http500)", "InternalServerError", "sim_http500"))
+        return _error(HTTP500)
     try:
         creq = parse_request(await _read_json(request), kind, app[CONFIG_KEY].model_name)
         handle = app[DRIVER_KEY].submit(creq.prompt_tokens, creq.output_tokens, creq.finish_reason,
@@ -155,13 +189,14 @@ async def _completions(request: web.Request, kind: Kind) -> web.StreamResponse:
     except ValueError as exc:  # cannot fit in the KV cache
         return _error(ApiError(400, str(exc), code="context_length_exceeded"))
     words = filler_tokens(app[CONFIG_KEY].seed, creq.prompt_text, creq.output_tokens)
-    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    rid = RID_PREFIX[kind] + uuid.uuid4().hex
     transport = request.transport
     if transport is not None:
         app[INFLIGHT_KEY].add(transport)
     try:
         if creq.stream:
-            return await _stream(request, creq, handle, words, rid)
+            stream = _stream_response if kind == "response" else _stream
+            return await stream(request, creq, handle, words, rid)
         return await _unary(request, creq, handle, words, rid)
     finally:
         app[INFLIGHT_KEY].discard(transport)  # type: ignore[arg-type]
@@ -180,9 +215,9 @@ async def _unary(request: web.Request, creq: CompletionRequest, handle: RequestH
                 await asyncio.Event().wait()  # hung: until the client leaves or the process dies
             _abort_connection(request)
             return web.Response(status=500)  # never reaches the client
-    body = full_response(creq.kind, rid, int(time.time()), creq.model, "".join(words), creq.finish_reason,
-                         creq.prompt_tokens, creq.output_tokens)
-    return _json(body)
+    shape = response_object if creq.kind == "response" else partial(full_response, creq.kind)
+    return _json(shape(rid, int(time.time()), creq.model, "".join(words), creq.finish_reason, creq.prompt_tokens,
+                       creq.output_tokens))
 
 
 async def _stream(request: web.Request, creq: CompletionRequest, handle: RequestHandle,
@@ -209,6 +244,38 @@ async def _stream(request: web.Request, creq: CompletionRequest, handle: Request
     if creq.include_usage:
         tail += _sse(usage_chunk(creq.kind, rid, created, creq.model, creq.prompt_tokens, sent))
     await resp.write(tail + b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _stream_response(request: web.Request, creq: CompletionRequest, handle: RequestHandle,
+                           words: list[str], rid: str) -> web.StreamResponse:
+    """``/v1/responses`` streamed: created, one text delta per token, completed (no ``[DONE]``)."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    created, sent = int(time.time()), 0
+
+    def event(obj: dict[str, Any]) -> bytes:
+        return f"event: {obj['type']}\n".encode() + _sse(obj)
+
+    start = response_object(rid, created, creq.model, None, creq.finish_reason, creq.prompt_tokens, 0)
+    await resp.write(event(response_event("response.created", 0, response=start)))
+    while sent < creq.output_tokens:
+        batch = _drain(handle.queue, await handle.queue.get())
+        out = bytearray()
+        for item in batch:
+            sent += 1
+            out += event(text_delta(rid, sent, words[item.index]))
+            if _cut_now(request, sent):
+                await resp.write(bytes(out))
+                if request.app[FAULTS_KEY].fail == "stall_stream":
+                    await asyncio.Event().wait()  # hung: until the client leaves or the process dies
+                _abort_connection(request)
+                return resp
+        await resp.write(bytes(out))
+    done = response_object(rid, created, creq.model, "".join(words[:sent]), creq.finish_reason, creq.prompt_tokens,
+                           sent)
+    await resp.write(event(response_event("response.completed", sent + 1, response=done)))
     await resp.write_eof()
     return resp
 
@@ -346,6 +413,8 @@ def init_app(config: SimConfig) -> web.Application:
     app.on_response_prepare.append(_add_node_header)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

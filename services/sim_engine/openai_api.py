@@ -1,8 +1,11 @@
 """OpenAI wire format for the simulated engine: request parsing and response/chunk shaping.
 
-Models what vLLM's OpenAI-compatible server accepts and returns for ``/v1/chat/completions``
-and ``/v1/completions``: prompt length is a cheap estimate (chars / 4, plus one per chat
-message), the output is deterministic filler words (one word = one token) seeded by the
+Models what vLLM's OpenAI-compatible server accepts and returns for ``/v1/chat/completions``,
+``/v1/completions`` and ``/v1/responses`` (kind ``response``: ``input`` as a string or a list
+of messages, ``instructions``, ``max_output_tokens``; the answer is a ``response`` object, or
+the ``response.created`` / ``response.output_text.delta`` / ``response.completed`` SSE events
+when streamed; embeddings are ``embeddings.py``): prompt length is a cheap estimate (chars / 4,
+plus one per chat message), the output is deterministic filler words (one word = one token) seeded by the
 engine seed and the prompt text, and errors use the ``{"error": {message, type, code}}``
 shape. Non-standard request field ``"sim": {"output_tokens": N, "prompt_tokens": N}``
 overrides the lengths (for load generators). Pure: no I/O.
@@ -27,7 +30,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "response"]
 
 DEFAULT_MAX_TOKENS = 64
 FILLER_WORDS: tuple[str, ...] = (  # three letters each: word + space = 4 chars = one estimated token
@@ -119,6 +122,25 @@ def _completion_prompt(body: dict[str, Any]) -> tuple[str, int]:
     raise _bad("'prompt' must be a string (or a list of token ids)", "prompt")
 
 
+def _responses_prompt(body: dict[str, Any]) -> tuple[str, int]:
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise _bad("'input' must be a string or a non-empty list of messages", "input")
+    instructions = body.get("instructions")
+    parts = [instructions] if isinstance(instructions, str) else []
+    for item in items:
+        if not isinstance(item, dict):
+            raise _bad("each input item must be an object", "input")
+        parts.append(_content_text(item.get("content")))
+    text = "\n".join(parts)
+    return text, estimate_tokens(text) + len(parts)
+
+
+_PROMPTS = {"chat": _chat_prompt, "completion": _completion_prompt, "response": _responses_prompt}
+
+
 def _positive_int(value: Any, param: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise _bad(f"'{param}' must be a positive integer, got {value!r}", param)
@@ -129,13 +151,15 @@ def parse_request(body: Any, kind: Kind, default_model: str) -> CompletionReques
     """Validate a decoded JSON body; ApiError(400) on anything we do not accept."""
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
-    text, prompt_tokens = _chat_prompt(body) if kind == "chat" else _completion_prompt(body)
+    text, prompt_tokens = _PROMPTS[kind](body)
     model = body.get("model", default_model)
     if model != default_model:
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model_not_found", "model")
     if body.get("n", 1) != 1:
         raise _bad("only n=1 is supported", "n")
     max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if kind == "response":
+        max_key = "max_output_tokens"
     max_tokens = body.get(max_key)
     max_tokens = None if max_tokens is None else _positive_int(max_tokens, max_key)
     sim = body.get("sim") or {}
@@ -225,3 +249,30 @@ def full_response(kind: Kind, rid: str, created: int, model: str, text: str, fin
     body["choices"] = [choice]
     body["usage"] = usage(prompt, completion)
     return body
+
+
+# -- /v1/responses ---------------------------------------------------------------------------------
+
+
+def response_object(rid: str, created: int, model: str, text: str | None, finish: str,
+                    prompt: int, completion: int) -> dict[str, Any]:
+    """A ``response`` object: ``in_progress`` with no output while ``text`` is None, else completed."""
+    done = text is not None
+    output = [{"type": "message", "id": f"msg_{rid[5:]}", "status": "completed", "role": "assistant",
+               "content": [{"type": "output_text", "text": text, "annotations": []}]}] if done else []
+    incomplete = {"reason": "max_output_tokens"} if done and finish == "length" else None
+    status = "in_progress" if not done else "incomplete" if incomplete else "completed"
+    return {"id": rid, "object": "response", "created_at": created, "model": model, "status": status,
+            "output": output, "incomplete_details": incomplete, "error": None, "parallel_tool_calls": False,
+            "tool_choice": "auto", "tools": [],
+            "usage": {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion}
+            if done else None}
+
+
+def response_event(event_type: str, sequence: int, **fields: Any) -> dict[str, Any]:
+    return {"type": event_type, "sequence_number": sequence, **fields}
+
+
+def text_delta(rid: str, sequence: int, delta: str) -> dict[str, Any]:
+    return response_event("response.output_text.delta", sequence, item_id=f"msg_{rid[5:]}", output_index=0,
+                          content_index=0, delta=delta, logprobs=[])
