@@ -47,10 +47,11 @@ from urllib.parse import urlsplit
 
 from laswrr.collectors.npu import ChipSelector, split_command
 from laswrr.collectors.prometheus import EngineKind
+from laswrr.schemas.events import ENGINE_NAMES
 from laswrr.schemas.subjects import SubjectError, check_token
 
 DEFAULT_NPU_SMI = "npu-smi info"
-ENGINES = ("auto", "vllm", "mindie", "sglang")
+ENGINES = ENGINE_NAMES
 UP_KEYS = frozenset({"id", "url", "pool", "chip", "capacity"})
 COLLECTOR_KEYS = frozenset({"metrics_url", "health_url", "engine", "npu_smi", "npu_ids", "chips"})
 

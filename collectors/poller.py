@@ -6,6 +6,9 @@ Theory of operation
   CONCURRENTLY, each bounded by ``timeout_s``, then publishes. Nodes never wait for each
   other, so a slow or dead node delays only its own samples (its loop skips the ticks it
   overran and counts them as ``late_ticks``).
+* The node set can change while running: ``update(node_id, node)`` restarts or stops one
+  node's loop (the collector follows ``lb.admin.node`` / ``lb.admin.remove``,
+  collectors/registrations.py); npu-smi hosts come from the start-up list only.
 * One task per DISTINCT ``npu_smi`` command line (one host): every ``npu_interval_s`` it runs
   the command (subprocess, timeout, killed on expiry), parses the table and publishes each
   node's selected chips.
@@ -178,27 +181,55 @@ class Collector:
 
     def __init__(self, nodes: list[CollectorNode], js: JetStreamContext, settings: Settings,
                  clock_ns: Callable[[], int] = time.time_ns) -> None:
-        self.nodes, self.js, self.settings, self.clock_ns = nodes, js, settings, clock_ns
+        self.js, self.settings, self.clock_ns = js, settings, clock_ns
+        self.nodes: dict[str, CollectorNode] = {node.id: node for node in nodes}  # polled now
         self.stats = Stats()
         self.warn = RateLimitedLog(settings.warn_every_s)
         self._prev: dict[str, EngineMetrics] = {}
         self._engine_kind: dict[str, str] = {}
+        self._start_nodes = list(nodes)  # npu-smi hosts come from the start-up list only
+        self._node_tasks: dict[str, asyncio.Task[None]] = {}
+        self._running: tuple[aiohttp.ClientSession, asyncio.Event] | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
-            hosts = npu_hosts(self.nodes)
-            tasks = [asyncio.create_task(self._node_loop(node, session, stop, i / len(self.nodes)),
-                                         name=f"node-{node.id}") for i, node in enumerate(self.nodes)]
-            tasks += [asyncio.create_task(self._npu_loop(host, stop, i / len(hosts)), name=f"npu-{i}")
-                      for i, host in enumerate(hosts)]
+            self._running = session, stop
+            hosts = npu_hosts(self._start_nodes)
+            nodes = list(self.nodes.values())
+            for i, node in enumerate(nodes):
+                self._start_node(node, i / len(nodes))
+            tasks = [asyncio.create_task(self._npu_loop(host, stop, i / len(hosts)), name=f"npu-{i}")
+                     for i, host in enumerate(hosts)]
             tasks.append(asyncio.create_task(self._stats_loop(stop), name="stats"))
             try:
                 await stop.wait()
             finally:
+                self._running = None
+                tasks += self._node_tasks.values()
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+    def update(self, node_id: str, node: CollectorNode | None) -> None:
+        """Poll ``node`` from now on (replacing how ``node_id`` was polled), or stop polling
+        ``node_id`` (``node`` None): the node set followed at runtime (collectors/registrations.py)."""
+        task = self._node_tasks.pop(node_id, None)
+        if task is not None:
+            task.cancel()
+        self._prev.pop(node_id, None)  # histogram deltas start again from the next scrape
+        if node is None:
+            self.nodes.pop(node_id, None)
+            return
+        self.nodes[node_id] = node
+        if self._running is not None:
+            self._start_node(node, 0.0)
+
+    def _start_node(self, node: CollectorNode, phase: float) -> None:
+        assert self._running is not None
+        session, stop = self._running
+        self._node_tasks[node.id] = asyncio.create_task(self._node_loop(node, session, stop, phase),
+                                                        name=f"node-{node.id}")
 
     # -- pacing ---------------------------------------------------------------------------
 
@@ -272,6 +303,8 @@ class Collector:
         self.warn.resolved(key, f"npu-smi {host.command!r}: ok again")
         publishes = []
         for node in host.nodes:
+            if node.id not in self.nodes:  # removed at runtime
+                continue
             mine = select_chips(chips, node.selector)
             missing = node.selector.missing(chips)
             if missing or not mine:

@@ -10,7 +10,7 @@ decoder itself rejects bad values with a precise message.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal, get_args
 
 import msgspec
 from msgspec import Meta
@@ -23,6 +23,10 @@ PosInt = Annotated[int, Meta(gt=0, le=MAX_INT)]
 Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
 NonNegFloat = Annotated[float, Meta(ge=0.0)]
 Name = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-]+$")]
+HttpUrl = Annotated[str, Meta(min_length=8, max_length=2048, pattern=r"^https?://[^/\s?#]+")]
+# How the collector reads an engine's /metrics: one family's names, or detected per scrape.
+EngineName = Literal["auto", "vllm", "mindie", "sglang"]
+ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,13 +34,20 @@ class Event(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class NodeRegistered(Event, frozen=True, kw_only=True):
-    """``lb.admin.node.<node>``: register an instance, or update a registered one."""
+    """``lb.admin.node.<node>``: register an instance, or update a registered one.
+
+    ``metrics_url``, ``health_url`` and ``engine`` tell the collector how to poll a node
+    registered at runtime (None: ``<url>/metrics``, ``<url>/health``, detect the engine, or
+    what the collector's nodes.toml says); the scheduler does not use them."""
 
     KIND: ClassVar[str] = "admin.node_registered"
     url: Annotated[str, Meta(min_length=1, max_length=2048)]
     capacity: PosInt
     pool: Name = "default"
     chip: Annotated[str, Meta(max_length=64)] = "unknown"
+    metrics_url: HttpUrl | None = None
+    health_url: HttpUrl | None = None
+    engine: EngineName | None = None
 
 
 class NodeRemoveRequested(Event, frozen=True, kw_only=True):

@@ -13,7 +13,8 @@ EVENTS_STREAM = "LB_EVENTS"
 OUT_STREAM = "LB_OUT"
 WEIGHTS_BUCKET = "LB_WEIGHTS"
 
-EVENTS_SUBJECTS = ["lb.admin.>", "lb.metrics.>", "lb.health.>", "lb.req.>", "lb.clock.>", "lb.proxy.>"]
+ADMIN_ALL = "lb.admin.>"
+EVENTS_SUBJECTS = [ADMIN_ALL, "lb.metrics.>", "lb.health.>", "lb.req.>", "lb.clock.>", "lb.proxy.>"]
 OUT_SUBJECTS = ["lb.out.>"]
 
 ADMIN_NODE = "lb.admin.node"

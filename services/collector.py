@@ -6,6 +6,12 @@ The node keys it reads (``metrics_url``, ``health_url``, ``engine``, ``npu_smi``
 ``chips``) are documented in ``collectors/nodes.py``; what it polls and publishes, and why
 with JetStream publish, in ``collectors/poller.py``.
 
+The node set follows registrations at runtime (collectors/registrations.py): an ordered
+JetStream consumer on ``lb.admin.>`` of LB_EVENTS first delivers the newest message of each
+admin subject, in stream order, then every new one; ``lb.admin.node.<id>`` starts (or changes)
+polling a node, ``lb.admin.remove.<id>`` stops it. nodes.toml stays the start-up list (and the
+only source of npu-smi settings).
+
 Process rules: this is the thin shell. It reads nodes.toml (a bad file: one line on stderr,
 exit 2), connects to NATS (reconnecting forever once connected; no server within 10 s at
 start: one line on stderr, exit 1), creates the streams only if LB_EVENTS does not exist yet
@@ -28,9 +34,14 @@ from typing import Any
 import nats.errors
 from aiohttp import web
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
 
 from laswrr.collectors.nodes import CollectorNode, NodesConfigError, load_nodes
 from laswrr.collectors.poller import Collector, RateLimitedLog, Settings, Stats, npu_hosts
+from laswrr.collectors.registrations import RegisteredNodes
+from laswrr.schemas import subjects as sj
 from laswrr.services.natsbus import connect, ensure_streams_exist
 
 log = logging.getLogger("laswrr.collector")
@@ -85,6 +96,25 @@ async def _metrics_site(stats: Stats, port: int) -> web.AppRunner:
     return runner
 
 
+async def follow_registrations(js: JetStreamContext, collector: Collector, file_nodes: list[CollectorNode]) -> Any:
+    """Subscribe to the admin subjects; every change of the node set goes to ``collector.update``."""
+    node_set = RegisteredNodes(file_nodes)
+
+    async def on_admin(msg: Msg) -> None:
+        change = node_set.observe(msg.subject, msg.data)
+        if change is None:
+            return
+        node_id, node = change
+        if node is None:
+            log.info("node %s removed: polling stopped", node_id)
+        else:
+            log.info("node %s registered: polling %s and %s", node_id, node.metrics_url, node.health_url)
+        collector.update(node_id, node)
+
+    return await js.subscribe(sj.ADMIN_ALL, stream=sj.EVENTS_STREAM, cb=on_admin, ordered_consumer=True,
+                              deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+
+
 async def serve(nats_url: str, nodes: list[CollectorNode], settings: Settings,
                 stop: asyncio.Event | None = None) -> Stats:
     """Connect, collect until ``stop`` (or SIGINT/SIGTERM), drain; returns the counters."""
@@ -100,6 +130,7 @@ async def serve(nats_url: str, nodes: list[CollectorNode], settings: Settings,
     collector = Collector(nodes, nc.jetstream(), settings)
     try:
         await ensure_streams_exist(collector.js)
+        await follow_registrations(collector.js, collector, nodes)
         if settings.metrics_port is not None:
             runner = await _metrics_site(collector.stats, settings.metrics_port)
         log.info("collecting %d node(s) every %.0f ms, %d npu-smi command(s), publishing to %s",

@@ -33,6 +33,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError, N
 
 from laswrr.collectors.nodes import NodesConfigError, load_node_entries
 from laswrr.schemas import subjects as sj
+from laswrr.schemas.events import ENGINE_NAMES
 from laswrr.services import settings
 
 EXIT_APPLIED, EXIT_REJECTED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
@@ -185,11 +186,16 @@ def _write(builder: Any, body_of: Any) -> Any:
     return handler
 
 
+# What the collector needs to poll a node registered at runtime (lb.admin.node's last fields).
+COLLECTOR_FIELDS = ("metrics_url", "health_url", "engine")
+
+
 def _register_body(args: argparse.Namespace) -> dict[str, Any]:
     body: dict[str, Any] = {"url": args.url, "pool": args.pool}
     if args.chip:
         body["chip"] = args.chip
     body["capacity"] = args.capacity
+    body.update({key: getattr(args, key) for key in COLLECTOR_FIELDS if getattr(args, key) is not None})
     return body
 
 
@@ -206,6 +212,7 @@ def nodes_file_bodies(path: str) -> list[tuple[str, dict[str, Any]]]:
         if entry.chip is not None:
             body["chip"] = entry.chip
         body["capacity"] = entry.capacity
+        body.update({key: entry.extra[key] for key in COLLECTOR_FIELDS if key in entry.extra})
         bodies.append((sj.admin_node(entry.id), body))
     return bodies
 
@@ -333,14 +340,20 @@ def register(subparsers: Any) -> None:
         parser.set_defaults(func=_write(builder, lambda a: {}))
 
     reg = subparsers.add_parser("register", help="register or update a node",
-                                description="Publish lb.admin.node.NODE {url, pool, chip, capacity}.")
+                                description="Publish lb.admin.node.NODE {url, pool, chip, capacity, metrics_url, "
+                                            "health_url, engine}.")
     reg.add_argument("node", metavar="NODE", nargs="?", help="node id (omit with --nodes)")
     reg.add_argument("--nodes", metavar="FILE", default=None,
-                     help="register every [[node]] of this nodes.toml (id, url, pool, chip, capacity) instead")
+                     help="register every [[node]] of this nodes.toml (id, url, pool, chip, capacity, "
+                          "metrics_url, health_url, engine) instead")
     reg.add_argument("--url", default=None, help="the engine's base URL, e.g. http://10.0.0.5:8000")
     reg.add_argument("--pool", default="default", help="resource pool (default: default)")
     reg.add_argument("--chip", default=None, help="chip type: 910, 910B, 910C, ...")
     reg.add_argument("--capacity", type=int, default=None, help="concurrent requests the node serves")
+    reg.add_argument("--metrics-url", default=None, help="for the collector: the engine's /metrics (default URL/metrics)")
+    reg.add_argument("--health-url", default=None, help="for the collector: its health probe (default URL/health)")
+    reg.add_argument("--engine", default=None, choices=ENGINE_NAMES,
+                     help="for the collector: metric names to read (default: detect)")
     _common(reg)
     reg.set_defaults(func=run_register)
 

@@ -27,7 +27,8 @@ def test_bodies_are_what_lb_admin_node_takes(tmp_path: Path) -> None:
                      'metrics_url = "http://10.0.0.5:8000/metrics"\n'
                      '[[node]]\nid = "n2"\nurl = "http://10.0.0.6:1025"\npool = "mindie"\ncapacity = 16\n')
     assert nodes_file_bodies(str(nodes)) == [
-        ("lb.admin.node.n1", {"url": "http://10.0.0.5:8000", "pool": "default", "chip": "910B", "capacity": 8}),
+        ("lb.admin.node.n1", {"url": "http://10.0.0.5:8000", "pool": "default", "chip": "910B", "capacity": 8,
+                              "metrics_url": "http://10.0.0.5:8000/metrics"}),
         ("lb.admin.node.n2", {"url": "http://10.0.0.6:1025", "pool": "mindie", "capacity": 16}),
     ]
 

@@ -1,0 +1,122 @@
+"""The collector follows registrations: a real ``laswrr collector`` and a real ``laswrr sim-engine``
+(child processes) on a real nats-server; a node registered at runtime with ``laswrr register``
+gets engine and health samples within two collector intervals, a removed one gets none."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from laswrr.schemas import subjects as sj
+from laswrr.services.children import ChildProcesses
+from laswrr.services.natsbus import ensure_streams
+
+INTERVAL_MS = 500  # the collector's default
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[Client]:
+    client = await nats.connect(nats_url)
+    await ensure_streams(client.jetstream())
+    yield client
+    await client.drain()
+
+
+@pytest.fixture
+async def children(tmp_path: Path) -> AsyncIterator[ChildProcesses]:
+    processes = ChildProcesses(tmp_path / "logs")
+    yield processes
+    await processes.stop(("collector", "sim-engine"))
+
+
+async def stream_times(nc: Client, subject: str) -> list[float]:
+    """JetStream time (s) of every message on ``subject`` so far."""
+    js = nc.jetstream()
+    info = await js.stream_info(sj.EVENTS_STREAM)
+    times = []
+    for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
+        msg = await js.get_msg(sj.EVENTS_STREAM, seq)
+        if msg.subject == subject and msg.time is not None:
+            times.append(msg.time.timestamp())
+    return times
+
+
+async def first_after(nc: Client, subject: str, after: float, timeout_s: float = 10.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        later = [t for t in await stream_times(nc, subject) if t >= after]
+        if later:
+            return later[0]
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no {subject} within {timeout_s} s")
+
+
+def register(nats_url: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "laswrr", "register", *args, "--nats-url", nats_url, "--wait", "0.5"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode in (0, 3), done.stderr  # 3: no scheduler runs here; the event is in the log
+    return done.stdout
+
+
+async def test_a_node_registered_at_runtime_is_polled_and_a_removed_one_is_not(
+        nats_url: str, nc: Client, children: ChildProcesses, tmp_path: Path) -> None:
+    engine = await children.spawn("n5", "sim-engine", "--port", "0", "--chip", "910B", "--capacity", "4",
+                                  "--node-id", "n5", role="sim-engine", wait_listening=True)
+    empty = tmp_path / "nodes.toml"
+    empty.write_text("# no start-up nodes: everything comes from registrations\n")
+    await children.spawn("collector", "collector", "--nats-url", nats_url, "--nodes", str(empty),
+                         "--interval-ms", str(INTERVAL_MS), role="collector")
+    await asyncio.sleep(1.0)  # the collector is subscribed
+    assert await stream_times(nc, sj.metrics_engine("n5")) == []
+
+    assert engine.url is not None
+    await asyncio.to_thread(register, nats_url, "n5", "--url", engine.url, "--capacity", "4", "--engine", "vllm")
+    (registered,) = await stream_times(nc, sj.admin_node("n5"))
+    engine_at = await first_after(nc, sj.metrics_engine("n5"), registered)
+    health_at = await first_after(nc, sj.health("n5"), registered)
+    interval_s = INTERVAL_MS / 1000
+    assert engine_at - registered <= 2 * interval_s, (engine_at - registered)
+    assert health_at - registered <= 2 * interval_s, (health_at - registered)
+
+    await asyncio.to_thread(register, nats_url, "n5", "--url", engine.url, "--capacity", "4",
+                            "--metrics-url", "http://127.0.0.1:1/metrics")  # moved metrics: scrapes fail
+    await asyncio.sleep(3 * interval_s)
+    before = len(await stream_times(nc, sj.metrics_engine("n5")))
+    await asyncio.sleep(3 * interval_s)
+    assert len(await stream_times(nc, sj.metrics_engine("n5"))) == before  # nothing parsed from port 1
+    assert len(await stream_times(nc, sj.health("n5"))) > 0
+
+    subprocess.run([sys.executable, "-m", "laswrr", "remove", "n5", "--nats-url", nats_url, "--wait", "0.5"],
+                   capture_output=True, timeout=30)
+    await asyncio.sleep(2 * interval_s)
+    health = len(await stream_times(nc, sj.health("n5")))
+    await asyncio.sleep(4 * interval_s)
+    assert len(await stream_times(nc, sj.health("n5"))) == health  # polling stopped
+    log = (tmp_path / "logs" / "collector.log").read_text()
+    assert "node n5 registered: polling" in log and "node n5 removed: polling stopped" in log
+
+
+async def test_a_collector_started_after_registration_polls_the_registered_node(
+        nats_url: str, nc: Client, children: ChildProcesses, tmp_path: Path) -> None:
+    engine = await children.spawn("n6", "sim-engine", "--port", "0", "--chip", "910", "--capacity", "2",
+                                  "--node-id", "n6", role="sim-engine", wait_listening=True)
+    assert engine.url is not None
+    await asyncio.to_thread(register, nats_url, "n6", "--url", engine.url, "--capacity", "2")
+    await asyncio.to_thread(register, nats_url, "n7", "--url", "http://127.0.0.1:1", "--capacity", "2")
+    subprocess.run([sys.executable, "-m", "laswrr", "remove", "n7", "--nats-url", nats_url, "--wait", "0.5"],
+                   capture_output=True, timeout=30)
+    empty = tmp_path / "nodes.toml"
+    empty.write_text("")
+    started = time.time()
+    await children.spawn("collector", "collector", "--nats-url", nats_url, "--nodes", str(empty), role="collector")
+    await first_after(nc, sj.metrics_engine("n6"), started)
+    await asyncio.sleep(1.0)
+    assert await stream_times(nc, sj.health("n7")) == []  # removed before the collector started
