@@ -2,9 +2,11 @@
 
 Two checks, one line on stderr when unhealthy:
 
-* ``healthcheck.py http URL`` — a GET answering 2xx (the proxy's ``/healthz``, an engine's
-  ``/health``, the collector's ``/metrics``). The proxy's ``/healthz`` answers 200 while its
-  snapshot is stale or missing (a proxy never fails closed) and 503 only while stopping.
+* ``healthcheck.py http URL`` — a GET answering 2xx (the proxy's ``/readiness``, an engine's
+  ``/health``, the collector's ``/metrics``). The proxy's ``/readiness`` answers 200 only while
+  it holds a snapshot with a routable node (503 and the reason before); its ``/health`` and
+  ``/healthz`` are liveness: 200 while it serves, stale snapshot or not (a proxy never fails
+  closed), 503 only while stopping.
 * ``healthcheck.py nats-client NAME [--stream S ...]`` — the NATS server's monitoring endpoint
   (``$NATS_MONITOR_URL``, default ``http://nats:8222``) lists a client connection named NAME
   (``laswrr-scheduler-<replica-id>``, ``laswrr-recorder``) and, when asked, the JetStream

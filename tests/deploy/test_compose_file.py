@@ -124,6 +124,8 @@ def test_two_proxies_on_distinct_published_ports(services: dict[str, Any]) -> No
     published = sorted(s["ports"][0].split(":")[0] for s in proxies.values())
     assert published == ["8000", "8001"]
     assert {s["command"][s["command"].index("--proxy-id") + 1] for s in proxies.values()} == {"proxy-a", "proxy-b"}
+    for name, spec in proxies.items():  # healthy = ready to route, not merely alive
+        assert health_test(spec)[-1] == "http://127.0.0.1:8000/readiness", name
 
 
 def test_health_checks_restart_policies_and_environment(services: dict[str, Any], compose: dict[str, Any]) -> None:
