@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from laswrr.bench.report import PolicyRun, print_table, scenario_summary
 from laswrr.bench.scenarios import SCENARIOS, Scenario, get_scenario
 from laswrr.bench.workload import generate
 from laswrr.scheduler.policies import POLICIES
+from laswrr.services import settings
 from laswrr.services.children import interrupt_on_sigterm
 
 DEFAULT_POLICIES = ("la-swrr", "rr", "least-request", "p2c")
@@ -55,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="scheduler keys ([scheduler] table) for every run, instead of the scenario's")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    settings.add_logging(parser, default="warning")
     parser.set_defaults(func=main)
 
 
@@ -133,8 +133,7 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings.configure_logging(args, "bench")
     if args.list:
         for name, scenario in SCENARIOS.items():
             print(f"{name:<16} {scenario.description}")

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from laswrr.services import settings
 from laswrr.services.children import interrupt_on_sigterm
 
 DEMO_POLICIES = ("la-swrr", "rr")
@@ -33,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
     parser.add_argument("--duration-scale", type=float, default=DEMO_DURATION_SCALE, metavar="F",
                         help=f"stretch the scenario's timeline by F (default {DEMO_DURATION_SCALE:g})")
+    settings.add_logging(parser, default="warning")
     parser.set_defaults(func=main)
 
 
@@ -61,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
     from laswrr.bench.report import print_table
     from laswrr.bench.scenarios import ANNOUNCED_DROP
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings.configure_logging(args, "demo")
     if args.duration_scale <= 0:
         print("demo: --duration-scale must be > 0", file=sys.stderr)
         return 2

@@ -51,6 +51,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from laswrr.services import settings
+
 CHAT_BODY = {"model": "bench-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
 STREAM_BODY = dict(CHAT_BODY, stream=True)
 LISTEN = "listening on "
@@ -133,10 +135,7 @@ async def serve_engine(host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
     server = await loop.create_server(EngineProtocol, host, port, backlog=1024)
     print(f"engine {LISTEN}http://{host}:{server.sockets[0].getsockname()[1]}", flush=True)
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await settings.stop_event().wait()
     server.close()
 
 

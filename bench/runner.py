@@ -41,6 +41,7 @@ from laswrr.bench.metrics import RequestResult
 from laswrr.bench.report import NodePoint, PolicyRun, SnapshotPoint
 from laswrr.bench.scenarios import Action, Scenario
 from laswrr.bench.workload import RequestSpec
+from laswrr.services.natsbus import connect
 
 log = logging.getLogger("laswrr.bench")
 
@@ -70,9 +71,7 @@ class SnapshotWatch:
         self._nc: Any = None
 
     async def start(self, nats_url: str) -> None:
-        import nats
-
-        self._nc = await nats.connect(nats_url, name="laswrr-bench")
+        self._nc = await connect(nats_url, "laswrr-bench")
         loop = asyncio.get_running_loop()
 
         async def on_msg(msg: Any) -> None:

@@ -12,6 +12,7 @@ import re
 EVENTS_STREAM = "LB_EVENTS"
 OUT_STREAM = "LB_OUT"
 WEIGHTS_BUCKET = "LB_WEIGHTS"
+CHECKPOINT_BUCKET = "LB_CHECKPOINT"  # the scheduler's own state (Scheduler.checkpoint() bytes)
 
 ADMIN_ALL = "lb.admin.>"
 EVENTS_SUBJECTS = [ADMIN_ALL, "lb.metrics.>", "lb.health.>", "lb.req.>", "lb.clock.>", "lb.proxy.>"]

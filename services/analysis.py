@@ -69,7 +69,7 @@ def register(subparsers: Any) -> None:
 
 
 def _add_db_options(parser: argparse.ArgumentParser) -> None:
-    settings.add_nats_url(parser)
+    settings.add_nats_options(parser)
 
 
 def _fail(command: str, message: str, code: int = 2) -> int:

@@ -25,8 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
-import signal
 import sys
 from collections.abc import Coroutine
 from typing import Any
@@ -42,23 +40,25 @@ from laswrr.collectors.nodes import CollectorNode, NodesConfigError, load_nodes
 from laswrr.collectors.poller import Collector, RateLimitedLog, Settings, Stats, npu_hosts
 from laswrr.collectors.registrations import RegisteredNodes
 from laswrr.schemas import subjects as sj
-from laswrr.services.natsbus import connect, ensure_streams_exist
+from laswrr.services import settings as common
+from laswrr.services.natsbus import connect, ensure_streams_exist, redact_url
 
 log = logging.getLogger("laswrr.collector")
 
 async def _connect(nats_url: str, timeout_s: float, stop: asyncio.Event) -> Client:
     """Connect (reconnecting forever later on); give up on a server never reached at start."""
     warn = RateLimitedLog(30.0)
+    where = redact_url(nats_url)
 
     async def on_error(exc: Exception) -> None:
-        warn.warning("nats", f"NATS {nats_url}: {type(exc).__name__}: {exc}")
+        warn.warning("nats", f"NATS {where}: {type(exc).__name__}: {exc}")
 
     async def on_disconnected() -> None:
         if not stop.is_set():  # draining at shutdown disconnects too
-            log.warning("NATS %s: disconnected, reconnecting", nats_url)
+            log.warning("NATS %s: disconnected, reconnecting", where)
 
     async def on_reconnected() -> None:
-        log.info("NATS %s: reconnected", nats_url)
+        log.info("NATS %s: reconnected", where)
 
     try:
         return await asyncio.wait_for(
@@ -118,11 +118,7 @@ async def follow_registrations(js: JetStreamContext, collector: Collector, file_
 async def serve(nats_url: str, nodes: list[CollectorNode], settings: Settings,
                 stop: asyncio.Event | None = None) -> Stats:
     """Connect, collect until ``stop`` (or SIGINT/SIGTERM), drain; returns the counters."""
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+    stop = common.stop_event(stop)
     nc = await _until_stopped(_connect(nats_url, settings.connect_timeout_s, stop), stop)
     if nc is None:
         return Stats()
@@ -134,7 +130,7 @@ async def serve(nats_url: str, nodes: list[CollectorNode], settings: Settings,
         if settings.metrics_port is not None:
             runner = await _metrics_site(collector.stats, settings.metrics_port)
         log.info("collecting %d node(s) every %.0f ms, %d npu-smi command(s), publishing to %s",
-                 len(nodes), settings.interval_s * 1000, len(npu_hosts(nodes)), nats_url)
+                 len(nodes), settings.interval_s * 1000, len(npu_hosts(nodes)), redact_url(nats_url))
         await collector.run(stop)
     finally:
         if runner is not None:
@@ -152,17 +148,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser = subparsers.add_parser(
         "collector", help="poll engines' /metrics and health and npu-smi; publish samples to NATS",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nats-url", default=os.environ.get("NATS_URL") or "nats://127.0.0.1:4222",
-                        help="NATS server (default: $NATS_URL, else nats://127.0.0.1:4222)")
+    common.add_nats_options(parser)
     parser.add_argument("--nodes", required=True, help="nodes.toml ([[node]] tables, see collectors/nodes.py)")
-    parser.add_argument("--interval-ms", type=int, default=500, help="engine/health polling period (default 500)")
-    parser.add_argument("--timeout-ms", type=int, default=1000, help="per-request HTTP timeout (default 1000)")
-    parser.add_argument("--npu-interval-ms", type=int, default=2000, help="npu-smi period (default 2000)")
-    parser.add_argument("--npu-timeout-ms", type=int, default=5000, help="npu-smi command timeout (default 5000)")
-    parser.add_argument("--stats-interval-s", type=float, default=60.0, help="log totals this often (default 60)")
-    parser.add_argument("--metrics-port", type=int, default=None, help="serve the collector's counters here")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--interval-ms", type=int, default=_ms(Settings.interval_s),
+                        help="engine/health polling period (default %(default)s)")
+    parser.add_argument("--timeout-ms", type=int, default=_ms(Settings.timeout_s),
+                        help="per-request HTTP timeout (default %(default)s)")
+    parser.add_argument("--npu-interval-ms", type=int, default=_ms(Settings.npu_interval_s),
+                        help="npu-smi period (default %(default)s)")
+    parser.add_argument("--npu-timeout-ms", type=int, default=_ms(Settings.npu_timeout_s),
+                        help="npu-smi command timeout (default %(default)s)")
+    parser.add_argument("--stats-interval-s", type=float, default=Settings.stats_interval_s,
+                        help="log totals this often (default %(default)s)")
+    parser.add_argument("--metrics-port", type=int, default=Settings.metrics_port,
+                        help="serve the collector's counters here")
+    common.add_logging(parser)
     parser.set_defaults(func=run)
+
+
+def _ms(seconds: float) -> int:
+    return round(seconds * 1000)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -179,8 +184,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    common.configure_logging(args, "collector")
     try:
         settings = settings_from_args(args)
         nodes, warnings = load_nodes(args.nodes)
@@ -194,6 +198,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve(args.nats_url, nodes, settings))
     except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
-        print(f"laswrr collector: NATS at {args.nats_url}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"laswrr collector: NATS at {redact_url(args.nats_url)}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0

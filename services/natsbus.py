@@ -2,9 +2,10 @@
 
 One module owns stream/bucket setup (style.md): LB_EVENTS holds every input subject
 (``lb.>`` except ``lb.out.>``), LB_OUT every output, KV bucket LB_WEIGHTS the latest snapshot of
-each pool. Setup is idempotent (create, or update to the same config) so every service may call
-it at start-up. The de-duplication window makes ``Nats-Msg-Id`` publishes safe to repeat: two
-scheduler replicas yield one tick per period and one copy of each output.
+each pool, KV bucket LB_CHECKPOINT the scheduler's checkpoint. Setup is idempotent (create, or
+update to the same config) so every service may call it at start-up. The de-duplication window
+makes ``Nats-Msg-Id`` (``MSG_ID``) publishes safe to repeat: two scheduler replicas yield one tick
+per period and one copy of each output. ``connect`` is the only way any command reaches the bus.
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.kv import KeyValue
 
 from laswrr.schemas import subjects as sj
 from laswrr.services.children import preexec
 
 log = logging.getLogger("laswrr.natsbus")
+
+MSG_ID = "Nats-Msg-Id"  # JetStream de-duplicates publishes that repeat this header within the window
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,17 @@ async def ensure_streams(js: JetStreamContext, limits: StreamLimits | None = Non
             await js.create_key_value(KeyValueConfig(bucket=sj.WEIGHTS_BUCKET, history=1, storage=limits.storage))
 
 
+async def ensure_checkpoint_bucket(js: JetStreamContext) -> KeyValue:
+    """The scheduler's KV LB_CHECKPOINT (created on first use: only the scheduler writes it)."""
+    try:
+        return await js.key_value(sj.CHECKPOINT_BUCKET)
+    except (NotFoundError, BadRequestError):
+        with contextlib.suppress(BadRequestError):  # a replica created it meanwhile
+            await js.create_key_value(KeyValueConfig(bucket=sj.CHECKPOINT_BUCKET, history=1,
+                                                     storage=StorageType.FILE, max_value_size=-1))
+        return await js.key_value(sj.CHECKPOINT_BUCKET)
+
+
 async def ensure_streams_exist(js: JetStreamContext) -> None:
     """For services that only read or write the log (collector, recorder): create the streams
     with defaults when one is missing, but never change the limits an operator or the scheduler
@@ -92,7 +107,7 @@ async def publish_acked(js: JetStreamContext, messages: Sequence[tuple[str, byte
     options = {} if wait_stall is None else {"wait_stall": wait_stall}
     try:
         for subject, data, msg_id in messages:
-            futures.append(await js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id}, **options))
+            futures.append(await js.publish_async(subject, data, headers={MSG_ID: msg_id}, **options))
     except Exception as exc:  # disconnected, too many pending acks, stalled: re-sent later
         log.debug("publish interrupted after %d of %d: %r", len(futures), len(messages), exc)
     if futures:

@@ -26,7 +26,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError, NotFoundError
@@ -35,6 +34,7 @@ from laswrr.collectors.nodes import NodesConfigError, load_node_entries
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.events import ENGINE_NAMES
 from laswrr.services import settings
+from laswrr.services.natsbus import connect, redact_url
 
 EXIT_APPLIED, EXIT_REJECTED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
 DESCRIBE_GRACE_S = 0.5  # after the proof of application, time allowed for a snapshot with the node
@@ -105,10 +105,10 @@ class Outcome:
 
 async def open_connection(url: str) -> Client:
     try:
-        return await nats.connect(url, name="laswrr-operator", allow_reconnect=False, connect_timeout=3,
-                                  max_reconnect_attempts=1, reconnect_time_wait=0.2, error_cb=_quiet)
+        return await connect(url, "laswrr-operator", allow_reconnect=False, connect_timeout=3,
+                             max_reconnect_attempts=1, reconnect_time_wait=0.2, error_cb=_quiet)
     except Exception as exc:
-        raise OperatorError(f"cannot connect to NATS at {url}: {exc or type(exc).__name__}") from None
+        raise OperatorError(f"cannot connect to NATS at {redact_url(url)}: {exc or type(exc).__name__}") from None
 
 
 async def _quiet(exc: Exception) -> None:
@@ -246,7 +246,7 @@ async def read_snapshots(url: str) -> dict[str, dict[str, Any]]:
             kv = await nc.jetstream().key_value(sj.WEIGHTS_BUCKET)
             keys = await kv.keys()
         except (BucketNotFoundError, NotFoundError):
-            raise OperatorError(f"no KV bucket {sj.WEIGHTS_BUCKET} on {url}: has a scheduler ever run there?") from None
+            raise OperatorError(f"no KV bucket {sj.WEIGHTS_BUCKET} on {redact_url(url)}: has a scheduler ever run there?") from None
         except NoKeysError:
             return {}
         snapshots: dict[str, dict[str, Any]] = {}
@@ -317,7 +317,7 @@ def run_nodes(args: argparse.Namespace) -> int:
 
 
 def _common(parser: argparse.ArgumentParser, write: bool = True) -> None:
-    settings.add_nats_url(parser)
+    settings.add_nats_options(parser)
     if write:
         parser.add_argument("--wait", type=float, default=3.0, metavar="SECONDS",
                             help="how long to wait for the scheduler's verdict (default 3)")

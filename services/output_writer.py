@@ -32,8 +32,7 @@ from nats.js.kv import KeyValue
 
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Output
-from laswrr.services import settings
-from laswrr.services.natsbus import publish_acked
+from laswrr.services.natsbus import MSG_ID, publish_acked
 
 log = logging.getLogger("laswrr.scheduler")
 
@@ -67,7 +66,7 @@ async def highest_published_seq(js: JetStreamContext, scan: int = PUBLISH_FLOOR_
             msg = await js.get_msg(sj.OUT_STREAM, seq)
         except NotFoundError:
             continue
-        msg_id = (msg.headers or {}).get(settings.MSG_ID)
+        msg_id = (msg.headers or {}).get(MSG_ID)
         best = max(best, as_of_seq_of(msg_id, msg.data))
     return best
 

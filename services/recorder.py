@@ -358,20 +358,21 @@ def copy_database(con: duckdb.DuckDBPyConnection, target: Path) -> None:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("recorder", help="record LB_EVENTS and LB_OUT into DuckDB",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    settings.add_nats_url(parser)
-    parser.add_argument("--data-dir", default=settings.DEFAULT_DATA_DIR, metavar="DIR",
-                        help=f"the log goes to DIR/{store.DB_FILE} (default {settings.DEFAULT_DATA_DIR})")
-    parser.add_argument("--batch", type=int, default=5000, metavar="N", help="messages per batch (default 5000)")
-    parser.add_argument("--flush-ms", type=int, default=200, metavar="MS",
-                        help="longest wait for a batch to fill before committing (default 200)")
-    parser.add_argument("--durable", default="recorder", metavar="NAME",
-                        help="consumer name prefix (default recorder: NAME-events, NAME-out)")
-    settings.add_verbosity(parser)
+    settings.add_nats_options(parser)
+    parser.add_argument("--data-dir", default=str(RecorderOptions.data_dir), metavar="DIR",
+                        help=f"the log goes to DIR/{store.DB_FILE} (default %(default)s)")
+    parser.add_argument("--batch", type=int, default=RecorderOptions.batch, metavar="N",
+                        help="messages per batch (default %(default)s)")
+    parser.add_argument("--flush-ms", type=int, default=RecorderOptions.flush_ms, metavar="MS",
+                        help="longest wait for a batch to fill before committing (default %(default)s)")
+    parser.add_argument("--durable", default=RecorderOptions.durable, metavar="NAME",
+                        help="consumer name prefix (default %(default)s: NAME-events, NAME-out)")
+    settings.add_logging(parser)
     parser.set_defaults(func=run_command)
 
 
 def run_command(args: argparse.Namespace) -> int:
-    settings.configure_logging(args.verbose, "recorder")
+    settings.configure_logging(args, "recorder")
     if args.batch < 1 or args.flush_ms < 1:
         print("laswrr recorder: --batch and --flush-ms must be >= 1", file=sys.stderr)
         return 2
@@ -385,7 +386,7 @@ async def serve(nats_url: str, options: RecorderOptions) -> int:
     try:
         nc = await connect(nats_url, "laswrr-recorder")
     except Exception as exc:  # noqa: BLE001
-        log.error("cannot connect to %s: %s", nats_url, exc)
+        log.error("cannot connect to %s: %s", redact_url(nats_url), exc)
         return 1
     started = time.monotonic()
     try:

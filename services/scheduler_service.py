@@ -54,8 +54,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from laswrr.scheduler import config as config_mod
@@ -64,7 +63,7 @@ from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope, Output, encode
 from laswrr.services import settings
 from laswrr.services.jsreader import ConsumerGone, InOrder, PullReader, ack_all_consumer
-from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.services.natsbus import MSG_ID, connect, ensure_checkpoint_bucket, ensure_streams, redact_url
 from laswrr.services.output_writer import OutputWriter, highest_published_seq
 
 # Re-exported: tests and tools import these from here.
@@ -299,7 +298,7 @@ class SchedulerService:
         payload = encode({"set": changes})
         digest = hashlib.sha256(payload).hexdigest()[:16]
         msg_id = f"config-{self.applied_seq}-{digest}"  # replicas started together publish it once
-        ack = await self.js.publish(sj.ADMIN_CONFIG, payload, headers={settings.MSG_ID: msg_id})
+        ack = await self.js.publish(sj.ADMIN_CONFIG, payload, headers={MSG_ID: msg_id})
         log.info("published configuration %s as seq %d: %s", self.options.config_file, ack.seq, sorted(changes))
 
     async def _tick_loop(self, stop: asyncio.Event) -> None:
@@ -316,7 +315,7 @@ class SchedulerService:
     async def _publish_tick(self, n: int) -> None:
         """Fire and forget (a late tick is useless; the next period brings the next one)."""
         task = asyncio.create_task(self.js.publish(sj.CLOCK_TICK, b'{"tick":%d}' % n, timeout=1.0,
-                                                   headers={settings.MSG_ID: f"tick-{n}"}))
+                                                   headers={MSG_ID: f"tick-{n}"}))
         self._tick_tasks.add(task)
         task.add_done_callback(lambda done: self._tick_done(n, done))
 
@@ -335,16 +334,6 @@ class SchedulerService:
 # -- NATS helpers ---------------------------------------------------------------------------------
 
 
-async def ensure_checkpoint_bucket(js: JetStreamContext) -> KeyValue:
-    try:
-        return await js.key_value(settings.CHECKPOINT_BUCKET)
-    except (NotFoundError, BadRequestError):
-        with contextlib.suppress(BadRequestError):
-            await js.create_key_value(KeyValueConfig(bucket=settings.CHECKPOINT_BUCKET, history=1,
-                                                     storage=StorageType.FILE, max_value_size=-1))
-        return await js.key_value(settings.CHECKPOINT_BUCKET)
-
-
 def _token(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in text)[:48] or "replica"
 
@@ -355,21 +344,22 @@ def _token(text: str) -> str:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("scheduler", help="run the scheduler service on NATS JetStream",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    settings.add_nats_url(parser)
+    settings.add_nats_options(parser)
     parser.add_argument("--config", metavar="FILE.toml", help="scheduler configuration to put in force")
-    parser.add_argument("--tick-ms", type=int, default=settings.DEFAULT_TICK_MS,
-                        help="tick period in ms (default 100; 0 publishes no ticks)")
+    parser.add_argument("--tick-ms", type=int, default=SchedulerOptions.tick_ms,
+                        help="tick period in ms (default %(default)s; 0 publishes no ticks)")
     parser.add_argument("--replica-id", default=None, help="name of this replica (default host-pid)")
-    parser.add_argument("--batch", type=int, default=1000, help="events fetched per batch (default 1000)")
-    parser.add_argument("--checkpoint-every", type=int, default=10_000,
-                        help="events between checkpoints in KV LB_CHECKPOINT (0 = none; default 10000)")
+    parser.add_argument("--batch", type=int, default=SchedulerOptions.batch,
+                        help="events fetched per batch (default %(default)s)")
+    parser.add_argument("--checkpoint-every", type=int, default=SchedulerOptions.checkpoint_every,
+                        help=f"events between checkpoints in KV {sj.CHECKPOINT_BUCKET} (0 = none; default %(default)s)")
     parser.add_argument("--no-checkpoint", action="store_true", help="rebuild from the first retained event")
-    settings.add_verbosity(parser)
+    settings.add_logging(parser)
     parser.set_defaults(func=run_command)
 
 
 def run_command(args: argparse.Namespace) -> int:
-    settings.configure_logging(args.verbose, "scheduler")
+    settings.configure_logging(args, "scheduler")
     if args.tick_ms < 0 or args.batch < 1 or args.checkpoint_every < 0:
         log.error("--tick-ms and --checkpoint-every must be >= 0, --batch >= 1")
         return 2
@@ -394,7 +384,7 @@ async def serve(nats_url: str, options: SchedulerOptions) -> int:
     try:
         nc = await connect(nats_url, f"laswrr-scheduler-{options.replica_id}", error_cb=_log_nats_error)
     except Exception as exc:
-        log.error("cannot connect to %s: %s", nats_url, exc)
+        log.error("cannot connect to %s: %s", redact_url(nats_url), exc)
         return 1
     service = SchedulerService(nc, options)
     try:

@@ -1,9 +1,19 @@
-"""Defaults and lifecycle helpers shared by the service commands (scheduler, operator, up).
+"""What every service command shares: its NATS options, its logging and its stop signal.
 
-Rules: every service takes ``--nats-url`` (default: the ``NATS_URL`` environment variable, else
-``nats://127.0.0.1:4222``), logs with ``logging`` to stderr, and stops cleanly on SIGINT or
-SIGTERM: ``stop_event()`` turns either signal into an ``asyncio.Event`` the service awaits, so
-the service can finish its batch, drain its NATS connection and exit 0.
+Rules:
+
+* **NATS.** Every command that talks to NATS takes ``--nats-url`` (default: the ``NATS_URL``
+  environment variable, else ``nats://127.0.0.1:4222``) through ``add_nats_options``; the
+  connection itself is ``natsbus.connect``, the only door to the bus.
+* **Logging.** Every command takes ``--log-level LEVEL`` (any case: ``debug``, ``INFO``,
+  ``Warning``, ...; ``-v`` is a deprecated alias for ``debug``) through ``add_logging`` and
+  calls ``configure_logging(args, service)`` once, first thing: records go to stderr as
+  ``<time> <service> <LEVEL> <logger>: <message>``.
+* **Stopping.** ``stop_event()`` turns SIGINT and SIGTERM into an ``asyncio.Event`` the service
+  awaits, so it can finish its batch, drain its NATS connection and exit 0.
+
+Defaults of a service's own options live in its configuration dataclass (``ProxyConfig``,
+``SchedulerOptions``, ``RecorderOptions``, ...) and its argparse defaults are read from there.
 """
 
 from __future__ import annotations
@@ -19,32 +29,61 @@ DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_DATA_DIR = ".laswrr"
 DEFAULT_TICK_MS = 100
 DEFAULT_PROXY_PORT = 8000
-MSG_ID = "Nats-Msg-Id"
-CHECKPOINT_BUCKET = "LB_CHECKPOINT"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def default_nats_url() -> str:
     return os.environ.get("NATS_URL") or DEFAULT_NATS_URL
 
 
-def add_nats_url(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nats-url", default=default_nats_url(), metavar="URL",
-                        help=f"NATS server (default: $NATS_URL or {DEFAULT_NATS_URL})")
+# -- NATS ---------------------------------------------------------------------------------------
 
 
-def add_verbosity(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+def add_nats_options(parser: argparse.ArgumentParser, embedded: bool = False) -> None:
+    """``--nats-url``. ``embedded``: the command starts its own server unless a URL is given
+    (``laswrr up``), so the default is None rather than ``$NATS_URL``."""
+    if embedded:
+        parser.add_argument("--nats-url", default=None, metavar="URL",
+                            help="use this NATS server (default: start an embedded one)")
+    else:
+        parser.add_argument("--nats-url", default=default_nats_url(), metavar="URL",
+                            help=f"NATS server (default: $NATS_URL or {DEFAULT_NATS_URL})")
 
 
-def configure_logging(verbose: bool = False, name: str = "laswrr") -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("nats").setLevel(logging.WARNING)
+# -- logging ------------------------------------------------------------------------------------
 
 
-def stop_event() -> asyncio.Event:
-    """An event set by SIGINT or SIGTERM (call from inside the running loop)."""
-    stop = asyncio.Event()
+def log_level(text: str) -> str:
+    """argparse type: a level name in any case -> its upper-case name."""
+    level = text.strip().upper()
+    if level == "WARN":
+        level = "WARNING"
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"unknown log level {text!r}: use one of {', '.join(LOG_LEVELS).lower()}")
+    return level
+
+
+def add_logging(parser: argparse.ArgumentParser, default: str = "INFO") -> None:
+    parser.add_argument("--log-level", type=log_level, default=log_level(default), metavar="LEVEL",
+                        help=f"debug, info, warning, error or critical, any case (default {default.lower()})")
+    parser.add_argument("-v", dest="log_level", action="store_const", const="DEBUG",
+                        help="deprecated: same as --log-level debug")
+
+
+def configure_logging(args: argparse.Namespace | None, service: str) -> None:
+    """The one logging set-up of every command (stderr, level from ``--log-level``)."""
+    level = getattr(args, "log_level", None) or "INFO"
+    logging.basicConfig(level=level, format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+    if level != "DEBUG":
+        logging.getLogger("nats").setLevel(logging.WARNING)
+
+
+# -- stopping -----------------------------------------------------------------------------------
+
+
+def stop_event(stop: asyncio.Event | None = None) -> asyncio.Event:
+    """An event (``stop``, or a new one) set by SIGINT or SIGTERM; call from inside the running loop."""
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):

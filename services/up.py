@@ -52,7 +52,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import nats
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
 
@@ -60,7 +59,7 @@ from laswrr.collectors.nodes import NodeEntry, NodesConfigError, load_node_entri
 from laswrr.schemas import subjects as sj
 from laswrr.services import settings
 from laswrr.services.children import Child, ChildProcesses, StackError
-from laswrr.services.natsbus import EmbeddedNats, ensure_streams
+from laswrr.services.natsbus import EmbeddedNats, connect, ensure_streams, redact_url
 
 log = logging.getLogger("laswrr.up")
 
@@ -212,10 +211,9 @@ class Stack:
             await asyncio.to_thread(self.embedded.wait_ready)
             self._nats_url = self.embedded.url
         try:
-            self._nc = await nats.connect(self.nats_url, name="laswrr-up", connect_timeout=5,
-                                          max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+            self._nc = await connect(self.nats_url, "laswrr-up")
         except Exception as exc:
-            raise StackError(f"cannot connect to NATS at {self.nats_url}: {exc}") from None
+            raise StackError(f"cannot connect to NATS at {redact_url(self.nats_url)}: {exc}") from None
         await ensure_streams(self._nc.jetstream())
         return self.nats_url
 
@@ -431,8 +429,7 @@ def register(subparsers: Any) -> None:
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", metavar="nodes.toml", default=None,
                         help="[[node]] tables (id, url, pool, chip, capacity); default: four simulated engines")
-    parser.add_argument("--nats-url", default=None, metavar="URL",
-                        help="use this NATS server (default: start an embedded one)")
+    settings.add_nats_options(parser, embedded=True)
     parser.add_argument("--data-dir", default=settings.DEFAULT_DATA_DIR, metavar="DIR",
                         help=f"JetStream store, recorded events, logs (default ./{settings.DEFAULT_DATA_DIR})")
     parser.add_argument("--proxy-port", type=int, default=settings.DEFAULT_PROXY_PORT,
@@ -440,12 +437,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--config", metavar="FILE.toml", default=None, help="scheduler configuration file")
     parser.add_argument("--tick-ms", type=int, default=settings.DEFAULT_TICK_MS, help="scheduler tick period")
     parser.add_argument("--sim-speed", type=float, default=1.0, help="speed factor of the simulated engines")
-    settings.add_verbosity(parser)
+    settings.add_logging(parser)
     parser.set_defaults(func=run_command)
 
 
 def run_command(args: argparse.Namespace) -> int:
-    settings.configure_logging(args.verbose, "up")
+    settings.configure_logging(args, "up")
     if args.nodes is not None:
         try:
             load_nodes(args.nodes)

@@ -51,7 +51,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.outputs import WeightSnapshot
-from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.services.natsbus import connect, ensure_streams, redact_url
 from laswrr.services.proxy.events import EventPublisher
 from laswrr.services.proxy.routing import Router
 from laswrr.services.proxy.tasks import bounded, stop_task
@@ -119,13 +119,13 @@ class BusLink:
                 # Every subject this link publishes on is built by schemas.subjects from checked
                 # tokens: nats-py's per-publish subject regex (two per event) is redundant here.
                 nc = await connect(self.url, self.name, skip_subject_validation=True)
-                log.info("connected to NATS at %s", self.url)
+                log.info("connected to NATS at %s", redact_url(self.url))
                 return nc
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("NATS at %s unreachable (%s); routing on the snapshots held, retrying in %.1f s",
-                            self.url, exc or type(exc).__name__, delay)
+                            redact_url(self.url), exc or type(exc).__name__, delay)
                 await asyncio.sleep(delay)
                 delay = min(self.max_retry_s, delay * 2)
 

@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
 import logging
-import signal
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from laswrr.scheduler.policies import POLICIES
 from laswrr.services.proxy.app import start
-from laswrr.services.proxy.config import ProxyConfig, default_nats_url, default_proxy_id, parse_size
+from laswrr.services import settings
+from laswrr.services.proxy.config import ProxyConfig, default_proxy_id, parse_size
 
 LISTEN_PREFIX = "proxy listening on "
 GC_GEN0_THRESHOLD = 10_000  # CPython's 700 runs a young collection every few requests
@@ -39,32 +38,38 @@ def _paths(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+_DEFAULTS = ProxyConfig()  # every default below is the dataclass's
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nats-url", default=default_nats_url(), help="NATS server (default $NATS_URL or %(default)s)")
-    parser.add_argument("--host", default="0.0.0.0", help="listen address (default %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="listen port; 0 picks a free one (default %(default)s)")
+    settings.add_nats_options(parser)
+    parser.add_argument("--host", default=_DEFAULTS.host, help="listen address (default %(default)s)")
+    parser.add_argument("--port", type=int, default=_DEFAULTS.port,
+                        help="listen port; 0 picks a free one (default %(default)s)")
     parser.add_argument("--proxy-id", default=None, help="replica name on the bus and policy seed (default hostname-pid)")
-    parser.add_argument("--policy", default="la-swrr", choices=list(POLICIES), help="pick policy (default %(default)s)")
-    parser.add_argument("--max-retries", type=int, default=2,
+    parser.add_argument("--policy", default=_DEFAULTS.policy, choices=list(POLICIES),
+                        help="pick policy (default %(default)s)")
+    parser.add_argument("--max-retries", type=int, default=_DEFAULTS.max_retries,
                         help="retries on another node before the first byte (default %(default)s)")
-    parser.add_argument("--max-body-bytes", type=_size, default="4MiB", help="request body limit (default 4MiB)")
-    parser.add_argument("--grace-s", type=float, default=30.0,
+    parser.add_argument("--max-body-bytes", type=_size, default=_DEFAULTS.max_body_bytes,
+                        help="request body limit, e.g. 4MiB (default %(default)s bytes)")
+    parser.add_argument("--grace-s", type=float, default=_DEFAULTS.grace_s,
                         help="on SIGTERM, time in-flight requests get to finish (default %(default)s)")
-    parser.add_argument("--upstream-timeout-s", type=float, default=300.0,
+    parser.add_argument("--upstream-timeout-s", type=float, default=_DEFAULTS.upstream_timeout_s,
                         help="longest silence on an upstream read, not the stream length (default %(default)s)")
-    parser.add_argument("--connect-timeout-s", type=float, default=3.0,
+    parser.add_argument("--connect-timeout-s", type=float, default=_DEFAULTS.connect_timeout_s,
                         help="upstream TCP connect timeout (default %(default)s)")
-    parser.add_argument("--inflight-cap-per-capacity", type=float, default=None, metavar="F",
-                        help="a node's in-flight may not exceed ceil(F x capacity); off by default")
-    parser.add_argument("--event-buffer", type=int, default=100_000,
+    parser.add_argument("--inflight-cap-per-capacity", type=float, default=_DEFAULTS.inflight_cap_per_capacity,
+                        metavar="F", help="a node's in-flight may not exceed ceil(F x capacity); off by default")
+    parser.add_argument("--event-buffer", type=int, default=_DEFAULTS.event_buffer,
                         help="events held while NATS is slow or away; the oldest drop beyond (default %(default)s)")
-    parser.add_argument("--extra-routes", type=_paths, default=(), metavar="PATH[,PATH...]",
+    parser.add_argument("--extra-routes", type=_paths, default=_DEFAULTS.extra_routes, metavar="PATH[,PATH...]",
                         help="more POST paths to route by the body's model, beside the OpenAI ones "
                              "(e.g. /v1/classify,/pooling)")
     parser.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT: replicas may share --port")
     parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
                         help="event loop; auto = uvloop when installed (default %(default)s)")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    settings.add_logging(parser)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -85,11 +90,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
 
 
 async def serve(config: ProxyConfig) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # before the banner: a parent may signal right after it
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    stop = settings.stop_event()  # before the banner: a parent may signal right after it
     proxy = await start(config)
     tune_gc()
     print(f"{LISTEN_PREFIX}{proxy.url}", flush=True)
@@ -113,8 +114,7 @@ def tune_gc() -> None:
 
 
 def run_proxy(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings.configure_logging(args, "proxy")
     try:
         config = config_from_args(args)
     except ValueError as exc:

@@ -15,13 +15,9 @@ from dataclasses import dataclass
 
 from laswrr.schemas import subjects as sj
 from laswrr.scheduler.policies import POLICIES
+from laswrr.services.settings import DEFAULT_NATS_URL, DEFAULT_PROXY_PORT
 
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 MIB = 1 << 20
-
-
-def default_nats_url() -> str:
-    return os.environ.get("NATS_URL", DEFAULT_NATS_URL)
 
 
 def default_proxy_id() -> str:
@@ -39,7 +35,7 @@ def seed_of(proxy_id: str) -> int:
 class ProxyConfig:
     nats_url: str = DEFAULT_NATS_URL
     host: str = "0.0.0.0"
-    port: int = 8000
+    port: int = DEFAULT_PROXY_PORT
     proxy_id: str = "proxy"
     policy: str = "la-swrr"
     max_retries: int = 2

@@ -9,31 +9,35 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import signal
 import sys
 from collections.abc import Sequence
 
+from laswrr.services import settings
 from laswrr.services.sim_engine import npu_smi
 from laswrr.services.sim_engine.app import start_server
 from laswrr.services.sim_engine.config import SimConfig
 from laswrr.services.sim_engine.profiles import PROFILES
 
 LISTEN_PREFIX = "sim-engine listening on "
+_DEFAULTS = SimConfig()  # every default below is the dataclass's
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     engine = subparsers.add_parser("sim-engine", help="run a simulated Ascend inference engine (HTTP)",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     engine.add_argument("--port", type=int, required=True, help="TCP port; 0 picks a free one")
-    engine.add_argument("--chip", default="910B", choices=list(PROFILES), help="chip profile (default 910B)")
-    engine.add_argument("--capacity", type=int, default=8, help="concurrent decode slots (default 8)")
-    engine.add_argument("--host", default="127.0.0.1")
-    engine.add_argument("--model", default=None, help="served model id (default sim-<chip>)")
-    engine.add_argument("--seed", type=int, default=0, help="seed of the filler text")
-    engine.add_argument("--node-id", default=None, help="x-sim-node header value (default <chip>-<port>)")
-    engine.add_argument("--speed", type=float, default=1.0, help="multiplies every speed (tests: 20)")
-    engine.add_argument("--kv-tokens", type=int, default=None, help="KV-cache room in tokens (default: profile)")
+    engine.add_argument("--chip", default=_DEFAULTS.chip, choices=list(PROFILES),
+                        help="chip profile (default %(default)s)")
+    engine.add_argument("--capacity", type=int, default=_DEFAULTS.capacity,
+                        help="concurrent decode slots (default %(default)s)")
+    engine.add_argument("--host", default=_DEFAULTS.host, help="listen address (default %(default)s)")
+    engine.add_argument("--model", default=_DEFAULTS.model, help="served model id (default sim-<chip>)")
+    engine.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of the filler text")
+    engine.add_argument("--node-id", default=_DEFAULTS.node_id, help="x-sim-node header value (default <chip>-<port>)")
+    engine.add_argument("--speed", type=float, default=_DEFAULTS.speed, help="multiplies every speed (tests: 20)")
+    engine.add_argument("--kv-tokens", type=int, default=_DEFAULTS.kv_tokens,
+                        help="KV-cache room in tokens (default: profile)")
+    settings.add_logging(engine)
     engine.set_defaults(func=run_engine)
 
     smi = subparsers.add_parser("sim-npu-smi", help="print `npu-smi info` for a running sim-engine")
@@ -50,11 +54,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 async def serve(config: SimConfig) -> None:
     server = await start_server(config)
     print(f"{LISTEN_PREFIX}{server.url}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    stop = settings.stop_event()
     try:
         await stop.wait()
     finally:
@@ -62,6 +62,7 @@ async def serve(config: SimConfig) -> None:
 
 
 def run_engine(args: argparse.Namespace) -> int:
+    settings.configure_logging(args, "sim-engine")
     try:
         config = config_from_args(args)
         config.validate()

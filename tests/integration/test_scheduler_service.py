@@ -393,7 +393,7 @@ async def test_holes_in_a_delivery_are_fetched_with_their_exact_time(bus: JetStr
 
 async def test_an_unreadable_checkpoint_means_a_rebuild_from_the_log(
         bus: JetStreamContext, run_service: RunService) -> None:
-    from laswrr.services.scheduler_service import ensure_checkpoint_bucket
+    from laswrr.services.natsbus import ensure_checkpoint_bucket
 
     await bus.publish("lb.admin.node.n1", REGISTER)
     await (await ensure_checkpoint_bucket(bus)).put("scheduler", b"\x00garbage")
