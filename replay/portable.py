@@ -2,7 +2,10 @@
 per line, for inputs and outputs alike. ``data`` is the payload as JSON when the payload is a
 JSON value other than a string, with no surrounding whitespace; any other payload (not valid JSON,
 a bare JSON string, padded with whitespace) is carried as a JSON string of its raw text. A JSON
-string in ``data`` therefore always means raw text, and every payload reads back byte for byte.
+string in ``data`` therefore always means raw text. A payload that is not UTF-8 (no JSON string
+can carry it) has its exact bytes in an extra key ``raw`` (base64), which a reader prefers to
+``data`` (then the text with U+FFFD for the bad bytes, for people); every payload reads back
+byte for byte.
 
 ``input_line`` / ``output_line`` write the form. ``read_events`` yields envelopes, or a
 ``LineError`` for a line that cannot become one (it is reported with its line number and
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from laswrr.replay.store import split_payload
 from laswrr.scheduler.config import SchedulerConfig
 from laswrr.scheduler.core import Scheduler, apply_guarded
 from laswrr.schemas import subjects as sj
@@ -24,11 +28,12 @@ from laswrr.schemas.codec import Envelope, Output, encode
 from laswrr.schemas.outputs import Rejected
 
 
-class LogLine(msgspec.Struct, frozen=True):
+class LogLine(msgspec.Struct, frozen=True, omit_defaults=True):
     seq: int
     ts_ns: int
     subject: str
     data: msgspec.Raw
+    raw: bytes | None = None  # base64 in JSON; only for a payload that is not UTF-8
 
 
 @dataclass(frozen=True)
@@ -61,15 +66,17 @@ def read_events(lines: Iterable[bytes]) -> Iterator[Envelope | LineError]:
             last_seq += 1
             continue
         last_seq = entry.seq
-        yield Envelope(entry.seq, entry.ts_ns, entry.subject, payload_bytes(bytes(entry.data)))
+        payload = entry.raw if entry.raw is not None else payload_bytes(bytes(entry.data))
+        yield Envelope(entry.seq, entry.ts_ns, entry.subject, payload)
 
 
-def input_line(seq: int, ts_ns: int, subject: str, payload: str) -> bytes:
-    """One recorded input (payload text as stored) as a log line; ``payload_bytes`` reads it back."""
-    data = payload.encode()
-    if payload[:1] == '"' or payload != payload.strip() or not _is_json(data):
-        data = encode(payload)  # carried as a JSON string of its text (module header)
-    return encode(LogLine(seq, ts_ns, subject, msgspec.Raw(data))) + b"\n"
+def input_line(seq: int, ts_ns: int, subject: str, payload: bytes) -> bytes:
+    """One recorded input (its exact payload bytes) as a log line; ``read_events`` reads it back."""
+    text, raw = split_payload(payload)
+    data = text.encode() if raw is None else b""
+    if raw is not None or text[:1] == '"' or text != text.strip() or not _is_json(data):
+        data = encode(text)  # carried as a JSON string of its text (module header)
+    return encode(LogLine(seq, ts_ns, subject, msgspec.Raw(data), raw)) + b"\n"
 
 
 def _is_json(data: bytes) -> bool:

@@ -1,7 +1,7 @@
 """Exact replay of a recorded log: feed LB_EVENTS rows through the core, diff against LB_OUT.
 
 Theory of operation. The scheduler's outputs are a pure function of its inputs (design §3), so
-the recorded inputs, applied in stream-sequence order to a fresh ``Scheduler`` that starts from
+the recorded inputs (their exact payload bytes, ``store.PAYLOAD_SQL``), applied in stream-sequence order to a fresh ``Scheduler`` that starts from
 ``SchedulerConfig()`` defaults (recorded ``lb.admin.config`` events then set the configuration
 that was in force), must reproduce every recorded output byte for byte. Inputs go through
 ``apply_guarded`` as in the service, so an input on which the core raised is reproduced as the
@@ -38,6 +38,7 @@ from typing import Any
 
 import duckdb
 
+from laswrr.replay.store import PAYLOAD_SQL
 from laswrr.scheduler import config as config_mod
 from laswrr.scheduler.core import Scheduler, apply_guarded
 from laswrr.schemas import subjects as sj
@@ -46,9 +47,9 @@ from laswrr.schemas.codec import Envelope, Output
 FETCH_ROWS = 50_000
 CORE_OUT_FILTER = ("(subject LIKE 'lb.out.snapshot.%' OR subject LIKE 'lb.out.phase.%' "
                    "OR subject = 'lb.out.rejected')")
-_KEY = ("CASE WHEN json_valid(data) THEN TRY_CAST(CASE WHEN subject = 'lb.out.rejected' "
+_KEY = ("CASE WHEN raw IS NULL AND json_valid(data) THEN TRY_CAST(CASE WHEN subject = 'lb.out.rejected' "
         "THEN data->>'seq' ELSE data->>'as_of_seq' END AS BIGINT) END")
-INPUTS_SQL = "SELECT seq, ts_ns, subject, encode(data) FROM events WHERE stream = 'LB_EVENTS' ORDER BY seq"
+INPUTS_SQL = f"SELECT seq, ts_ns, subject, {PAYLOAD_SQL} FROM events WHERE stream = 'LB_EVENTS' ORDER BY seq"
 OUTPUTS_SQL = (f"SELECT key, seq, subject, encode(data) FROM (SELECT {_KEY} AS key, seq, subject, data "
                f"FROM events WHERE stream = 'LB_OUT' AND {CORE_OUT_FILTER}) WHERE key IS NOT NULL ORDER BY key, seq")
 UNKEYED_SQL = (f"SELECT seq, subject, data FROM events WHERE stream = 'LB_OUT' AND {CORE_OUT_FILTER} "

@@ -1,7 +1,14 @@
 """The recorded log in DuckDB: one table, the analyst views, and the one-writer rule.
 
-Table (design §7): ``events(stream, seq, ts_ns, subject, data)`` with primary key
-``(stream, seq)``; ``data`` is the raw payload text (malformed JSON is recorded as it came).
+Table (design §7): ``events(stream, seq, ts_ns, subject, data, raw)`` with primary key
+``(stream, seq)``. The payload is kept byte for byte: ``data`` is its text when it is UTF-8
+(malformed JSON, NUL bytes and all, exactly as it came) and ``raw`` is NULL; a payload that is not
+UTF-8 (DuckDB's VARCHAR cannot hold it) has its exact bytes in the BLOB ``raw`` and, in ``data``,
+its text with U+FFFD for the bad bytes, for reading only. The exact payload is therefore
+``coalesce(raw, encode(data))`` (``PAYLOAD_SQL``), which is what replay feeds the core. A file
+written before ``raw`` existed gets the column (all NULL: its text was all there was) when a
+recorder opens it; a reader of such a file (read-only), or of an old Parquet export, sees
+``events`` through a view that adds it, so every reader and view can rely on it.
 Writes are idempotent on the stream sequence: ``insert_rows`` uses ``ON CONFLICT DO NOTHING``
 and passes each column as one list parameter (``unnest``), which is ~10x faster than
 ``executemany`` and needs neither pyarrow nor pandas.
@@ -42,15 +49,20 @@ CREATE TABLE IF NOT EXISTS events (
     ts_ns   BIGINT  NOT NULL,
     subject VARCHAR NOT NULL,
     data    VARCHAR NOT NULL,
+    raw     BLOB,
     PRIMARY KEY (stream, seq)
 )
 """
+# A log recorded before the raw column: the column is added, NULL in every old row.
+MIGRATE_DDL = "ALTER TABLE events ADD COLUMN IF NOT EXISTS raw BLOB"
+PAYLOAD_SQL = "coalesce(raw, encode(data))"
+"""The exact payload bytes of an ``events`` row."""
 
 _INSERT = """
 INSERT INTO events
 SELECT * FROM (SELECT unnest($stream::VARCHAR[]) AS stream, unnest($seq::BIGINT[]) AS seq,
                       unnest($ts::BIGINT[]) AS ts_ns, unnest($subject::VARCHAR[]) AS subject,
-                      unnest($data::VARCHAR[]) AS data)
+                      unnest($data::VARCHAR[]) AS data, unnest($raw::BLOB[]) AS raw)
 ON CONFLICT DO NOTHING
 """
 
@@ -71,15 +83,32 @@ class Columns:
     ts_ns: list[int] = field(default_factory=list)
     subject: list[str] = field(default_factory=list)
     data: list[str] = field(default_factory=list)
+    raw: list[bytes | None] = field(default_factory=list)
 
-    def append(self, seq: int, ts_ns: int, subject: str, data: str) -> None:
+    def append(self, seq: int, ts_ns: int, subject: str, payload: bytes) -> None:
+        """One message; ``payload`` is the exact bytes received (split as the module header says)."""
+        text, raw = split_payload(payload)
         self.seq.append(seq)
         self.ts_ns.append(ts_ns)
         self.subject.append(subject)
-        self.data.append(data)
+        self.data.append(text)
+        self.raw.append(raw)
+
+    def payload(self, index: int) -> bytes:
+        raw = self.raw[index]
+        return raw if raw is not None else self.data[index].encode()
 
     def __len__(self) -> int:
         return len(self.seq)
+
+
+def split_payload(payload: bytes) -> tuple[str, bytes | None]:
+    """``(data, raw)`` for one payload: its text and no raw bytes when it is UTF-8, else the text
+    with U+FFFD replacements (for reading only) and the exact bytes."""
+    try:
+        return payload.decode("utf-8"), None
+    except UnicodeDecodeError:
+        return payload.decode("utf-8", "replace"), bytes(payload)
 
 
 def views_sql() -> str:
@@ -89,6 +118,7 @@ def views_sql() -> str:
 def create_schema(con: duckdb.DuckDBPyConnection) -> None:
     """The events table (if missing) and every analyst view (replaced: views.sql is the truth)."""
     con.execute(EVENTS_DDL)
+    con.execute(MIGRATE_DDL)
     create_views(con)
 
 
@@ -114,7 +144,7 @@ def insert_rows(con: duckdb.DuckDBPyConnection, batches: Sequence[Columns]) -> N
         for cols in batches:
             if len(cols):
                 con.execute(_INSERT, {"stream": [cols.stream] * len(cols), "seq": cols.seq, "ts": cols.ts_ns,
-                                      "subject": cols.subject, "data": cols.data})
+                                      "subject": cols.subject, "data": cols.data, "raw": cols.raw})
         con.execute("COMMIT")
     except BaseException:
         with contextlib.suppress(duckdb.Error):
@@ -150,7 +180,10 @@ def parquet_source(path: Path) -> Path | None:
 def open_parquet(source: Path) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(":memory:")
     literal = str(source).replace("'", "''")
-    con.execute(f"CREATE VIEW events AS SELECT * FROM read_parquet('{literal}')")
+    source = f"read_parquet('{literal}')"
+    if not _has_raw(con, source):
+        source = f"(SELECT *, NULL::BLOB AS raw FROM {source})"  # exported before the raw column
+    con.execute(f"CREATE VIEW events AS SELECT * FROM {source}")
     create_views(con)
     return con
 
@@ -189,11 +222,19 @@ def open_read(path: str | os.PathLike[str],
             finally:
                 con.close()
         return
+    if not _has_raw(con, "events"):
+        con.close()
+        con = _open_before_raw(db)
     try:
         _ensure_views(con)
         yield con
     finally:
         con.close()
+
+
+def _has_raw(con: duckdb.DuckDBPyConnection, relation: str) -> bool:
+    columns = con.execute(f"SELECT column_name FROM (DESCRIBE SELECT * FROM {relation})").fetchall()
+    return ("raw",) in columns
 
 
 def _ensure_views(con: duckdb.DuckDBPyConnection) -> None:
@@ -202,9 +243,20 @@ def _ensure_views(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(views_sql().replace("CREATE OR REPLACE VIEW", "CREATE OR REPLACE TEMP VIEW"))
 
 
+def _open_before_raw(db: Path) -> duckdb.DuckDBPyConnection:
+    """A file recorded before the raw column, read-only: attached to an in-memory database whose
+    ``events`` view adds the column (all NULL). A view of the in-memory database, unlike a
+    temporary one, is seen by every cursor of the connection (replay reads through cursors)."""
+    con = duckdb.connect(":memory:")
+    literal = str(db).replace("'", "''")
+    con.execute(f"ATTACH '{literal}' AS recorded (READ_ONLY)")
+    con.execute("CREATE VIEW events AS SELECT *, NULL::BLOB AS raw FROM recorded.main.events")
+    return con
+
+
 def _open_copy(copy: Path) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(str(copy))  # our private copy: writable, so views can be (re)created
-    create_views(con)
+    create_schema(con)
     return con
 
 

@@ -51,14 +51,13 @@ class LogBuilder:
         else:
             raw = msgspec.json.encode({} if payload is None else payload)
         seq = len(self.inputs) + 1
-        self.inputs.append(seq, self.now_ns, subject, raw.decode("utf-8", "replace"))
+        self.inputs.append(seq, self.now_ns, subject, raw)
         outputs, _ = apply_guarded(self.scheduler, Envelope(seq, self.now_ns, subject, raw))
         for output in outputs:
             if output.msg_id in self._msg_ids:
                 continue  # JetStream de-duplication drops a repeated Nats-Msg-Id
             self._msg_ids.add(output.msg_id)
-            self.outputs.append(len(self.outputs) + 1, self.now_ns + 200_000, output.subject,
-                                output.data.decode())
+            self.outputs.append(len(self.outputs) + 1, self.now_ns + 200_000, output.subject, output.data)
         return seq
 
     # -- shorthands ------------------------------------------------------------------------
@@ -102,8 +101,9 @@ class LogBuilder:
 
     def jsonl(self) -> bytes:
         """The inputs in the portable form (``laswrr replay --events``)."""
-        columns = (self.inputs.seq, self.inputs.ts_ns, self.inputs.subject, self.inputs.data)
-        return b"".join(input_line(*row) for row in zip(*columns))
+        inputs = self.inputs
+        return b"".join(input_line(inputs.seq[i], inputs.ts_ns[i], inputs.subject[i], inputs.payload(i))
+                        for i in range(len(inputs)))
 
 
 def workload(requests: int = 10_000, nodes: int = 4, capacity: int = 8, per_tick: int = 100,

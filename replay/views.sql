@@ -1,22 +1,23 @@
 -- Analyst views over the recorded log `events(stream, seq, ts_ns, subject, data)`.
 -- Created by the recorder at start and by every reader when missing; documented in
 -- docs/analysts.md. Rules: `data` is raw text and may be malformed JSON, so every view reads
--- it through `input_events.j` / `output_events.j` (NULL when not valid JSON) and never fails
--- on a bad row. Times are integer nanoseconds (`ts_ns`, the JetStream timestamp the scheduler
+-- it through `input_events.j` / `output_events.j` (NULL when not valid JSON, or when the
+-- payload was not UTF-8: then `raw` holds its exact bytes and `data` only a readable
+-- rendering, and the scheduler rejected it) and never fails on a bad row. Times are integer nanoseconds (`ts_ns`, the JetStream timestamp the scheduler
 -- used); durations are milliseconds. Node, pool and proxy names are the subject's last token.
 
 CREATE OR REPLACE VIEW input_events AS
 SELECT seq, ts_ns, subject,
        regexp_extract(subject, '^(.*)\.[^.]+$', 1) AS family,
        split_part(subject, '.', -1) AS key,
-       CASE WHEN json_valid(data) THEN data::JSON END AS j,
-       data
+       CASE WHEN raw IS NULL AND json_valid(data) THEN data::JSON END AS j,
+       data, raw
 FROM events WHERE stream = 'LB_EVENTS';
 
 CREATE OR REPLACE VIEW output_events AS
 SELECT seq, ts_ns, subject,
-       CASE WHEN json_valid(data) THEN data::JSON END AS j,
-       data
+       CASE WHEN raw IS NULL AND json_valid(data) THEN data::JSON END AS j,
+       data, raw
 FROM events WHERE stream = 'LB_OUT';
 
 -- One row per (snapshot, node). A snapshot published twice (same pool and as_of_seq, e.g. by

@@ -9,8 +9,9 @@ Theory of operation.
   ``flush_ms`` of waiting, whichever comes first) into a callback subscription: nats-py's
   ``fetch`` waits on every message separately and tops out near 35,000 msg/s here.
 * **Commit, then ack.** A batch becomes one row per message — ``(stream, stream seq, ts_ns,
-  subject, data)`` with ``ts_ns`` the exact JetStream timestamp from the ack subject (the same
-  time the scheduler used) and ``data`` the payload text as it came, malformed or not — inserted
+  subject, data, raw)`` with ``ts_ns`` the exact JetStream timestamp from the ack subject (the
+  same time the scheduler used) and the payload's exact bytes, malformed or not, not UTF-8 or
+  not (replay/store.py says how ``data`` and ``raw`` hold them) — inserted
   in one transaction with ``ON CONFLICT DO NOTHING``; only then is the batch's highest message
   acked, which (AckAll) acknowledges everything before it. A crash before the ack means
   redelivery, and redelivered rows are skipped: none lost, none duplicated.
@@ -74,14 +75,6 @@ class StreamStats:
     batches: int = 0
     repaired: int = 0
     gaps: int = 0
-
-
-def payload_text(data: bytes) -> str:
-    """The payload as text; bytes that are not UTF-8 become U+FFFD (DuckDB VARCHAR is UTF-8)."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return data.decode("utf-8", "replace")
 
 
 class Recorder:
@@ -186,7 +179,7 @@ class Recorder:
         highest, top = msgs[0], 0
         for msg in msgs:
             info = parse_ack_subject(msg.reply)
-            rows.append(info.stream_seq, info.ts_ns, msg.subject, payload_text(msg.data))
+            rows.append(info.stream_seq, info.ts_ns, msg.subject, msg.data)
             if info.stream_seq > top:
                 highest, top = msg, info.stream_seq
         start = self.recorded_through[stream] + 1
@@ -226,11 +219,11 @@ class Recorder:
             rows.append(*got)
             stats.repaired += 1
 
-    async def _get_msg(self, stream: str, seq: int) -> tuple[int, int, str, str] | None:
+    async def _get_msg(self, stream: str, seq: int) -> tuple[int, int, str, bytes] | None:
         envelope = await get_envelope(self.nc, stream, seq)
         if envelope is None:
             return None
-        return seq, envelope.ts_ns, envelope.subject, payload_text(envelope.data)
+        return seq, envelope.ts_ns, envelope.subject, envelope.data
 
     async def _repair_holes(self, stream: str) -> None:
         """Once at start: seqs missing inside the recorded range (an older crash) are fetched."""

@@ -85,7 +85,8 @@ async def record_live_run(nats_url: str, data_dir: Path) -> tuple[int, int]:
 
 
 def portable_inputs(con: Any) -> list[bytes]:
-    rows = con.execute("SELECT seq, ts_ns, subject, data FROM events WHERE stream = 'LB_EVENTS' ORDER BY seq")
+    rows = con.execute(f"SELECT seq, ts_ns, subject, {store.PAYLOAD_SQL} FROM events WHERE stream = 'LB_EVENTS' "
+                       "ORDER BY seq")
     return [input_line(*row) for row in rows.fetchall()]
 
 

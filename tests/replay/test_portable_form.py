@@ -15,18 +15,21 @@ from laswrr.schemas import subjects as sj
 
 
 @pytest.mark.parametrize("payload", [
-    '{"capacity": 1}', '"hello"', "hello", '  {"capacity": 1}', '{"capacity": 1}\n', "", "42", "null",
-    "[1, 2]", '"unterminated', '"\\u00e9"', "{\"a\": \"é\"}",
+    b'{"capacity": 1}', b'"hello"', b"hello", b'  {"capacity": 1}', b'{"capacity": 1}\n', b"", b"42", b"null",
+    b"[1, 2]", b'"unterminated', b'"\\u00e9"', "{\"a\": \"é\"}".encode(), b'{"a": "\x00"}',
+    b'{"capacity": "\xff\xfe"}', b"\xc3", b"\xff" * 3 + b"\x00",
 ])
-def test_every_payload_reads_back_byte_for_byte(payload: str) -> None:
-    (envelope,) = read_events([input_line(7, 1_000, "lb.admin.capacity.n1", payload)])
+def test_every_payload_reads_back_byte_for_byte(payload: bytes) -> None:
+    line = input_line(7, 1_000, "lb.admin.capacity.n1", payload)
+    (envelope,) = read_events([line])
     assert (envelope.seq, envelope.ts_ns, envelope.subject) == (7, 1_000, "lb.admin.capacity.n1")
-    assert envelope.data == payload.encode()
+    assert envelope.data == payload
+    line.decode("utf-8")  # the line itself is always UTF-8 JSON
 
 
 def test_a_json_string_and_the_same_text_unquoted_are_different_inputs() -> None:
-    quoted = input_line(1, 1, "lb.admin.capacity.n1", '"hello"')
-    bare = input_line(1, 1, "lb.admin.capacity.n1", "hello")
+    quoted = input_line(1, 1, "lb.admin.capacity.n1", b'"hello"')
+    bare = input_line(1, 1, "lb.admin.capacity.n1", b"hello")
     assert quoted != bare
     rejections = [list(replay_lines([line])) for line in (quoted, bare)]
     assert all(sj.OUT_REJECTED.encode() in out[0] for out in rejections)

@@ -129,7 +129,8 @@ def test_weights_over_time(crafted: tuple[Path, dict[str, int]]) -> None:
 def test_views_survive_malformed_rows(crafted: tuple[Path, dict[str, int]]) -> None:
     path, _ = crafted
     con = duckdb.connect(str(path))
-    con.execute("INSERT INTO events VALUES ('LB_EVENTS', 1000, 1, 'lb.req.started.a', '{broken'), "
+    con.execute("INSERT INTO events (stream, seq, ts_ns, subject, data) VALUES "
+                "('LB_EVENTS', 1000, 1, 'lb.req.started.a', '{broken'), "
                 "('LB_OUT', 1000, 1, 'lb.out.snapshot.default', 'garbage')")
     con.close()
     assert query(path, "SELECT count(*) FROM requests") == [(8,)]

@@ -1,0 +1,127 @@
+"""The log keeps what arrived, byte for byte, and replay feeds exactly those bytes back.
+
+A live run (real nats-server, the scheduler service and the recorder in-process, a DuckDB file)
+receives payloads that text cannot carry faithfully: invalid UTF-8 inside a JSON string (the
+scheduler rejects it), a NUL byte, a ~1 MB payload and a payload that is not JSON. The DuckDB
+rows give back each payload exactly (``store.PAYLOAD_SQL``), ``replay_db`` reproduces every
+output with no divergence, the portable form carries them too, and the views treat the non-UTF-8
+row as unreadable (``j`` NULL) instead of as the valid message its U+FFFD rendering would be.
+
+A log recorded before the ``raw`` column existed (the old five-column table) still replays,
+read-only and after a recorder opened it (which adds the column).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import duckdb
+import msgspec
+
+from laswrr.replay import store
+from laswrr.replay.portable import input_line, read_events
+from laswrr.replay.replay import replay_db
+from laswrr.replay.synthetic import LogBuilder
+from laswrr.schemas import subjects as sj
+from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.services.recorder import Recorder, RecorderOptions
+from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService
+
+BIG = b'{"capacity": 3, "note": "' + b"x" * 1_000_000 + b'"}'
+PAYLOADS = [
+    (sj.admin_node("c"), b'{"url": "http://c\xff\xfe:8000", "capacity": 2}'),  # invalid UTF-8: rejected live
+    (sj.admin_capacity("a"), b'{"capacity": 2, "note": "\xff\xfe"}'),  # in a field the core skips: applied
+    (sj.admin_capacity("a"), b'{"capacity": 5, "note": "nul \x00 here"}'),  # a raw NUL byte
+    (sj.admin_capacity("b"), BIG),
+    (sj.admin_capacity("b"), b"capacity=1 (not json)"),
+    (sj.admin_capacity("a"), b'{"capacity": 6}'),
+]
+
+
+async def _until(predicate, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def record(nats_url: str, data_dir: Path) -> dict[int, bytes]:
+    client, scheduler_nc, recorder_nc = [await connect(nats_url, name) for name in ("test", "sched", "rec")]
+    js = client.jetstream()
+    await ensure_streams(js)
+    service = SchedulerService(scheduler_nc, SchedulerOptions(tick_ms=0, fetch_timeout_s=0.05))
+    recorder = Recorder(recorder_nc, RecorderOptions(data_dir=data_dir, flush_ms=20))
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(service.run(stop)), asyncio.create_task(recorder.run(stop))]
+    await asyncio.wait_for(asyncio.gather(service.ready.wait(), recorder.ready.wait()), 10)
+    published: dict[int, bytes] = {}
+    for node, capacity in (("a", 8), ("b", 4)):
+        body = b'{"url": "http://%s:8000", "capacity": %d}' % (node.encode(), capacity)
+        published[(await js.publish(sj.admin_node(node), body)).seq] = body
+    for tick, (subject, body) in enumerate(PAYLOADS, start=1):
+        published[(await js.publish(subject, body)).seq] = body
+        body = b'{"tick": %d}' % tick
+        published[(await js.publish(sj.CLOCK_TICK, body)).seq] = body
+    last = max(published)
+    await _until(lambda: service.applied_seq >= last)
+    out_last = (await js.stream_info(sj.OUT_STREAM)).state.last_seq
+    await _until(lambda: recorder.recorded_through[sj.EVENTS_STREAM] >= last
+                 and recorder.recorded_through[sj.OUT_STREAM] >= out_last)
+    stop.set()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    for nc in (client, scheduler_nc, recorder_nc):
+        await nc.close()
+    return published
+
+
+async def test_odd_payloads_are_recorded_exactly_and_replay_exactly(nats_url: str, tmp_path: Path) -> None:
+    published = await record(nats_url, tmp_path)
+    with store.open_read(tmp_path / store.DB_FILE) as con:
+        rows = con.execute(f"SELECT seq, ts_ns, subject, {store.PAYLOAD_SQL} FROM events "
+                           "WHERE stream = 'LB_EVENTS' ORDER BY seq").fetchall()
+        assert {seq: payload for seq, _, _, payload in rows} == published
+        bad_seq = next(seq for seq, body in published.items() if b"c\xff" in body)
+        (j, raw), = con.execute("SELECT j, raw FROM input_events WHERE seq = ?", [bad_seq]).fetchall()
+        assert j is None and raw == published[bad_seq]  # unreadable, not a valid capacity of 2
+        rejected = [msgspec.json.decode(d)["seq"] for (d,) in con.execute(
+            "SELECT data FROM events WHERE subject = 'lb.out.rejected'").fetchall()]
+        assert bad_seq in rejected  # the live scheduler rejected the invalid UTF-8
+
+        result = replay_db(con)
+        assert result.identical, result.first and result.first.describe()
+        assert result.verified_through == max(published) and result.outputs_compared > 0
+
+        lines = [input_line(*row) for row in rows]
+    assert [e.data for e in read_events(lines)] == [payload for *_, payload in rows]  # type: ignore[union-attr]
+
+
+OLD_DDL = """CREATE TABLE events (stream VARCHAR NOT NULL, seq BIGINT NOT NULL, ts_ns BIGINT NOT NULL,
+                                  subject VARCHAR NOT NULL, data VARCHAR NOT NULL, PRIMARY KEY (stream, seq))"""
+
+
+def test_a_log_recorded_before_the_raw_column_still_replays(tmp_path: Path) -> None:
+    log = LogBuilder()
+    log.node("a", 8)
+    log.node("b", 4)
+    log.tick()
+    log.add(sj.admin_capacity("a"), b"not json")
+    log.add(sj.admin_capacity("a"), {"capacity": 2})
+    log.started("a", "r1")
+    log.tick()
+    path = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute(OLD_DDL)
+    for cols in (log.inputs, log.outputs):
+        for i in range(len(cols)):
+            con.execute("INSERT INTO events VALUES (?, ?, ?, ?, ?)",
+                        [cols.stream, cols.seq[i], cols.ts_ns[i], cols.subject[i], cols.data[i]])
+    con.close()
+    with store.open_read(path) as con:  # read-only: events seen through a view that adds raw
+        result = replay_db(con)
+        assert result.identical and result.outputs_compared == len(log.outputs)
+        assert con.execute("SELECT count(*) FROM requests").fetchone() == (1,)
+    store.open_writer(path).close()  # a recorder opening the old file adds the column
+    with store.open_read(path) as con:
+        assert ("raw",) in con.execute("SELECT column_name FROM (DESCRIBE events)").fetchall()
+        assert replay_db(con).identical
