@@ -1,0 +1,227 @@
+"""The README works as written: its command blocks run against a real `laswrr up`.
+
+The blocks are read from README.md when the test runs, so an edit to the README is tested as
+it stands. Every ```sh block line is one command (``\\`` continuations joined). What runs:
+
+* ``curl`` lines (the client examples), with ``localhost:8000`` pointed at the stack's proxy
+  (it listens on a free port) and ``--fail-with-body -sS`` added so an HTTP error fails;
+* ``nats`` lines (the operator examples): the real ``nats`` CLI when installed, else the same
+  operation done here with nats-py (``pub``, ``sub`` until the first message, ``kv get``);
+* ``laswrr`` lines except ``up`` (the test's own stack), ``bench`` and ``demo`` (minutes long):
+  the operator CLI, ``nodes``, ``report``, ``replay``, ``export``.
+
+They run in README order, in a scratch directory laid out as a checkout after ``make venv``
+(``.venv`` and ``docs`` linked, ``.laswrr`` the stack's data dir, ``nodes.toml`` the stack's
+nodes), with ``NATS_URL`` set. Each must exit 0, and nothing the README sends may be rejected
+(``lb.out.rejected`` stays empty). Every ``laswrr`` invocation of any block (Docker ones too)
+must at least parse with the real argument parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats
+import pytest
+
+from laswrr.cli import build_parser
+from laswrr.schemas import subjects as sj
+
+ROOT = Path(__file__).resolve().parents[2]
+NOT_RUN = {"up", "bench", "demo"}  # the stack itself; runs that take minutes
+COMMAND_TIMEOUT_S = 60.0
+
+
+def readme_commands(text: str) -> list[str]:
+    """The commands of every ```sh block, continuation lines joined, comment lines dropped."""
+    commands: list[str] = []
+    for block in re.findall(r"^```sh\n(.*?)^```", text, flags=re.S | re.M):
+        pending = ""
+        for line in block.splitlines():
+            if pending:
+                line = pending + " " + line.strip()
+                pending = ""
+            if line.rstrip().endswith("\\"):
+                pending = line.rstrip()[:-1].rstrip()
+                continue
+            if line.strip() and not line.lstrip().startswith("#"):
+                commands.append(line.strip())
+    return commands
+
+
+def laswrr_invocations(command: str) -> list[list[str]]:
+    """The argument lists of each ``laswrr`` call in ``command`` (``a; b``, ``docker ... laswrr x``)."""
+    calls = []
+    for part in re.split(r";|&&", command):
+        words = shlex.split(part, comments=True)
+        for i, word in enumerate(words):
+            if word == "laswrr" or word.endswith("/laswrr"):
+                calls.append(words[i + 1:])
+                break
+    return calls
+
+
+def test_every_laswrr_command_in_the_readme_parses() -> None:
+    parser = build_parser()
+    calls = [call for command in readme_commands((ROOT / "README.md").read_text())
+             for call in laswrr_invocations(command)]
+    assert len(calls) > 10
+    for call in calls:
+        try:
+            parser.parse_args(call)
+        except SystemExit as exc:
+            raise AssertionError(f"README: `laswrr {shlex.join(call)}` does not parse") from exc
+
+
+def test_readme_commands_are_split_as_a_shell_would() -> None:
+    text = "x\n```sh\na --b \\\n  c   # note\n# only a comment\n\nd; e\n```\n```toml\nnot = 1\n```\n"
+    assert readme_commands(text) == ["a --b c   # note", "d; e"]
+    assert laswrr_invocations("laswrr drain n1; .venv/bin/laswrr nodes --json") == [["drain", "n1"], ["nodes", "--json"]]
+
+
+# -- against a running stack ---------------------------------------------------------------------------
+
+
+@dataclass
+class Running:
+    workdir: Path
+    nats_url: str
+    proxy: str  # host:port
+    env: dict[str, str]
+
+
+async def _banner(proc: asyncio.subprocess.Process) -> dict[str, str]:
+    assert proc.stdout is not None
+    banner: dict[str, str] = {}
+    while True:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 90)).decode()
+        if not line:
+            raise AssertionError("laswrr up exited before its banner")
+        key, _, value = line.strip().partition(": ")
+        if value:
+            banner.setdefault(key, value.strip())
+        if "Ctrl-C" in line:
+            return banner
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[Running]:
+    workdir = tmp_path / "checkout"
+    workdir.mkdir()
+    (workdir / ".venv").symlink_to(Path(sys.prefix))
+    (workdir / "docs").symlink_to(ROOT / "docs")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.pop("NATS_URL", None)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "laswrr", "up", "--proxy-port", "0", cwd=workdir, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
+    try:
+        banner = await _banner(proc)
+        nats_url = banner["NATS URL"].split()[0]
+        proxy = banner["proxy URL"].split()[0].removeprefix("http://")
+        shutil.copy(workdir / ".laswrr" / "nodes.toml", workdir / "nodes.toml")
+        yield Running(workdir, nats_url, proxy, dict(env, NATS_URL=nats_url))
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                await asyncio.wait_for(proc.wait(), 60)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+def _runnable(command: str) -> bool:
+    first = shlex.split(command, comments=True)[0]
+    if first in ("curl", "nats"):
+        return True
+    calls = laswrr_invocations(command)
+    return bool(calls) and first.endswith("laswrr") and all(call and call[0] not in NOT_RUN for call in calls)
+
+
+async def _shell(command: str, stack: Running) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        "bash", "-c", command, cwd=stack.workdir, env=stack.env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), COMMAND_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        proc.kill()
+        out, _ = await proc.communicate()
+        return -9, out.decode(errors="replace")
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(errors="replace")
+
+
+async def _nats_here(command: str, nc: nats.aio.client.Client) -> tuple[int, str]:
+    """What the ``nats`` CLI would do, with nats-py (for machines without the CLI)."""
+    parser = argparse.ArgumentParser(prog="nats", exit_on_error=False)
+    parser.add_argument("-s", "--server")
+    parser.add_argument("words", nargs="+")
+    words = parser.parse_args(shlex.split(command, comments=True)[1:]).words
+    if words[0] == "pub":
+        await nc.publish(words[1], words[2].encode() if len(words) > 2 else b"")
+        await nc.flush()
+        return 0, ""
+    if words[0] == "sub":
+        sub = await nc.subscribe(words[1])
+        try:
+            msg = await sub.next_msg(timeout=10)
+        finally:
+            await sub.unsubscribe()
+        return 0, f"[#1] Received on {msg.subject}\n{msg.data.decode()}"
+    if words[:2] == ["kv", "get"]:
+        entry = await (await nc.jetstream().key_value(words[2])).get(words[3])
+        return 0, (entry.value or b"").decode()
+    raise AssertionError(f"no stand-in for `{command}`: install the nats CLI or extend _nats_here")
+
+
+async def _run_one(command: str, stack: Running, nc: nats.aio.client.Client) -> tuple[int, str]:
+    words = shlex.split(command, comments=True)
+    if words[0] == "curl":
+        return await _shell(command.replace("localhost:8000", stack.proxy) + " --fail-with-body -sS", stack)
+    if words[0] == "nats" and shutil.which("nats") is None:
+        return await _nats_here(command, nc)
+    if words[0] == "nats" and words[1:3] == ["-s", "$NATS_URL"] and "sub" in words:
+        code, out = await _shell(f"timeout 10 {command} --count 1", stack)
+        return (0 if code == 0 and out else code), out
+    return await _shell(command, stack)
+
+
+async def test_readme_command_blocks_run_against_laswrr_up(stack: Running) -> None:
+    commands = [c for c in readme_commands((ROOT / "README.md").read_text()) if _runnable(c)]
+    kinds = {shlex.split(c)[0].rsplit("/", 1)[-1] for c in commands}
+    assert {"curl", "nats", "laswrr"} <= kinds
+    nc = await nats.connect(stack.nats_url)
+    rejected: list[str] = []
+
+    async def on_rejected(msg: nats.aio.msg.Msg) -> None:
+        rejected.append(msg.data.decode())
+
+    await nc.subscribe(sj.OUT_REJECTED, cb=on_rejected)
+    failures = []
+    try:
+        for command in commands:
+            code, out = await _run_one(command, stack, nc)
+            if code != 0:
+                failures.append(f"$ {command}\n(exit {code})\n{out[-1500:]}")
+            elif command.startswith("curl") and ('"error"' in out or
+                                                 ('"stream": true' in command and "data: [DONE]" not in out)):
+                failures.append(f"$ {command}\nanswered an error or an unfinished stream:\n{out[-1500:]}")
+        await nc.flush()
+        await asyncio.sleep(0.5)  # the scheduler's verdict on the last admin message
+    finally:
+        await nc.close()
+    assert not failures, "README commands failed:\n\n" + "\n\n".join(failures)
+    assert not rejected, f"the scheduler rejected what the README sent: {json.dumps(rejected, indent=1)}"
