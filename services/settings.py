@@ -56,6 +56,22 @@ def add_nats_options(parser: argparse.ArgumentParser, embedded: bool = False) ->
                             help=f"NATS server (default: $NATS_URL or {DEFAULT_NATS_URL})")
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0..65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return port
+
+
+def add_metrics_port(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metrics-port", type=port_number, default=None, metavar="PORT",
+                        help="serve Prometheus /metrics on this port (default: none)")
+
+
 # -- logging ------------------------------------------------------------------------------------
 
 

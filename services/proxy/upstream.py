@@ -151,7 +151,6 @@ class Forwarder:
     async def _attempt_with_events(self, request: web.Request, ex: Exchange, admission: Admission,
                                    rid: str) -> Done | Failed:
         self.events.started(rid, admission.node, admission.pool, admission.snapshot_seq)
-        self.metrics.started(admission.node)
         state = AttemptState(started=time.perf_counter())
         try:
             result = await self._attempt(request, ex, admission, state)
@@ -164,7 +163,6 @@ class Forwarder:
             raise
         finally:
             self.router.release(admission)
-            self.metrics.ended(admission.node)
         if isinstance(result, Done):
             self._finish(rid, admission, result.attempt)
             self._observe(ex, state)
