@@ -355,28 +355,33 @@ def copy_database(con: duckdb.DuckDBPyConnection, target: Path) -> None:
 
 
 async def render_metrics(recorder: Recorder) -> bytes:
-    lags = {stream: await lag(recorder.js, stream, seq) for stream, seq in recorder.recorded_through.items()}
-    return render(lambda: _families(recorder, lags))
+    """The counters as they are now, then the lag behind the seqs recorded at that moment (the
+    look-ups yield to the batch loops, which may move on meanwhile)."""
+    recorded = dict(recorder.recorded_through)
+    families = list(_families(recorder, recorded))
+    lag_n = GaugeMetricFamily("laswrr_recorder_lag_messages", "Messages not yet recorded", labels=["stream"])
+    lag_s = GaugeMetricFamily("laswrr_recorder_lag_seconds", "Age of the oldest message not yet recorded",
+                              labels=["stream"])
+    for stream, seq in recorded.items():
+        behind, behind_s = await lag(recorder.js, stream, seq)
+        lag_n.add_metric([stream], behind)
+        lag_s.add_metric([stream], behind_s)
+    return render(lambda: iter([*families, lag_n, lag_s]))
 
 
-def _families(recorder: Recorder, lags: dict[str, tuple[int, float]]) -> Iterator[Metric]:
+def _families(recorder: Recorder, recorded: dict[str, int]) -> Iterator[Metric]:
     prefix, labels = "laswrr_recorder", ["stream"]
     families = {
         "rows_written": CounterMetricFamily(f"{prefix}_rows_written", "Rows committed to DuckDB", labels=labels),
         "batches": CounterMetricFamily(f"{prefix}_batches", "Batches committed", labels=labels),
         "repaired": CounterMetricFamily(f"{prefix}_repaired", "Missing seqs fetched from the stream", labels=labels),
         "gaps": CounterMetricFamily(f"{prefix}_gaps", "Seqs the stream no longer had", labels=labels),
-        "lag": GaugeMetricFamily(f"{prefix}_lag_messages", "Messages not yet recorded", labels=labels),
-        "lag_s": GaugeMetricFamily(f"{prefix}_lag_seconds", "Age of the oldest message not yet recorded",
-                                   labels=labels),
         "seq": GaugeMetricFamily(f"{prefix}_recorded_seq", "Highest seq recorded without a hole", labels=labels),
     }
     batch = HistogramMetricFamily(f"{prefix}_batch_seconds", "One commit (insert, fill holes)", labels=labels)
     for stream, stats in recorder.stats.items():
-        behind, behind_s = lags[stream]
         for key, value in (("rows_written", stats.recorded), ("batches", stats.batches), ("repaired", stats.repaired),
-                           ("gaps", stats.gaps), ("lag", behind), ("lag_s", behind_s),
-                           ("seq", recorder.recorded_through[stream])):
+                           ("gaps", stats.gaps), ("seq", recorded[stream])):
             families[key].add_metric([stream], value)
         batch.add_metric([stream], stats.batch_seconds.exposition(), stats.batch_seconds.total)
     yield from families.values()

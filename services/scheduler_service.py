@@ -355,11 +355,16 @@ class SchedulerService:
 
 
 async def render_metrics(service: SchedulerService) -> bytes:
-    behind, behind_s = await lag(service.js, sj.EVENTS_STREAM, service.applied_seq)
-    return render(lambda: _families(service, behind, behind_s))
+    """The counters as they are now, then the lag behind the seq applied at that moment (the
+    look-ups yield to the batch loop, which may move on meanwhile)."""
+    applied_seq, families = service.applied_seq, list(_families(service))
+    behind, behind_s = await lag(service.js, sj.EVENTS_STREAM, applied_seq)
+    families += [gauge("laswrr_scheduler_lag_messages", "Events in LB_EVENTS not yet applied", behind),
+                 gauge("laswrr_scheduler_lag_seconds", "Age of the oldest event not yet applied", behind_s)]
+    return render(lambda: iter(families))
 
 
-def _families(service: SchedulerService, behind: int, behind_s: float) -> Iterator[Metric]:
+def _families(service: SchedulerService) -> Iterator[Metric]:
     stats, prefix = service.stats, "laswrr_scheduler"
     yield counter(f"{prefix}_events_applied", "Events of LB_EVENTS applied to the core", stats.applied)
     yield counter(f"{prefix}_outputs_published", "Outputs acknowledged by LB_OUT", stats.published)
@@ -367,8 +372,6 @@ def _families(service: SchedulerService, behind: int, behind_s: float) -> Iterat
     for reason, n in sorted(stats.rejections.items()):
         rejections.add_metric([reason], n)
     yield rejections
-    yield gauge(f"{prefix}_lag_messages", "Events in LB_EVENTS not yet applied", behind)
-    yield gauge(f"{prefix}_lag_seconds", "Age of the oldest event not yet applied", behind_s)
     yield gauge(f"{prefix}_applied_seq", "Stream seq of the last applied event", service.applied_seq)
     yield gauge(f"{prefix}_checkpoint_age_seconds", "Time since the last checkpoint (or start)",
                 max(0.0, time.time() - stats.checkpointed_at))
