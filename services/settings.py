@@ -28,8 +28,6 @@ import logging
 import os
 import signal
 
-from pythonjsonlogger.json import JsonFormatter
-
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_DATA_DIR = ".laswrr"
 DEFAULT_TICK_MS = 100
@@ -99,6 +97,8 @@ def configure_logging(args: argparse.Namespace | None, service: str) -> None:
     level = getattr(args, "log_level", None) or "INFO"
     handler = logging.StreamHandler()  # stderr
     if getattr(args, "log_format", "text") == "json":
+        from pythonjsonlogger.json import JsonFormatter  # only json needs it
+
         handler.setFormatter(JsonFormatter("{levelname}{name}{message}", style="{", timestamp="time",
                                            rename_fields={"levelname": "level", "name": "logger"},
                                            static_fields={"service": service}))
