@@ -16,7 +16,9 @@ from typing import Any
 
 import duckdb
 
-OUTCOMES = ("completed", "client_cancelled", "upstream_error", "router_aborted")
+from laswrr.schemas.words import RequestOutcome
+
+OUTCOMES = tuple(outcome.value for outcome in RequestOutcome)  # the report's keys, in this order
 
 
 def gather(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
