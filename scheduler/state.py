@@ -8,7 +8,6 @@ import msgspec
 from laswrr.scheduler.config import SchedulerConfig
 from laswrr.scheduler.phases import Phase
 from laswrr.schemas.outputs import LoadView
-from laswrr.schemas.words import DrainCause, EjectCause
 
 
 class NodeState(msgspec.Struct, kw_only=True):
@@ -22,10 +21,10 @@ class NodeState(msgspec.Struct, kw_only=True):
     phase: str = Phase.ACTIVE.value
     phase_reason: str = "registered"
     phase_since_ns: int = 0
-    drain_cause: DrainCause = DrainCause.NONE
+    drain_cause: str = ""  # capacity | operator | remove | npu
     drain_deadline_ns: int = 0
     remove_pending: bool = False
-    eject_cause: EjectCause = EjectCause.NONE
+    eject_cause: str = ""  # outlier | probe | npu
     ejected_until_ns: int = 0
     ejections: int = 0  # consecutive-ejection multiplier (Envoy's ejectTimeBackoff)
     last_decay_ns: int = 0
