@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from laswrr.schemas.words import RequestOutcome
 from laswrr.services import settings
 from laswrr.services.children import interrupt_on_sigterm
 
@@ -52,7 +53,8 @@ def _verdict(policy: str, summary: dict[str, Any]) -> list[str]:
         lines.append(f"{policy}: laswrr report --db unavailable; client side: "
                      f"{s['interrupted']} interrupted, {s['admitted_to_draining']} admitted to draining")
     else:
-        keys = ("requests", "completed", "client_cancelled", "upstream_error", "interrupted", "admitted_to_draining")
+        keys = ("requests", RequestOutcome.COMPLETED, RequestOutcome.CLIENT_CANCELLED, RequestOutcome.UPSTREAM_ERROR,
+                "interrupted", "admitted_to_draining")
         lines.append(f"{policy}: laswrr report --db → " + ", ".join(f"{k}={report.get(k)}" for k in keys))
     return lines
 

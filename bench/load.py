@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from laswrr.bench.metrics import RequestResult
+from laswrr.bench.metrics import ClientOutcome, RequestResult
 from laswrr.bench.workload import RequestSpec, prompt_text
 
 NODE_HEADERS = ("x-laswrr-node", "x-sim-node")
@@ -46,7 +46,7 @@ class _Progress:
     status: int | None = None
     ttft: float | None = None
     tokens: int = 0
-    outcome: str = "interrupted"
+    outcome: ClientOutcome = ClientOutcome.INTERRUPTED
     error: str = ""
     done_at: float | None = None  # [DONE] seen
     ended: float | None = None  # connection released
@@ -99,13 +99,13 @@ async def _read_stream(resp: aiohttp.ClientResponse, progress: _Progress, now: C
         if not line.startswith(b"data:"):
             continue
         if line.startswith(DONE):
-            progress.outcome, progress.done_at = "completed", now()
+            progress.outcome, progress.done_at = ClientOutcome.COMPLETED, now()
             async for _ in resp.content:  # read to the end, as the openai client does
                 pass
             return
         payload = line[5:].strip()
         if b'"error"' in payload and b'"choices"' not in payload:
-            progress.outcome, progress.error = "error", _error_message(payload)
+            progress.outcome, progress.error = ClientOutcome.ERROR, _error_message(payload)
             return
         progress.tokens += 1
         if progress.ttft is None and _has_content(payload):
@@ -120,16 +120,16 @@ async def _exchange(session: aiohttp.ClientSession, url: str, body: dict[str, An
             progress.status = resp.status
             progress.node = next((resp.headers[h] for h in NODE_HEADERS if h in resp.headers), None)
             if resp.status != 200:
-                progress.outcome, progress.error = "error", _error_message(await resp.read())
+                progress.outcome, progress.error = ClientOutcome.ERROR, _error_message(await resp.read())
                 return
             await _read_stream(resp, progress, now)
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
         # a broken stream after the response started is an interruption, before it an error
         if progress.status is None:
-            progress.outcome = "error"
+            progress.outcome = ClientOutcome.ERROR
         progress.error = f"{type(exc).__name__}: {exc}"[:200]
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-        progress.outcome = "error" if progress.status is None else "interrupted"
+        progress.outcome = ClientOutcome.ERROR if progress.status is None else ClientOutcome.INTERRUPTED
         progress.error = f"{type(exc).__name__}: {exc}"[:200]
     finally:
         progress.ended = now()
@@ -153,10 +153,11 @@ async def send_one(session: aiohttp.ClientSession, url: str, spec: RequestSpec, 
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            if progress.outcome != "completed":  # [DONE] may have come while reading to the end
-                progress.outcome, progress.error = "client_cancelled", ""
+            if progress.outcome != ClientOutcome.COMPLETED:  # [DONE] may have come while reading to the end
+                progress.outcome, progress.error = ClientOutcome.CLIENT_CANCELLED, ""
     end = progress.ended if progress.ended is not None else now()
-    e2e = progress.done_at - progress.start if progress.outcome == "completed" and progress.done_at else None
+    completed = progress.outcome == ClientOutcome.COMPLETED
+    e2e = progress.done_at - progress.start if completed and progress.done_at else None
     return RequestResult(index=spec.index, start_s=round(progress.start, 6), end_s=round(end, 6),
                          ttft_s=None if progress.ttft is None else round(progress.ttft, 6),
                          e2e_s=None if e2e is None else round(e2e, 6), node=progress.node,

@@ -24,9 +24,22 @@ import math
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
-OUTCOMES: tuple[str, ...] = ("completed", "client_cancelled", "error", "interrupted")
+from laswrr.schemas.words import RequestOutcome
+
+
+class ClientOutcome(StrEnum):
+    """How one request ended as the load generator's client saw it (bench/load.py's header).
+
+    Not the proxy's ``RequestOutcome``: a client sees no retries and no upstream, only whether
+    its stream reached ``[DONE]``; the two words both sides use are spelled by the schema."""
+
+    COMPLETED = RequestOutcome.COMPLETED.value
+    CLIENT_CANCELLED = RequestOutcome.CLIENT_CANCELLED.value
+    ERROR = "error"
+    INTERRUPTED = "interrupted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +52,7 @@ class RequestResult:
     ttft_s: float | None  # first content chunk, from start
     e2e_s: float | None  # [DONE], from start; None unless completed
     node: str | None  # x-laswrr-node
-    outcome: str  # one of OUTCOMES
+    outcome: ClientOutcome
     status: int | None = None  # HTTP status, None when the connection failed
     tokens: int = 0
     error: str = ""
@@ -112,10 +125,10 @@ def phase_of(t: float, phases: Sequence[Phase]) -> str | None:
 def latency_summary(results: Sequence[RequestResult]) -> dict[str, Any]:
     """Counts by outcome and P50/P90/P99 of TTFT and E2E (seconds) for one group of requests."""
     ttft = [r.ttft_s for r in results if r.ttft_s is not None]
-    e2e = [r.e2e_s for r in results if r.outcome == "completed" and r.e2e_s is not None]
+    e2e = [r.e2e_s for r in results if r.outcome == ClientOutcome.COMPLETED and r.e2e_s is not None]
     summary: dict[str, Any] = {"requests": len(results)}
-    for outcome in OUTCOMES:
-        summary[outcome] = sum(1 for r in results if r.outcome == outcome)
+    for outcome in ClientOutcome:
+        summary[outcome.value] = sum(1 for r in results if r.outcome == outcome)
     for name, values in (("ttft", ttft), ("e2e", e2e)):
         for q in (50, 90, 99):
             summary[f"{name}_p{q}"] = _round(percentile(values, q))

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from laswrr.bench.metrics import RequestResult, balance, by_phase, latency_summary, node_shares, ratio
+from laswrr.bench.metrics import ClientOutcome, RequestResult, balance, by_phase, latency_summary, node_shares, ratio
 from laswrr.bench.scenarios import Scenario
 
 
@@ -79,8 +79,8 @@ def policy_summary(scenario: Scenario, run: PolicyRun) -> dict[str, Any]:
         "phases": by_phase(run.results, phases),
         "balance": balance(run.results, scenario.nodes, scenario.capacity_at(), phases),
         "requests_per_node": node_shares(run.results),
-        "interrupted": sum(1 for r in run.results if r.outcome == "interrupted"),
-        "errors": sum(1 for r in run.results if r.outcome == "error"),
+        "interrupted": sum(1 for r in run.results if r.outcome == ClientOutcome.INTERRUPTED),
+        "errors": sum(1 for r in run.results if r.outcome == ClientOutcome.ERROR),
         "admitted_to_draining_client": admitted_to_draining_from_snapshots(run.results, run.snapshots),
         "wall_s": round(run.wall_s, 1),
         "notes": list(run.notes),

@@ -30,13 +30,14 @@ import msgspec
 
 from laswrr.scheduler import config as config_mod
 from laswrr.scheduler import reweigh
-from laswrr.scheduler.phases import ROUTABLE, Phase, PhaseError, Trigger, next_phase
+from laswrr.scheduler.phases import ROUTABLE, HeldBy, Phase, PhaseError, Trigger, next_phase, release_trigger
 from laswrr.scheduler.state import CoreState, NodeState, OpenRequest
 from laswrr.scheduler.weights import MS, round_milli
 from laswrr.schemas import events
 from laswrr.schemas import subjects
 from laswrr.schemas.codec import Envelope, Output, SchemaError, decode_event, encode
 from laswrr.schemas.outputs import NodeView, PhaseChanged, Rejected, WeightSnapshot
+from laswrr.schemas.words import DrainCause, EjectCause, RequestOutcome
 
 HEALTH_ORDER = {"OK": 0, "Warning": 1, "Alarm": 2, "Critical": 3, "UNKNOWN": 4}
 
@@ -194,14 +195,14 @@ class Scheduler:
         node.effective = start if node.effective <= 0 else min(node.effective, start)
         node.target = start
 
-    def _drain(self, node: NodeState, cause: str, reason: str) -> None:
+    def _drain(self, node: NodeState, cause: DrainCause, reason: str) -> None:
         self._transition(node, Trigger.DRAIN, reason)
         node.drain_cause = cause
         self._check_drained(node)
 
     def _undrain(self, node: NodeState, reason: str) -> None:
         self._transition(node, Trigger.UNDRAIN, reason)
-        node.drain_cause = ""
+        node.drain_cause = DrainCause.NONE
         node.remove_pending = False
 
     def _check_drained(self, node: NodeState) -> None:
@@ -210,16 +211,32 @@ class Scheduler:
         if node.phase == Phase.DRAINED and node.remove_pending:
             self._transition(node, Trigger.FORGET, "removed after drain")
 
-    def _eject(self, node: NodeState, cause: str, reason: str, until_ns: int = 0) -> None:
+    def _eject(self, node: NodeState, cause: EjectCause, reason: str, until_ns: int = 0) -> None:
         self._transition(node, Trigger.EJECT, reason)
         node.eject_cause, node.ejected_until_ns = cause, until_ns
         node.last_decay_ns = self.state.now_ns
 
     def _uneject(self, node: NodeState, reason: str) -> None:
         self._transition(node, Trigger.UNEJECT, reason)
-        node.eject_cause = ""
+        node.eject_cause = EjectCause.NONE
         node.consecutive_failures = 0
         node.last_decay_ns = self.state.now_ns
+
+    def _held_by(self, node: NodeState) -> str:
+        """The cause holding the node in its phase ("" when none does)."""
+        return node.eject_cause if node.phase == Phase.EJECTED else node.drain_cause
+
+    def _releasing(self, node: NodeState, recovered: HeldBy) -> Trigger | None:
+        return release_trigger(Phase(node.phase), self._held_by(node), recovered)
+
+    def _release(self, node: NodeState, recovered: HeldBy, reason: str) -> bool:
+        """Return the node from its phase if ``recovered`` is what holds it there (RELEASES)."""
+        trigger = self._releasing(node, recovered)
+        if trigger == Trigger.UNDRAIN:
+            self._undrain(node, reason)
+        elif trigger == Trigger.UNEJECT:
+            self._uneject(node, reason)
+        return trigger is not None
 
     # -- admin --------------------------------------------------------------------------------
 
@@ -234,8 +251,7 @@ class Scheduler:
         self._touched.add(node.pool)
         if node.remove_pending:
             node.remove_pending = False
-            if node.phase in (Phase.DRAINING, Phase.DRAINED) and node.drain_cause == "remove":
-                self._undrain(node, "registered again")
+            self._release(node, DrainCause.REMOVE, "registered again")
         self._set_capacity(node, event.capacity)
 
     def _register(self, key: str, event: events.NodeRegistered) -> None:
@@ -268,11 +284,11 @@ class Scheduler:
         self._touched.add(node.pool)
         if capacity == 0:
             if node.phase in ROUTABLE or node.phase == Phase.EJECTED:
-                self._drain(node, "capacity", "capacity set to 0")
+                self._drain(node, DrainCause.CAPACITY, "capacity set to 0")
             return
-        if node.phase in (Phase.DRAINING, Phase.DRAINED) and node.drain_cause == "capacity":
-            self._undrain(node, f"capacity restored to {capacity}")
-        elif node.phase == Phase.ACTIVE and old > 0 and capacity >= old * self.config.capacity_ramp_ratio:
+        if self._release(node, DrainCause.CAPACITY, f"capacity restored to {capacity}"):
+            return
+        if node.phase == Phase.ACTIVE and old > 0 and capacity >= old * self.config.capacity_ramp_ratio:
             self._transition(node, Trigger.RAMP, f"capacity raised {old} -> {capacity}",
                              floor=node.effective / capacity)
 
@@ -282,7 +298,7 @@ class Scheduler:
         self._reweigh(node.pool, ease=False)
 
     def _on_drain(self, key: str, event: events.DrainRequested) -> None:
-        self._drain(self._require(key), "operator", "operator drain")
+        self._drain(self._require(key), DrainCause.OPERATOR, "operator drain")
 
     def _on_undrain(self, key: str, event: events.UndrainRequested) -> None:
         node = self._require(key)
@@ -298,7 +314,7 @@ class Scheduler:
             self._check_drained(node)
             return
         self._transition(node, Trigger.DRAIN, "remove requested")
-        node.drain_cause, node.remove_pending = "remove", True
+        node.drain_cause, node.remove_pending = DrainCause.REMOVE, True
         self._check_drained(node)
 
     def _on_config(self, key: None, event: events.ConfigChanged) -> None:
@@ -323,26 +339,24 @@ class Scheduler:
         worst = max(states, key=HEALTH_ORDER.__getitem__) if states else None
         node.npu_health = worst
         if worst in ("Critical", "UNKNOWN") and node.phase in ROUTABLE:
-            self._eject(node, "npu", f"npu health {worst}")
+            self._eject(node, EjectCause.NPU, f"npu health {worst}")
         elif worst == "Alarm" and node.phase in ROUTABLE:
-            self._drain(node, "npu", "npu health Alarm")
+            self._drain(node, DrainCause.NPU, "npu health Alarm")
         elif worst in (None, "OK", "Warning"):
-            if node.phase == Phase.EJECTED and node.eject_cause == "npu":
-                self._uneject(node, f"npu health back to {worst or 'unreported'}")
-            elif node.phase in (Phase.DRAINING, Phase.DRAINED) and node.drain_cause == "npu":
-                self._undrain(node, f"npu health back to {worst or 'unreported'}")
+            reason = f"npu health back to {worst or 'unreported'}"
+            if not self._release(node, EjectCause.NPU, reason):
+                self._release(node, DrainCause.NPU, reason)
 
     def _on_health(self, key: str, event: events.HealthProbed) -> None:
         node = self._require(key)
         if event.ok:
             node.probe_failures = 0
-            if node.phase == Phase.EJECTED and node.eject_cause == "probe":
-                self._uneject(node, "health probe passed")
+            self._release(node, EjectCause.PROBE, "health probe passed")
             return
         node.probe_failures += 1
         if node.probe_failures >= self.config.health_fail_threshold and node.phase in ROUTABLE:
             detail = f": {event.error}" if event.error else ""
-            self._eject(node, "probe", f"{node.probe_failures} failed health probes{detail}")
+            self._eject(node, EjectCause.PROBE, f"{node.probe_failures} failed health probes{detail}")
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -363,13 +377,13 @@ class Scheduler:
         if node is None:
             return
         node.inflight -= 1
-        if event.ttft_ms is not None and event.outcome == "completed":
+        if event.ttft_ms is not None and event.outcome == RequestOutcome.COMPLETED:
             reweigh.observe_latency(node, event.ttft_ms, self.config)
-        if event.outcome in ("upstream_error", "continued"):  # continued: the engine broke mid-stream
+        if event.outcome == RequestOutcome.UPSTREAM_ERROR:
             node.consecutive_failures += 1
             if node.consecutive_failures >= self.config.consecutive_failures and node.phase in ROUTABLE:
                 self._outlier_eject(node)
-        elif event.outcome == "completed":
+        elif event.outcome == RequestOutcome.COMPLETED:
             node.consecutive_failures = 0
         self._check_drained(node)
 
@@ -386,7 +400,7 @@ class Scheduler:
         duration_ms = min(cfg.base_ejection_ms * node.ejections, max(cfg.max_ejection_ms, cfg.base_ejection_ms))
         failures = node.consecutive_failures
         node.consecutive_failures = 0
-        self._eject(node, "outlier", f"{failures} consecutive upstream errors; ejected for {duration_ms / 1000:g} s",
+        self._eject(node, EjectCause.OUTLIER, f"{failures} consecutive upstream errors; ejected for {duration_ms / 1000:g} s",
                     until_ns=self.state.now_ns + duration_ms * MS)
 
     def _on_heartbeat(self, key: str, event: events.ProxyHeartbeat) -> None:
@@ -428,8 +442,8 @@ class Scheduler:
         if node.phase == Phase.DRAINING and now >= node.drain_deadline_ns:
             self._transition(node, Trigger.DRAINED, f"drain deadline reached with {node.inflight} in flight")
             self._check_drained(node)
-        elif node.phase == Phase.EJECTED and node.eject_cause == "outlier" and now >= node.ejected_until_ns:
-            self._uneject(node, "ejection time elapsed")
+        elif self._releasing(node, EjectCause.OUTLIER) and now >= node.ejected_until_ns:
+            self._release(node, EjectCause.OUTLIER, "ejection time elapsed")
         elif node.phase == Phase.RECOVERING and now - node.slow_start_since_ns >= cfg.slow_start_window_ms * MS:
             self._transition(node, Trigger.WARMED, "slow start window elapsed")
         if node.phase != Phase.EJECTED and node.ejections > 0 and now - node.last_decay_ns >= cfg.backoff_decay_ms * MS:

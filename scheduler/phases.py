@@ -13,11 +13,19 @@
 * ejected: outlier, failed probes or NPU health; no traffic unless the pool is in panic.
 A trigger that has no entry for the node's phase is illegal and raises PhaseError, which the
 core turns into a recorded rejection.
+
+A node held in draining, drained or ejected remembers why (``DrainCause``, ``EjectCause``);
+``RELEASES`` says which report may return it by itself: only the recovery of the cause that put
+it there (capacity above 0 again, a re-registration, NPU health back, a passing probe, the
+ejection time elapsed). The one other way back is the operator's ``lb.admin.undrain``, which
+returns a draining or drained node whatever its drain cause (the core refuses it at capacity 0).
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+
+from laswrr.schemas.words import DrainCause, EjectCause
 
 
 class Phase(StrEnum):
@@ -57,6 +65,23 @@ TRANSITIONS: dict[tuple[Phase, Trigger], Phase] = {
 
 ROUTABLE = frozenset({Phase.ACTIVE, Phase.RECOVERING})
 
+HeldBy = DrainCause | EjectCause
+HELD_BY_KIND: dict[Phase, type[HeldBy]] = {
+    Phase.DRAINING: DrainCause, Phase.DRAINED: DrainCause, Phase.EJECTED: EjectCause}
+
+# (phase, the cause that holds the node there) -> the trigger the same cause's recovery fires.
+RELEASES: dict[tuple[Phase, HeldBy], Trigger] = {
+    (Phase.DRAINING, DrainCause.CAPACITY): Trigger.UNDRAIN,  # capacity set above 0 again
+    (Phase.DRAINED, DrainCause.CAPACITY): Trigger.UNDRAIN,
+    (Phase.DRAINING, DrainCause.REMOVE): Trigger.UNDRAIN,  # registered again before it was forgotten
+    (Phase.DRAINED, DrainCause.REMOVE): Trigger.UNDRAIN,
+    (Phase.DRAINING, DrainCause.NPU): Trigger.UNDRAIN,  # npu health back to OK, Warning or unreported
+    (Phase.DRAINED, DrainCause.NPU): Trigger.UNDRAIN,
+    (Phase.EJECTED, EjectCause.NPU): Trigger.UNEJECT,  # npu health back to OK, Warning or unreported
+    (Phase.EJECTED, EjectCause.PROBE): Trigger.UNEJECT,  # a health probe passed
+    (Phase.EJECTED, EjectCause.OUTLIER): Trigger.UNEJECT,  # the ejection time elapsed
+}
+
 
 class PhaseError(ValueError):
     """A trigger that is not legal in the node's current phase."""
@@ -70,3 +95,14 @@ def next_phase(current: Phase, trigger: Trigger) -> Phase:
         raise PhaseError(
             f"cannot {trigger.value} a node that is {current.value} (legal here: {', '.join(legal) or 'none'})"
         ) from None
+
+
+def release_trigger(phase: Phase, held_by: str, recovered: HeldBy) -> Trigger | None:
+    """The trigger that returns a node held in ``phase`` by the cause ``held_by`` once the
+    source ``recovered`` reports well again; None when that report may not release it.
+
+    A drain phase is held by a ``DrainCause``, ``ejected`` by an ``EjectCause``: the NPU's
+    recovery (the same word, "npu", in both) releases only the hold of its own kind."""
+    if not isinstance(recovered, HELD_BY_KIND.get(phase, ())) or recovered != held_by:
+        return None
+    return RELEASES.get((phase, recovered))

@@ -8,6 +8,7 @@ import msgspec
 from laswrr.scheduler.config import SchedulerConfig
 from laswrr.scheduler.phases import Phase
 from laswrr.schemas.outputs import LoadView
+from laswrr.schemas.words import DrainCause, EjectCause
 
 
 class NodeState(msgspec.Struct, kw_only=True):
@@ -21,10 +22,10 @@ class NodeState(msgspec.Struct, kw_only=True):
     phase: str = Phase.ACTIVE.value
     phase_reason: str = "registered"
     phase_since_ns: int = 0
-    drain_cause: str = ""  # capacity | operator | remove | npu
+    drain_cause: DrainCause = DrainCause.NONE
     drain_deadline_ns: int = 0
     remove_pending: bool = False
-    eject_cause: str = ""  # outlier | probe | npu
+    eject_cause: EjectCause = EjectCause.NONE
     ejected_until_ns: int = 0
     ejections: int = 0  # consecutive-ejection multiplier (Envoy's ejectTimeBackoff)
     last_decay_ns: int = 0

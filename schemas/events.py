@@ -15,6 +15,8 @@ from typing import Annotated, ClassVar, Literal, get_args
 import msgspec
 from msgspec import Meta
 
+from laswrr.schemas.words import RequestOutcome
+
 # Integers are bounded by 2^53: exact in every JSON reader, and storable in the core's msgpack
 # checkpoint (an unbounded int would be accepted here and break the checkpoint later).
 MAX_INT = 2**53
@@ -138,16 +140,13 @@ class RequestStarted(Event, frozen=True, kw_only=True):
     ts_ns: int | None = None
 
 
-OUTCOMES = ("completed", "client_cancelled", "upstream_error", "router_aborted", "rejected", "continued")
-
-
 class RequestFinished(Event, frozen=True, kw_only=True):
     """``lb.req.finished.<node>``: the request admitted to this node ended."""
 
     KIND: ClassVar[str] = "req.finished"
     request_id: Annotated[str, Meta(min_length=1, max_length=256)]
     proxy: Name
-    outcome: str
+    outcome: RequestOutcome  # an unknown outcome is rejected by the decoder
     pool: Name = "default"
     ttft_ms: NonNegFloat | None = None
     duration_ms: NonNegFloat | None = None
@@ -156,7 +155,6 @@ class RequestFinished(Event, frozen=True, kw_only=True):
     status: int | None = None
     error: str | None = None
     ts_ns: int | None = None
-    next_attempt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None  # continued or retried as
 
 
 class ProxyHeartbeat(Event, frozen=True, kw_only=True):

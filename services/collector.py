@@ -30,7 +30,6 @@ from collections.abc import Coroutine
 from typing import Any
 
 import nats.errors
-from aiohttp import web
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -42,6 +41,7 @@ from laswrr.collectors.registrations import RegisteredNodes
 from laswrr.schemas import subjects as sj
 from laswrr.services import settings as common
 from laswrr.services.natsbus import connect, ensure_streams_exist, redact_url
+from laswrr.services.service_metrics import serve_metrics
 
 log = logging.getLogger("laswrr.collector")
 
@@ -83,19 +83,6 @@ async def _until_stopped(start: Coroutine[Any, Any, Client], stop: asyncio.Event
     return None
 
 
-async def _metrics_site(stats: Stats, port: int) -> web.AppRunner:
-    async def handler(_: web.Request) -> web.Response:
-        return web.Response(body=stats.render(), content_type="text/plain", charset="utf-8")
-
-    app = web.Application()
-    app.router.add_get("/metrics", handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "0.0.0.0", port).start()
-    log.info("collector metrics on http://0.0.0.0:%d/metrics", port)
-    return runner
-
-
 async def follow_registrations(js: JetStreamContext, collector: Collector, file_nodes: list[CollectorNode]) -> Any:
     """Subscribe to the admin subjects; every change of the node set goes to ``collector.update``."""
     node_set = RegisteredNodes(file_nodes)
@@ -128,7 +115,7 @@ async def serve(nats_url: str, nodes: list[CollectorNode], settings: Settings,
         await ensure_streams_exist(collector.js)
         await follow_registrations(collector.js, collector, nodes)
         if settings.metrics_port is not None:
-            runner = await _metrics_site(collector.stats, settings.metrics_port)
+            runner = await serve_metrics(settings.metrics_port, collector.stats.render, service="collector")
         log.info("collecting %d node(s) every %.0f ms, %d npu-smi command(s), publishing to %s",
                  len(nodes), settings.interval_s * 1000, len(npu_hosts(nodes)), redact_url(nats_url))
         await collector.run(stop)

@@ -41,19 +41,22 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import duckdb
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from laswrr.replay import store
 from laswrr.schemas import subjects as sj
 from laswrr.services import settings
 from laswrr.services.jsreader import PullReader, ack_all_consumer, get_envelope, parse_ack_subject
 from laswrr.services.natsbus import connect, ensure_streams_exist, redact_url
+from laswrr.services.service_metrics import BATCH_BUCKETS, Buckets, Metric, lag, render, serve_metrics
 
 log = logging.getLogger("laswrr.recorder")
 
@@ -75,6 +78,7 @@ class StreamStats:
     batches: int = 0
     repaired: int = 0
     gaps: int = 0
+    batch_seconds: Buckets = field(default_factory=lambda: Buckets(BATCH_BUCKETS))  # one commit
 
 
 class Recorder:
@@ -175,6 +179,7 @@ class Recorder:
         ack, or None when a missing seq could not be fetched (then nothing may be acked past it:
         the rows are kept, and the next batch tries the hole again)."""
         assert self.con is not None
+        started = time.perf_counter()
         rows = store.Columns(stream)
         highest, top = msgs[0], 0
         for msg in msgs:
@@ -194,6 +199,7 @@ class Recorder:
         stats = self.stats[stream]
         stats.recorded += len(msgs)
         stats.batches += 1
+        stats.batch_seconds.observe(time.perf_counter() - started)
         if not complete:
             return None
         self.recorded_through[stream] = max(self.recorded_through[stream], top)
@@ -345,6 +351,43 @@ def copy_database(con: duckdb.DuckDBPyConnection, target: Path) -> None:
         con.execute("DETACH laswrr_copy")
 
 
+# -- /metrics (services/service_metrics.py) ------------------------------------------------------
+
+
+async def render_metrics(recorder: Recorder) -> bytes:
+    """The counters as they are now, then the lag behind the seqs recorded at that moment (the
+    look-ups yield to the batch loops, which may move on meanwhile)."""
+    recorded = dict(recorder.recorded_through)
+    families = list(_families(recorder, recorded))
+    lag_n = GaugeMetricFamily("laswrr_recorder_lag_messages", "Messages not yet recorded", labels=["stream"])
+    lag_s = GaugeMetricFamily("laswrr_recorder_lag_seconds", "Age of the oldest message not yet recorded",
+                              labels=["stream"])
+    for stream, seq in recorded.items():
+        behind, behind_s = await lag(recorder.js, stream, seq)
+        lag_n.add_metric([stream], behind)
+        lag_s.add_metric([stream], behind_s)
+    return render(lambda: iter([*families, lag_n, lag_s]))
+
+
+def _families(recorder: Recorder, recorded: dict[str, int]) -> Iterator[Metric]:
+    prefix, labels = "laswrr_recorder", ["stream"]
+    families = {
+        "rows_written": CounterMetricFamily(f"{prefix}_rows_written", "Rows committed to DuckDB", labels=labels),
+        "batches": CounterMetricFamily(f"{prefix}_batches", "Batches committed", labels=labels),
+        "repaired": CounterMetricFamily(f"{prefix}_repaired", "Missing seqs fetched from the stream", labels=labels),
+        "gaps": CounterMetricFamily(f"{prefix}_gaps", "Seqs the stream no longer had", labels=labels),
+        "seq": GaugeMetricFamily(f"{prefix}_recorded_seq", "Highest seq recorded without a hole", labels=labels),
+    }
+    batch = HistogramMetricFamily(f"{prefix}_batch_seconds", "One commit (insert, fill holes)", labels=labels)
+    for stream, stats in recorder.stats.items():
+        for key, value in (("rows_written", stats.recorded), ("batches", stats.batches), ("repaired", stats.repaired),
+                           ("gaps", stats.gaps), ("seq", recorded[stream])):
+            families[key].add_metric([stream], value)
+        batch.add_metric([stream], stats.batch_seconds.exposition(), stats.batch_seconds.total)
+    yield from families.values()
+    yield batch
+
+
 # -- command line ---------------------------------------------------------------------------------
 
 
@@ -360,6 +403,7 @@ def register(subparsers: Any) -> None:
                         help="longest wait for a batch to fill before committing (default %(default)s)")
     parser.add_argument("--durable", default=RecorderOptions.durable, metavar="NAME",
                         help="consumer name prefix (default %(default)s: NAME-events, NAME-out)")
+    settings.add_metrics_port(parser)
     settings.add_logging(parser)
     parser.set_defaults(func=run_command)
 
@@ -371,10 +415,10 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     options = RecorderOptions(data_dir=Path(args.data_dir), batch=args.batch, flush_ms=args.flush_ms,
                               durable=args.durable)
-    return asyncio.run(serve(args.nats_url, options))
+    return asyncio.run(serve(args.nats_url, options, args.metrics_port))
 
 
-async def serve(nats_url: str, options: RecorderOptions) -> int:
+async def serve(nats_url: str, options: RecorderOptions, metrics_port: int | None = None) -> int:
     stop = settings.stop_event()
     try:
         nc = await connect(nats_url, "laswrr-recorder")
@@ -382,12 +426,18 @@ async def serve(nats_url: str, options: RecorderOptions) -> int:
         log.error("cannot connect to %s: %s", redact_url(nats_url), exc)
         return 1
     started = time.monotonic()
+    recorder = Recorder(nc, options)
+    runner = None
     try:
-        await Recorder(nc, options).run(stop)
+        if metrics_port is not None:
+            runner = await serve_metrics(metrics_port, lambda: render_metrics(recorder), service="recorder")
+        await recorder.run(stop)
     except store.StoreError as exc:
         log.error("%s", exc)
         return 1
     finally:
+        if runner is not None:
+            await runner.cleanup()
         with contextlib.suppress(Exception):
             await nc.drain()
     log.debug("ran %.1f s", time.monotonic() - started)

@@ -46,6 +46,8 @@ import os
 import socket
 import sys
 import time
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,15 +58,19 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
+from prometheus_client.core import CounterMetricFamily
 
 from laswrr.scheduler import config as config_mod
 from laswrr.scheduler.core import Scheduler, apply_guarded
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope, Output, encode
+from laswrr.schemas.outputs import Rejected
 from laswrr.services import settings
 from laswrr.services.jsreader import ConsumerGone, InOrder, PullReader, ack_all_consumer
 from laswrr.services.natsbus import MSG_ID, connect, ensure_checkpoint_bucket, ensure_streams, redact_url
 from laswrr.services.output_writer import OutputWriter, highest_published_seq
+from laswrr.services.service_metrics import (BATCH_BUCKETS, Buckets, Metric, counter, gauge, histogram, lag,
+                                             reason_class, render, serve_metrics)
 
 # Re-exported: tests and tools import these from here.
 from laswrr.services.jsreader import envelope_of as envelope_of, parse_ack_subject as parse_ack_subject
@@ -73,6 +79,7 @@ from laswrr.services.output_writer import as_of_seq_of as as_of_seq_of
 log = logging.getLogger("laswrr.scheduler")
 
 CHECKPOINT_KEY = "scheduler"
+_REJECTED = msgspec.json.Decoder(Rejected)
 
 
 # -- small pure helpers ---------------------------------------------------------------------------
@@ -112,6 +119,9 @@ class Stats:
     published: int = 0
     rejected_internal: int = 0
     batches: int = 0
+    rejections: Counter[str] = field(default_factory=Counter)  # by reason_class
+    batch_seconds: Buckets = field(default_factory=lambda: Buckets(BATCH_BUCKETS))
+    checkpointed_at: float = field(default_factory=time.time)  # wall time of the last checkpoint (or start)
 
 
 class SchedulerService:
@@ -139,6 +149,10 @@ class SchedulerService:
     @property
     def applied_seq(self) -> int:
         return self.scheduler.state.last_seq
+
+    @property
+    def checkpointed_seq(self) -> int:
+        return self._checkpointed_seq
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -242,12 +256,14 @@ class SchedulerService:
         return bool(msgs)
 
     async def _handle_batch(self, msgs: list[Msg]) -> None:
+        started = time.perf_counter()
         envelopes = await self._in_order(msgs)
         outputs = self._apply_all(envelopes)
         self.stats.published += await self._writer.publish(outputs, self._stopping)
         await self._writer.flush_weights()
         await self.nc.publish(msgs[-1].reply, b"+ACK")  # AckPolicy.ALL: acks the whole batch
         self.stats.batches += 1
+        self.stats.batch_seconds.observe(time.perf_counter() - started)
         every = self.options.checkpoint_every
         if every > 0 and self.applied_seq - self._checkpointed_seq >= every:
             await self._write_checkpoint()
@@ -261,6 +277,9 @@ class SchedulerService:
         for envelope in envelopes:
             outputs = self._apply(envelope)
             self.stats.applied += 1
+            for output in outputs:
+                if output.subject == sj.OUT_REJECTED:
+                    self.stats.rejections[reason_class(_REJECTED.decode(output.data).reason)] += 1
             self._writer.note(outputs)
             if envelope.seq > self.publish_floor:
                 to_publish.extend(outputs)
@@ -287,6 +306,7 @@ class SchedulerService:
             log.warning("checkpoint at seq %d not written: %s", self.applied_seq, exc)
             return
         self._checkpointed_seq = self.applied_seq
+        self.stats.checkpointed_at = time.time()
 
     async def _publish_config(self) -> None:
         if self._wanted_config is None:
@@ -331,6 +351,35 @@ class SchedulerService:
             self._tick_failing = False
 
 
+# -- /metrics (services/service_metrics.py) ------------------------------------------------------
+
+
+async def render_metrics(service: SchedulerService) -> bytes:
+    """The counters as they are now, then the lag behind the seq applied at that moment (the
+    look-ups yield to the batch loop, which may move on meanwhile)."""
+    applied_seq, families = service.applied_seq, list(_families(service))
+    behind, behind_s = await lag(service.js, sj.EVENTS_STREAM, applied_seq)
+    families += [gauge("laswrr_scheduler_lag_messages", "Events in LB_EVENTS not yet applied", behind),
+                 gauge("laswrr_scheduler_lag_seconds", "Age of the oldest event not yet applied", behind_s)]
+    return render(lambda: iter(families))
+
+
+def _families(service: SchedulerService) -> Iterator[Metric]:
+    stats, prefix = service.stats, "laswrr_scheduler"
+    yield counter(f"{prefix}_events_applied", "Events of LB_EVENTS applied to the core", stats.applied)
+    yield counter(f"{prefix}_outputs_published", "Outputs acknowledged by LB_OUT", stats.published)
+    rejections = CounterMetricFamily(f"{prefix}_rejections", "Inputs rejected, by class of reason", labels=["reason"])
+    for reason, n in sorted(stats.rejections.items()):
+        rejections.add_metric([reason], n)
+    yield rejections
+    yield gauge(f"{prefix}_applied_seq", "Stream seq of the last applied event", service.applied_seq)
+    yield gauge(f"{prefix}_checkpoint_age_seconds", "Time since the last checkpoint (or start)",
+                max(0.0, time.time() - stats.checkpointed_at))
+    yield gauge(f"{prefix}_checkpoint_lag_events", "Events applied since the last checkpoint",
+                service.applied_seq - service.checkpointed_seq)
+    yield histogram(f"{prefix}_batch_seconds", "One batch: apply, publish, KV, ack", stats.batch_seconds)
+
+
 # -- NATS helpers ---------------------------------------------------------------------------------
 
 
@@ -354,6 +403,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=SchedulerOptions.checkpoint_every,
                         help=f"events between checkpoints in KV {sj.CHECKPOINT_BUCKET} (0 = none; default %(default)s)")
     parser.add_argument("--no-checkpoint", action="store_true", help="rebuild from the first retained event")
+    settings.add_metrics_port(parser)
     settings.add_logging(parser)
     parser.set_defaults(func=run_command)
 
@@ -372,14 +422,14 @@ def run_command(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"laswrr scheduler: bad --config {args.config}: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(args.nats_url, options))
+    return asyncio.run(serve(args.nats_url, options, args.metrics_port))
 
 
 async def _log_nats_error(exc: Exception) -> None:
     log.warning("NATS: %s", exc or type(exc).__name__)
 
 
-async def serve(nats_url: str, options: SchedulerOptions) -> int:
+async def serve(nats_url: str, options: SchedulerOptions, metrics_port: int | None = None) -> int:
     stop = settings.stop_event()
     try:
         nc = await connect(nats_url, f"laswrr-scheduler-{options.replica_id}", error_cb=_log_nats_error)
@@ -387,9 +437,14 @@ async def serve(nats_url: str, options: SchedulerOptions) -> int:
         log.error("cannot connect to %s: %s", redact_url(nats_url), exc)
         return 1
     service = SchedulerService(nc, options)
+    runner = None
     try:
+        if metrics_port is not None:
+            runner = await serve_metrics(metrics_port, lambda: render_metrics(service), service="scheduler")
         await service.run(stop)
     finally:
+        if runner is not None:
+            await runner.cleanup()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.drain(), 10)
     return 0

@@ -6,9 +6,12 @@ Rules:
   environment variable, else ``nats://127.0.0.1:4222``) through ``add_nats_options``; the
   connection itself is ``natsbus.connect``, the only door to the bus.
 * **Logging.** Every command takes ``--log-level LEVEL`` (any case: ``debug``, ``INFO``,
-  ``Warning``, ...; ``-v`` is a deprecated alias for ``debug``) through ``add_logging`` and
-  calls ``configure_logging(args, service)`` once, first thing: records go to stderr as
-  ``<time> <service> <LEVEL> <logger>: <message>``.
+  ``Warning``, ...; ``-v`` is a deprecated alias for ``debug``) and ``--log-format text|json``
+  through ``add_logging`` and calls ``configure_logging(args, service)`` once, first thing:
+  records go to stderr as ``<time> <service> <LEVEL> <logger>: <message>`` (text), or as one
+  JSON object per line (json: ``time`` (ISO 8601, UTC), ``level``, ``logger``, ``message``,
+  ``service``, then the record's own fields: whatever was passed as ``extra=``, and
+  ``exc_info`` with a traceback), written by python-json-logger.
 * **Stopping.** ``stop_event()`` turns SIGINT and SIGTERM into an ``asyncio.Event`` the service
   awaits, so it can finish its batch, drain its NATS connection and exit 0.
 
@@ -30,6 +33,7 @@ DEFAULT_DATA_DIR = ".laswrr"
 DEFAULT_TICK_MS = 100
 DEFAULT_PROXY_PORT = 8000
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS = ("text", "json")
 
 
 def default_nats_url() -> str:
@@ -50,6 +54,22 @@ def add_nats_options(parser: argparse.ArgumentParser, embedded: bool = False) ->
                             help=f"NATS server (default: $NATS_URL or {DEFAULT_NATS_URL})")
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0..65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return port
+
+
+def add_metrics_port(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metrics-port", type=port_number, default=None, metavar="PORT",
+                        help="serve Prometheus /metrics on this port (default: none)")
+
+
 # -- logging ------------------------------------------------------------------------------------
 
 
@@ -68,12 +88,23 @@ def add_logging(parser: argparse.ArgumentParser, default: str = "INFO") -> None:
                         help=f"debug, info, warning, error or critical, any case (default {default.lower()})")
     parser.add_argument("-v", dest="log_level", action="store_const", const="DEBUG",
                         help="deprecated: same as --log-level debug")
+    parser.add_argument("--log-format", type=str.lower, choices=LOG_FORMATS, default="text",
+                        help="text lines, or one JSON object per line (default text)")
 
 
 def configure_logging(args: argparse.Namespace | None, service: str) -> None:
-    """The one logging set-up of every command (stderr, level from ``--log-level``)."""
+    """The one logging set-up of every command (stderr; ``--log-level``, ``--log-format``)."""
     level = getattr(args, "log_level", None) or "INFO"
-    logging.basicConfig(level=level, format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()  # stderr
+    if getattr(args, "log_format", "text") == "json":
+        from pythonjsonlogger.json import JsonFormatter  # only json needs it
+
+        handler.setFormatter(JsonFormatter("{levelname}{name}{message}", style="{", timestamp="time",
+                                           rename_fields={"levelname": "level", "name": "logger"},
+                                           static_fields={"service": service}))
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
     if level != "DEBUG":
         logging.getLogger("nats").setLevel(logging.WARNING)
 

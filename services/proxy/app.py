@@ -105,6 +105,7 @@ async def forward_by_model(request: web.Request) -> web.StreamResponse:
     arrived = time.perf_counter()
     if state.stopping:
         state.metrics.rejected.labels(reason="stopping").inc()
+        state.metrics.count_response(503)
         return error_response(503, "proxy is shutting down", "service_unavailable", "shutting_down",
                               headers={"Retry-After": "1", "Connection": "close"})
     state.active += 1
@@ -113,7 +114,9 @@ async def forward_by_model(request: web.Request) -> web.StreamResponse:
     if task is not None:
         state.handlers.add(task)
     try:
-        return await _forward(request, state, arrived)
+        response = await _forward(request, state, arrived)
+        state.metrics.count_response(response.status)
+        return response
     finally:
         state.handlers.discard(task)  # type: ignore[arg-type]
         state.active -= 1
@@ -272,8 +275,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
                                     sock_read=config.upstream_timeout_s)
     state.forwarder = Forwarder(session, state.router, state.events, state.metrics, config.max_retries,
-                                timeout, aborting=lambda: state.aborting, continue_limit=config.continue_limit,
-                                stall_timeout_s=config.stall_timeout_s)
+                                timeout, aborting=lambda: state.aborting)
     state.catalog = ModelCatalog(session, state.router, ttl_s=config.models_ttl_s)
     publisher = asyncio.create_task(state.events.run(), name="proxy-events")
     heartbeat = asyncio.create_task(_heartbeats(state), name="proxy-heartbeat")

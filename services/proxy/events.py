@@ -21,7 +21,7 @@ Event semantics (what analysts count):
   so the scheduler's in-flight bookkeeping (keyed by request id) moves from node to node with
   the retries. A client request is the set of attempts sharing the id before the first '.'.
 * ``snapshot_seq`` on started is the ``as_of_seq`` of the snapshot the pick used.
-* ``finished.outcome``: ``completed`` (the engine answered with a status below 500 and the whole
+* ``finished.outcome`` (``schemas.words.RequestOutcome``): ``completed`` (the engine answered with a status below 500 and the whole
   answer reached the client), ``client_cancelled`` (the client went away; the upstream request
   was cancelled), ``upstream_error`` (connection failure, timeout, a 5xx, or a stream cut after
   its first byte), ``router_aborted`` (still running when the shutdown grace period ended).
@@ -50,6 +50,7 @@ from nats.js import JetStreamContext
 from laswrr.schemas import events as ev
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import encode
+from laswrr.schemas.words import RequestOutcome
 from laswrr.services.natsbus import publish_acked
 
 log = logging.getLogger("laswrr.proxy.events")
@@ -64,14 +65,13 @@ Pending = tuple[str, bytes, str]  # (subject, data, msg_id): what ``publish_acke
 class Attempt:
     """What a finished event reports about one attempt."""
 
-    outcome: str
+    outcome: RequestOutcome
     status: int | None = None
     ttft_ms: float | None = None
     duration_ms: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     error: str | None = None
-    next_attempt: str | None = None  # the attempt that continued or retried this one
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -111,7 +111,7 @@ class EventPublisher:
             request_id=request_id, proxy=self.proxy_id, outcome=attempt.outcome, pool=pool,
             ttft_ms=attempt.ttft_ms, duration_ms=attempt.duration_ms, prompt_tokens=attempt.prompt_tokens,
             completion_tokens=attempt.completion_tokens, status=attempt.status, error=attempt.error,
-            ts_ns=time.time_ns(), next_attempt=attempt.next_attempt)
+            ts_ns=time.time_ns())
         self._put(self._subjects_of(node)[1], encode(event), f"{self.proxy_id}:{request_id}:finished")
 
     def _subjects_of(self, node: str) -> tuple[str, str]:

@@ -7,52 +7,34 @@ Latency histograms: ``ttft`` (arrival at the proxy -> first byte sent to the cli
 ``duration`` (arrival -> last byte), ``overhead`` (time the proxy itself adds: arrival -> upstream
 request sent, plus upstream first byte received -> first byte written to the client).
 
-The per-request series (requests, in-flight, the three histograms) are plain ints and lists
-updated in the request path (no label lookup, no lock: the proxy is one event loop) and turned
-into metric families by ``_RequestCollector`` only when /metrics is scraped.
+The per-request series (requests, responses by status code, the three histograms)
+are plain ints and lists updated in the request path (no label lookup, no lock: the proxy is one
+event loop) and turned into metric families by ``_RequestCollector`` only when /metrics is
+scraped. So are the routing decisions of the snapshots in force, per ``{pool, node}``:
+``laswrr_node_effective_weight``, ``laswrr_node_target_weight``, ``laswrr_node_routable`` (0/1),
+``laswrr_node_phase{phase}`` (1 for the current phase, 0 for the others) and
+``laswrr_node_inflight`` (this proxy's own live count, the router's), and the event publisher's counters
+(``laswrr_proxy_events_published_total``, ``laswrr_proxy_events_dropped_total``).
 """
 
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from laswrr.scheduler.phases import Phase
 from laswrr.services.proxy.events import EventPublisher
+from laswrr.services.service_metrics import Buckets
 from laswrr.services.proxy.routing import Router
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-
-
-class Buckets:
-    """One histogram series: counts per bucket (not cumulative), sum and count."""
-
-    __slots__ = ("bounds", "counts", "total", "count")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
-        self.total = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1  # le: the first bound >= value
-        self.total += value
-        self.count += 1
-
-    def exposition(self) -> list[tuple[str, float]]:
-        cumulative, out = 0, []
-        for bound, n in zip([*map(str, self.bounds), "+Inf"], self.counts):
-            cumulative += n
-            out.append((bound, float(cumulative)))
-        return out
 
 
 class _RequestCollector(Collector):
@@ -65,12 +47,7 @@ class _RequestCollector(Collector):
                                        labels=["pool", "node", "outcome"])
         for key, n in sorted(m.requests.items()):
             requests.add_metric(list(key), n)
-        inflight = GaugeMetricFamily("laswrr_proxy_inflight", "This proxy's live in-flight requests per node",
-                                     labels=["node"])
-        for node, n in sorted(m.inflight.items()):
-            inflight.add_metric([node], n)
         yield requests
-        yield inflight
         for name, doc, series in (("laswrr_proxy_ttft_seconds", "Arrival to first byte sent to the client", m.ttft),
                                   ("laswrr_proxy_duration_seconds", "Arrival to last byte sent to the client",
                                    m.duration)):
@@ -81,44 +58,75 @@ class _RequestCollector(Collector):
         overhead = HistogramMetricFamily("laswrr_proxy_overhead_seconds", "Time added by the proxy itself")
         overhead.add_metric([], m.overhead.exposition(), m.overhead.total)
         yield overhead
+        responses = CounterMetricFamily("laswrr_proxy_responses", "Responses sent to clients by HTTP status code",
+                                        labels=["code"])
+        for code, n in sorted(m.responses.items()):
+            responses.add_metric([str(code)], n)
+        yield responses
+        if m.publisher is not None:
+            yield CounterMetricFamily("laswrr_proxy_events_published", "Events acknowledged by JetStream",
+                                      value=m.publisher.published)
+            yield CounterMetricFamily("laswrr_proxy_events_dropped", "Events dropped because the buffer was full",
+                                      value=m.publisher.dropped)
+        if m.router is not None:
+            yield from _routing_families(m.router)
+
+
+PHASES = tuple(phase.value for phase in Phase)
+
+
+def _routing_families(router: Router) -> Iterator[Metric]:
+    """The routing decisions of the snapshots this proxy holds (module doc)."""
+    labels = ["pool", "node"]
+    effective = GaugeMetricFamily("laswrr_node_effective_weight", "Effective weight in the snapshot in force", labels=labels)
+    target = GaugeMetricFamily("laswrr_node_target_weight", "Target weight in the snapshot in force", labels=labels)
+    routable = GaugeMetricFamily("laswrr_node_routable", "1 if the snapshot in force lets the node take requests",
+                                 labels=labels)
+    phase = GaugeMetricFamily("laswrr_node_phase", "1 for the node's phase in the snapshot in force",
+                              labels=[*labels, "phase"])
+    inflight = GaugeMetricFamily("laswrr_node_inflight", "This proxy's live in-flight requests on the node",
+                                 labels=labels)
+    for pool, route in sorted(router.pools.items()):
+        for view in route.snapshot.nodes:
+            key = [pool, view.node]
+            effective.add_metric(key, view.effective_weight)
+            target.add_metric(key, view.target_weight)
+            routable.add_metric(key, 1.0 if view.routable else 0.0)
+            inflight.add_metric(key, router.inflight.get(view.node, 0))
+            for name in PHASES:
+                phase.add_metric([*key, name], 1.0 if view.phase == name else 0.0)
+    yield from (effective, target, routable, phase, inflight)
 
 
 class ProxyMetrics:
     def __init__(self, proxy_id: str) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
         self.requests: dict[tuple[str, str, str], int] = {}
-        self.inflight: dict[str, int] = {}
         self.ttft: dict[str, Buckets] = {}
         self.duration: dict[str, Buckets] = {}
         self.overhead = Buckets(OVERHEAD_BUCKETS)
+        self.responses: dict[int, int] = {}
+        self.router: Router | None = None  # set by refresh, read when /metrics is rendered
+        self.publisher: EventPublisher | None = None
         registry.register(_RequestCollector(self))
         self.rejected = Counter("laswrr_proxy_rejected", "Requests answered by the proxy itself, by reason",
                                 ["reason"], registry=registry)
         self.retries = Counter("laswrr_proxy_retries", "Retries on another node before the first byte",
                                ["pool"], registry=registry)
-        self.continuations = Counter("laswrr_proxy_continuations", "Broken streams continued on another node",
-                                     ["pool"], registry=registry)
         self.snapshot_age = Gauge("laswrr_proxy_snapshot_age_seconds",
                                   "Age of the snapshot in force (now - its event time)", ["pool"], registry=registry)
         self.snapshot_seq = Gauge("laswrr_proxy_snapshot_seq", "as_of_seq of the snapshot in force",
                                   ["pool"], registry=registry)
         self.nats_connected = Gauge("laswrr_proxy_nats_connected", "1 if connected to NATS", registry=registry)
-        self.events_dropped = Gauge("laswrr_proxy_events_dropped_total",
-                                    "Events dropped because the buffer was full", registry=registry)
         self.events_buffered = Gauge("laswrr_proxy_events_buffered", "Events waiting to be published",
                                      registry=registry)
-        self.events_published = Gauge("laswrr_proxy_events_published_total", "Events acknowledged by JetStream",
-                                      registry=registry)
         info = Gauge("laswrr_proxy_info", "This replica", ["proxy"], registry=registry)
         info.labels(proxy=proxy_id).set(1)
 
     # The request path: plain dict and list updates.
 
-    def started(self, node: str) -> None:
-        self.inflight[node] = self.inflight.get(node, 0) + 1
-
-    def ended(self, node: str) -> None:
-        self.inflight[node] -= 1
+    def count_response(self, status: int) -> None:
+        self.responses[status] = self.responses.get(status, 0) + 1
 
     def count_request(self, pool: str, node: str, outcome: str) -> None:
         key = (pool, node, outcome)
@@ -143,9 +151,8 @@ class ProxyMetrics:
             self.snapshot_age.labels(pool=pool).set(max(0.0, (now_ns - route.snapshot.ts_ns) / 1e9))
             self.snapshot_seq.labels(pool=pool).set(route.snapshot.as_of_seq)
         self.nats_connected.set(1 if nats_connected else 0)
-        self.events_dropped.set(publisher.dropped)
         self.events_buffered.set(publisher.buffered)
-        self.events_published.set(publisher.published)
+        self.router, self.publisher = router, publisher
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,9 +14,10 @@ import msgspec
 from sched_feed import Feed, phase_changes, rejections, warm_pool
 
 from laswrr.scheduler.config import SchedulerConfig, with_changes
-from laswrr.scheduler.phases import TRANSITIONS, Phase, PhaseError, Trigger, next_phase
+from laswrr.scheduler.phases import RELEASES, TRANSITIONS, Phase, PhaseError, Trigger, next_phase, release_trigger
 from laswrr.scheduler.state import CoreState
 from laswrr.schemas import subjects as sj
+from laswrr.schemas.words import DrainCause, EjectCause
 
 # With no engine samples every load signal is "unknown"; for arithmetic on slow start we want
 # the unloaded target to be exactly the capacity, so unknown counts as 0 in those tests.
@@ -107,6 +108,29 @@ def test_table_rejects_every_pair_it_does_not_list() -> None:
                     assert f"cannot {trigger.value} a node that is {phase.value}" in str(exc)
                 else:
                     raise AssertionError((phase, trigger))
+
+
+def test_every_release_is_a_legal_move_and_only_its_own_kind_of_recovery_fires_it() -> None:
+    for (phase, cause), trigger in RELEASES.items():
+        assert (phase, trigger) in TRANSITIONS
+        assert release_trigger(phase, cause, cause) == trigger
+        others = [c for c in (*DrainCause, *EjectCause) if c is not cause]
+        assert [c for c in others if release_trigger(phase, cause, c) is not None] == []
+    # "npu" holds a node in both kinds; each kind's recovery releases only its own hold
+    assert release_trigger(Phase.EJECTED, EjectCause.NPU, DrainCause.NPU) is None
+    assert release_trigger(Phase.DRAINED, DrainCause.NPU, EjectCause.NPU) is None
+    assert release_trigger(Phase.DRAINING, DrainCause.OPERATOR, DrainCause.OPERATOR) is None  # operator only
+    assert release_trigger(Phase.ACTIVE, DrainCause.NONE, DrainCause.NONE) is None
+
+
+def test_an_unknown_outcome_is_rejected_and_the_request_stays_in_flight() -> None:
+    feed = warm_pool("n1", "n2")
+    rid = feed.start("n1")
+    before = _state_but_position(feed)
+    outputs = feed.finish("n1", rid, "teleported")
+    assert [o.subject for o in outputs] == [sj.OUT_REJECTED]
+    assert rejections(outputs) == ["invalid req.finished payload: Invalid enum value 'teleported' - at `$.outcome`"]
+    assert _state_but_position(feed) == before and feed.node("n1").inflight == 1
 
 
 def _illegal(setup: Callable[[Feed], object], act: Callable[[Feed], list], expect: str) -> None:  # type: ignore[type-arg]

@@ -15,6 +15,7 @@ from laswrr.schemas import events as ev
 from laswrr.schemas import outputs as out
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import MAX_PAYLOAD_BYTES, Envelope, Output, SchemaError, decode_event, encode, event_type
+from laswrr.schemas.words import RequestOutcome
 
 
 def _reason(subject: str, data: bytes) -> str:
@@ -63,6 +64,16 @@ def test_unknown_subject_and_bad_tokens() -> None:
     assert "unknown subject" in _reason("lb.out.snapshot.default", b"{}")  # outputs are not inputs
     assert "unknown subject" in _reason("lb.admin.node.a.b", b"{}")
     assert _reason("lb.admin.node.", b"{}") == "invalid node id '': use 1-128 letters, digits, '-' or '_'"
+
+
+def test_an_unknown_outcome_is_rejected_and_a_known_one_decodes_to_its_word() -> None:
+    finished = b'{"request_id": "r1", "proxy": "p1", "outcome": "%s"}'
+    assert _reason("lb.req.finished.n1", finished % b"teleported") == \
+        "invalid req.finished payload: Invalid enum value 'teleported' - at `$.outcome`"
+    for outcome in RequestOutcome:
+        _, event = decode_event("lb.req.finished.n1", finished % outcome.value.encode())
+        assert isinstance(event, ev.RequestFinished) and event.outcome is outcome
+        assert encode(event).count(b'"outcome":"%s"' % outcome.value.encode()) == 1
 
 
 def test_oversized_payload() -> None:
