@@ -2,8 +2,12 @@
 
   laswrr bench --scenario announced-drop [--policies la-swrr,rr,least-request,p2c] [--seed 1]
                [--out bench-out] [--duration-scale 1.0]
-  laswrr bench --scenario all        every scenario in turn (not the tiny test one)
+  laswrr bench --scenario all        every scenario in turn (not the tiny test ones)
   laswrr bench --list                the scenarios
+  laswrr bench --scenario trace-mooncake [--affinity none]      a real trace (bench/traces/)
+  laswrr bench --trace FILE [--speed X] [--start-s S] [--window-s W]
+                                     a full trace file: Mooncake .jsonl (trace-mooncake's pool)
+                                     or Azure .csv (trace-azure-code's pool)
 
 Writes ``<out>/<scenario>/results.json`` (the summary: per policy P50/P99 TTFT and E2E per phase,
 load CoV, max/mean, Jain's index, interruptions, admissions to draining nodes, replay verdict,
@@ -24,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from laswrr.bench.report import PolicyRun, print_table, scenario_summary
-from laswrr.bench.scenarios import SCENARIOS, Scenario, get_scenario
-from laswrr.bench.workload import generate
+from laswrr.bench.scenarios import SCENARIOS, TEST_SCENARIOS, Scenario, get_scenario
+from laswrr.bench.trace import TraceWindow, arrival_bursts, load_workload, trace_format
+from laswrr.bench.workload import RequestSpec, generate
 from laswrr.scheduler.policies import POLICIES
 from laswrr.services import settings
 from laswrr.services.children import interrupt_on_sigterm
@@ -33,14 +38,16 @@ from laswrr.services.children import interrupt_on_sigterm
 DEFAULT_POLICIES = ("la-swrr", "rr", "least-request", "p2c")
 DEFAULT_PEER = "vllm-router:power_of_two"  # an extra row when the `peers` extra is installed
 PEER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "sticky_least_loaded")
-BENCH_SCENARIOS = tuple(name for name in SCENARIOS if name != "smoke")
+BENCH_SCENARIOS = tuple(name for name in SCENARIOS if name not in TEST_SCENARIOS)
+TRACE_SCENARIO = {"mooncake": "trace-mooncake", "azure": "trace-azure-code"}  # --trace FILE without --scenario
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser("bench", help="benchmark policies on a scenario against the real stack",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", default="announced-drop", metavar="NAME",
-                        help=f"one of {', '.join(SCENARIOS)}, or 'all' (default announced-drop)")
+    parser.add_argument("--scenario", default=None, metavar="NAME",
+                        help=f"one of {', '.join(SCENARIOS)}, or 'all' (default announced-drop; with --trace, "
+                             "the trace scenario of the file's format)")
     parser.add_argument("--policies", default=None, metavar="LIST",
                         help=f"comma-separated, from {', '.join(POLICIES)}, or vllm-router:<its policy> "
                              f"(default: all four, plus {DEFAULT_PEER} when vllm-router is installed)")
@@ -53,6 +60,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="offered load as a share of the pool's saturation throughput (default: the scenario's)")
     parser.add_argument("--scheduler-config", type=Path, default=None, metavar="FILE.toml",
                         help="scheduler keys ([scheduler] table) for every run, instead of the scenario's")
+    parser.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                        help="replay this trace file (Mooncake .jsonl or Azure .csv) in a trace scenario")
+    parser.add_argument("--speed", type=float, default=None, metavar="X",
+                        help="trace scenarios: replay X times faster than the trace (default: the scenario's)")
+    parser.add_argument("--start-s", type=float, default=None, metavar="S",
+                        help="trace scenarios: start S seconds into the trace (default: the scenario's)")
+    parser.add_argument("--window-s", type=float, default=None, metavar="W",
+                        help="trace scenarios: replay W seconds of the trace (default: the scenario's; "
+                             "with --trace, the whole file)")
+    parser.add_argument("--affinity", default=None, metavar="MODE",
+                        help="proxy prefix affinity for every run: prefix (the proxy's default) or none")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     settings.add_logging(parser, default="warning")
@@ -100,9 +118,36 @@ def scenario_names(text: str) -> list[str]:
     return [text]
 
 
+def trace_override(scenario: Scenario, args: argparse.Namespace) -> Scenario:
+    """The scenario with --trace/--speed/--start-s/--window-s applied (ValueError if it has no trace)."""
+    given = [args.trace, args.speed, args.start_s, args.window_s]
+    if scenario.trace is None:
+        if any(v is not None for v in given):
+            raise ValueError(f"--trace/--speed/--start-s/--window-s need a trace scenario, not {scenario.name!r}")
+        return scenario
+    window = scenario.trace
+    if args.trace is not None:
+        window = replace(window, path=str(args.trace), window_s=None)
+    window = replace(window, **{k: v for k, v in (("speed", args.speed), ("start_s", args.start_s),
+                                                   ("window_s", args.window_s)) if v is not None})
+    window.validate()
+    return replace(scenario, trace=window)
+
+
+def bench_workload(scenario: Scenario, seed: int) -> tuple[Scenario, list[RequestSpec]]:
+    """The requests every policy gets: the trace's window, or the workload generated from ``seed``."""
+    if scenario.trace is None:
+        return scenario, generate(scenario.workload_spec(), seed, [(p.start_s, p.end_s) for p in scenario.phases])
+    requests = load_workload(scenario.trace)
+    window = scenario.trace
+    replay_s = window.window_s / window.speed if window.window_s is not None else requests[-1].offset_s + 1.0
+    return scenario.with_trace(window, replay_s), requests
+
+
 async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int, out_dir: Path,
                          scale: float = 1.0, plots: bool = True, util: float | None = None,
-                         scheduler_config: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Path]]:
+                         scheduler_config: dict[str, Any] | None = None,
+                         proxy_args: Sequence[str] = ()) -> tuple[dict[str, Any], list[Path]]:
     """Run every policy on the same workload; write results.json (and plots); return the summary."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -113,7 +158,7 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
         scenario = replace(scenario, util=util)
     if scheduler_config is not None:
         scenario = replace(scenario, scheduler_config=scheduler_config)
-    workload = generate(scenario.workload_spec(), seed, [(p.start_s, p.end_s) for p in scenario.phases])
+    scenario, workload = bench_workload(scenario, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: list[PolicyRun] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -121,8 +166,11 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
         for policy in policies:
             task = progress.add_task(f"{scenario.name} · {policy:<13}", total=len(workload))
             runs.append(await run_policy(scenario, policy, workload, out_dir / "runs" / policy.replace(":", "-"),
-                                         on_result=lambda _r, t=task: progress.advance(t)))
+                                         on_result=lambda _r, t=task: progress.advance(t), proxy_args=proxy_args))
     summary = scenario_summary(scenario, runs, seed, scale)
+    summary["proxy_args"] = list(proxy_args)
+    if scenario.trace is not None:
+        summary["trace_arrivals"] = arrival_bursts([r.offset_s for r in workload], scenario.duration_s)
     (out_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     paths: list[Path] = []
     if plots:
@@ -140,12 +188,21 @@ def main(args: argparse.Namespace) -> int:
         return 0
     try:
         policies = parse_policies(args.policies, peers=not args.no_peers)
-        names = scenario_names(args.scenario)
+        if args.scenario is None and args.trace is not None:
+            names = [TRACE_SCENARIO[trace_format(args.trace)]]
+        else:
+            names = scenario_names(args.scenario or "announced-drop")
         if args.duration_scale <= 0:
             raise ValueError("--duration-scale must be > 0")
         if args.util is not None and not 0 < args.util <= 2:
             raise ValueError("--util must be within (0, 2]")
         scheduler_config = read_scheduler_config(args.scheduler_config)
+        scenarios = [trace_override(get_scenario(name), args) for name in names]
+        if args.util is not None and any(s.trace is not None for s in scenarios):
+            raise ValueError("--util does not apply to a trace scenario (the trace sets the load; see --speed)")
+        if args.affinity not in (None, "prefix", "none"):
+            raise ValueError(f"--affinity must be prefix or none, got {args.affinity!r}")
+        proxy_args = () if args.affinity is None else ("--affinity", args.affinity)
     except OSError as exc:
         print(f"bench: cannot read {args.scheduler_config}: {exc.strerror or exc}", file=sys.stderr)
         return 2
@@ -154,14 +211,15 @@ def main(args: argparse.Namespace) -> int:
         return 2
     interrupt_on_sigterm()  # `kill` stops a run like Ctrl-C: the stack is torn down, nothing left behind
     started = time.monotonic()
-    for name in names:
-        out_dir = args.out / name
+    for scenario in scenarios:
+        out_dir = args.out / scenario.name
         try:
-            summary, paths = asyncio.run(bench_scenario(get_scenario(name), policies, args.seed, out_dir,
+            summary, paths = asyncio.run(bench_scenario(scenario, policies, args.seed, out_dir,
                                                         args.duration_scale, plots=not args.no_plots,
-                                                        util=args.util, scheduler_config=scheduler_config))
-        except (OSError, RuntimeError, TimeoutError) as exc:
-            print(f"bench: {name}: {exc}", file=sys.stderr)
+                                                        util=args.util, scheduler_config=scheduler_config,
+                                                        proxy_args=proxy_args))
+        except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
+            print(f"bench: {scenario.name}: {exc}", file=sys.stderr)
             return 1
         print_table(summary)
         print(f"results: {out_dir / 'results.json'}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from laswrr.bench.metrics import ClientOutcome, RequestResult, balance, by_phase, latency_summary, node_shares, ratio
@@ -54,6 +54,14 @@ class PolicyRun:
     replay: dict[str, Any] | None = None  # {"ok": bool, "exit": int, "output": str}
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    prefix_cache: dict[str, dict[str, float]] = field(default_factory=dict)  # node -> queried/hit tokens
+
+
+def hit_rate(prefix_cache: dict[str, dict[str, float]]) -> float | None:
+    """Hit tokens over queried tokens, summed over the engines; None when nothing was queried."""
+    queried = sum(c["queried_tokens"] for c in prefix_cache.values())
+    hits = sum(c["hit_tokens"] for c in prefix_cache.values())
+    return round(hits / queried, 4) if queried > 0 else None
 
 
 def admitted_to_draining_from_snapshots(results: Sequence[RequestResult], snapshots: Sequence[SnapshotPoint]
@@ -79,6 +87,8 @@ def policy_summary(scenario: Scenario, run: PolicyRun) -> dict[str, Any]:
         "phases": by_phase(run.results, phases),
         "balance": balance(run.results, scenario.nodes, scenario.capacity_at(), phases),
         "requests_per_node": node_shares(run.results),
+        "prefix_cache_hit_rate": hit_rate(run.prefix_cache),
+        "prefix_cache": {node: {**c, "hit_rate": hit_rate({node: c})} for node, c in sorted(run.prefix_cache.items())},
         "interrupted": sum(1 for r in run.results if r.outcome == ClientOutcome.INTERRUPTED),
         "errors": sum(1 for r in run.results if r.outcome == ClientOutcome.ERROR),
         "admitted_to_draining_client": admitted_to_draining_from_snapshots(run.results, run.snapshots),
@@ -133,7 +143,8 @@ def scenario_summary(scenario: Scenario, runs: Sequence[PolicyRun], seed: int, s
         "duration_scale": scale,
         "speed": scenario.speed,
         "util": scenario.util,
-        "workload": scenario.workload_spec().as_dict(),
+        "workload": scenario.workload_spec().as_dict() if scenario.trace is None else None,
+        "trace": None if scenario.trace is None else asdict(scenario.trace),
         "engines": [{"node": e.node, "chip": e.chip, "capacity": e.capacity} for e in scenario.engines],
         "phases": [{"name": p.name, "start_s": p.start_s, "end_s": p.end_s} for p in scenario.phases],
         "actions": [{"at_s": a.at_s, "kind": a.kind, "node": a.node, "value": a.value, "announce": a.announce,
@@ -159,7 +170,8 @@ def table_rows(summary: dict[str, Any]) -> list[list[str]]:
         bal = s["balance"]["overall"]
         row = [policy]
         row += [_fmt(s["phases"][name]["e2e_p99"]) for name in phase_names]
-        row += [_fmt(s["overall"]["e2e_p50"]), _fmt(s["overall"]["ttft_p99"]), _fmt(bal["cov"]),
+        row += [_fmt(s["overall"]["e2e_p50"]), _fmt(s["overall"]["ttft_p50"]), _fmt(s["overall"]["ttft_p99"]),
+                _fmt(s.get("prefix_cache_hit_rate")), _fmt(bal["cov"]),
                 _fmt(bal["max_mean"]), _fmt(bal["jain"]), str(s["interrupted"]), str(s["admitted_to_draining"]),
                 str(s["errors"]), _replay_cell(s["replay"])]
         rows.append(row)
@@ -169,7 +181,7 @@ def table_rows(summary: dict[str, Any]) -> list[list[str]]:
 def table_header(summary: dict[str, Any]) -> list[str]:
     phase_names = [p["name"] for p in summary["phases"]]
     return (["policy"] + [f"{n} P99" for n in phase_names]
-            + ["all P50", "TTFT P99", "CoV", "max/mean", "Jain", "interr.", "to drain", "errors", "replay"])
+            + ["all P50", "TTFT P50", "TTFT P99", "hit rate", "CoV", "max/mean", "Jain", "interr.", "to drain", "errors", "replay"])
 
 
 def _replay_cell(replay: dict[str, Any] | None) -> str:

@@ -14,6 +14,10 @@ Theory of operation, per policy (a fresh stack each time: no state leaks between
 5. ``laswrr report --db --json`` and ``laswrr replay --db`` on the recorded file (separate
    processes: DuckDB has one writer, and the stack is down by then).
 
+The engines' own prefix-cache counters (``vllm:prefix_cache_queries_total`` / ``_hits_total``,
+read with the collector's parser) are scraped just before ``t0`` and after the last response;
+the run's hit rate is the difference (the readiness probes before ``t0`` do not count).
+
 The workload is generated once from the seed, before any stack starts.
 """
 
@@ -156,11 +160,36 @@ def write_scheduler_config(scenario: Scenario, directory: Path) -> Path | None:
     return path
 
 
+async def prefix_counters(http: aiohttp.ClientSession, engine_urls: dict[str, str]) -> dict[str, tuple[float, float]]:
+    """(queried, hit) prompt tokens of each engine's prefix cache, from its own /metrics."""
+    from laswrr.collectors.prometheus import ParseError, parse_engine_metrics
+
+    async def one(url: str) -> tuple[float, float]:
+        async with http.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+        try:
+            parsed = parse_engine_metrics(text)
+        except ParseError as exc:
+            log.warning("%s/metrics: %s", url, exc)
+            return (0.0, 0.0)
+        return (parsed.prefix_cache_queries or 0.0, parsed.prefix_cache_hits or 0.0)
+
+    values = await asyncio.gather(*(one(url) for url in engine_urls.values()))
+    return dict(zip(engine_urls, values))
+
+
+def counter_deltas(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+                   ) -> dict[str, dict[str, float]]:
+    return {node: {"queried_tokens": q - before.get(node, (0.0, 0.0))[0],
+                   "hit_tokens": h - before.get(node, (0.0, 0.0))[1]} for node, (q, h) in after.items()}
+
+
 async def run_policy(scenario: Scenario, policy: str, workload: Sequence[RequestSpec], run_dir: Path,
-                     on_result: OnResult | None = None) -> PolicyRun:
+                     on_result: OnResult | None = None, proxy_args: Sequence[str] = ()) -> PolicyRun:
     started = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
-    stack = await stack_adapter.start(scenario, policy, run_dir, write_scheduler_config(scenario, run_dir))
+    stack = await stack_adapter.start(scenario, policy, run_dir, write_scheduler_config(scenario, run_dir),
+                                      proxy_args)
     log.info("%s/%s: stack up in %.1fs", scenario.name, policy, time.monotonic() - started)
     watch = SnapshotWatch()
     notes: list[str] = []
@@ -170,10 +199,12 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
         log.info("%s/%s: ready at %.1fs", scenario.name, policy, time.monotonic() - started)
         loop = asyncio.get_running_loop()
         async with make_session() as http:
+            before = await prefix_counters(http, stack.engine_urls)
             t0 = loop.time() + 0.2
             timeline = asyncio.create_task(run_timeline(scenario.actions, t0, stack.engine_urls, http, watch))
             load = await run_load(stack.proxy_url, workload, t0, on_done=on_result, session=http)
             applied = await timeline
+            prefix_cache = counter_deltas(before, await prefix_counters(http, stack.engine_urls))
         notes += [f"action at {t:.2f}s: {label}" for t, label in applied]
         await asyncio.sleep(SETTLE_S)
         snapshots = watch.points(t0)
@@ -181,7 +212,7 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
         await watch.stop()
         await stack_adapter.stop(stack)
     log.info("%s/%s: stack down at %.1fs", scenario.name, policy, time.monotonic() - started)
-    run = PolicyRun(policy, load.results, snapshots, notes=notes)
+    run = PolicyRun(policy, load.results, snapshots, notes=notes, prefix_cache=prefix_cache)
     # a peer router publishes no request events: the analyst report would count nothing
     run.report = None if stack_adapter.is_peer(policy) else analyst_report(stack.db_path)
     run.replay = exact_replay(stack.db_path)

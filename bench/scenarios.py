@@ -29,6 +29,15 @@ a throughput unit (ascend.md §6.2: 10 × decode speed), moves ~97 % of its traf
 the chips' saturation throughputs (910C 8.0, 910B 2.19, 910 1.23 requests/s at speed 4) are not
 in the ratio of their capacities 20 : 10 : 7. ``saturation_rps`` computes these figures.
 
+**Trace scenarios** (``trace``: a ``bench.trace.TraceWindow``) replay a real trace instead of the
+generated workload: its arrivals (``speed`` times faster) and token counts, and for Mooncake its
+shared prefixes; ``util`` does not apply, the trace and its speed set the load. ``trace-mooncake``
+gives every engine a 2 M-token KV room (``kv_tokens``: an 8B model with host-memory KV offload,
+as Mooncake deploys it): with the chips' own rooms (0.3-0.7 M tokens, most of it reserved by
+the running 12 k-token prompts) no router keeps a conversation's blocks between its turns, and
+an ideal single LRU cache of the whole pool's room reaches 4 % on the first 300 s (every row
+shares one leading block), against 21 % with unbounded room.
+
 Phases around a disturbance have equal lengths so they hold about as many requests: with the
 stratified lengths (``bench.workload``) each phase then sees the same length distribution, and
 their P99s are comparable.
@@ -51,6 +60,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 from laswrr.bench.metrics import CapacityAt, Phase, capacity_timeline
+from laswrr.bench.trace import TraceWindow
 from laswrr.bench.workload import WorkloadSpec, mean_output_tokens
 from laswrr.services.sim_engine.config import HEALTH_STATES
 from laswrr.services.sim_engine.physics import EngineSim
@@ -96,6 +106,8 @@ class Scenario:
     speed: float = 4.0  # sim-engine --speed: every engine time divided by this
     scheduler_config: Mapping[str, Any] | None = None  # extra scheduler keys (a TOML file)
     focus_phase: str = ""  # the phase the goals look at (the disturbance)
+    trace: TraceWindow | None = None  # replay this trace instead of generating ``workload``
+    kv_tokens: int | None = None  # every engine's KV room (sim-engine --kv-tokens); None: the chip's
 
     @property
     def duration_s(self) -> float:
@@ -111,7 +123,12 @@ class Scenario:
             raise ValueError(f"duration scale must be > 0, got {factor}")
         phases = tuple(Phase(p.name, p.start_s * factor, p.end_s * factor) for p in self.phases)
         actions = tuple(replace(a, at_s=a.at_s * factor) for a in self.actions)
-        return replace(self, phases=phases, actions=actions)
+        trace = None if self.trace is None else self.trace.scaled(factor)
+        return replace(self, phases=phases, actions=actions, trace=trace)
+
+    def with_trace(self, trace: TraceWindow, replay_s: float) -> "Scenario":
+        """This scenario replaying ``trace``, one phase ``trace`` as long as the replay."""
+        return replace(self, trace=trace, phases=(Phase("trace", 0.0, replay_s),), focus_phase="trace")
 
     def workload_spec(self) -> WorkloadSpec:
         """The workload at ``util`` of the pool's saturation rate, over the whole scenario."""
@@ -249,9 +266,53 @@ SMOKE = Scenario(
     focus_phase="drop",
 )
 
+TRACE_POOL = (EngineSpec("c1", "910C", 20), EngineSpec("b1", "910B", 10), EngineSpec("b2", "910B", 10),
+              EngineSpec("b3", "910B", 10))
+
+TRACE_MOONCAKE = Scenario(
+    name="trace-mooncake",
+    description="Mooncake FAST'25 conversation trace, first 300 s at 2× (shared prefixes); 910C + 3×910B, "
+                "2 M-token KV rooms",
+    engines=TRACE_POOL,
+    phases=(Phase("trace", 0.0, 150.0),),
+    actions=(),
+    util=0.0,
+    speed=16.0,
+    focus_phase="trace",
+    trace=TraceWindow("mooncake_conversation_first300s.jsonl", 0.0, 300.0, 2.0),
+    kv_tokens=2_000_000,
+)
+
+TRACE_AZURE_CODE = Scenario(
+    name="trace-azure-code",
+    description="Azure 2023 code trace, first 300 s at 2× (bursty, unshared prompts); 910C + 2×910B + 910",
+    engines=MIXED,
+    phases=(Phase("trace", 0.0, 150.0),),
+    actions=(),
+    util=0.0,
+    speed=6.0,
+    focus_phase="trace",
+    trace=TraceWindow("azure2023_code_first300s.csv", 0.0, 300.0, 2.0),
+)
+
+SMOKE_TRACE = Scenario(
+    name="smoke-trace",
+    description="tiny: 2×910B, 10 s of the Mooncake slice at 10× (tests)",
+    engines=(EngineSpec("n1", "910B", 4), EngineSpec("n2", "910B", 4)),
+    phases=(Phase("trace", 0.0, 1.0),),
+    actions=(),
+    util=0.0,
+    speed=40.0,
+    focus_phase="trace",
+    trace=TraceWindow("mooncake_conversation_first300s.jsonl", 0.0, 10.0, 10.0),
+    kv_tokens=2_000_000,
+)
+
 SCENARIOS: dict[str, Scenario] = {
-    s.name: s for s in (ANNOUNCED_DROP, SILENT_SLOWDOWN, HETEROGENEOUS, CRASH_RETURN, BURSTY, SMOKE)
+    s.name: s for s in (ANNOUNCED_DROP, SILENT_SLOWDOWN, HETEROGENEOUS, CRASH_RETURN, BURSTY, TRACE_MOONCAKE,
+                        TRACE_AZURE_CODE, SMOKE, SMOKE_TRACE)
 }
+TEST_SCENARIOS = frozenset({SMOKE.name, SMOKE_TRACE.name})  # tiny, for tests: not in ``--scenario all``
 
 
 def get_scenario(name: str) -> Scenario:

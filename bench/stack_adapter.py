@@ -28,6 +28,7 @@ import logging
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,7 +67,8 @@ class RunningStack:
         return self.stack.nats_url
 
 
-async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Path | None) -> RunningStack:
+async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Path | None,
+                proxy_args: Sequence[str] = ()) -> RunningStack:
     data_dir = run_dir / "data"
     stack = Stack(data_dir, proxy_port=0, config=str(config_path) if config_path else None)
     peers: list[asyncio.subprocess.Process] = []
@@ -74,14 +76,14 @@ async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Pat
         await stack.start_nats()
         await stack.start_core()
         sims = [(e.node, e.chip, e.capacity) for e in scenario.engines]
-        nodes = await stack.start_sim_engines(sims, speed=scenario.speed)
+        nodes = await stack.start_sim_engines(sims, speed=scenario.speed, kv_tokens=scenario.kv_tokens)
         await stack.register(nodes)
         stack.write_nodes_file(nodes)
         await stack.start_collector()
         if is_peer(policy):
             proxy_url = await start_vllm_router(policy[len(PEER_PREFIX):], nodes, stack.log_dir, peers)
         else:
-            proxy_url = await stack.start_proxy(port=0, extra_args=("--policy", policy), name="proxy")
+            proxy_url = await stack.start_proxy(port=0, extra_args=("--policy", policy, *proxy_args), name="proxy")
     except BaseException:
         await _stop_peers(peers)
         await stack.stop()

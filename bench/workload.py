@@ -28,6 +28,7 @@ sent, drawn uniformly in ``[cancel_min_s, cancel_max_s]``.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Sequence
@@ -86,6 +87,7 @@ class RequestSpec:
     prompt_tokens: int
     max_tokens: int
     cancel_after_s: float | None  # None: the client waits for the end
+    block_ids: tuple[int, ...] = ()  # a trace's prefix-block ids (bench.trace): shared ids, shared text
 
 
 def burst_rates(spec: WorkloadSpec) -> tuple[float, float]:
@@ -167,10 +169,26 @@ def generate(spec: WorkloadSpec, seed: int, strata: Sequence[tuple[float, float]
 
 
 def prompt_text(spec: RequestSpec) -> str:
-    """A chat message whose simulated token count (chars / 4, + 1 for the message) is the prompt."""
-    words = max(0, spec.prompt_tokens - 1) * 4
+    """A chat message whose simulated token count (chars / 4, + 1 for the message) is the prompt.
+
+    Without ``block_ids`` the text is unique to the request (it starts with its index). With them
+    it is the blocks' texts in order (``block_text``), cut to length: prompts share text exactly
+    as far as their leading ids agree."""
+    chars = max(0, spec.prompt_tokens - 1) * 4
+    if spec.block_ids:
+        return "".join(block_text(b) for b in spec.block_ids)[:chars] or "x"
     unit = f"r{spec.index} npu pool route "
-    return (unit * (words // len(unit) + 1))[:words] or "x"
+    return (unit * (chars // len(unit) + 1))[:chars] or "x"
+
+
+TRACE_BLOCK_CHARS = 512 * 4  # a trace block is 512 tokens; the simulator counts 4 characters a token
+
+
+@functools.lru_cache(maxsize=65536)
+def block_text(block_id: int) -> str:
+    """The one fixed text of a trace block id (2048 characters, distinct from its first 64)."""
+    unit = f"block {block_id} kv npu prefix "
+    return (unit * (TRACE_BLOCK_CHARS // len(unit) + 1))[:TRACE_BLOCK_CHARS]
 
 
 def mean_output_tokens(spec: WorkloadSpec) -> float:

@@ -227,13 +227,14 @@ class Stack:
 
     async def start_sim_engines(self, sims: Sequence[tuple[str, str, int]] = DEFAULT_SIMS, speed: float = 1.0,
                                 pool: str = "default", npu_smi: bool = True,
-                                model: str = SIM_MODEL) -> list[NodeSpec]:
+                                model: str = SIM_MODEL, kv_tokens: int | None = None) -> list[NodeSpec]:
         """One ``laswrr sim-engine`` per ``(node id, chip, capacity)``, each serving ``model``; their
         NodeSpecs (not yet registered). ``npu_smi``: the collector samples each one's simulated
-        npu-smi (``sim_npu_smi_command``)."""
+        npu-smi (``sim_npu_smi_command``). ``kv_tokens``: every engine's KV room (default: the chip's)."""
+        kv_args = () if kv_tokens is None else ("--kv-tokens", str(kv_tokens))
         children = await asyncio.gather(*(
             self.spawn(node_id, "sim-engine", "--port", "0", "--chip", chip, "--capacity", str(capacity),
-                       "--node-id", node_id, "--speed", str(speed), "--model", model, role="sim-engine",
+                       "--node-id", node_id, "--speed", str(speed), "--model", model, *kv_args, role="sim-engine",
                        wait_listening=True)
             for node_id, chip, capacity in sims))
         specs = []
