@@ -3,9 +3,12 @@
 Counts come from the views of ``replay/views.sql`` (``requests`` — client requests, each the
 set of its proxy attempts, counted by the outcome of the last attempt — ``interruptions``,
 ``open_requests``, ``admissions_to_draining``, ``drains``), so what the report says is what an
-analyst's SQL says. ``interrupted`` counts router-caused cuts: ``router_aborted`` outcomes,
-requests still open when their proxy announced a clean stop, and requests a dead proxy left
-open in a log that ends after a clean shutdown. Requests open at the end of a log that did not
+analyst's SQL says. ``interrupted`` counts the cuts a client saw: ``router_aborted`` outcomes,
+streams an engine cut mid-stream that were not continued elsewhere (``engine_cut``; a continued
+stream counts by its last attempt, so it is not interrupted), requests still open when their
+proxy announced a clean stop, and requests a dead proxy left open in a log that ends after a
+clean shutdown. ``continued_streams``, ``continuations`` and ``retried_whole`` come from the
+``continuations`` view, with the median and P99 of the latency a continuation added. Requests open at the end of a log that did not
 end cleanly are counted as ``open`` (fate unknown), not as interruptions. The verdict is "zero interruptions" when ``interrupted`` and
 ``admitted_to_draining`` are both 0.
 """
@@ -37,12 +40,31 @@ def gather(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     report["interrupted"] = _count(con, "SELECT count(*) FROM interruptions")
     report["interrupted_open_at_proxy_stop"] = _count(
         con, "SELECT count(*) FROM interruptions WHERE reason = 'open_at_proxy_stop'")
+    report["interrupted_engine_cut"] = _count(con, "SELECT count(*) FROM interruptions WHERE reason = 'engine_cut'")
+    report.update(continuation_facts(con))
     report["open"] = _count(con, "SELECT count(*) FROM open_requests")
     report["admitted_to_draining"] = _count(con, "SELECT count(*) FROM admissions_to_draining")
     report["drains"] = drains(con)
     report.update(_log_facts(con))
     report["zero_interruptions"] = report["interrupted"] == 0 and report["admitted_to_draining"] == 0
     return report
+
+
+def continuation_facts(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+    """Streams continued on another node (and their added latency), and attempts retried whole."""
+    row = con.execute(
+        "SELECT count(DISTINCT request_id) FILTER (WHERE kind = 'continued'), count(*) FILTER (WHERE kind = 'continued'), "
+        "count(*) FILTER (WHERE kind = 'retried'), "
+        "quantile_cont(added_ms, 0.5) FILTER (WHERE kind = 'continued'), "
+        "quantile_cont(added_ms, 0.99) FILTER (WHERE kind = 'continued') FROM continuations").fetchone()
+    assert row is not None
+    keys = ("continued_streams", "continuations", "retried_whole", "continuation_added_ms_p50",
+            "continuation_added_ms_p99")
+    return dict(zip(keys, (row[0], row[1], row[2], _round(row[3]), _round(row[4]))))
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def _count(con: duckdb.DuckDBPyConnection, sql: str) -> int:
@@ -76,7 +98,8 @@ def render(report: dict[str, Any]) -> None:
     table = Table(title="requests", show_header=True)
     table.add_column("outcome")
     table.add_column("count", justify="right")
-    for key in ("requests", *OUTCOMES, "other_outcome", "open", "interrupted", "admitted_to_draining"):
+    for key in ("requests", *OUTCOMES, "other_outcome", "open", "interrupted", "admitted_to_draining",
+                "continued_streams", "retried_whole"):
         table.add_row(key, str(report[key]))
     console.print(table)
     verdict = "[green]zero interruptions[/]" if report["zero_interruptions"] else "[red]INTERRUPTIONS FOUND[/]"

@@ -79,9 +79,11 @@ class LogBuilder:
         return self.add(sj.req_started(node), payload, after_ms)
 
     def finished(self, node: str, request_id: str, outcome: str = RequestOutcome.COMPLETED, proxy: str = "p1",
-                 ttft_ms: float = 50.0, duration_ms: float = 800.0, after_ms: float = 1.0) -> int:
+                 ttft_ms: float | None = 50.0, duration_ms: float = 800.0, after_ms: float = 1.0,
+                 **fields: object) -> int:
+        """``fields``: more ``lb.req.finished`` keys (completion_tokens, error, next_attempt, ...)."""
         return self.add(sj.req_finished(node), {"request_id": request_id, "proxy": proxy, "outcome": outcome,
-                                                "ttft_ms": ttft_ms, "duration_ms": duration_ms}, after_ms)
+                                                "ttft_ms": ttft_ms, "duration_ms": duration_ms, **fields}, after_ms)
 
     def last_snapshot_seq(self, pool: str = "default") -> int:
         """The as_of_seq of the latest snapshot of ``pool`` (what a proxy routes on)."""

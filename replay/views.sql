@@ -54,9 +54,11 @@ WHERE subject LIKE 'lb.out.phase.%' AND j IS NOT NULL
 QUALIFY row_number() OVER (PARTITION BY j->>'as_of_seq', j->>'node', j->>'to' ORDER BY seq) = 1;
 
 -- One row per attempt: the first `lb.req.started` of an attempt id and its first later
--- `lb.req.finished`. A proxy retry k >= 1 of client request R uses attempt id "R.k" (see
--- services/proxy/events.py), so request_id = the attempt id before its first '.'.
--- outcome is NULL while the attempt is open (never finished).
+-- `lb.req.finished`. A proxy retry or continuation k >= 1 of client request R uses attempt id
+-- "R.k" (see services/proxy/events.py), so request_id = the attempt id before its first '.'.
+-- outcome is NULL while the attempt is open (never finished). next_attempt names the attempt
+-- that continued (outcome `continued`) or retried this one; logs from before that field have
+-- it NULL.
 CREATE OR REPLACE VIEW attempts AS
 WITH started AS (
     SELECT j->>'request_id' AS attempt_id, key AS node, coalesce(j->>'pool', 'default') AS pool,
@@ -66,36 +68,73 @@ WITH started AS (
     QUALIFY row_number() OVER (PARTITION BY j->>'request_id' ORDER BY seq) = 1
 ), finished AS (
     SELECT j->>'request_id' AS attempt_id, seq, ts_ns, j->>'outcome' AS outcome, j->>'error' AS error,
-           TRY_CAST(j->>'ttft_ms' AS DOUBLE) AS ttft_ms, TRY_CAST(j->>'duration_ms' AS DOUBLE) AS duration_ms
+           TRY_CAST(j->>'ttft_ms' AS DOUBLE) AS ttft_ms, TRY_CAST(j->>'duration_ms' AS DOUBLE) AS duration_ms,
+           TRY_CAST(j->>'prompt_tokens' AS BIGINT) AS prompt_tokens,
+           TRY_CAST(j->>'completion_tokens' AS BIGINT) AS completion_tokens, j->>'next_attempt' AS next_attempt
     FROM input_events
     WHERE family = 'lb.req.finished' AND j->>'request_id' IS NOT NULL
 )
 SELECT split_part(s.attempt_id, '.', 1) AS request_id, s.attempt_id, s.node, s.pool, s.proxy,
        s.seq AS started_seq, s.ts_ns AS started_ts_ns,
        f.seq AS finished_seq, f.ts_ns AS finished_ts_ns,
-       f.outcome, f.ttft_ms, f.duration_ms, s.snapshot_seq, f.error
+       f.outcome, f.ttft_ms, f.duration_ms, s.snapshot_seq, f.error,
+       f.prompt_tokens, f.completion_tokens, f.next_attempt
 FROM started s
 LEFT JOIN finished f ON f.attempt_id = s.attempt_id AND f.seq > s.seq
 QUALIFY row_number() OVER (PARTITION BY s.attempt_id ORDER BY f.seq NULLS LAST) = 1;
 
 -- One row per client request: started when its first attempt started; node, outcome, finish,
--- ttft_ms and duration_ms (both counted by the proxy from the request's arrival) and
--- snapshot_seq are those of its last attempt (a retried failure the client never saw is not
--- the request's outcome).
+-- duration_ms (counted by the proxy from the request's arrival) and snapshot_seq are those of
+-- its last attempt (a retried failure the client never saw, or a stream continued elsewhere,
+-- is not the request's outcome); ttft_ms is the earliest first byte of any attempt (a
+-- continued stream's first byte came from the attempt that broke); continued counts the
+-- attempts continued on another node.
 CREATE OR REPLACE VIEW requests AS
 WITH first_start AS (
-    SELECT request_id, min(started_seq) AS started_seq, min(started_ts_ns) AS started_ts_ns, count(*) AS attempts
+    SELECT request_id, min(started_seq) AS started_seq, min(started_ts_ns) AS started_ts_ns, count(*) AS attempts,
+           min(ttft_ms) AS ttft_ms, count(*) FILTER (WHERE outcome = 'continued') AS continued
     FROM attempts GROUP BY request_id
 ), last_attempt AS (
     SELECT * FROM attempts
     QUALIFY row_number() OVER (PARTITION BY request_id ORDER BY started_seq DESC) = 1
 )
 SELECT l.request_id, l.node, l.pool, l.proxy, f.started_seq, f.started_ts_ns,
-       l.finished_seq, l.finished_ts_ns, l.outcome, l.ttft_ms, l.duration_ms, l.snapshot_seq,
-       f.attempts, l.started_seq AS last_attempt_seq
+       l.finished_seq, l.finished_ts_ns, l.outcome, f.ttft_ms, l.duration_ms, l.snapshot_seq,
+       f.attempts, l.started_seq AS last_attempt_seq, f.continued
 FROM first_start f JOIN last_attempt l USING (request_id);
 
--- Router-caused cuts: outcome router_aborted; requests whose last attempt was still open when
+-- Continued and retried attempts: one row per attempt that another attempt took over, with the
+-- attempt that did. kind: `continued` (a stream broke after the client got part of it and went
+-- on elsewhere) or `retried` (failed before any byte reached the client; non-streamed
+-- requests are retried whole). tokens_before: completion tokens the client had received over
+-- the request's attempts up to this one; tokens_after: those the next attempt sent. added_ms:
+-- from the break (this attempt's end) to the next attempt's first byte to the client, both
+-- counted by the proxy from the request's arrival. Retries logged before `next_attempt`
+-- existed are found by their "retried: " error and the next attempt number.
+CREATE OR REPLACE VIEW continuations AS
+WITH numbered AS (
+    SELECT *, sum(coalesce(completion_tokens, 0)) OVER (
+               PARTITION BY request_id ORDER BY started_seq ROWS UNBOUNDED PRECEDING) AS tokens_so_far,
+           CASE WHEN attempt_id = request_id THEN 0
+                ELSE TRY_CAST(split_part(attempt_id, '.', 2) AS BIGINT) END AS attempt_no
+    FROM attempts
+), taken_over AS (
+    SELECT *, coalesce(next_attempt, CASE WHEN error LIKE 'retried: %' THEN request_id || '.' || (attempt_no + 1) END)
+               AS next_id
+    FROM numbered WHERE outcome = 'continued' OR next_attempt IS NOT NULL OR error LIKE 'retried: %'
+)
+SELECT t.request_id, t.attempt_id, t.next_id AS next_attempt,
+       CASE WHEN t.outcome = 'continued' THEN 'continued' ELSE 'retried' END AS kind,
+       t.node, n.node AS next_node, t.pool, t.error AS reason,
+       t.tokens_so_far AS tokens_before, n.completion_tokens AS tokens_after,
+       t.duration_ms AS broke_at_ms, n.ttft_ms - t.duration_ms AS added_ms, n.outcome AS next_outcome,
+       t.finished_seq, t.finished_ts_ns
+FROM taken_over t LEFT JOIN attempts n ON n.attempt_id = t.next_id;
+
+-- Cuts the client saw: outcome router_aborted; streams whose last attempt ended with an
+-- upstream error after the client got part of them (`engine_cut`: an engine died mid-stream and
+-- the stream was not continued elsewhere; a continued stream's outcome is its last attempt's);
+-- requests whose last attempt was still open when
 -- its proxy announced a clean stop (`lb.proxy.stopped.<proxy>` after that attempt began); and,
 -- when the log ends after a clean shutdown (its last proxy event is a stop: no request event
 -- or heartbeat follows the last `lb.proxy.stopped`), requests left open by a proxy that never
@@ -113,6 +152,9 @@ HAVING max(seq) IS NOT NULL AND NOT EXISTS (
 CREATE OR REPLACE VIEW interruptions AS
 SELECT r.*, 'router_aborted' AS reason, NULL::BIGINT AS proxy_stopped_seq
 FROM requests r WHERE r.outcome = 'router_aborted'
+UNION ALL
+SELECT r.*, 'engine_cut' AS reason, NULL::BIGINT AS proxy_stopped_seq
+FROM requests r WHERE r.outcome = 'upstream_error' AND r.ttft_ms IS NOT NULL
 UNION ALL
 SELECT r.*, 'open_at_proxy_stop' AS reason, min(p.seq) AS proxy_stopped_seq
 FROM requests r JOIN proxy_stops p ON p.proxy = r.proxy AND p.seq > r.last_attempt_seq

@@ -379,7 +379,7 @@ class Scheduler:
         node.inflight -= 1
         if event.ttft_ms is not None and event.outcome == RequestOutcome.COMPLETED:
             reweigh.observe_latency(node, event.ttft_ms, self.config)
-        if event.outcome == RequestOutcome.UPSTREAM_ERROR:
+        if event.outcome in (RequestOutcome.UPSTREAM_ERROR, RequestOutcome.CONTINUED):  # continued: broke mid-stream
             node.consecutive_failures += 1
             if node.consecutive_failures >= self.config.consecutive_failures and node.phase in ROUTABLE:
                 self._outlier_eject(node)

@@ -155,6 +155,7 @@ class RequestFinished(Event, frozen=True, kw_only=True):
     status: int | None = None
     error: str | None = None
     ts_ns: int | None = None
+    next_attempt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None  # continued or retried as
 
 
 class ProxyHeartbeat(Event, frozen=True, kw_only=True):

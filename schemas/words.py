@@ -19,6 +19,7 @@ class RequestOutcome(StrEnum):
     CLIENT_CANCELLED = "client_cancelled"  # the client went away; the upstream request was cancelled
     UPSTREAM_ERROR = "upstream_error"  # connection failure, timeout, 5xx, or a stream cut after its first byte
     ROUTER_ABORTED = "router_aborted"  # still running when the proxy's shutdown grace period ended
+    CONTINUED = "continued"  # a stream broke after its first byte and went on at next_attempt, on another node
 
 
 class DrainCause(StrEnum):

@@ -275,7 +275,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
                                     sock_read=config.upstream_timeout_s)
     state.forwarder = Forwarder(session, state.router, state.events, state.metrics, config.max_retries,
-                                timeout, aborting=lambda: state.aborting)
+                                timeout, aborting=lambda: state.aborting, continue_limit=config.continue_limit,
+                                stall_timeout_s=config.stall_timeout_s)
     state.catalog = ModelCatalog(session, state.router, ttl_s=config.models_ttl_s)
     publisher = asyncio.create_task(state.events.run(), name="proxy-events")
     heartbeat = asyncio.create_task(_heartbeats(state), name="proxy-heartbeat")

@@ -24,6 +24,7 @@ from laswrr.services import settings
 from laswrr.services.proxy.config import ProxyConfig, default_proxy_id, parse_size
 
 LISTEN_PREFIX = "proxy listening on "
+DEFAULTS = ProxyConfig()  # a slots dataclass: its class attributes are descriptors, not defaults
 GC_GEN0_THRESHOLD = 10_000  # CPython's 700 runs a young collection every few requests
 
 
@@ -66,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--extra-routes", type=_paths, default=_DEFAULTS.extra_routes, metavar="PATH[,PATH...]",
                         help="more POST paths to route by the body's model, beside the OpenAI ones "
                              "(e.g. /v1/classify,/pooling)")
+    parser.add_argument("--continue-limit", type=int, default=DEFAULTS.continue_limit, metavar="N",
+                        help="continue a stream broken after its first byte on up to N other nodes; 0: off "
+                             "(default %(default)s)")
+    parser.add_argument("--stall-timeout-s", type=float, default=DEFAULTS.stall_timeout_s,
+                        help="a continuable stream silent this long has broken (default %(default)s)")
     parser.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT: replicas may share --port")
     parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
                         help="event loop; auto = uvloop when installed (default %(default)s)")
@@ -85,7 +91,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         policy=args.policy, max_retries=args.max_retries, max_body_bytes=args.max_body_bytes, grace_s=args.grace_s,
         upstream_timeout_s=args.upstream_timeout_s, connect_timeout_s=args.connect_timeout_s,
         inflight_cap_per_capacity=args.inflight_cap_per_capacity, event_buffer=args.event_buffer,
-        reuse_port=args.reuse_port, extra_routes=args.extra_routes,
+        reuse_port=args.reuse_port, extra_routes=args.extra_routes, continue_limit=args.continue_limit,
+        stall_timeout_s=args.stall_timeout_s,
     ).validate()
 
 

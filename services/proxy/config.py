@@ -50,6 +50,8 @@ class ProxyConfig:
     models_ttl_s: float = 5.0
     reuse_port: bool = False  # several replicas may share one port (SO_REUSEPORT)
     extra_routes: tuple[str, ...] = ()  # POST paths routed by body ``model`` beside app.OPENAI_POST_ROUTES
+    continue_limit: int = 1  # continuations of one broken stream on other nodes; 0 turns them off
+    stall_timeout_s: float = 30.0  # a continuable stream silent this long has broken
 
     def validate(self) -> "ProxyConfig":
         sj.check_token(self.proxy_id, "proxy name")
@@ -65,6 +67,8 @@ class ProxyConfig:
              "--inflight-cap-per-capacity must be > 0"),
             (self.event_buffer > 0, "--event-buffer must be > 0"),
             (0 <= self.port < 65536, "--port must be 0..65535"),
+            (self.continue_limit >= 0, "--continue-limit must be >= 0"),
+            (self.stall_timeout_s > 0, "--stall-timeout-s must be > 0"),
         ]
         checks += [(path.startswith("/") and " " not in path, f"--extra-routes: {path!r} is not a path like /v1/x")
                    for path in self.extra_routes]

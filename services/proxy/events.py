@@ -72,6 +72,7 @@ class Attempt:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     error: str | None = None
+    next_attempt: str | None = None  # the attempt that continued or retried this one
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -111,7 +112,7 @@ class EventPublisher:
             request_id=request_id, proxy=self.proxy_id, outcome=attempt.outcome, pool=pool,
             ttft_ms=attempt.ttft_ms, duration_ms=attempt.duration_ms, prompt_tokens=attempt.prompt_tokens,
             completion_tokens=attempt.completion_tokens, status=attempt.status, error=attempt.error,
-            ts_ns=time.time_ns())
+            ts_ns=time.time_ns(), next_attempt=attempt.next_attempt)
         self._put(self._subjects_of(node)[1], encode(event), f"{self.proxy_id}:{request_id}:finished")
 
     def _subjects_of(self, node: str) -> tuple[str, str]:

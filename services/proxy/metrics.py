@@ -113,6 +113,8 @@ class ProxyMetrics:
                                 ["reason"], registry=registry)
         self.retries = Counter("laswrr_proxy_retries", "Retries on another node before the first byte",
                                ["pool"], registry=registry)
+        self.continuations = Counter("laswrr_proxy_continuations", "Broken streams continued on another node",
+                                     ["pool"], registry=registry)
         self.snapshot_age = Gauge("laswrr_proxy_snapshot_age_seconds",
                                   "Age of the snapshot in force (now - its event time)", ["pool"], registry=registry)
         self.snapshot_seq = Gauge("laswrr_proxy_snapshot_seq", "as_of_seq of the snapshot in force",

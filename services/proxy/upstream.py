@@ -29,6 +29,7 @@ Events: one started/finished pair per attempt (see ``services.proxy.events``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import deque
@@ -41,6 +42,15 @@ import msgspec
 from aiohttp import web
 from multidict import CIMultiDict
 
+from laswrr.schemas.words import RequestOutcome
+from laswrr.services.proxy.continuation import (
+    Broken as EngineBroke,
+    SseFramer,
+    StreamText,
+    continuation_body,
+    not_continuable,
+    route_kind,
+)
 from laswrr.services.proxy.events import RETRIED_PREFIX, Attempt, EventPublisher
 from laswrr.services.proxy.metrics import ProxyMetrics
 from laswrr.services.proxy.routing import Admission, Router
@@ -71,6 +81,16 @@ class ClientGone(Exception):
 
 
 @dataclass(slots=True)
+class ClientStream:
+    """The client's SSE response, once an attempt has started it; it outlives the attempt."""
+
+    response: web.StreamResponse
+    first_byte: float  # perf_counter when the response (its headers) went out
+    text: StreamText | None  # what the client was sent, when the stream may be continued
+    not_continuable: str | None  # why not, otherwise
+
+
+@dataclass(slots=True)
 class Exchange:
     """One client request as the forwarder sees it."""
 
@@ -82,6 +102,8 @@ class Exchange:
     headers: CIMultiDict[str]
     arrived: float  # perf_counter at handler entry
     tried: list[str] = field(default_factory=list)
+    client: ClientStream | None = None
+    continuation: bytes | None = None  # the body of the next attempt after a break
 
 
 @dataclass(slots=True)
@@ -90,18 +112,18 @@ class AttemptState:
 
     started: float
     sent: float | None = None  # upstream request issued
-    first_byte: float | None = None  # first byte written to the client
+    first_byte: float | None = None  # first byte of this attempt written to the client
     overhead: float = 0.0
-    sse: web.StreamResponse | None = None  # the client's SSE response, once prepared
 
 
 @dataclass(slots=True)
 class Failed:
-    """An attempt that failed before any byte reached the client (retryable)."""
+    """An attempt that failed before any byte of it reached the client (retryable unless said)."""
 
     reason: str
     status: int | None = None
     response: web.Response | None = None  # the engine's 5xx, passed through if no retry is left
+    retryable: bool = True
 
     def to_response(self, node: str) -> web.Response:
         if self.response is not None:
@@ -109,6 +131,13 @@ class Failed:
         if self.reason.startswith("timeout"):
             return error_response(504, f"upstream node {node} timed out: {self.reason}", SSE_ERROR_TYPE, "upstream_timeout")
         return error_response(502, f"upstream node {node} failed: {self.reason}", SSE_ERROR_TYPE, "upstream_unreachable")
+
+
+@dataclass(slots=True)
+class Broken:
+    """A continuable stream that broke after the client got part of it; ``attempt`` is its record."""
+
+    attempt: Attempt
 
 
 @dataclass(slots=True)
@@ -120,7 +149,7 @@ class Done:
 class Forwarder:
     def __init__(self, session: aiohttp.ClientSession, router: Router, events: EventPublisher,
                  metrics: ProxyMetrics, max_retries: int, timeout: aiohttp.ClientTimeout,
-                 aborting: Callable[[], bool]) -> None:
+                 aborting: Callable[[], bool], continue_limit: int = 1, stall_timeout_s: float = 30.0) -> None:
         self.session = session
         self.router = router
         self.events = events
@@ -128,160 +157,257 @@ class Forwarder:
         self.max_retries = max_retries
         self.timeout = timeout
         self.aborting = aborting
+        self.continue_limit = continue_limit
+        self.stall_timeout_s = stall_timeout_s
 
-    async def forward(self, request: web.Request, ex: Exchange, admission: Admission) -> web.StreamResponse:
-        """Run attempts until one answers or retries run out; ``admission`` is the first node."""
-        attempt_no = 0
+    async def forward(self, request: web.Request, exchange: Exchange, admission: Admission) -> web.StreamResponse:
+        """Run attempts until one answers, or retries and continuations run out; ``admission`` is the first node."""
+        attempt_no = retries = continuations = 0
         while True:
-            rid = ex.request_id if attempt_no == 0 else f"{ex.request_id}.{attempt_no}"
-            ex.tried.append(admission.node)
-            result = await self._attempt_with_events(request, ex, admission, rid)
+            attempt_id = exchange.request_id if attempt_no == 0 else f"{exchange.request_id}.{attempt_no}"
+            exchange.tried.append(admission.node)
+            result = await self._attempt_with_events(request, exchange, admission, attempt_id)
             if isinstance(result, Done):
                 return result.response
-            nxt = self.router.admit(ex.pool, ex.tried) if attempt_no < self.max_retries else None
-            prefix = RETRIED_PREFIX if nxt is not None else ""
-            self._finish(rid, admission, Attempt(outcome="upstream_error", status=result.status,
-                                                 duration_ms=_ms(time.perf_counter() - ex.arrived),
-                                                 error=prefix + result.reason))
-            if nxt is None:
-                return self._tag(result.to_response(admission.node), admission, ex)
-            self.metrics.retries.labels(pool=ex.pool).inc()
-            admission, attempt_no = nxt, attempt_no + 1
+            next_admission = None
+            if isinstance(result, Broken):
+                if continuations < self.continue_limit:
+                    next_admission = self.router.admit(exchange.pool, exchange.tried)
+                attempt = result.attempt
+                if next_admission is not None:
+                    attempt.outcome = RequestOutcome.CONTINUED
+            else:
+                if result.retryable and retries < self.max_retries:
+                    next_admission = self.router.admit(exchange.pool, exchange.tried)
+                attempt = Attempt(outcome=RequestOutcome.UPSTREAM_ERROR, status=result.status,
+                                  duration_ms=_ms(time.perf_counter() - exchange.arrived),
+                                  error=(RETRIED_PREFIX if next_admission is not None else "") + result.reason)
+            if next_admission is not None:
+                attempt.next_attempt = f"{exchange.request_id}.{attempt_no + 1}"
+            self._finish(attempt_id, admission, attempt)
+            if next_admission is None:
+                return await self._give_up(result, admission, exchange)
+            if isinstance(result, Broken):
+                continuations += 1
+                self.metrics.continuations.labels(pool=exchange.pool).inc()
+            else:
+                retries += 1
+                self.metrics.retries.labels(pool=exchange.pool).inc()
+            admission, attempt_no = next_admission, attempt_no + 1
 
-    async def _attempt_with_events(self, request: web.Request, ex: Exchange, admission: Admission,
-                                   rid: str) -> Done | Failed:
-        self.events.started(rid, admission.node, admission.pool, admission.snapshot_seq)
+    async def _give_up(self, result: Failed | Broken, admission: Admission, exchange: Exchange) -> web.StreamResponse:
+        """No attempt is left: answer the last failure, or end the client's stream with an error event."""
+        client = exchange.client
+        if client is None:
+            assert isinstance(result, Failed)
+            return self._tag(result.to_response(admission.node), admission, exchange)
+        reason = result.reason if isinstance(result, Failed) else result.attempt.error
+        with contextlib.suppress(ConnectionResetError, RuntimeError):  # the client may be gone too
+            await client.response.write(sse_error(f"upstream node {admission.node} failed mid-stream: {reason}"))
+            await client.response.write_eof()
+        return client.response
+
+    async def _attempt_with_events(self, request: web.Request, exchange: Exchange, admission: Admission,
+                                   attempt_id: str) -> Done | Failed | Broken:
+        self.events.started(attempt_id, admission.node, admission.pool, admission.snapshot_seq)
         state = AttemptState(started=time.perf_counter())
         try:
-            result = await self._attempt(request, ex, admission, state)
+            result = await self._attempt(request, exchange, admission, state)
         except asyncio.CancelledError:
             aborted = self.aborting()
-            outcome = "router_aborted" if aborted else "client_cancelled"
-            self._finish(rid, admission, self._record(ex, state, outcome, None, error="cancelled"))
-            if aborted and state.sse is not None:
-                await _tell_aborted(state.sse)
+            outcome = RequestOutcome.ROUTER_ABORTED if aborted else RequestOutcome.CLIENT_CANCELLED
+            self._finish(attempt_id, admission, self._record(exchange, state, outcome, None, error="cancelled"))
+            if aborted and exchange.client is not None:
+                await _tell_aborted(exchange.client.response)
             raise
         finally:
             self.router.release(admission)
         if isinstance(result, Done):
-            self._finish(rid, admission, result.attempt)
-            self._observe(ex, state)
+            self._finish(attempt_id, admission, result.attempt)
+            self._observe(exchange, state)
         return result
 
-    def _finish(self, rid: str, admission: Admission, attempt: Attempt) -> None:
-        self.events.finished(rid, admission.node, admission.pool, attempt)
+    def _finish(self, attempt_id: str, admission: Admission, attempt: Attempt) -> None:
+        self.events.finished(attempt_id, admission.node, admission.pool, attempt)
         self.metrics.count_request(admission.pool, admission.node, attempt.outcome)
 
-    def _observe(self, ex: Exchange, state: AttemptState) -> None:
-        sent = state.first_byte is not None
-        self.metrics.observe_latency(ex.pool, state.first_byte - ex.arrived if sent else None,  # type: ignore[operator]
-                                     time.perf_counter() - ex.arrived, state.overhead if sent else None)
+    def _observe(self, exchange: Exchange, state: AttemptState) -> None:
+        first_byte = exchange.client.first_byte if exchange.client is not None else state.first_byte
+        sent = first_byte is not None
+        self.metrics.observe_latency(exchange.pool, first_byte - exchange.arrived if sent else None,  # type: ignore[operator]
+                                     time.perf_counter() - exchange.arrived, state.overhead if sent else None)
 
-    def _record(self, ex: Exchange, state: AttemptState, outcome: str, status: int | None,
+    def _record(self, exchange: Exchange, state: AttemptState, outcome: str, status: int | None,
                 usage: tuple[int | None, int | None] = (None, None), error: str | None = None) -> Attempt:
         now = time.perf_counter()
-        ttft = None if state.first_byte is None else _ms(state.first_byte - ex.arrived)
-        return Attempt(outcome=outcome, status=status, ttft_ms=ttft, duration_ms=_ms(now - ex.arrived),
+        ttft = None if state.first_byte is None else _ms(state.first_byte - exchange.arrived)
+        return Attempt(outcome=outcome, status=status, ttft_ms=ttft, duration_ms=_ms(now - exchange.arrived),
                        prompt_tokens=usage[0], completion_tokens=usage[1], error=error)
 
     @staticmethod
-    def _tag(response: web.StreamResponse, admission: Admission, ex: Exchange) -> web.StreamResponse:
+    def _tag(response: web.StreamResponse, admission: Admission, exchange: Exchange) -> web.StreamResponse:
         """The engine's headers (copied into ``response``) minus what the proxy re-frames, plus ours."""
         strip(response.headers, RESPONSE_DROP)
         response.headers[NODE_HEADER] = admission.node
-        response.headers[REQUEST_ID_HEADER] = ex.request_id
+        response.headers[REQUEST_ID_HEADER] = exchange.request_id
         return response
 
     # -- one attempt ----------------------------------------------------------------------------
 
-    async def _attempt(self, request: web.Request, ex: Exchange, admission: Admission,
-                       state: AttemptState) -> Done | Failed:
-        url = upstream_url(admission.url, ex.path_qs)
+    async def _attempt(self, request: web.Request, exchange: Exchange, admission: Admission,
+                       state: AttemptState) -> Done | Failed | Broken:
+        url = upstream_url(admission.url, exchange.path_qs)
+        body = exchange.body if exchange.continuation is None else exchange.continuation
         state.sent = time.perf_counter()
-        state.overhead = state.sent - ex.arrived
+        state.overhead = state.sent - exchange.arrived
         try:
-            up = await self.session.request(ex.method, url, data=ex.body, headers=ex.headers, timeout=self.timeout,
-                                            allow_redirects=False)
+            engine_response = await self.session.request(exchange.method, url, data=body, headers=exchange.headers,
+                                                         timeout=self.timeout, allow_redirects=False)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             return Failed(reason=describe(exc))
         try:
-            if up.status >= 500:
-                return await self._failed_status(up, admission, ex)
-            if up.content_type == "text/event-stream":
-                return await self._stream(request, ex, admission, state, up)
-            return await self._buffered(request, ex, admission, state, up)
+            if engine_response.status >= 500:
+                return await self._failed_status(engine_response, admission, exchange)
+            if engine_response.content_type == "text/event-stream":
+                return await self._stream(request, exchange, admission, state, engine_response)
+            if exchange.client is not None:  # a continuation refused (e.g. an engine without the options)
+                return Failed(reason=f"continuation answered HTTP {engine_response.status} "
+                                     f"({engine_response.content_type})", status=engine_response.status,
+                              retryable=False)
+            return await self._buffered(request, exchange, admission, state, engine_response)
         finally:
-            up.close()  # no-op after a full read; on cancel or error it aborts the engine's work
+            engine_response.close()  # no-op after a full read; on cancel or error it aborts the engine's work
 
-    async def _failed_status(self, up: aiohttp.ClientResponse, admission: Admission, ex: Exchange) -> Failed:
+    async def _failed_status(self, engine_response: aiohttp.ClientResponse, admission: Admission,
+                             exchange: Exchange) -> Failed:
         try:
-            body = await up.read()
+            body = await engine_response.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             body = b""
-        response = web.Response(status=up.status, body=body, headers=up.headers)
-        self._tag(response, admission, ex)
-        return Failed(reason=f"HTTP {up.status}", status=up.status, response=response)
+        response = web.Response(status=engine_response.status, body=body, headers=engine_response.headers)
+        self._tag(response, admission, exchange)
+        return Failed(reason=f"HTTP {engine_response.status}", status=engine_response.status, response=response)
 
-    async def _buffered(self, request: web.Request, ex: Exchange, admission: Admission, state: AttemptState,
-                        up: aiohttp.ClientResponse) -> Done | Failed:
+    async def _buffered(self, request: web.Request, exchange: Exchange, admission: Admission, state: AttemptState,
+                        engine_response: aiohttp.ClientResponse) -> Done | Failed:
         try:
-            body = await up.read()
+            body = await engine_response.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            return Failed(reason=describe(exc), status=up.status)
+            return Failed(reason=describe(exc), status=engine_response.status)
         received = time.perf_counter()
-        response = web.Response(status=up.status, body=body, headers=up.headers)
-        self._tag(response, admission, ex)
+        response = web.Response(status=engine_response.status, body=body, headers=engine_response.headers)
+        self._tag(response, admission, exchange)
         try:
             await response.prepare(request)
             state.first_byte = time.perf_counter()
             state.overhead += state.first_byte - received
             await response.write_eof()
         except (ConnectionResetError, RuntimeError) as exc:  # RuntimeError: transport already closed
-            return Done(response, self._record(ex, state, "client_cancelled", up.status, error=describe(exc)))
-        usage = usage_from_json(body) if up.content_type == "application/json" else (None, None)
-        return Done(response, self._record(ex, state, "completed", up.status, usage))
+            return Done(response, self._record(exchange, state, RequestOutcome.CLIENT_CANCELLED, engine_response.status,
+                                               error=describe(exc)))
+        usage = usage_from_json(body) if engine_response.content_type == "application/json" else (None, None)
+        return Done(response, self._record(exchange, state, RequestOutcome.COMPLETED, engine_response.status, usage))
 
-    async def _stream(self, request: web.Request, ex: Exchange, admission: Admission, state: AttemptState,
-                      up: aiohttp.ClientResponse) -> Done | Failed:
+    async def _stream(self, request: web.Request, exchange: Exchange, admission: Admission, state: AttemptState,
+                      engine_response: aiohttp.ClientResponse) -> Done | Failed | Broken:
         try:
-            first = await up.content.readany()
+            first = await engine_response.content.readany()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            return Failed(reason=describe(exc), status=up.status)
+            return Failed(reason=describe(exc), status=engine_response.status)
         received = time.perf_counter()
-        response = web.StreamResponse(status=up.status, headers=up.headers)
-        self._tag(response, admission, ex)
-        tail: deque[bytes] = deque(maxlen=_TAIL_CHUNKS)
+        status = engine_response.status
         try:
-            await response.prepare(request)
-            state.sse = response
-            if first:
-                await response.write(first)
-                tail.append(first)
-            state.first_byte = time.perf_counter()
-            state.overhead += state.first_byte - received
-            error = await self._pump(up, response, tail)
+            client = exchange.client or await self._open(request, exchange, admission, engine_response, state)
+            state.overhead += time.perf_counter() - received
+            if client.text is None:
+                error, tail = await self._pump(engine_response, client.response, first)
+                usage = usage_from_sse(tail)
+            else:
+                error = await self._relay(engine_response, client, first, state)
+                usage = (client.text.prompt_tokens, client.text.attempt_tokens)
+            if error is not None and client.text is not None and client.text.blocked is None:
+                return await self._broken(exchange, client, state, status, error)
             if error is not None:
-                await response.write(sse_error(f"upstream node {admission.node} failed mid-stream: {error}"))
-            await response.write_eof()
+                why = client.not_continuable or (client.text.blocked if client.text else None)
+                await client.response.write(sse_error(f"upstream node {admission.node} failed mid-stream: {error}"
+                                                      + (f" (not continued: {why})" if why else "")))
+            await client.response.write_eof()
         except (ConnectionResetError, RuntimeError) as exc:
-            return Done(response, self._record(ex, state, "client_cancelled", up.status, error=describe(exc)))
+            return Done(exchange.client.response if exchange.client else web.StreamResponse(),
+                        self._record(exchange, state, RequestOutcome.CLIENT_CANCELLED, status, error=describe(exc)))
         if error is not None:
-            return Done(response, self._record(ex, state, "upstream_error", up.status, error=error))
-        return Done(response, self._record(ex, state, "completed", up.status, usage_from_sse(b"".join(tail))))
+            return Done(client.response, self._record(exchange, state, RequestOutcome.UPSTREAM_ERROR, status, error=error))
+        return Done(client.response, self._record(exchange, state, RequestOutcome.COMPLETED, status, usage or (None, None)))
+
+    async def _open(self, request: web.Request, exchange: Exchange, admission: Admission,
+                    engine_response: aiohttp.ClientResponse, state: AttemptState) -> ClientStream:
+        """Send the client the response headers: the first attempt to answer SSE opens its stream."""
+        response = web.StreamResponse(status=engine_response.status, headers=engine_response.headers)
+        self._tag(response, admission, exchange)
+        kind = route_kind(exchange.path_qs)
+        why = "--continue-limit is 0" if self.continue_limit == 0 else not_continuable(kind, exchange.body)
+        text = StreamText(kind) if why is None and kind is not None else None
+        await response.prepare(request)
+        state.first_byte = time.perf_counter()
+        exchange.client = ClientStream(response, state.first_byte, text, why)
+        return exchange.client
+
+    async def _broken(self, exchange: Exchange, client: ClientStream, state: AttemptState, status: int,
+                      error: str) -> Done | Broken:
+        """A continuable stream broke: end it here when nothing is left to generate, else continue it."""
+        text = client.text
+        assert text is not None
+        usage = (text.prompt_tokens, text.attempt_tokens)
+        body = continuation_body(exchange.body, text)
+        if body is None:
+            await client.response.write(text.ending())
+            await client.response.write_eof()
+            return Done(client.response, self._record(exchange, state, RequestOutcome.COMPLETED, status, usage,
+                                                      error=f"{error} after the last token; the proxy ended the stream"))
+        exchange.continuation = body
+        text.next_attempt()
+        return Broken(self._record(exchange, state, RequestOutcome.UPSTREAM_ERROR, status, usage, error=error))
+
+    async def _relay(self, engine_response: aiohttp.ClientResponse, client: ClientStream, first: bytes,
+                     state: AttemptState) -> str | None:
+        """Forward whole events as they complete, reading each; the break, if the stream broke."""
+        text, response, content = client.text, client.response, engine_response.content
+        assert text is not None
+        framer, chunk = SseFramer(), first
+        while True:
+            try:
+                for event in framer.feed(chunk):
+                    out = text.event(event)
+                    if out is not None:
+                        await response.write(out)  # ConnectionResetError here means the client went away
+                        if state.first_byte is None:
+                            state.first_byte = time.perf_counter()
+            except EngineBroke as exc:
+                return str(exc)
+            if not chunk:
+                return None if text.done or text.finished else "the stream ended before its finish"
+            try:
+                async with asyncio.timeout(self.stall_timeout_s):
+                    chunk = await content.readany()
+            except asyncio.TimeoutError:
+                return None if text.done else f"stalled: no byte for {self.stall_timeout_s:g} s"
+            except (aiohttp.ClientError, OSError) as exc:
+                return None if text.done else describe(exc)
 
     @staticmethod
-    async def _pump(up: aiohttp.ClientResponse, response: web.StreamResponse, tail: deque[bytes]) -> str | None:
-        """Copy the rest of the stream as it arrives; the upstream error that cut it, if any."""
-        content = up.content
-        while True:
+    async def _pump(engine_response: aiohttp.ClientResponse, response: web.StreamResponse,
+                    first: bytes) -> tuple[str | None, bytes]:
+        """Copy the stream as it arrives: the upstream error that cut it, if any, and its last chunks (``usage``)."""
+        tail: deque[bytes] = deque(maxlen=_TAIL_CHUNKS)
+        chunk, content = first, engine_response.content
+        while chunk:
+            await response.write(chunk)  # ConnectionResetError here means the client went away
+            tail.append(chunk)
             try:
                 chunk = await content.readany()
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                return describe(exc)
-            if not chunk:
-                return None
-            await response.write(chunk)  # ConnectionResetError here means the client went away
-            tail.append(chunk)
+                return describe(exc), b""
+        return None, b"".join(tail)
 
 
 async def _tell_aborted(response: web.StreamResponse) -> None:

@@ -73,6 +73,7 @@ def test_requests_view(crafted: tuple[Path, dict[str, int]]) -> None:
 def test_interruptions_and_open_requests(crafted: tuple[Path, dict[str, int]]) -> None:
     path, seqs = crafted
     assert query(path, "SELECT request_id, reason, proxy_stopped_seq FROM interruptions ORDER BY request_id") == [
+        ("r3", "engine_cut", None),  # its upstream error came after the client's first byte (ttft 40 ms)
         ("r4", "router_aborted", None), ("r7", "open_at_proxy_stop", seqs["p2_stopped"])]
     assert query(path, "SELECT request_id FROM open_requests") == [("r8",)]
     assert query(path, "SELECT count(*) FROM clean_end") == [(0,)]
@@ -146,7 +147,7 @@ def test_report_json_counts(crafted: tuple[Path, dict[str, int]], capsys: pytest
     assert {k: report[k] for k in ("requests", "completed", "client_cancelled", "upstream_error", "router_aborted",
                                    "interrupted", "open", "admitted_to_draining", "zero_interruptions")} == {
         "requests": 8, "completed": 3, "client_cancelled": 1, "upstream_error": 1, "router_aborted": 1,
-        "interrupted": 2, "open": 1, "admitted_to_draining": 1, "zero_interruptions": False}
+        "interrupted": 3, "open": 1, "admitted_to_draining": 1, "zero_interruptions": False}
     assert [(d["node"], d["by"], d["duration_ms"]) for d in report["drains"]] == [("b", "inflight", 22.0),
                                                                                ("a", "deadline", 100.0)]
     assert main(["report", "--db", str(path)]) == 0
@@ -169,7 +170,7 @@ def test_export_round_trip(crafted: tuple[Path, dict[str, int]], tmp_path: Path,
     assert main(["replay", "--db", str(out)]) == 0  # the export is a replayable log
     assert "identical" in capsys.readouterr().out
     assert main(["report", "--db", str(out), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["interrupted"] == 2
+    assert json.loads(capsys.readouterr().out)["interrupted"] == 3
 
 
 def test_retries_are_attempts_of_one_request(tmp_path: Path) -> None:
@@ -195,6 +196,49 @@ def test_retries_are_attempts_of_one_request(tmp_path: Path) -> None:
     assert (report["requests"], report["completed"], report["upstream_error"], report["retried_attempts"]) == (1, 1, 0, 1)
 
 
+def test_continued_streams_are_not_interrupted(tmp_path: Path) -> None:
+    """q1 breaks on a after 3 tokens, is continued on b, which breaks after 2 more and is continued
+    on c; q2 is cut on a with continuation off; q3 is retried whole (non-streamed) after a 502."""
+    log = LogBuilder()
+    for node in ("a", "b", "c"):
+        log.node(node, 4)
+    log.tick()
+    log.started("a", "q1")
+    log.finished("a", "q1", outcome="continued", ttft_ms=40.0, duration_ms=100.0, completion_tokens=3,
+                 error="ClientPayloadError: Response payload is not completed", next_attempt="q1.1")
+    log.started("b", "q1.1")
+    log.finished("b", "q1.1", outcome="continued", ttft_ms=130.0, duration_ms=200.0, completion_tokens=2,
+                 error="stalled: no byte for 1 s", next_attempt="q1.2")
+    log.started("c", "q1.2")
+    log.finished("c", "q1.2", ttft_ms=260.0, duration_ms=400.0, prompt_tokens=9, completion_tokens=5)
+    log.started("a", "q2")
+    log.finished("a", "q2", outcome="upstream_error", ttft_ms=40.0, duration_ms=90.0, completion_tokens=3)
+    log.started("a", "q3")
+    log.finished("a", "q3", outcome="upstream_error", status=502, ttft_ms=None, duration_ms=30.0,
+                 error="retried: HTTP 502", next_attempt="q3.1")
+    log.started("b", "q3.1")
+    log.finished("b", "q3.1", ttft_ms=80.0, duration_ms=80.0)
+    path = tmp_path / "continued.duckdb"
+    log.write_db(path)
+    assert query(path, "SELECT request_id, outcome, ttft_ms, attempts, continued FROM requests ORDER BY request_id") == [
+        ("q1", "completed", 40.0, 3, 2), ("q2", "upstream_error", 40.0, 1, 0), ("q3", "completed", 80.0, 2, 0)]
+    assert query(path, "SELECT request_id, reason FROM interruptions") == [("q2", "engine_cut")]
+    assert query(path, "SELECT attempt_id, next_attempt, kind, node, next_node, tokens_before, tokens_after, added_ms, "
+                       "next_outcome FROM continuations ORDER BY finished_seq") == [
+        ("q1", "q1.1", "continued", "a", "b", 3, 2, 30.0, "continued"),
+        ("q1.1", "q1.2", "continued", "b", "c", 5, 5, 60.0, "completed"),
+        ("q3", "q3.1", "retried", "a", "b", 0, None, 50.0, "completed")]
+    with store.open_read(path) as con:
+        from laswrr.replay.report import gather
+
+        report = gather(con)
+        assert replay_db(con).identical
+    assert {k: report[k] for k in ("interrupted", "interrupted_engine_cut", "continued_streams", "continuations",
+                                   "retried_whole", "continuation_added_ms_p50")} == {
+        "interrupted": 1, "interrupted_engine_cut": 1, "continued_streams": 1, "continuations": 2,
+        "retried_whole": 1, "continuation_added_ms_p50": 45.0}
+
+
 def test_every_sql_example_in_the_analyst_guide_runs(crafted: tuple[Path, dict[str, int]]) -> None:
     import re
 
@@ -214,7 +258,7 @@ def test_a_file_with_outdated_views_is_read_with_the_current_ones(crafted: tuple
     con.execute("DROP VIEW interruptions")
     con.close()
     assert query(path, "SELECT count(*) FROM requests") == [(8,)]
-    assert query(path, "SELECT count(*) FROM interruptions") == [(2,)]
+    assert query(path, "SELECT count(*) FROM interruptions") == [(3,)]
 
 
 def test_what_if_overrides_outlive_recorded_config_events(crafted: tuple[Path, dict[str, int]], tmp_path: Path,
