@@ -31,7 +31,7 @@ from laswrr.bench.report import PolicyRun, print_table, scenario_summary
 from laswrr.bench.scenarios import SCENARIOS, TEST_SCENARIOS, Scenario, get_scenario
 from laswrr.bench.trace import TraceWindow, arrival_bursts, load_workload, trace_format
 from laswrr.bench.workload import RequestSpec, generate
-from laswrr.scheduler.policies import POLICIES
+from laswrr.scheduler.policies import POLICIES, canonical_policy
 from laswrr.services import settings
 from laswrr.services.children import interrupt_on_sigterm
 
@@ -77,13 +77,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.set_defaults(func=main)
 
 
+def _known(name: str) -> str:
+    """An alias (``round_robin``) becomes the policy's name; an unknown name stays, to be reported."""
+    try:
+        return canonical_policy(name)
+    except ValueError:
+        return name.strip()
+
+
 def parse_policies(text: str | None, peers: bool = True) -> list[str]:
     from laswrr.bench.stack_adapter import PEER_PREFIX, vllm_router_binary
 
     if text is None:
         extra = [DEFAULT_PEER] if peers and vllm_router_binary() is not None else []
         return list(DEFAULT_POLICIES) + extra
-    policies = [p.strip() for p in text.split(",") if p.strip()]
+    policies = [p.strip() if p.strip().startswith(PEER_PREFIX) else _known(p) for p in text.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES and not
                (p.startswith(PEER_PREFIX) and p[len(PEER_PREFIX):] in PEER_POLICIES)]
     if unknown or not policies:

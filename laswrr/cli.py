@@ -4,14 +4,25 @@ Each module listed in COMMAND_MODULES exposes ``register(subparsers)``, which ad
 sub-command(s) with ``set_defaults(func=handler)``; a handler takes the parsed
 arguments and returns the process exit code. Modules are imported only to build
 the parser, so adding a command means adding one line here.
+
+Settings from the environment: every ``--flag`` of a command may also be given as the variable
+``LASWRR_<FLAG>`` (upper case, ``-`` as ``_``: ``LASWRR_LOG_LEVEL=warning``,
+``LASWRR_PROXY_PORT=9000``); a switch (``--reuse-port``) is on for ``1``/``true``/``yes``/``on``.
+The command line wins over the environment. ``main`` reads them for the command being run
+(``environment_args``) and parses them as if typed, so a bad value is the same usage error as
+on the command line, naming the variable. docs/configuration.md lists them all
+(``settings_table``, checked by a test).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+from laswrr import __version__
 
 COMMAND_MODULES: tuple[str, ...] = (
     "laswrr.services.analysis",
@@ -33,15 +44,92 @@ def build_parser() -> argparse.ArgumentParser:
         prog="laswrr",
         description="Load-aware smooth weighted round-robin router for LLM inference on Ascend NPU pools.",
     )
+    parser.add_argument("--version", action="version", version=f"laswrr {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
     return parser
 
 
+# -- settings from the environment ----------------------------------------------------------------
+
+ENV_PREFIX = "LASWRR_"
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+_NOT_SETTINGS = {"--help", "--version"}
+
+
+def env_name(flag: str) -> str:
+    """``--log-level`` -> ``LASWRR_LOG_LEVEL``."""
+    return ENV_PREFIX + flag.removeprefix("--").upper().replace("-", "_")
+
+
+def _long_flag(action: argparse.Action) -> str | None:
+    return next((o for o in action.option_strings if o.startswith("--") and o not in _NOT_SETTINGS), None)
+
+
+def commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def environment_args(command: argparse.ArgumentParser, given: Sequence[str],
+                     environ: Mapping[str, str]) -> list[str]:
+    """``--flag=value`` for each ``LASWRR_<FLAG>`` set for a flag of ``command`` not in ``given``."""
+    out = []
+    for action in command._actions:
+        flag = _long_flag(action)
+        value = environ.get(env_name(flag)) if flag else None
+        if flag is None or value is None:
+            continue
+        if any(arg == opt or arg.startswith(opt + "=") for arg in given for opt in action.option_strings):
+            continue  # the command line wins
+        if action.nargs != 0:
+            out.append(f"{flag}={value}")
+        elif value.strip().lower() in _TRUE:
+            out.append(flag)
+        elif value.strip().lower() not in _FALSE:
+            command.error(f"{env_name(flag)}={value!r}: a switch takes 1/0, true/false, yes/no or on/off")
+    return out
+
+
+def with_environment(parser: argparse.ArgumentParser, argv: Sequence[str],
+                     environ: Mapping[str, str] = os.environ) -> list[str]:
+    """``argv`` with the command's ``LASWRR_*`` settings inserted after the command name."""
+    argv = list(argv)
+    at = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), None)
+    if at is None or argv[at] not in commands(parser):
+        return argv
+    return argv[:at + 1] + environment_args(commands(parser)[argv[at]], argv[at + 1:], environ) + argv[at + 1:]
+
+
+def settings_table(parser: argparse.ArgumentParser | None = None) -> str:
+    """The Markdown table of every flag, its variable and the commands that take it (docs/configuration.md)."""
+    parser = parser or build_parser()
+    flags: dict[str, tuple[str, list[str]]] = {}
+    for name, command in commands(parser).items():
+        for action in command._actions:
+            flag = _long_flag(action)
+            if flag is not None:
+                text = " ".join((action.help or "").replace("%(default)s", str(action.default)).split())
+                flags.setdefault(flag, (text.replace("|", "\\|"), []))[1].append(name)
+    rows = ["| flag | environment variable | commands | what |", "|---|---|---|---|"]
+    for flag in sorted(flags):
+        text, names = flags[flag]
+        rows.append(f"| `{flag}` | `{env_name(flag)}` | {', '.join(names)} | {text} |")
+    return "\n".join(rows) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    full = with_environment(parser, given)
+    try:
+        args = parser.parse_args(full)
+    except SystemExit as exc:
+        if exc.code not in (0, None) and len(full) > len(given):
+            names = sorted({env_name(a.split("=", 1)[0]) for a in full if a not in given and a.startswith("--")})
+            print(f"laswrr: settings from the environment: {', '.join(names)}", file=sys.stderr)
+        raise
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

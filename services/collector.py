@@ -137,15 +137,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_nats_options(parser)
     parser.add_argument("--nodes", required=True, help="nodes.toml ([[node]] tables, see collectors/nodes.py)")
-    parser.add_argument("--interval-ms", type=int, default=_ms(Settings.interval_s),
+    parser.add_argument("--interval-ms", type=common.duration("ms"), default=_ms(Settings.interval_s),
                         help="engine/health polling period (default %(default)s)")
-    parser.add_argument("--timeout-ms", type=int, default=_ms(Settings.timeout_s),
+    parser.add_argument("--timeout-ms", type=common.duration("ms"), default=_ms(Settings.timeout_s),
                         help="per-request HTTP timeout (default %(default)s)")
-    parser.add_argument("--npu-interval-ms", type=int, default=_ms(Settings.npu_interval_s),
+    parser.add_argument("--npu-interval-ms", type=common.duration("ms"), default=_ms(Settings.npu_interval_s),
                         help="npu-smi period (default %(default)s)")
-    parser.add_argument("--npu-timeout-ms", type=int, default=_ms(Settings.npu_timeout_s),
+    parser.add_argument("--npu-timeout-ms", type=common.duration("ms"), default=_ms(Settings.npu_timeout_s),
                         help="npu-smi command timeout (default %(default)s)")
-    parser.add_argument("--stats-interval-s", type=float, default=Settings.stats_interval_s,
+    parser.add_argument("--stats-interval-s", type=common.duration("s"), default=Settings.stats_interval_s,
                         help="log totals this often (default %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=Settings.metrics_port,
                         help="serve the collector's counters here")

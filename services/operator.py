@@ -319,7 +319,7 @@ def run_nodes(args: argparse.Namespace) -> int:
 def _common(parser: argparse.ArgumentParser, write: bool = True) -> None:
     settings.add_nats_options(parser)
     if write:
-        parser.add_argument("--wait", type=float, default=3.0, metavar="SECONDS",
+        parser.add_argument("--wait", type=settings.duration("s"), default=3.0, metavar="SECONDS",
                             help="how long to wait for the scheduler's verdict (default 3)")
 
 

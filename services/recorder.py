@@ -399,7 +399,7 @@ def register(subparsers: Any) -> None:
                         help=f"the log goes to DIR/{store.DB_FILE} (default %(default)s)")
     parser.add_argument("--batch", type=int, default=RecorderOptions.batch, metavar="N",
                         help="messages per batch (default %(default)s)")
-    parser.add_argument("--flush-ms", type=int, default=RecorderOptions.flush_ms, metavar="MS",
+    parser.add_argument("--flush-ms", type=settings.duration("ms"), default=RecorderOptions.flush_ms, metavar="MS",
                         help="longest wait for a batch to fill before committing (default %(default)s)")
     parser.add_argument("--durable", default=RecorderOptions.durable, metavar="NAME",
                         help="consumer name prefix (default %(default)s: NAME-events, NAME-out)")

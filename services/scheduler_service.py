@@ -395,7 +395,7 @@ def register(subparsers: Any) -> None:
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     settings.add_nats_options(parser)
     parser.add_argument("--config", metavar="FILE.toml", help="scheduler configuration to put in force")
-    parser.add_argument("--tick-ms", type=int, default=SchedulerOptions.tick_ms,
+    parser.add_argument("--tick-ms", type=settings.duration("ms"), default=SchedulerOptions.tick_ms,
                         help="tick period in ms (default %(default)s; 0 publishes no ticks)")
     parser.add_argument("--replica-id", default=None, help="name of this replica (default host-pid)")
     parser.add_argument("--batch", type=int, default=SchedulerOptions.batch,

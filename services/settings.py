@@ -12,6 +12,11 @@ Rules:
   JSON object per line (json: ``time`` (ISO 8601, UTC), ``level``, ``logger``, ``message``,
   ``service``, then the record's own fields: whatever was passed as ``extra=``, and
   ``exc_info`` with a traceback), written by python-json-logger.
+* **Durations.** A flag whose name ends in ``-ms`` or ``-s`` (``--tick-ms``, ``--grace-s``),
+  and ``--wait``, is a duration: a bare number is in the flag's unit, a number with a unit
+  (``500ms``, ``2s``, ``1.5m``, ``1h``) is converted to it (``--grace-s 500ms`` is 0.5 s,
+  ``--tick-ms 0.2s`` is 200 ms); a millisecond flag takes whole milliseconds. ``duration(unit)``
+  is the argparse type.
 * **Stopping.** ``stop_event()`` turns SIGINT and SIGTERM into an ``asyncio.Event`` the service
   awaits, so it can finish its batch, drain its NATS connection and exit 0.
 
@@ -26,7 +31,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import signal
+from collections.abc import Callable
+from typing import Any
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_DATA_DIR = ".laswrr"
@@ -107,6 +115,33 @@ def configure_logging(args: argparse.Namespace | None, service: str) -> None:
     logging.basicConfig(level=level, handlers=[handler])
     if level != "DEBUG":
         logging.getLogger("nats").setLevel(logging.WARNING)
+
+
+# -- durations ----------------------------------------------------------------------------------
+
+DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*", re.IGNORECASE)
+
+
+def duration(unit: str) -> Callable[[str], Any]:
+    """argparse type of a duration flag in ``unit`` ("s": float seconds, "ms": int milliseconds)."""
+    scale = DURATION_UNITS[unit]
+
+    def parse(text: str) -> float | int:
+        match = _DURATION.fullmatch(text)
+        if not match:
+            raise argparse.ArgumentTypeError(f"invalid duration {text!r}: a number of {unit}, or with a unit "
+                                             "(500ms, 2s, 1.5m, 1h)")
+        given = DURATION_UNITS[(match.group(2) or unit).lower()]
+        value = float(match.group(1)) * given / scale
+        if unit != "ms":
+            return value
+        if abs(value - round(value)) > 1e-9:
+            raise argparse.ArgumentTypeError(f"invalid duration {text!r}: whole milliseconds only")
+        return int(round(value))
+
+    parse.__name__ = f"duration_{unit}"  # argparse names the type in its error messages
+    return parse
 
 
 # -- stopping -----------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ from laswrr.services.natsbus import EmbeddedNats, connect, ensure_streams, redac
 
 log = logging.getLogger("laswrr.up")
 
+DEFAULT_PROXY_HOST = "127.0.0.1"  # `laswrr up` is a local stack: its proxy is not exposed unless asked
 STOP_ORDER = ("proxy", "collector", "sim-engine", "other", "scheduler", "recorder")
 STOP_TIMEOUT_S = {"proxy": 35.0, "recorder": 30.0}  # others: children.DEFAULT_STOP_TIMEOUT_S
 
@@ -155,7 +156,7 @@ class Stack:
     """NATS, the services and (optionally) simulated engines as one process tree. See the module doc."""
 
     def __init__(self, data_dir: str | os.PathLike[str] = settings.DEFAULT_DATA_DIR, *, nats_url: str | None = None,
-                 proxy_port: int = settings.DEFAULT_PROXY_PORT, proxy_host: str = "127.0.0.1",
+                 proxy_port: int = settings.DEFAULT_PROXY_PORT, proxy_host: str = DEFAULT_PROXY_HOST,
                  config: str | None = None, tick_ms: int = settings.DEFAULT_TICK_MS,
                  scheduler_args: Sequence[str] = (), python: str = sys.executable) -> None:
         self.data_dir = Path(data_dir).resolve()
@@ -375,8 +376,8 @@ def banner(stack: Stack, out: IO[str]) -> None:
 
 async def run_up(args: argparse.Namespace) -> int:
     stop = settings.stop_event()
-    stack = Stack(args.data_dir, nats_url=args.nats_url, proxy_port=args.proxy_port, config=args.config,
-                  tick_ms=args.tick_ms)
+    stack = Stack(args.data_dir, nats_url=args.nats_url, proxy_port=args.proxy_port, proxy_host=args.proxy_host,
+                  config=args.config, tick_ms=args.tick_ms)
     try:
         return await _run_stack(stack, args, stop)
     finally:  # whatever happened (even a closed stdout), nothing is left running
@@ -433,10 +434,13 @@ def register(subparsers: Any) -> None:
     settings.add_nats_options(parser, embedded=True)
     parser.add_argument("--data-dir", default=settings.DEFAULT_DATA_DIR, metavar="DIR",
                         help=f"JetStream store, recorded events, logs (default ./{settings.DEFAULT_DATA_DIR})")
+    parser.add_argument("--proxy-host", default=DEFAULT_PROXY_HOST, metavar="ADDR",
+                        help=f"proxy listen address (default {DEFAULT_PROXY_HOST}: this machine only; "
+                             "0.0.0.0 for every interface)")
     parser.add_argument("--proxy-port", type=int, default=settings.DEFAULT_PROXY_PORT,
                         help=f"proxy listen port (default {settings.DEFAULT_PROXY_PORT}; 0 picks a free one)")
     parser.add_argument("--config", metavar="FILE.toml", default=None, help="scheduler configuration file")
-    parser.add_argument("--tick-ms", type=int, default=settings.DEFAULT_TICK_MS, help="scheduler tick period")
+    parser.add_argument("--tick-ms", type=settings.duration("ms"), default=settings.DEFAULT_TICK_MS, help="scheduler tick period")
     parser.add_argument("--sim-speed", type=float, default=1.0, help="speed factor of the simulated engines")
     settings.add_logging(parser)
     parser.set_defaults(func=run_command)

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from laswrr.scheduler.policies import POLICIES
+from laswrr.scheduler.policies import POLICIES, canonical_policy
 from laswrr.services.proxy.app import start
 from laswrr.services import settings
 from laswrr.services.proxy.config import ProxyConfig, default_proxy_id, parse_size
@@ -42,23 +42,31 @@ def _paths(text: str) -> tuple[str, ...]:
 _DEFAULTS = ProxyConfig()  # every default below is the dataclass's
 
 
+def _policy(text: str) -> str:
+    try:
+        return canonical_policy(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     settings.add_nats_options(parser)
     parser.add_argument("--host", default=_DEFAULTS.host, help="listen address (default %(default)s)")
     parser.add_argument("--port", type=int, default=_DEFAULTS.port,
                         help="listen port; 0 picks a free one (default %(default)s)")
     parser.add_argument("--proxy-id", default=None, help="replica name on the bus and policy seed (default hostname-pid)")
-    parser.add_argument("--policy", default=_DEFAULTS.policy, choices=list(POLICIES),
-                        help="pick policy (default %(default)s)")
+    parser.add_argument("--policy", default=_DEFAULTS.policy, type=_policy, metavar="NAME",
+                        help=f"pick policy: {', '.join(POLICIES)}; the peers' round_robin, power_of_two and "
+                             "least_request name the same ones (default %(default)s)")
     parser.add_argument("--max-retries", type=int, default=_DEFAULTS.max_retries,
                         help="retries on another node before the first byte (default %(default)s)")
     parser.add_argument("--max-body-bytes", type=_size, default=_DEFAULTS.max_body_bytes,
                         help="request body limit, e.g. 4MiB (default %(default)s bytes)")
-    parser.add_argument("--grace-s", type=float, default=_DEFAULTS.grace_s,
+    parser.add_argument("--grace-s", type=settings.duration("s"), default=_DEFAULTS.grace_s,
                         help="on SIGTERM, time in-flight requests get to finish (default %(default)s)")
-    parser.add_argument("--upstream-timeout-s", type=float, default=_DEFAULTS.upstream_timeout_s,
+    parser.add_argument("--upstream-timeout-s", type=settings.duration("s"), default=_DEFAULTS.upstream_timeout_s,
                         help="longest silence on an upstream read, not the stream length (default %(default)s)")
-    parser.add_argument("--connect-timeout-s", type=float, default=_DEFAULTS.connect_timeout_s,
+    parser.add_argument("--connect-timeout-s", type=settings.duration("s"), default=_DEFAULTS.connect_timeout_s,
                         help="upstream TCP connect timeout (default %(default)s)")
     parser.add_argument("--inflight-cap-per-capacity", type=float, default=_DEFAULTS.inflight_cap_per_capacity,
                         metavar="F", help="a node's in-flight may not exceed ceil(F x capacity); off by default")

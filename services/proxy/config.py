@@ -14,7 +14,7 @@ import socket
 from dataclasses import dataclass
 
 from laswrr.schemas import subjects as sj
-from laswrr.scheduler.policies import POLICIES
+from laswrr.scheduler.policies import canonical_policy
 from laswrr.services.settings import DEFAULT_NATS_URL, DEFAULT_PROXY_PORT
 
 MIB = 1 << 20
@@ -55,8 +55,7 @@ class ProxyConfig:
 
     def validate(self) -> "ProxyConfig":
         sj.check_token(self.proxy_id, "proxy name")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        canonical_policy(self.policy)  # ValueError on an unknown name
         checks = [
             (self.max_retries >= 0, "--max-retries must be >= 0"),
             (self.max_body_bytes > 0, "--max-body-bytes must be > 0"),

@@ -1,0 +1,118 @@
+"""Flags and names shared by every command: LASWRR_* variables, durations with units, policy
+aliases, --version, `laswrr up --proxy-host`; and docs/configuration.md lists every flag."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from laswrr import __version__
+from laswrr.bench.cli import parse_policies
+from laswrr.cli import build_parser, env_name, settings_table, with_environment
+from laswrr.scheduler.policies import canonical_policy
+from laswrr.services import settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse(argv: list[str], environ: dict[str, str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    return parser.parse_args(with_environment(parser, argv, environ or {}))
+
+
+def test_every_flag_is_also_a_laswrr_variable_and_the_command_line_wins() -> None:
+    env = {"LASWRR_LOG_LEVEL": "warning", "LASWRR_GRACE_S": "500ms", "LASWRR_REUSE_PORT": "yes",
+           "LASWRR_POLICY": "round_robin", "LASWRR_TICK_MS": "1s"}
+    proxy = parse(["proxy"], env)
+    assert (proxy.log_level, proxy.grace_s, proxy.reuse_port, proxy.policy) == ("WARNING", 0.5, True, "rr")
+    assert parse(["proxy", "--log-level", "error", "--grace-s=2"], env).log_level == "ERROR"
+    assert parse(["proxy", "--grace-s=2"], env).grace_s == 2.0
+    assert parse(["scheduler"], env).tick_ms == 1000
+    assert parse(["capacity", "n1", "3"], {"LASWRR_WAIT": "2s"}).wait == 2.0  # positionals stay in place
+    assert parse(["proxy"], {"LASWRR_REUSE_PORT": "off"}).reuse_port is False
+    assert env_name("--npu-interval-ms") == "LASWRR_NPU_INTERVAL_MS"
+
+
+def test_a_bad_variable_is_a_usage_error_that_names_it() -> None:
+    run = subprocess.run([sys.executable, "-m", "laswrr", "proxy"], capture_output=True, text=True,
+                         env={"LASWRR_LOG_FORMAT": "xml", "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 2
+    assert "invalid choice: 'xml'" in run.stderr and "LASWRR_LOG_FORMAT" in run.stderr
+    with pytest.raises(SystemExit):
+        parse(["proxy"], {"LASWRR_REUSE_PORT": "maybe"})
+
+
+@pytest.mark.parametrize(("unit", "text", "value"), [
+    ("s", "2", 2.0), ("s", "500ms", 0.5), ("s", "1.5m", 90.0), ("s", "1h", 3600.0), ("s", " 2S ", 2.0),
+    ("ms", "250", 250), ("ms", "0.2s", 200), ("ms", "2m", 120_000),
+])
+def test_durations_take_units(unit: str, text: str, value: float) -> None:
+    assert settings.duration(unit)(text) == value
+
+
+@pytest.mark.parametrize(("unit", "text"), [("ms", "0.5"), ("ms", "1.0005s"), ("s", "fast"), ("s", "-1s"), ("s", "")])
+def test_bad_durations_are_usage_errors(unit: str, text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        settings.duration(unit)(text)
+
+
+def test_duration_flags_of_the_services_take_units() -> None:
+    collector = parse(["collector", "--nodes", "n.toml", "--interval-ms", "1s", "--npu-timeout-ms", "5s",
+                       "--stats-interval-s", "1m"])
+    assert (collector.interval_ms, collector.npu_timeout_ms, collector.stats_interval_s) == (1000, 5000, 60.0)
+    proxy = parse(["proxy", "--upstream-timeout-s", "5m", "--connect-timeout-s", "750ms"])
+    assert (proxy.upstream_timeout_s, proxy.connect_timeout_s) == (300.0, 0.75)
+    assert parse(["recorder", "--flush-ms", "0.1s"]).flush_ms == 100
+    assert parse(["up", "--tick-ms", "50ms"]).tick_ms == 50
+
+
+def test_policy_aliases_of_the_peer_routers() -> None:
+    assert [canonical_policy(n) for n in ("round_robin", "Power_Of_Two", "least_request", "LA-SWRR", "p2c")] == [
+        "rr", "p2c", "least-request", "la-swrr", "p2c"]
+    assert parse(["proxy", "--policy", "power_of_two"]).policy == "p2c"
+    assert parse_policies("round_robin,least_request,la-swrr") == ["rr", "least-request", "la-swrr"]
+    with pytest.raises(ValueError, match="unknown policy 'cache_aware'"):
+        canonical_policy("cache_aware")
+    with pytest.raises(SystemExit):
+        parse(["proxy", "--policy", "cache_aware"])
+
+
+def test_version() -> None:
+    run = subprocess.run([sys.executable, "-m", "laswrr", "--version"], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == f"laswrr {__version__}"
+    assert __version__[0].isdigit() and __version__ != "0+unknown"  # the installed distribution's
+
+
+def test_the_configuration_doc_lists_every_flag() -> None:
+    table = settings_table()
+    assert "| `--log-format` | `LASWRR_LOG_FORMAT` |" in table and "| `--proxy-host` | `LASWRR_PROXY_HOST` | up |" in table
+    assert table in (ROOT / "docs" / "configuration.md").read_text(), \
+        "docs/configuration.md is behind the parsers: paste settings_table() into its last section"
+
+
+async def test_up_binds_the_proxy_to_proxy_host(tmp_path: Path) -> None:
+    (tmp_path / "nodes.toml").write_text('[[node]]\nid = "n1"\nurl = "http://127.0.0.1:9"\ncapacity = 2\n')
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "laswrr", "up", "--nodes", str(tmp_path / "nodes.toml"), "--data-dir",
+        str(tmp_path / "data"), "--proxy-port", "0", "--proxy-host", "127.0.0.2",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        proxy_url = ""
+        while not proxy_url:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+            assert line, "laswrr up exited early"
+            if line.strip().startswith("proxy URL:"):
+                proxy_url = line.split()[2]
+        assert proxy_url.startswith("http://127.0.0.2:")
+        reader, writer = await asyncio.open_connection("127.0.0.2", int(proxy_url.rsplit(":", 1)[1]))
+        writer.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(proc.wait(), 60)
