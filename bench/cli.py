@@ -64,9 +64,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="replay this trace file (Mooncake .jsonl or Azure .csv) in a trace scenario")
     parser.add_argument("--speed", type=float, default=None, metavar="X",
                         help="trace scenarios: replay X times faster than the trace (default: the scenario's)")
-    parser.add_argument("--start-s", type=float, default=None, metavar="S",
+    parser.add_argument("--start-s", type=settings.duration("s"), default=None, metavar="S",
                         help="trace scenarios: start S seconds into the trace (default: the scenario's)")
-    parser.add_argument("--window-s", type=float, default=None, metavar="W",
+    parser.add_argument("--window-s", type=settings.duration("s"), default=None, metavar="W",
                         help="trace scenarios: replay W seconds of the trace (default: the scenario's; "
                              "with --trace, the whole file)")
     parser.add_argument("--affinity", default=None, metavar="MODE",

@@ -116,3 +116,14 @@ async def test_up_binds_the_proxy_to_proxy_host(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGINT)
         await asyncio.wait_for(proc.wait(), 60)
+
+
+def test_every_duration_flag_takes_units() -> None:
+    """The rule of docs/configuration.md: a flag named ``*-ms`` or ``*-s`` is a duration."""
+    from laswrr.cli import commands
+
+    for name, command in commands(build_parser()).items():
+        for action in command._actions:
+            for flag in action.option_strings:
+                if flag.endswith(("-ms", "-s")) and action.nargs != 0:
+                    assert getattr(action.type, "__name__", "").startswith("duration_"), f"laswrr {name} {flag}"

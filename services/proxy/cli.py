@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--continue-limit", type=int, default=DEFAULTS.continue_limit, metavar="N",
                         help="continue a stream broken after its first byte on up to N other nodes; 0: off "
                              "(default %(default)s)")
-    parser.add_argument("--stall-timeout-s", type=float, default=DEFAULTS.stall_timeout_s,
+    parser.add_argument("--stall-timeout-s", type=settings.duration("s"), default=DEFAULTS.stall_timeout_s,
                         help="a continuable stream silent this long has broken (default %(default)s)")
     parser.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT: replicas may share --port")
     parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
