@@ -12,7 +12,9 @@ interleave on LB_OUT, so each recorded output is keyed by ``(as_of_seq, subject)
 ``lb.out.rejected``) and compared with the core's outputs for that input, in core order. The
 service publishes with ``Nats-Msg-Id = "<as_of_seq>:<subject>[:<index>]"`` (``Output.msg_id``), so
 two outputs of one input on one subject (a node that goes draining -> drained at once) are both
-kept. A byte-identical republish of one output is counted once.
+kept. A byte-identical republish of one output is counted once. An output the service found
+too large to publish was recorded as an ``unpublishable output`` rejection naming the limit it
+applied; the replay applies the same replacement (``schemas.codec.publishable``) with that limit.
 
 Checks, each naming the input sequence number where it fails:
   * gap      - a sequence number is missing between the first and last recorded input (a
@@ -42,7 +44,7 @@ from laswrr.replay.store import PAYLOAD_SQL
 from laswrr.scheduler import config as config_mod
 from laswrr.scheduler.core import Scheduler, apply_guarded
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.codec import Envelope, Output
+from laswrr.schemas.codec import Envelope, Output, publishable, unpublishable_limit
 
 FETCH_ROWS = 50_000
 CORE_OUT_FILTER = ("(subject LIKE 'lb.out.snapshot.%' OR subject LIKE 'lb.out.phase.%' "
@@ -324,7 +326,13 @@ class _Replayer:
         next_key = recorded.next_key
         if next_key is not None and next_key < seq:
             self.orphans(recorded.take_below(seq))
-        _compare_into(seq, outputs, recorded.take(seq), self.result)
+        rows = recorded.take(seq)
+        for _key, _out_seq, subject, data in rows:
+            limit = unpublishable_limit(data) if subject == sj.OUT_REJECTED else None
+            if limit is not None:  # the service replaced an output too large to publish: so do we
+                outputs = publishable(outputs, envelope.subject, limit)
+                break
+        _compare_into(seq, outputs, rows, self.result)
 
     def orphans(self, rows: list[tuple[int, int, str, bytes]]) -> None:
         """Recorded outputs whose input produced nothing in the replay, or is not in the log."""

@@ -36,7 +36,7 @@ from laswrr.scheduler.weights import MS, round_milli
 from laswrr.schemas import events
 from laswrr.schemas import subjects
 from laswrr.schemas.codec import Envelope, Output, SchemaError, decode_event, encode
-from laswrr.schemas.outputs import NodeView, PhaseChanged, Rejected, WeightSnapshot
+from laswrr.schemas.outputs import NodeView, PhaseChanged, Rejected, WeightSnapshot, clip
 from laswrr.schemas.words import DrainCause, EjectCause, RequestOutcome
 
 HEALTH_ORDER = {"OK": 0, "Warning": 1, "Alarm": 2, "Critical": 3, "UNKNOWN": 4}
@@ -49,8 +49,12 @@ class Rejection(ValueError):
 def poisoned(envelope: Envelope, exc: BaseException) -> Output:
     """The rejection recorded for an input on which the core broke an invariant."""
     reason = f"internal error while applying: {type(exc).__name__}: {exc}"
-    return Output(subject=subjects.OUT_REJECTED, as_of_seq=envelope.seq,
-                  data=encode(Rejected(seq=envelope.seq, subject=envelope.subject, reason=reason)))
+    return Output(subject=subjects.OUT_REJECTED, as_of_seq=envelope.seq, data=encode(rejected(envelope, reason)))
+
+
+def rejected(envelope: Envelope, reason: str) -> Rejected:
+    """The rejection of ``envelope``; its subject and reason cut to ``TEXT_MAX_CHARS``."""
+    return Rejected(seq=envelope.seq, subject=clip(envelope.subject), reason=clip(reason))
 
 
 def apply_guarded(scheduler: Scheduler, envelope: Envelope) -> tuple[list[Output], Exception | None]:
@@ -109,7 +113,7 @@ class Scheduler:
             key, event = decode_event(envelope.subject, envelope.data)
             self._handlers[type(event)](key, event)
         except (SchemaError, Rejection, PhaseError) as exc:
-            return [self._output(subjects.OUT_REJECTED, Rejected(seq=envelope.seq, subject=envelope.subject, reason=str(exc)))]
+            return [self._output(subjects.OUT_REJECTED, rejected(envelope, str(exc)))]
         for pool in sorted(self._rephased):
             if pool in self._pool_names():
                 self._reweigh(pool, ease=False)
@@ -164,7 +168,7 @@ class Scheduler:
 
     def _transition(self, node: NodeState, trigger: Trigger, reason: str, floor: float = 0.0) -> None:
         new = next_phase(Phase(node.phase), trigger)
-        now = self.state.now_ns
+        now, reason = self.state.now_ns, clip(reason)
         self._outputs.append(self._output(subjects.out_phase(node.node), PhaseChanged(
             node=node.node, from_=node.phase, to=new.value, as_of_seq=self._seq, reason=reason, pool=node.pool)))
         self._touched.add(node.pool)

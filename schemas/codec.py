@@ -8,12 +8,14 @@ token (node id or proxy name, None for subject-wide events). Anything that canno
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
 
 from laswrr.schemas import events as ev
 from laswrr.schemas import subjects as sj
+from laswrr.schemas.outputs import Rejected, clip
 
 MAX_PAYLOAD_BYTES = 1 << 20
 
@@ -101,6 +103,37 @@ def decode_event(subject: str, data: bytes) -> tuple[str | None, ev.Event]:
         raise SchemaError(f"invalid {cls.KIND} payload: {exc}") from None
     except msgspec.DecodeError as exc:
         raise SchemaError(f"payload is not valid JSON: {exc}") from None
+
+
+UNPUBLISHABLE = "unpublishable output"
+_UNPUBLISHABLE_LIMIT = re.compile(rb'"reason":"unpublishable output: .* over the limit of (\d+) bytes')
+
+
+def publishable(outputs: list[Output], input_subject: str, limit: int) -> list[Output]:
+    """``outputs``, each one whose payload is over ``limit`` bytes replaced by a rejection of the
+    input that caused it (same seq, subject cut to ``TEXT_MAX_CHARS``), which names the output
+    and the limit. The scheduler service calls this with the connection's max payload less a
+    margin for headers, so an output is never retried for ever; replay reads the limit back
+    from the recorded rejection (``unpublishable_limit``) and calls it again."""
+    if all(len(output.data) <= limit for output in outputs):
+        return outputs
+    kept: list[Output] = []
+    rejections = 0
+    for output in outputs:
+        if len(output.data) <= limit:
+            kept.append(output)
+            continue
+        reason = f"{UNPUBLISHABLE}: {output.subject} of {len(output.data)} bytes, over the limit of {limit} bytes"
+        rejected = Rejected(seq=output.as_of_seq, subject=clip(input_subject), reason=reason)
+        kept.append(Output(sj.OUT_REJECTED, encode(rejected), output.as_of_seq, index=rejections))
+        rejections += 1
+    return kept
+
+
+def unpublishable_limit(data: bytes) -> int | None:
+    """The limit named by a recorded ``publishable`` rejection, None for any other payload."""
+    match = _UNPUBLISHABLE_LIMIT.search(data)
+    return int(match.group(1)) if match else None
 
 
 def encode(obj: Any) -> bytes:

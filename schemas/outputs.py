@@ -4,6 +4,11 @@ These are what proxies route on and what replay compares byte for byte, so they 
 with one fixed encoder (``schemas.codec.encode``): field order is declaration order, floats are
 produced by the core already rounded, and no field depends on a clock or on dict ordering
 outside the core's control.
+
+Free text is bounded: every reason (``Rejected.reason``, ``PhaseChanged.reason``,
+``NodeView.phase_reason``) and the input subject a rejection names is cut by ``clip`` to
+``TEXT_MAX_CHARS`` characters, so one input carrying a megabyte of error text (a health probe's
+``error``) cannot make a snapshot, a phase change or the checkpoint too large to publish.
 """
 
 from __future__ import annotations
@@ -11,6 +16,18 @@ from __future__ import annotations
 from typing import ClassVar
 
 import msgspec
+
+TEXT_MAX_CHARS = 512
+"""The longest reason or named subject in an output; longer text is cut by ``clip``."""
+
+
+def clip(text: str, limit: int = TEXT_MAX_CHARS) -> str:
+    """``text`` when it fits, else its head and how much was cut, at most ``limit`` characters
+    in all: ``"3 failed health probes: xxxx… [+999480 chars]"``."""
+    if len(text) <= limit:
+        return text
+    head = limit - len(f"… [+{len(text)} chars]")  # the longest the tail can be
+    return f"{text[:head]}… [+{len(text) - head} chars]"
 
 
 class LoadView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -98,6 +98,35 @@ async def ensure_streams_exist(js: JetStreamContext) -> None:
             return
 
 
+class Throttled:
+    """A failure that may repeat on every try, logged once per ``interval_s``: the first at once,
+    then one line per interval saying how often it happened meanwhile, and one line when it
+    stops (``ok``)."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 30.0) -> None:
+        self.logger, self.interval_s = logger, interval_s
+        self.failures = 0  # since the last line logged
+        self.failing = False
+        self._logged_at = -float("inf")
+
+    def failed(self, message: str, *args: object) -> None:
+        self.failures += 1
+        now = time.monotonic()
+        if now - self._logged_at < self.interval_s:
+            return
+        times = "" if not self.failing else f" ({self.failures} failure(s) in the last {now - self._logged_at:.0f} s)"
+        self.logger.warning(message + times, *args)
+        self._logged_at, self.failures, self.failing = now, 0, True
+
+    def ok(self, message: str, *args: object) -> None:
+        if self.failing:
+            self.logger.info(message, *args)
+        self.failures, self.failing, self._logged_at = 0, False, -float("inf")
+
+
+_PUBLISH_FAILURES = Throttled(log)
+
+
 async def publish_acked(js: JetStreamContext, messages: Sequence[tuple[str, bytes, str]], timeout_s: float,
                         wait_stall: float | None = None) -> int:
     """Publish ``(subject, data, msg_id)`` messages in order with their pub acks awaited together;
@@ -121,7 +150,9 @@ async def publish_acked(js: JetStreamContext, messages: Sequence[tuple[str, byte
         if not future.done():
             future.cancel()  # frees nats-py's pending-ack slot
         elif not future.cancelled() and future.exception() is not None:
-            log.warning("publish failed: %r", future.exception())
+            _PUBLISH_FAILURES.failed("publish failed: %r", future.exception())
+    if acked == len(messages) and _PUBLISH_FAILURES.failing:
+        _PUBLISH_FAILURES.ok("publishes acknowledged again")
     return acked
 
 
@@ -170,8 +201,10 @@ class EmbeddedNats:
     """A nats-server child process with JetStream on a free port, storage under ``data_dir``."""
 
     def __init__(self, data_dir: str | os.PathLike[str], port: int = 0, host: str = "127.0.0.1",
-                 log_file: str | None = None) -> None:
+                 log_file: str | None = None, config: str = "") -> None:
+        """``config``: extra nats-server configuration text (e.g. ``max_payload: 65536``)."""
         self.data_dir = Path(data_dir)
+        self.config = config
         self.host = host
         self.port = port or free_port(host)
         self.log_file = log_file
@@ -191,6 +224,10 @@ class EmbeddedNats:
         store = self.data_dir / "jetstream"
         store.mkdir(parents=True, exist_ok=True)
         log = ["-l", self.log_file] if self.log_file else []
+        if self.config:
+            conf = self.data_dir / "nats-server.conf"
+            conf.write_text(self.config)
+            log += ["-c", str(conf)]
         self.process = subprocess.Popen(
             [nats_server_binary(), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(store), *log],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec(),

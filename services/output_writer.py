@@ -7,7 +7,8 @@ Theory of operation.
   and ``Nats-Msg-Id: output.msg_id`` (derived from ``as_of_seq``) and awaits the pub acks
   together. On a failure everything from the first unacknowledged output on is sent again (msg
   ids de-duplicate), so LB_OUT keeps the order; retried until it succeeds or the service is
-  stopping. Then ``gave_up`` is set (no checkpoint may be written past those outputs) and the
+  stopping, and logged once per interval while it keeps failing (``Throttled``). An output too
+  large to publish never gets here: the service replaces it first (``schemas.codec.publishable``). Then ``gave_up`` is set (no checkpoint may be written past those outputs) and the
   next start publishes them: they lie above its publish floor.
 * **LB_WEIGHTS by compare-and-set.** ``note`` keeps each pool's newest snapshot of a batch;
   ``flush_weights`` writes them with create / update-on-the-last-known-revision, re-reading when
@@ -32,7 +33,7 @@ from nats.js.kv import KeyValue
 
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Output
-from laswrr.services.natsbus import MSG_ID, publish_acked
+from laswrr.services.natsbus import MSG_ID, Throttled, publish_acked
 
 log = logging.getLogger("laswrr.scheduler")
 
@@ -77,6 +78,7 @@ class OutputWriter:
     def __init__(self, js: JetStreamContext) -> None:
         self.js = js
         self.gave_up = False  # outputs left unpublished at shutdown
+        self._failing = Throttled(log)
         self._weights: KeyValue | None = None
         self._kv_known: dict[str, tuple[int, int]] = {}  # pool -> (as_of_seq, revision) in LB_WEIGHTS
         self._latest: dict[str, Output] = {}  # pool -> newest snapshot output not yet in LB_WEIGHTS
@@ -102,9 +104,11 @@ class OutputWriter:
                           len(pending), pending[0].as_of_seq)
                 self.gave_up = True
                 break
-            log.warning("%d outputs not acknowledged by LB_OUT (from seq %d); retry %d", len(pending),
-                        pending[0].as_of_seq, attempt)
+            self._failing.failed("%d outputs not acknowledged by LB_OUT (from seq %d); retrying", len(pending),
+                                 pending[0].as_of_seq)
             await asyncio.sleep(min(2.0, 0.1 * attempt))
+        if attempt and not pending:
+            self._failing.ok("LB_OUT acknowledges outputs again (after %d retries)", attempt)
         return published
 
     async def _publish_once(self, outputs: Sequence[Output]) -> int:

@@ -33,6 +33,11 @@ Theory of operation.
   other exception from the core is a broken invariant: ``apply_guarded`` (scheduler/core.py)
   records it as a rejection, this service logs it with the seq, and the batch is acked, so one
   poisoned message cannot wedge the stream (and a replay reproduces the same rejection).
+* **Never stalls on output.** The core cuts every free-text field of its outputs
+  (``schemas.outputs.clip``); an output still over the connection's max payload (less
+  ``HEADER_MARGIN_BYTES``) is replaced by a rejection of its input (``schemas.codec.publishable``),
+  which replay reproduces, instead of being retried for ever. A publish that keeps failing
+  (NATS down) is retried, and logged once per interval (``natsbus.Throttled``), not per try.
 """
 
 from __future__ import annotations
@@ -63,11 +68,11 @@ from prometheus_client.core import CounterMetricFamily
 from laswrr.scheduler import config as config_mod
 from laswrr.scheduler.core import Scheduler, apply_guarded
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.codec import Envelope, Output, encode
+from laswrr.schemas.codec import Envelope, Output, encode, publishable
 from laswrr.schemas.outputs import Rejected
 from laswrr.services import settings
 from laswrr.services.jsreader import ConsumerGone, InOrder, PullReader, ack_all_consumer
-from laswrr.services.natsbus import MSG_ID, connect, ensure_checkpoint_bucket, ensure_streams, redact_url
+from laswrr.services.natsbus import MSG_ID, Throttled, connect, ensure_checkpoint_bucket, ensure_streams, redact_url
 from laswrr.services.output_writer import OutputWriter, highest_published_seq
 from laswrr.services.service_metrics import (BATCH_BUCKETS, Buckets, Metric, counter, gauge, histogram, lag,
                                              reason_class, render, serve_metrics)
@@ -113,6 +118,9 @@ class SchedulerOptions:
     use_checkpoint: bool = True
 
 
+HEADER_MARGIN_BYTES = 1024  # room for the headers (Nats-Msg-Id) within the connection's max payload
+
+
 @dataclass
 class Stats:
     applied: int = 0
@@ -143,6 +151,7 @@ class SchedulerService:
         self._ordered = InOrder(nc, sj.EVENTS_STREAM)
         self._stopping = asyncio.Event()
         self._tick_failing = False
+        self._checkpoint_failing = Throttled(log)
         self._tick_tasks: set[asyncio.Task[Any]] = set()
         self._checkpointed_seq = 0
 
@@ -274,8 +283,9 @@ class SchedulerService:
 
     def _apply_all(self, envelopes: list[Envelope]) -> list[Output]:
         to_publish: list[Output] = []
+        limit = self.nc.max_payload - HEADER_MARGIN_BYTES
         for envelope in envelopes:
-            outputs = self._apply(envelope)
+            outputs = publishable(self._apply(envelope), envelope.subject, limit)
             self.stats.applied += 1
             for output in outputs:
                 if output.subject == sj.OUT_REJECTED:
@@ -303,8 +313,9 @@ class SchedulerService:
         try:
             await self._checkpoints.put(CHECKPOINT_KEY, self.scheduler.checkpoint())
         except Exception as exc:  # a checkpoint is an optimisation: never fatal
-            log.warning("checkpoint at seq %d not written: %s", self.applied_seq, exc)
+            self._checkpoint_failing.failed("checkpoint at seq %d not written: %r", self.applied_seq, exc)
             return
+        self._checkpoint_failing.ok("checkpoint written again at seq %d", self.applied_seq)
         self._checkpointed_seq = self.applied_seq
         self.stats.checkpointed_at = time.time()
 
