@@ -70,7 +70,7 @@ class _RequestPeek(msgspec.Struct):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    prompt: msgspec.Raw | None = None
+    prompt: msgspec.Raw = msgspec.Raw(b"null")
 
 
 _PEEK = msgspec.json.Decoder(_RequestPeek)
@@ -105,9 +105,7 @@ def not_continuable(kind: Kind | None, body: bytes) -> str | None:
     return None
 
 
-def _one_text_prompt(prompt: msgspec.Raw | None) -> bool:
-    if prompt is None:
-        return False
+def _one_text_prompt(prompt: msgspec.Raw) -> bool:
     raw = bytes(prompt).lstrip()
     if raw.startswith(b'"'):
         return True
