@@ -21,6 +21,15 @@ The SWRR charge (cw -= total) goes to the node actually chosen, so Σ cw = 0 sti
 leader was passed over, its credit above one full round (total) is forfeited to the chosen node:
 a node that stays busy cannot hoard credit and burst when it frees up. A seed-dependent number
 of warm-up passes at the first snapshot desynchronises replicas (Envoy's createWithPicks).
+
+**Affinity** (optional, ``policies.affinity``): after the referee, the first preferred node that
+is eligible and passes the token guard (``guard_allows`` against the eligible node lightest in
+tokens per weight after taking the request) takes the request instead. It is charged like any
+chosen node (Σ cw = 0, the leader's excess forfeited), so affinity picks count against the
+node's SWRR share; a node's debt is capped at one round (cw >= -total, the excess taken from the
+leader), so a run of affinity picks cannot starve it of its turns later (the cap applies to
+affinity picks only: without them every accumulator moves exactly as above). With no preferred node
+(or none passing the guard) the pick is exactly the one above.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Container, Mapping, Sequence
 from typing import ClassVar
 
+from laswrr.scheduler.policies.affinity import Affinity, guard_allows
 from laswrr.scheduler.policies.base import Candidate
 from laswrr.scheduler.rng import Rng
 from laswrr.scheduler.swrr import Swrr
@@ -48,7 +58,8 @@ class LaSwrr:
             for _ in range(self.rng.below(max(1, len(candidates)))):
                 self.swrr.pick()
 
-    def pick(self, inflight: Mapping[str, int], exclude: Container[str] = ()) -> str | None:
+    def pick(self, inflight: Mapping[str, int], exclude: Container[str] = (),
+             affinity: Affinity | None = None) -> str | None:
         swrr = self.swrr
         lead, total, active = swrr.add_step(exclude)
         if lead < 0:
@@ -67,8 +78,32 @@ class LaSwrr:
                     best, best_after, best_weight = i, after, weights[i]
             if best != lead and lead_inflight * best_weight >= best_after * weights[lead]:
                 chosen = best
+        refereed = chosen
+        if affinity is not None and affinity.preferred:
+            chosen = self._prefer(affinity, active, chosen)
         cw[chosen] -= total
         if chosen != lead and cw[lead] > total:
             cw[chosen] += cw[lead] - total
             cw[lead] = total
+        if chosen != refereed and cw[chosen] < -total:  # an affinity pick's debt: one round at most
+            cw[lead] -= -total - cw[chosen]
+            cw[chosen] = -total
         return nodes[chosen]
+
+    def _prefer(self, affinity: Affinity, active: list[int], chosen: int) -> int:
+        """The first preferred eligible node the token guard allows, else ``chosen``."""
+        swrr = self.swrr
+        nodes, weights, index = swrr.nodes, swrr.weights, swrr.index
+        tokens, cost = affinity.tokens, affinity.cost
+        light = -1
+        light_after = light_weight = 0
+        for i in active:  # least (tokens + cost) / w; ties: earliest
+            after = tokens.get(nodes[i], 0) + cost
+            if light < 0 or after * light_weight < light_after * weights[i]:
+                light, light_after, light_weight = i, after, weights[i]
+        eligible = set(active)
+        for node in affinity.preferred:
+            i = index.get(node, -1)
+            if i in eligible and guard_allows(tokens.get(node, 0), weights[i], light_after - cost, light_weight, cost):
+                return i
+        return chosen

@@ -38,6 +38,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from itertools import count
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -48,6 +49,7 @@ from laswrr.services.proxy.config import ProxyConfig
 from laswrr.services.proxy.events import EventPublisher
 from laswrr.services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from laswrr.services.proxy.models import ModelCatalog
+from laswrr.services.proxy.prompt import prompt_text, request_tokens
 from laswrr.services.proxy.routing import Router
 from laswrr.services.proxy.tasks import stop_task
 from laswrr.services.proxy.upstream import Exchange, Forwarder, error_response, forward_headers
@@ -58,9 +60,14 @@ EVENT_FLUSH_TIMEOUT_S = 5.0
 
 
 class RequestPeek(msgspec.Struct):
-    """The only fields the proxy reads from a request body; the body itself is forwarded as is."""
+    """The only fields the proxy reads from a request body; the body itself is forwarded as is.
+    ``messages``/``prompt`` and the output limits feed prefix affinity (``proxy.prompt``)."""
 
     model: str | None = None
+    messages: Any = None
+    prompt: Any = None
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
 
 
 _PEEK = msgspec.json.Decoder(RequestPeek)
@@ -150,7 +157,8 @@ async def _forward(request: web.Request, state: ProxyState, arrived: float) -> w
         served = await state.catalog.served_model(pool)
         if served is not None and served != pool:
             body = with_model(body, served)
-    admission = router.admit(pool)
+    text = prompt_text(peek.messages, peek.prompt)
+    admission = router.admit(pool, prompt=text, tokens=request_tokens(text, peek.max_tokens, peek.max_completion_tokens))
     if admission is None:
         state.metrics.rejected.labels(reason="no_routable_node").inc()
         return error_response(503, f"no routable node in pool {pool!r}", "service_unavailable", "no_routable_node",
@@ -249,6 +257,7 @@ def health_report(state: ProxyState) -> dict[str, object]:
                        "nodes": len(route.snapshot.nodes), "routable": sorted(route.targets)}
     status = "stopping" if state.stopping else "no_snapshot" if not pools else "stale" if stale else "ok"
     return {"status": status, "proxy": state.config.proxy_id, "policy": state.config.policy,
+            "affinity": state.router.affinity_mode,
             "nats_connected": state.bus.connected, "inflight": state.router.total_inflight,
             "events_buffered": state.events.buffered, "events_dropped": state.events.dropped, "pools": pools}
 
@@ -296,7 +305,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
 
 def init_app(config: ProxyConfig) -> web.Application:
     config.validate()
-    router = Router(config.policy, config.seed, config.inflight_cap_per_capacity)
+    router = Router(config.policy, config.seed, config.inflight_cap_per_capacity, config.affinity,
+                    config.affinity_blocks)
     events = EventPublisher(config.proxy_id, capacity=config.event_buffer)
     state = ProxyState(config=config, router=router, events=events, metrics=ProxyMetrics(config.proxy_id),
                        bus=BusLink(config.nats_url, f"laswrr-proxy-{config.proxy_id}", router, events))

@@ -21,7 +21,7 @@ from typing import Any
 from laswrr.scheduler.policies import POLICIES, canonical_policy
 from laswrr.services.proxy.app import start
 from laswrr.services import settings
-from laswrr.services.proxy.config import ProxyConfig, default_proxy_id, parse_size
+from laswrr.services.proxy.config import AFFINITY_MODES, ProxyConfig, default_proxy_id, parse_size
 
 LISTEN_PREFIX = "proxy listening on "
 DEFAULTS = ProxyConfig()  # a slots dataclass: its class attributes are descriptors, not defaults
@@ -81,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stall-timeout-s", type=settings.duration("s"), default=DEFAULTS.stall_timeout_s,
                         help="a continuable stream silent this long has broken (default %(default)s)")
     parser.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT: replicas may share --port")
+    parser.add_argument("--affinity", default=_DEFAULTS.affinity, choices=list(AFFINITY_MODES),
+                        help="la-swrr: send a prompt to the node that holds its prefix while the load guard "
+                             "allows (prefix, the default), or never (none)")
+    parser.add_argument("--affinity-blocks", type=int, default=_DEFAULTS.affinity_blocks, metavar="N",
+                        help="prefix-index keys kept per node, 512 characters (~128 tokens) each; set it to the "
+                             "engines' KV room (default %(default)s, ~2 M tokens)")
     parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
                         help="event loop; auto = uvloop when installed (default %(default)s)")
     settings.add_logging(parser)
@@ -101,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         inflight_cap_per_capacity=args.inflight_cap_per_capacity, event_buffer=args.event_buffer,
         reuse_port=args.reuse_port, extra_routes=args.extra_routes, continue_limit=args.continue_limit,
         stall_timeout_s=args.stall_timeout_s,
+        affinity=args.affinity, affinity_blocks=args.affinity_blocks,
     ).validate()
 
 

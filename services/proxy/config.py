@@ -15,7 +15,10 @@ from dataclasses import dataclass
 
 from laswrr.schemas import subjects as sj
 from laswrr.scheduler.policies import canonical_policy
+from laswrr.scheduler.policies.affinity import BLOCKS_PER_NODE
 from laswrr.services.settings import DEFAULT_NATS_URL, DEFAULT_PROXY_PORT
+
+AFFINITY_MODES = ("prefix", "none")
 
 MIB = 1 << 20
 
@@ -52,6 +55,8 @@ class ProxyConfig:
     extra_routes: tuple[str, ...] = ()  # POST paths routed by body ``model`` beside app.OPENAI_POST_ROUTES
     continue_limit: int = 1  # continuations of one broken stream on other nodes; 0 turns them off
     stall_timeout_s: float = 30.0  # a continuable stream silent this long has broken
+    affinity: str = "prefix"  # la-swrr: prefer the node holding the prompt's prefix, under the guard; "none": off
+    affinity_blocks: int = BLOCKS_PER_NODE  # prefix-index keys kept per node (512-character blocks)
 
     def validate(self) -> "ProxyConfig":
         sj.check_token(self.proxy_id, "proxy name")
@@ -68,6 +73,8 @@ class ProxyConfig:
             (0 <= self.port < 65536, "--port must be 0..65535"),
             (self.continue_limit >= 0, "--continue-limit must be >= 0"),
             (self.stall_timeout_s > 0, "--stall-timeout-s must be > 0"),
+            (self.affinity in AFFINITY_MODES, f"--affinity must be one of {', '.join(AFFINITY_MODES)}"),
+            (self.affinity_blocks >= 1, "--affinity-blocks must be >= 1"),
         ]
         checks += [(path.startswith("/") and " " not in path, f"--extra-routes: {path!r} is not a path like /v1/x")
                    for path in self.extra_routes]

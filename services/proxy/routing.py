@@ -19,6 +19,14 @@ Rules:
   the snapshot in force *at admission* and counts the request in flight. Later snapshots
   (weight change, drain, capacity 0, removal) never touch an admitted request: it holds its own
   ``Admission``; only ``release`` ends it.
+* **Prefix affinity** (la-swrr, on unless ``affinity="none"``): each pool keeps a
+  ``PrefixIndex`` of the prompt prefixes this proxy sent each node; ``admit`` given the prompt's
+  text prefers the nodes holding more of it, and LA-SWRR's pick lets one of them take the request
+  only under the token guard (``scheduler.policies.affinity``). A node that leaves the snapshot
+  or is ejected is dropped from the index at once. The proxy counts tokens in flight per node
+  (the prompt estimate plus ``max_tokens`` of each admitted request) for the guard. Without a
+  prompt, or with none of its prefix held by one node more than another, the pick is exactly
+  LA-SWRR's.
 * **Seeds.** Each pool's policy is seeded from the proxy's seed and the pool name, so replicas
   (different proxy ids) start their SWRR/P2C sequences at different points (semantics §8.9).
 
@@ -32,7 +40,9 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from laswrr.scheduler.policies import Candidate, Policy, make_policy
+from laswrr.scheduler.policies import Candidate, Policy, canonical_policy, make_policy
+from laswrr.scheduler.policies.affinity import BLOCKS_PER_NODE, Affinity, PrefixIndex
+from laswrr.scheduler.policies.la_swrr import LaSwrr
 from laswrr.schemas.outputs import NodeView, WeightSnapshot
 
 DEFAULT_POOL = "default"
@@ -46,6 +56,7 @@ class Admission:
     node: str
     url: str
     snapshot_seq: int
+    tokens: int = 0  # counted in the node's tokens in flight until release
 
 
 @dataclass(slots=True)
@@ -55,21 +66,32 @@ class PoolRoute:
     received_at: float
     targets: dict[str, NodeView] = field(default_factory=dict)
     superseded: bool = False  # from a stream that no longer exists: any next snapshot replaces it
+    index: PrefixIndex | None = None  # prefix affinity (la-swrr only)
 
     def install(self, snapshot: WeightSnapshot, now: float) -> None:
         self.snapshot, self.received_at, self.superseded = snapshot, now, False
         self.targets = {n.node: n for n in snapshot.nodes if n.routable and n.effective_weight > 0}
         self.policy.set_candidates([Candidate.from_weight(n.node, n.effective_weight) for n in self.targets.values()])
+        if self.index is not None:
+            kept = {n.node for n in snapshot.nodes if n.phase != "ejected"}
+            for node in self.index.nodes():
+                if node not in kept:
+                    self.index.drop(node)
 
 
 class Router:
-    def __init__(self, policy: str, seed: int, inflight_cap_per_capacity: float | None = None) -> None:
+    def __init__(self, policy: str, seed: int, inflight_cap_per_capacity: float | None = None,
+                 affinity: str = "prefix", affinity_blocks: int = BLOCKS_PER_NODE) -> None:
         make_policy(policy, seed)  # fail fast on an unknown name
         self.policy_name = policy
         self.seed = seed
         self.cap_factor = inflight_cap_per_capacity
+        la_swrr = canonical_policy(policy) == LaSwrr.name
+        self.affinity_blocks = affinity_blocks if affinity == "prefix" and la_swrr else 0
+        self.affinity_mode = "prefix" if self.affinity_blocks else "none"
         self.pools: dict[str, PoolRoute] = {}
         self.inflight: dict[str, int] = {}
+        self.inflight_tokens: dict[str, int] = {}
         self.total_inflight = 0
 
     # -- snapshots ----------------------------------------------------------------------------
@@ -79,7 +101,9 @@ class Router:
         route = self.pools.get(snapshot.pool)
         if route is None:
             seed = (self.seed ^ zlib.crc32(snapshot.pool.encode())) & ((1 << 64) - 1)
-            route = PoolRoute(snapshot=snapshot, policy=make_policy(self.policy_name, seed), received_at=now)
+            index = PrefixIndex(blocks_per_node=self.affinity_blocks) if self.affinity_blocks else None
+            route = PoolRoute(snapshot=snapshot, policy=make_policy(self.policy_name, seed), received_at=now,
+                              index=index)
             self.pools[snapshot.pool] = route
         elif snapshot.as_of_seq <= route.snapshot.as_of_seq and not route.superseded:
             return False
@@ -109,28 +133,44 @@ class Router:
 
     # -- admission ----------------------------------------------------------------------------
 
-    def admit(self, pool: str, tried: Iterable[str] = ()) -> Admission | None:
+    def admit(self, pool: str, tried: Iterable[str] = (), prompt: bytes = b"", tokens: int = 0) -> Admission | None:
+        """Pick a node for a request (``prompt``: its text, for affinity; ``tokens``: its size)."""
         route = self.pools.get(pool)
         if route is None or not route.targets:
             return None
         exclude = set(tried)
         if self.cap_factor is not None:
             exclude.update(n for n, view in route.targets.items() if self.at_cap(view))
-        node = route.policy.pick(self.inflight, exclude)
+        index = route.index
+        keys = index.keys(prompt) if index is not None and prompt else []
+        if keys:
+            assert index is not None and isinstance(route.policy, LaSwrr)
+            preferred = index.preferred(keys, [n for n in route.targets if n not in exclude])
+            affinity = Affinity(preferred, self.inflight_tokens, tokens) if preferred else None
+            node = route.policy.pick(self.inflight, exclude, affinity)
+            if node is not None:
+                index.record(node, keys)
+        else:
+            node = route.policy.pick(self.inflight, exclude)
         if node is None:
             return None
         self.inflight[node] = self.inflight.get(node, 0) + 1
+        self.inflight_tokens[node] = self.inflight_tokens.get(node, 0) + tokens
         self.total_inflight += 1
-        return Admission(pool=pool, node=node, url=route.targets[node].url, snapshot_seq=route.snapshot.as_of_seq)
+        return Admission(pool=pool, node=node, url=route.targets[node].url, snapshot_seq=route.snapshot.as_of_seq,
+                         tokens=tokens)
 
     def at_cap(self, view: NodeView) -> bool:
         assert self.cap_factor is not None
         return self.inflight.get(view.node, 0) >= math.ceil(self.cap_factor * view.capacity)
 
     def release(self, admission: Admission) -> None:
-        count = self.inflight[admission.node] - 1
+        node = admission.node
+        count = self.inflight[node] - 1
         self.total_inflight -= 1
         if count > 0:
-            self.inflight[admission.node] = count
+            self.inflight[node] = count
+            self.inflight_tokens[node] -= admission.tokens
         else:
-            del self.inflight[admission.node]
+            del self.inflight[node]
+            self.inflight_tokens.pop(node, None)

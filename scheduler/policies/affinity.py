@@ -1,0 +1,156 @@
+"""Prefix affinity for LA-SWRR: which node likely holds a prompt's prefix, and the load guard.
+
+**The index** (``PrefixIndex``, one per pool in each proxy) remembers, for each node, the
+prompt prefixes this proxy sent it: a prompt's text is cut into blocks of ``block_chars``
+characters (512, about 128 tokens), and block i's key is the CRC-32 of the whole text up to the
+end of block i (a running ``zlib.crc32``: equal keys mean an equal prefix, as vLLM's block hashes
+chain the parent's hash). Only the first ``max_prompt_blocks`` blocks are indexed. Each node
+keeps at most ``blocks_per_node`` keys, least recently routed evicted first: an approximation of
+the engine's own KV cache, which evicts its least recently used blocks when its KV room is full
+(set the bound to the engine's KV room in index blocks). ``drop(node)`` forgets a node at once
+(removed from the snapshot, or ejected: its cache is gone). Memory: at most
+``nodes x blocks_per_node`` keys. Nothing here reads a clock or draws a random number: two
+proxies fed the same prompts and picks hold the same index.
+
+**The match.** ``preferred(keys, eligible)`` lists the eligible nodes whose cached prefix is
+longer than the shortest one among the eligible nodes, longest first; ties go by a hash of the
+deepest matched key and the node name (rendezvous hashing), so replicas that hold the same
+entries rank them the same way. A prefix every eligible node holds (one system prompt for all)
+tells nothing and prefers nobody: the pick is then exactly LA-SWRR's.
+
+**The guard** (``LaSwrr.pick`` applies it, ``guard_allows`` states it): the preferred node A
+takes the request only if, before taking it, its tokens in flight per unit of weight are below
+those of the lightest eligible node C after C took it:
+
+    T_A · w_C  <  (T_C + t) · w_A          T: tokens in flight, t: the request's tokens, w: weight
+
+the referee's rule (challenger after the pick against the leader now) with tokens for requests.
+So an affinity pick can put a node at most one request (t / w_C) ahead of the lightest node per
+unit of weight, and a node that is ahead gets no affinity pick until the others catch up: every
+prompt sharing one long prefix still spreads over the pool, and no node runs away with a
+conversation-heavy load (hypothesis test). Candidates are what LA-SWRR may pick at all: routable
+(never draining, drained or ejected), weight > 0, not tried for this request; a slow-start
+node's weight is its slow-start share, so the guard holds it there.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+BLOCK_CHARS = 512
+MAX_PROMPT_BLOCKS = 256  # 128 KiB of prompt text
+BLOCKS_PER_NODE = 16384  # 2 M tokens at ~128 tokens a block
+
+
+def prefix_keys(text: bytes, block_chars: int = BLOCK_CHARS, max_blocks: int = MAX_PROMPT_BLOCKS) -> list[int]:
+    """The prefix-chain keys of the full blocks of ``text`` (at most ``max_blocks``)."""
+    count = min(max_blocks, len(text) // block_chars)
+    keys: list[int] = []
+    running = 0
+    view = memoryview(text)
+    for i in range(count):
+        running = zlib.crc32(view[i * block_chars:(i + 1) * block_chars], running)
+        keys.append(running)
+    return keys
+
+
+def rendezvous(key: int, node: str) -> int:
+    return zlib.crc32(node.encode(), key)
+
+
+def guard_allows(tokens_a: int, weight_a: int, tokens_c: int, weight_c: int, cost: int) -> bool:
+    """The guard above: A (now) is lighter per unit of weight than C after taking ``cost``."""
+    return tokens_a * weight_c < (tokens_c + cost) * weight_a
+
+
+@dataclass(frozen=True, slots=True)
+class Affinity:
+    """What a pick needs to prefer nodes: the preference order, tokens in flight, the request's tokens."""
+
+    preferred: Sequence[str]
+    tokens: Mapping[str, int]
+    cost: int
+
+
+class PrefixIndex:
+    __slots__ = ("block_chars", "max_prompt_blocks", "blocks_per_node", "holders", "lru")
+
+    def __init__(self, block_chars: int = BLOCK_CHARS, max_prompt_blocks: int = MAX_PROMPT_BLOCKS,
+                 blocks_per_node: int = BLOCKS_PER_NODE) -> None:
+        if min(block_chars, max_prompt_blocks, blocks_per_node) < 1:
+            raise ValueError("block_chars, max_prompt_blocks and blocks_per_node must be >= 1")
+        self.block_chars = block_chars
+        self.max_prompt_blocks = max_prompt_blocks
+        self.blocks_per_node = blocks_per_node
+        self.holders: dict[int, set[str]] = {}  # key -> nodes that hold the prefix ending there
+        self.lru: dict[str, OrderedDict[int, None]] = {}  # node -> its keys, least recently routed first
+
+    def keys(self, text: bytes) -> list[int]:
+        return prefix_keys(text, self.block_chars, self.max_prompt_blocks)
+
+    def entries(self) -> int:
+        return sum(len(keys) for keys in self.lru.values())
+
+    def depths(self, keys: Sequence[int], nodes: Iterable[str]) -> dict[str, int]:
+        """How many leading ``keys`` each of ``nodes`` holds."""
+        holders = self.holders
+        depth = dict.fromkeys(nodes, 0)
+        alive = [n for n in depth]
+        for i, key in enumerate(keys):
+            held = holders.get(key)
+            if not held:
+                break
+            alive = [n for n in alive if n in held]
+            if not alive:
+                break
+            for n in alive:
+                depth[n] = i + 1
+        return depth
+
+    def preferred(self, keys: Sequence[int], eligible: Sequence[str]) -> list[str]:
+        """Eligible nodes holding more of the prefix than the least-holding one, best first."""
+        if not keys or not eligible:
+            return []
+        depth = self.depths(keys, eligible)
+        floor = min(depth.values())
+        better = [n for n in eligible if depth[n] > floor]
+        return sorted(better, key=lambda n: (-depth[n], -rendezvous(keys[depth[n] - 1], n), n))
+
+    def record(self, node: str, keys: Sequence[int]) -> None:
+        """``node`` was sent a prompt with these keys: it holds them now (most recently)."""
+        if not keys:
+            return
+        lru = self.lru.get(node)
+        if lru is None:
+            lru = self.lru[node] = OrderedDict()
+        holders = self.holders
+        for key in reversed(keys):  # the leading blocks end most recent: evicted last, as the chain needs
+            if key in lru:
+                lru.move_to_end(key)
+            else:
+                lru[key] = None
+                held = holders.get(key)
+                if held is None:
+                    holders[key] = {node}
+                else:
+                    held.add(node)
+        while len(lru) > self.blocks_per_node:
+            old, _ = lru.popitem(last=False)
+            self._unhold(old, node)
+
+    def drop(self, node: str) -> None:
+        """Forget everything ``node`` held (removed or ejected: its cache is gone)."""
+        for key in self.lru.pop(node, ()):
+            self._unhold(key, node)
+
+    def nodes(self) -> list[str]:
+        return list(self.lru)
+
+    def _unhold(self, key: int, node: str) -> None:
+        held = self.holders[key]
+        held.discard(node)
+        if not held:
+            del self.holders[key]

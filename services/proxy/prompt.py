@@ -1,0 +1,44 @@
+"""What prefix affinity and the token guard read from a request body: its prompt text and size.
+
+The body is decoded once (``app.RequestPeek``); this module turns the decoded ``messages`` (chat)
+or ``prompt`` (completions) into the bytes the prefix index hashes, and estimates the request's
+tokens: the prompt at ~4 characters a token plus ``max_completion_tokens`` / ``max_tokens`` (the
+decode reservation; 0 when absent). Anything of an unexpected shape counts as no prompt (no
+affinity, the plain LA-SWRR pick): the proxy never rejects a request the engine would take.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CHARS_PER_TOKEN = 4
+
+
+def _content(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def prompt_text(messages: Any, prompt: Any) -> bytes:
+    """The prompt as the index hashes it: each chat message as role, newline, text, newline."""
+    if isinstance(messages, list):
+        parts = []
+        for message in messages:
+            if isinstance(message, dict):
+                parts.append(f"{message.get('role', '')}\n{_content(message.get('content'))}\n")
+        return "".join(parts).encode()
+    if isinstance(prompt, str):
+        return prompt.encode()
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0].encode()
+    return b""
+
+
+def request_tokens(text: bytes, max_tokens: Any, max_completion_tokens: Any) -> int:
+    """Prompt estimate plus the output reservation, for the tokens-in-flight guard."""
+    limit = max_completion_tokens if max_completion_tokens is not None else max_tokens
+    reserve = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
+    return len(text) // CHARS_PER_TOKEN + reserve

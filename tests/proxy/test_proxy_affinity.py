@@ -1,0 +1,99 @@
+"""Prefix affinity in the proxy's routing table (pure): exact LA-SWRR without shared prefixes,
+conversations kept on their node while the guard allows, ejected and removed nodes forgotten,
+and what the proxy reads from a body."""
+
+from __future__ import annotations
+
+import msgspec
+
+from laswrr.services.proxy.prompt import prompt_text, request_tokens
+from laswrr.services.proxy.routing import Router
+from tests.proxy.test_proxy_routing import node, snap
+
+
+def turn(conversation: int, turns: int) -> bytes:
+    """A chat prompt growing turn by turn (each turn adds 600 characters)."""
+    return b"".join(f"conversation {conversation} turn {t} ".encode() * 20 for t in range(turns))
+
+
+def test_unshared_prompts_pick_exactly_as_la_swrr() -> None:
+    on, off = Router("la-swrr", seed=7), Router("la-swrr", seed=7, affinity="none")
+    for router in (on, off):
+        router.offer(snap(1, node("a", 5), node("b", 1), node("c", 1)), now=0)
+    picks: dict[str, list[str]] = {"on": [], "off": []}
+    for name, router in (("on", on), ("off", off)):
+        held = []
+        for i in range(60):
+            admission = router.admit("default", prompt=f"request {i} ".encode() * 200, tokens=500)
+            assert admission is not None
+            picks[name].append(admission.node)
+            held.append(admission)
+            if i % 3 == 2:
+                router.release(held.pop(0))
+    assert picks["on"] == picks["off"]
+    assert off.pools["default"].index is None and on.pools["default"].index is not None
+
+
+def test_a_conversation_stays_on_its_node_while_the_guard_allows() -> None:
+    router = Router("la-swrr", seed=1)
+    router.offer(snap(1, node("a", 4), node("b", 4), node("c", 4)), now=0)
+    first = router.admit("default", prompt=turn(1, 2), tokens=300)
+    assert first is not None
+    router.release(first)
+    for turns in range(3, 9):
+        admission = router.admit("default", prompt=turn(1, turns), tokens=300)
+        assert admission is not None and admission.node == first.node
+        router.release(admission)
+    # with that node loaded by other work, the next turn goes elsewhere (the guard)
+    busy = [router.admit("default", prompt=turn(1, 8), tokens=300) for _ in range(2)]
+    assert busy[0] is not None and busy[1] is not None
+    assert busy[0].node == first.node and busy[1].node != first.node
+
+
+def test_ejected_and_removed_nodes_are_dropped_from_the_index() -> None:
+    router = Router("la-swrr", seed=1)
+    router.offer(snap(1, node("a", 4), node("b", 4)), now=0)
+    for i in range(4):
+        admission = router.admit("default", prompt=turn(i, 3), tokens=10)
+        assert admission is not None
+        router.release(admission)
+    index = router.pools["default"].index
+    assert index is not None and sorted(index.nodes()) == ["a", "b"]
+    ejected = msgspec.structs.replace(node("a", 0, routable=False), phase="ejected")
+    router.offer(snap(2, ejected, node("b", 4)), now=1)
+    assert index.nodes() == ["b"]
+    router.offer(snap(3, node("b", 4, routable=False)), now=2)  # draining: its cache is still there
+    assert index.nodes() == ["b"]
+    router.offer(snap(4, node("c", 4)), now=3)  # b removed
+    assert index.nodes() == []
+
+
+def test_tokens_in_flight_follow_admissions() -> None:
+    router = Router("la-swrr", seed=1)
+    router.offer(snap(1, node("a", 4)), now=0)
+    first = router.admit("default", prompt=b"x" * 2000, tokens=700)
+    second = router.admit("default", prompt=b"y" * 2000, tokens=300)
+    assert first is not None and second is not None
+    assert router.inflight_tokens == {"a": 1000}
+    router.release(first)
+    assert router.inflight_tokens == {"a": 300}
+    router.release(second)
+    assert router.inflight_tokens == {} and router.inflight == {}
+
+
+def test_other_policies_have_no_affinity() -> None:
+    router = Router("p2c", seed=1)
+    router.offer(snap(1, node("a", 4), node("b", 4)), now=0)
+    assert router.pools["default"].index is None and router.affinity_mode == "none"
+    assert router.admit("default", prompt=b"z" * 4096, tokens=10) is not None
+
+
+def test_prompt_text_and_tokens_of_bodies() -> None:
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert prompt_text(chat, None) == b"system\nbe brief\nuser\nhi\n"
+    assert prompt_text(None, "once upon") == b"once upon" and prompt_text(None, ["x"]) == b"x"
+    assert prompt_text(None, [1, 2, 3]) == b"" and prompt_text("bad", None) == b""
+    assert prompt_text([{"role": "user", "content": None}, 5], None) == b"user\n\n"
+    assert request_tokens(b"a" * 400, 50, None) == 150
+    assert request_tokens(b"a" * 400, 50, 20) == 120
+    assert request_tokens(b"a" * 400, True, None) == 100 and request_tokens(b"", "x", -1) == 0
