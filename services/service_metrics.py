@@ -17,6 +17,10 @@ apply, publish, KV, ack).
 recorder, per ``stream``: ``laswrr_recorder_rows_written_total``, ``_batches_total``,
 ``_repaired_total``, ``_gaps_total``, ``_lag_messages`` / ``_lag_seconds``,
 ``_recorded_seq``, ``_batch_seconds`` (one commit).
+
+Every laswrr ``/metrics`` (these, the collector's and the proxy's) also carries
+``laswrr_build_info{version="..."} 1``: ``serve_metrics`` appends ``BUILD_INFO`` to each
+scrape, and the proxy registers ``register_build_info`` on its own registry.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 from aiohttp import web
 from nats.js import JetStreamContext
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from laswrr import __version__
 
 log = logging.getLogger("laswrr.metrics")
 
@@ -108,6 +114,20 @@ class _Families:
         return self.families()
 
 
+def register_build_info(registry: CollectorRegistry) -> None:
+    """``laswrr_build_info{version}`` (value 1) on ``registry``."""
+    Info("laswrr_build", "The laswrr version of this process", registry=registry).info({"version": __version__})
+
+
+def _build_info() -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    register_build_info(registry)
+    return generate_latest(registry)
+
+
+BUILD_INFO = _build_info()
+
+
 def render(families: Callable[[], Iterator[Metric]]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families))  # type: ignore[arg-type]
@@ -123,7 +143,7 @@ async def serve_metrics(port: int, render_body: Callable[[], bytes | Awaitable[b
         body = render_body()
         if inspect.isawaitable(body):
             body = await body
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=body + BUILD_INFO, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application()
     app.router.add_get("/metrics", handler)

@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 
 from laswrr.scheduler.phases import Phase
 from laswrr.services.proxy.events import EventPublisher
-from laswrr.services.service_metrics import Buckets
+from laswrr.services.service_metrics import Buckets, register_build_info
 from laswrr.services.proxy.routing import Router
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -101,6 +101,7 @@ def _routing_families(router: Router) -> Iterator[Metric]:
 class ProxyMetrics:
     def __init__(self, proxy_id: str) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
+        register_build_info(registry)
         self.requests: dict[tuple[str, str, str], int] = {}
         self.ttft: dict[str, Buckets] = {}
         self.duration: dict[str, Buckets] = {}
