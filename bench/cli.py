@@ -69,6 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--window-s", type=settings.duration("s"), default=None, metavar="W",
                         help="trace scenarios: replay W seconds of the trace (default: the scenario's; "
                              "with --trace, the whole file)")
+    parser.add_argument("--continue-limit", type=int, default=None, metavar="N",
+                        help="the proxy's --continue-limit (continuations of a broken stream; 0: off; "
+                             "default: the proxy's, 1)")
     parser.add_argument("--affinity", default=None, metavar="MODE",
                         help="proxy prefix affinity for every run: prefix (the proxy's default) or none")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -211,6 +214,10 @@ def main(args: argparse.Namespace) -> int:
         if args.affinity not in (None, "prefix", "none"):
             raise ValueError(f"--affinity must be prefix or none, got {args.affinity!r}")
         proxy_args = () if args.affinity is None else ("--affinity", args.affinity)
+        if args.continue_limit is not None:
+            if args.continue_limit < 0:
+                raise ValueError("--continue-limit must be >= 0")
+            proxy_args += ("--continue-limit", str(args.continue_limit))
     except OSError as exc:
         print(f"bench: cannot read {args.scheduler_config}: {exc.strerror or exc}", file=sys.stderr)
         return 2

@@ -11,9 +11,11 @@ Theory of operation:
     - ``completed``: ``data: [DONE]`` arrived (E2E is stamped then; the client still reads the
       stream to its end, as the official ``openai`` client does, so the proxy sees a clean finish);
     - ``client_cancelled``: the workload's cancel delay passed first and the client hung up;
-    - ``error``: non-200 status, connection failure before the response, or an SSE error event;
-    - ``interrupted``: the stream ended (EOF or a broken connection) without [DONE] or an error
-      event: the failure the router must never cause.
+    - ``error``: non-200 status, connection failure before the response, or an SSE error event
+      before any token;
+    - ``interrupted``: the stream ended (EOF, a broken connection, or an SSE error event after
+      the first token) without [DONE]: a cut the client sees, which the router must never cause
+      and which continuing a broken stream on another node prevents when an engine dies.
 * No model is sent unless asked: the proxy then routes to pool ``default`` and every engine
   accepts the request whatever its own model id is.
 """
@@ -105,7 +107,9 @@ async def _read_stream(resp: aiohttp.ClientResponse, progress: _Progress, now: C
             return
         payload = line[5:].strip()
         if b'"error"' in payload and b'"choices"' not in payload:
-            progress.outcome, progress.error = ClientOutcome.ERROR, _error_message(payload)
+            cut = progress.ttft is not None  # the client already had part of the answer
+            progress.outcome = ClientOutcome.INTERRUPTED if cut else ClientOutcome.ERROR
+            progress.error = _error_message(payload)
             return
         progress.tokens += 1
         if progress.ttft is None and _has_content(payload):

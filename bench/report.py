@@ -7,6 +7,8 @@ per-node view), and the analyst report / replay verdict on the run's recorded Du
 Figures per policy (see ``bench.metrics`` for the definitions):
   * ``phases[name]``: requests, outcomes, P50/P90/P99/max of TTFT and E2E (seconds);
   * ``balance[name]``: time-averaged CoV, max/mean and Jain's index of in-flight/true capacity;
+  * ``continued_streams`` and ``continuation_added_ms`` (P50/P99 of the time from a break to
+    the next token sent to the client), from ``laswrr report --json``;
   * ``interrupted`` (client-side), ``admitted_to_draining`` (from ``laswrr report --json`` when
     it ran, else counted from the snapshots: a request whose start fell while its node was not
     routable or had effective weight 0 in the latest snapshot the client had seen);
@@ -99,6 +101,9 @@ def policy_summary(scenario: Scenario, run: PolicyRun) -> dict[str, Any]:
     summary["report"] = report or None
     summary["admitted_to_draining"] = report.get("admitted_to_draining", summary["admitted_to_draining_client"])
     summary["report_interrupted"] = report.get("interrupted")
+    summary["continued_streams"] = report.get("continued_streams")
+    summary["continuation_added_ms"] = {"p50": report.get("continuation_added_ms_p50"),
+                                        "p99": report.get("continuation_added_ms_p99")}
     summary["replay"] = run.replay
     return summary
 
@@ -173,7 +178,7 @@ def table_rows(summary: dict[str, Any]) -> list[list[str]]:
         row += [_fmt(s["overall"]["e2e_p50"]), _fmt(s["overall"]["ttft_p50"]), _fmt(s["overall"]["ttft_p99"]),
                 _fmt(s.get("prefix_cache_hit_rate")), _fmt(bal["cov"]),
                 _fmt(bal["max_mean"]), _fmt(bal["jain"]), str(s["interrupted"]), str(s["admitted_to_draining"]),
-                str(s["errors"]), _replay_cell(s["replay"])]
+                str(s["errors"]), _continued_cell(s), _replay_cell(s["replay"])]
         rows.append(row)
     return rows
 
@@ -181,7 +186,16 @@ def table_rows(summary: dict[str, Any]) -> list[list[str]]:
 def table_header(summary: dict[str, Any]) -> list[str]:
     phase_names = [p["name"] for p in summary["phases"]]
     return (["policy"] + [f"{n} P99" for n in phase_names]
-            + ["all P50", "TTFT P50", "TTFT P99", "hit rate", "CoV", "max/mean", "Jain", "interr.", "to drain", "errors", "replay"])
+            + ["all P50", "TTFT P50", "TTFT P99", "hit rate", "CoV", "max/mean", "Jain", "interr.", "to drain", "errors",
+                  "continued (ms P50/P99)", "replay"])
+
+
+def _continued_cell(summary: dict[str, Any]) -> str:
+    count = summary.get("continued_streams")
+    if not count:
+        return "—" if count is None else "0"
+    added = summary.get("continuation_added_ms") or {}
+    return f"{count} ({_fmt(added.get('p50'))}/{_fmt(added.get('p99'))})"
 
 
 def _replay_cell(replay: dict[str, Any] | None) -> str:

@@ -49,3 +49,33 @@ async def test_cut_stream_is_interrupted_and_refusal_is_error() -> None:
     assert cut.results[0].outcome == "interrupted" and cut.results[0].ttft_s is not None
     assert failed.results[0].outcome == "error" and failed.results[0].status == 500
     assert "fail=http500" in failed.results[0].error
+
+
+async def test_an_error_event_after_the_first_token_is_an_interruption() -> None:
+    """What a proxy without continuation sends when an engine dies mid-stream: a cut the client sees."""
+    from aiohttp import web
+
+    async def cut_with_error(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        if request.match_info.get("after") == "token":
+            await response.write(b'data: {"choices": [{"index": 0, "delta": {"content": "hi "}}]}\n\n')
+        await response.write(b'data: {"error": {"message": "upstream node n4 failed mid-stream", "code": 502}}\n\n')
+        return response
+
+    app = web.Application()
+    app.router.add_post("/{after}/v1/chat/completions", cut_with_error)
+    app.router.add_post("/v1/chat/completions", cut_with_error)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        loop = asyncio.get_running_loop()
+        before = await run_load(f"http://127.0.0.1:{port}", [RequestSpec(0, 0.0, 10, 5, None)], loop.time())
+        after = await run_load(f"http://127.0.0.1:{port}/token", [RequestSpec(0, 0.0, 10, 5, None)], loop.time())
+    finally:
+        await runner.cleanup()
+    assert before.results[0].outcome == "error"
+    assert after.results[0].outcome == "interrupted" and "mid-stream" in after.results[0].error
