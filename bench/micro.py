@@ -4,6 +4,11 @@
 
 * **pick**: each policy over 16 candidates with mixed weights and live in-flight counts; the
   figure is the median over ``--rounds`` batches of the per-pick time (target ≤ 5 µs).
+* **affinity pick**: the proxy's whole admission with prefix affinity (``Router.admit`` given
+  the prompt: its text from the decoded chat messages, the prefix keys, the index match, the
+  guarded LA-SWRR pick, the index update; then ``release``) over 16 nodes, for 2 KB prompts
+  drawn from 64 conversations that share a 1 KB system prompt, with requests kept in flight
+  (target ≤ 20 µs); beside it the same admission without a prompt (plain LA-SWRR).
 * **apply**: one simulated second of a 16-node pool, repeated: request started/finished pairs at
   ``--rps`` requests/s, an engine sample per node every 500 ms, an NPU sample per node every
   second, ticks at 10/s. Envelopes are built (and encoded) before the clock starts, so the figure
@@ -30,6 +35,7 @@ from laswrr.schemas.codec import Envelope
 
 NODES = [f"node-{i:02d}" for i in range(16)]
 PICK_TARGET_US = 5.0
+AFFINITY_TARGET_US = 20.0
 APPLY_TARGET_EPS = 100_000
 
 
@@ -56,6 +62,45 @@ def bench_pick(rounds: int) -> list[tuple[str, float, float]]:
         retry = _median_ns_per_call(lambda: policy.pick(inflight, excluded), 1000, rounds)  # noqa: B023
         rows.append((name, plain / 1000, retry / 1000))
     return rows
+
+
+def bench_affinity_pick(rounds: int) -> tuple[float, float]:
+    """(median µs per admission+release with a 2 KB prompt, the same without a prompt)."""
+    from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
+    from laswrr.services.proxy.prompt import prompt_text, request_tokens
+    from laswrr.services.proxy.routing import Router
+
+    load = LoadView(queue=0, running=0, kv=0, npu=0, latency=0, load=0, sample_age_ms=None, stale=False)
+    views = [NodeView(node=n, url=f"http://{n}:8000", phase="active", routable=True, capacity=10,
+                      target_weight=1 + i % 5, effective_weight=1 + i % 5, inflight=0, chip="910B", health=1.0,
+                      load=load) for i, n in enumerate(NODES)]
+    system = "You are a helpful assistant for NPU clusters. " * 22  # ~1 KB, in every prompt
+    chats = [[{"role": "system", "content": system},
+              {"role": "user", "content": (f"conversation {c}: how do I drain a node? " * 30)[:1000]}]
+             for c in range(64)]
+
+    def timed(with_prompt: bool) -> float:
+        router = Router("la-swrr", seed=1)
+        router.offer(WeightSnapshot(pool="default", as_of_seq=1, tick=1, ts_ns=0, panic=False, nodes=views), now=0)
+        held = [router.admit("default") for _ in range(24)]  # requests in flight meanwhile
+        state = {"i": 0}
+
+        def one() -> None:
+            chat = chats[state["i"] % 64]
+            state["i"] += 1
+            if with_prompt:
+                text = prompt_text(chat, None)
+                admission = router.admit("default", prompt=text, tokens=request_tokens(text, 128, None))
+            else:
+                admission = router.admit("default")
+            assert admission is not None
+            router.release(admission)
+
+        result = _median_ns_per_call(one, 1000, rounds) / 1000
+        assert all(h is not None for h in held)
+        return result
+
+    return timed(True), timed(False)
 
 
 def mix_stream(seconds: int, rps: int) -> list[Envelope]:
@@ -137,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, plain, retry in bench_pick(args.rounds):
         verdict = "ok" if plain <= PICK_TARGET_US else "MISSED"
         print(f"  {name:<14} {plain:>8.2f} {retry:>9.2f}  {verdict}")
+
+    affinity, plain = bench_affinity_pick(args.rounds)
+    verdict = "ok" if affinity <= AFFINITY_TARGET_US else "MISSED"
+    print("\nproxy admission with prefix affinity, 16 nodes, 2 KB chat prompts (median per admit + release)")
+    print(f"  with affinity {affinity:>7.2f} µs  target ≤ {AFFINITY_TARGET_US:g} µs  {verdict}")
+    print(f"  no prompt     {plain:>7.2f} µs  (plain LA-SWRR admission)")
 
     events, eps, kinds = bench_apply(args.seconds, args.rps, max(3, args.rounds // 10))
     verdict = "ok" if eps >= APPLY_TARGET_EPS else "MISSED"
