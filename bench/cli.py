@@ -49,7 +49,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help=f"one of {', '.join(SCENARIOS)}, or 'all' (default announced-drop; with --trace, "
                              "the trace scenario of the file's format)")
     parser.add_argument("--policies", default=None, metavar="LIST",
-                        help=f"comma-separated, from {', '.join(POLICIES)}, or vllm-router:<its policy> "
+                        help=f"comma-separated, from {', '.join(POLICIES)}, or vllm-router:<its policy> or "
+                             "sglang-router:<its policy> (e.g. sglang-router:cache_aware) "
                              f"(default: all four, plus {DEFAULT_PEER} when vllm-router is installed)")
     parser.add_argument("--no-peers", action="store_true", help="no vllm-router row by default")
     parser.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
@@ -89,19 +90,20 @@ def _known(name: str) -> str:
 
 
 def parse_policies(text: str | None, peers: bool = True) -> list[str]:
-    from laswrr.bench.stack_adapter import PEER_PREFIX, vllm_router_binary
+    from laswrr.bench.stack_adapter import PEER_ROUTERS, peer_binary, peer_of, vllm_router_binary
 
     if text is None:
         extra = [DEFAULT_PEER] if peers and vllm_router_binary() is not None else []
         return list(DEFAULT_POLICIES) + extra
-    policies = [p.strip() if p.strip().startswith(PEER_PREFIX) else _known(p) for p in text.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES and not
-               (p.startswith(PEER_PREFIX) and p[len(PEER_PREFIX):] in PEER_POLICIES)]
+    policies = [p.strip() if peer_of(p.strip()) else _known(p) for p in text.split(",") if p.strip()]
+    peers_named = [peer for peer in map(peer_of, policies) if peer is not None]
+    unknown = [p for p in policies if p not in POLICIES and (peer_of(p) or ("", ""))[1] not in PEER_POLICIES]
     if unknown or not policies:
         raise ValueError(f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(POLICIES)} "
-                         f"or {PEER_PREFIX}{{{','.join(PEER_POLICIES)}}}")
-    if any(p.startswith(PEER_PREFIX) for p in policies) and vllm_router_binary() is None:
-        raise ValueError("vllm-router is not installed (pip install 'laswrr[peers]')")
+                         f"or {{{','.join(PEER_ROUTERS)}}}:{{{','.join(PEER_POLICIES)}}}")
+    for router, _ in peers_named:
+        if peer_binary(router) is None:
+            raise ValueError(f"{router} is not installed (pip install 'laswrr[peers]')")
     return policies
 
 

@@ -14,10 +14,11 @@ idle 4-engine stack (collector + its reaped children, /proc utime+stime+cutime+c
 1.4 CPU-s, curl 1.9 CPU-s (~9 ms per sample, 60 samples), the Python ``sim-npu-smi`` fallback (no
 curl installed) 16-21 CPU-s, half a core; the engines' own CPU does not change measurably.
 
-**Peers.** A policy named ``vllm-router:<its policy>`` (e.g. ``vllm-router:power_of_two``) runs
-the same stack and engines but sends the load through ``vllm-router`` (PyPI, Rust; the
-``peers`` extra) instead of our proxy: it knows nothing of the bus, so capacity announcements do
-not reach it, exactly as in a deployment. Its responses carry the engine's ``x-sim-node``.
+**Peers.** A policy named ``<router>:<its policy>`` (``vllm-router:power_of_two``,
+``sglang-router:cache_aware``, ...) runs the same stack and engines but sends the load through
+that router (``vllm-router`` or SGLang's ``sglang-router``, PyPI, Rust; the ``peers`` extra)
+instead of our proxy: it knows nothing of the bus, so capacity announcements do not reach it,
+exactly as in a deployment. Its responses carry the engine's ``x-sim-node``.
 """
 
 from __future__ import annotations
@@ -41,17 +42,30 @@ from laswrr.services.up import NodeSpec, Stack
 
 log = logging.getLogger("laswrr.bench.stack")
 
-PEER_PREFIX = "vllm-router:"
+PEER_PREFIX = "vllm-router:"  # the default peer
+# router -> (the arguments before the common ones, its --log-level word for warnings)
+PEER_ROUTERS: dict[str, tuple[tuple[str, ...], str]] = {"vllm-router": ((), "warning"),
+                                                         "sglang-router": (("launch",), "warn")}
 PEER_START_TIMEOUT_S = 60.0
 
 
+def peer_of(policy: str) -> tuple[str, str] | None:
+    """(router, its policy) for a peer policy name, else None."""
+    router, sep, router_policy = policy.partition(":")
+    return (router, router_policy) if sep and router in PEER_ROUTERS else None
+
+
 def is_peer(policy: str) -> bool:
-    return policy.startswith(PEER_PREFIX)
+    return peer_of(policy) is not None
+
+
+def peer_binary(router: str) -> str | None:
+    candidate = Path(sys.executable).parent / router
+    return str(candidate) if candidate.exists() else shutil.which(router)
 
 
 def vllm_router_binary() -> str | None:
-    candidate = Path(sys.executable).parent / "vllm-router"
-    return str(candidate) if candidate.exists() else shutil.which("vllm-router")
+    return peer_binary("vllm-router")
 
 
 @dataclass
@@ -80,8 +94,9 @@ async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Pat
         await stack.register(nodes)
         stack.write_nodes_file(nodes)
         await stack.start_collector()
-        if is_peer(policy):
-            proxy_url = await start_vllm_router(policy[len(PEER_PREFIX):], nodes, stack.log_dir, peers)
+        peer = peer_of(policy)
+        if peer is not None:
+            proxy_url = await start_peer(*peer, nodes, stack.log_dir, peers)
         else:
             proxy_url = await stack.start_proxy(port=0, extra_args=("--policy", policy, *proxy_args), name="proxy")
     except BaseException:
@@ -91,38 +106,39 @@ async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Pat
     return RunningStack(stack, proxy_url, {n.id: n.url for n in nodes}, stack.data_dir / "events.duckdb", peers)
 
 
-async def start_vllm_router(router_policy: str, nodes: list[NodeSpec], log_dir: Path,
-                            peers: list[asyncio.subprocess.Process]) -> str:
-    binary = vllm_router_binary()
+async def start_peer(router: str, router_policy: str, nodes: list[NodeSpec], log_dir: Path,
+                     peers: list[asyncio.subprocess.Process]) -> str:
+    binary = peer_binary(router)
     if binary is None:
-        raise RuntimeError("vllm-router is not installed (pip install 'laswrr[peers]')")
+        raise RuntimeError(f"{router} is not installed (pip install 'laswrr[peers]')")
+    lead, log_level = PEER_ROUTERS[router]
     port = free_port()
-    with open(log_dir / "vllm-router.log", "ab") as sink:
+    with open(log_dir / f"{router}.log", "ab") as sink:
         proc = await asyncio.create_subprocess_exec(
-            binary, "--host", "127.0.0.1", "--port", str(port), "--policy", router_policy,
+            binary, *lead, "--host", "127.0.0.1", "--port", str(port), "--policy", router_policy,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            "--worker-urls", *[n.url for n in nodes], "--log-level", "warning",
+            "--worker-urls", *[n.url for n in nodes], "--log-level", log_level,
             stdin=asyncio.subprocess.DEVNULL, stdout=sink, stderr=sink, start_new_session=True,
             preexec_fn=preexec())
     peers.append(proc)
     url = f"http://127.0.0.1:{port}"
-    await _wait_answering(url, proc)
+    await _wait_answering(url, proc, router)
     return url
 
 
-async def _wait_answering(url: str, proc: asyncio.subprocess.Process) -> None:
+async def _wait_answering(url: str, proc: asyncio.subprocess.Process, router: str) -> None:
     body = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
     deadline = time.monotonic() + PEER_START_TIMEOUT_S
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
         while time.monotonic() < deadline:
             if proc.returncode is not None:
-                raise RuntimeError(f"vllm-router exited with {proc.returncode}")
+                raise RuntimeError(f"{router} exited with {proc.returncode}")
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
                     if resp.status == 200:
                         return
             await asyncio.sleep(0.2)
-    raise RuntimeError(f"vllm-router did not answer within {PEER_START_TIMEOUT_S:.0f}s")
+    raise RuntimeError(f"{router} did not answer within {PEER_START_TIMEOUT_S:.0f}s")
 
 
 async def _stop_peers(peers: list[asyncio.subprocess.Process]) -> None:

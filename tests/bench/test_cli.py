@@ -48,3 +48,13 @@ def test_policies_default_and_peer_names() -> None:
     assert parse_policies("rr, la-swrr") == ["rr", "la-swrr"]
     with pytest.raises(ValueError, match="unknown policy vllm-router:bogus"):
         parse_policies("vllm-router:bogus")
+    with pytest.raises(ValueError, match="unknown policy nginx:cache_aware"):
+        parse_policies("nginx:cache_aware")
+
+
+def test_peer_names_map_to_their_routers() -> None:
+    from laswrr.bench.stack_adapter import is_peer, peer_of
+
+    assert peer_of("sglang-router:cache_aware") == ("sglang-router", "cache_aware")
+    assert peer_of("vllm-router:power_of_two") == ("vllm-router", "power_of_two")
+    assert peer_of("la-swrr") is None and not is_peer("p2c") and is_peer("sglang-router:random")
