@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import sys
 import time
@@ -87,6 +88,13 @@ def _known(name: str) -> str:
         return canonical_policy(name)
     except ValueError:
         return name.strip()
+
+
+def plots_missing() -> str | None:
+    """Why plots cannot be drawn (matplotlib is the ``[bench]`` extra, not in the runtime install), or None."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return "the plots need matplotlib: pip install 'laswrr[bench]'"
+    return None
 
 
 def parse_policies(text: str | None, peers: bool = True) -> list[str]:
@@ -225,6 +233,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     except ValueError as exc:
         print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    if not args.no_plots and (missing := plots_missing()):
+        print(f"bench: {missing} (or --no-plots)", file=sys.stderr)
         return 2
     interrupt_on_sigterm()  # `kill` stops a run like Ctrl-C: the stack is torn down, nothing left behind
     started = time.monotonic()

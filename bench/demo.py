@@ -60,13 +60,16 @@ def _verdict(policy: str, summary: dict[str, Any]) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from laswrr.bench.cli import bench_scenario
+    from laswrr.bench.cli import bench_scenario, plots_missing
     from laswrr.bench.report import print_table
     from laswrr.bench.scenarios import ANNOUNCED_DROP
 
     settings.configure_logging(args, "demo")
     if args.duration_scale <= 0:
         print("demo: --duration-scale must be > 0", file=sys.stderr)
+        return 2
+    if missing := plots_missing():
+        print(f"demo: {missing}", file=sys.stderr)
         return 2
     interrupt_on_sigterm()  # `kill` stops the demo like Ctrl-C: the stack is torn down
     started = time.monotonic()
