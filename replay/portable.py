@@ -98,7 +98,7 @@ def replay_lines(lines: Iterable[bytes], config: SchedulerConfig | None = None,
         if isinstance(item, LineError):
             if errors is not None:
                 errors.append(item)
-            rejected = Rejected(seq=item.seq, subject="", reason=item.reason)
+            rejected = Rejected(seq=item.seq, subject="", reason=item.reason, as_of_seq=item.seq)
             yield output_line(Output(sj.OUT_REJECTED, encode(rejected), item.seq), scheduler.state.now_ns)
             continue
         outputs, _ = apply_guarded(scheduler, item)  # a core exception: the service's rejection

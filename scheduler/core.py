@@ -54,7 +54,7 @@ def poisoned(envelope: Envelope, exc: BaseException) -> Output:
 
 def rejected(envelope: Envelope, reason: str) -> Rejected:
     """The rejection of ``envelope``; its subject and reason cut to ``TEXT_MAX_CHARS``."""
-    return Rejected(seq=envelope.seq, subject=clip(envelope.subject), reason=clip(reason))
+    return Rejected(seq=envelope.seq, subject=clip(envelope.subject), reason=clip(reason), as_of_seq=envelope.seq)
 
 
 def apply_guarded(scheduler: Scheduler, envelope: Envelope) -> tuple[list[Output], Exception | None]:

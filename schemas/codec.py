@@ -124,7 +124,8 @@ def publishable(outputs: list[Output], input_subject: str, limit: int) -> list[O
             kept.append(output)
             continue
         reason = f"{UNPUBLISHABLE}: {output.subject} of {len(output.data)} bytes, over the limit of {limit} bytes"
-        rejected = Rejected(seq=output.as_of_seq, subject=clip(input_subject), reason=reason)
+        rejected = Rejected(seq=output.as_of_seq, subject=clip(input_subject), reason=reason,
+                            as_of_seq=output.as_of_seq)
         kept.append(Output(sj.OUT_REJECTED, encode(rejected), output.as_of_seq, index=rejections))
         rejections += 1
     return kept

@@ -68,7 +68,21 @@ class WeightSnapshot(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Rejected(msgspec.Struct, frozen=True, kw_only=True):
+    """One input the core did not apply. ``seq`` and ``as_of_seq`` are both the input's sequence
+    number: ``as_of_seq`` names the cause as every other output does; ``seq`` stays for readers
+    of logs recorded before ``as_of_seq`` was added (there it is None when decoded)."""
+
     KIND: ClassVar[str] = "out.rejected"
+    seq: int
+    subject: str
+    reason: str
+    as_of_seq: int | None = None
+
+
+class RejectedBeforeAsOfSeq(msgspec.Struct, frozen=True, kw_only=True):
+    """``lb.out.rejected`` as recorded before ``as_of_seq``: replay compares such a recorded row
+    with the core's rejection re-encoded in this form (``legacy_rejection``)."""
+
     seq: int
     subject: str
     reason: str

@@ -5,7 +5,7 @@ lb.admin.capacity.n1 '{"capacity": 1}'``: plain JSON, no headers), but through J
 publish ack names the event's stream sequence S. It subscribed to ``lb.out.>`` beforehand and
 waits (``--wait``, default 3 s) for the outcome:
 
-* ``lb.out.rejected`` with ``seq == S``: prints ``rejected: <reason>``, exit 1;
+* ``lb.out.rejected`` with ``as_of_seq == S``: prints ``rejected: <reason>``, exit 1;
 * any other output with ``as_of_seq >= S``: the scheduler applies inputs in order and publishes a
   rejection before any later output, so S was applied. It then waits a little longer for a
   snapshot showing the node, prints ``applied: ...``, exit 0;
@@ -60,14 +60,13 @@ class Outcome:
     pool: str | None = None
 
     def observe(self, subject: str, payload: dict[str, Any]) -> None:
-        if subject == sj.OUT_REJECTED:
-            if payload.get("seq") == self.seq:
-                self.rejected = str(payload.get("reason", "no reason given"))
-            elif isinstance(payload.get("seq"), int) and payload["seq"] > self.seq:
-                self.applied = True
-            return
         as_of = payload.get("as_of_seq")
+        if as_of is None and subject == sj.OUT_REJECTED:
+            as_of = payload.get("seq")  # a scheduler from before rejections carried as_of_seq
         if not isinstance(as_of, int) or as_of < self.seq:
+            return
+        if subject == sj.OUT_REJECTED and as_of == self.seq:
+            self.rejected = str(payload.get("reason", "no reason given"))
             return
         self.applied = True
         if subject.startswith(sj.OUT_PHASE + ".") and as_of == self.seq and payload.get("node") == self.node:
@@ -76,10 +75,6 @@ class Outcome:
             for node in payload.get("nodes", []):
                 if node.get("node") == self.node:
                     self.view, self.pool = node, payload.get("pool")
-
-    @property
-    def decided(self) -> bool:
-        return self.rejected is not None
 
     @property
     def described(self) -> bool:

@@ -50,7 +50,7 @@ def as_of_seq_of(msg_id: str | None, data: bytes | None) -> int:
             return int(head)
     with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
         payload = msgspec.json.decode(data or b"", type=dict[str, Any])
-        value = payload.get("as_of_seq", payload.get("seq"))
+        value = payload.get("as_of_seq", payload.get("seq"))  # seq: a rejection from before as_of_seq
         if isinstance(value, int):
             return value
     return 0

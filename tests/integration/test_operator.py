@@ -122,3 +122,16 @@ def test_outcome_folds_outputs_in_order() -> None:
     assert later.applied and not later.described  # 10 went through; no view of n1 yet
     later.observe("lb.out.snapshot.other", {"as_of_seq": 12, "pool": "other", "nodes": [{"node": "x"}]})
     assert not later.described
+
+
+def test_outcome_reads_a_rejection_by_its_as_of_seq() -> None:
+    """Rejections name their input by as_of_seq like every output; the folds above use the
+    older form (only seq), which a scheduler from before as_of_seq still sends."""
+    outcome = Outcome(seq=10, node="n1")
+    outcome.observe(sj.OUT_REJECTED, {"seq": 9, "subject": "x", "reason": "older", "as_of_seq": 9})
+    assert not outcome.applied and outcome.rejected is None
+    outcome.observe(sj.OUT_REJECTED, {"seq": 10, "subject": "x", "reason": "bad", "as_of_seq": 10})
+    assert outcome.rejected == "bad" and outcome.described
+    later = Outcome(seq=10, node="n1")
+    later.observe(sj.OUT_REJECTED, {"seq": 11, "subject": "y", "reason": "someone else's", "as_of_seq": 11})
+    assert later.applied and later.rejected is None

@@ -124,6 +124,28 @@ def test_deleted_tail_is_caught_by_outputs_beyond_the_last_input(db: Path) -> No
     assert result.first is not None and result.first.kind == "beyond" and result.first.seq == 22
 
 
+LEGACY_REJECTIONS = ("UPDATE events SET data = regexp_replace(data, ',\"as_of_seq\":[0-9]+}$', '}') "
+                     "WHERE stream = 'LB_OUT' AND subject = 'lb.out.rejected'")
+
+
+def test_rejections_recorded_before_as_of_seq_still_replay_exactly(db: Path) -> None:
+    tamper(db, LEGACY_REJECTIONS)  # the LB_OUT rows as a scheduler without as_of_seq wrote them
+    with store.open_read(db) as con:
+        rows = con.execute("SELECT data FROM events WHERE subject = 'lb.out.rejected'").fetchall()
+    assert len(rows) == 2 and all("as_of_seq" not in data for (data,) in rows)
+    result = replay_file(db)
+    assert result.identical, result.first and result.first.describe()
+    assert result.legacy_rejections == 2 and "2 rejection(s) recorded before as_of_seq" in result.summary()
+
+
+def test_an_altered_legacy_rejection_is_caught(db: Path) -> None:
+    tamper(db, LEGACY_REJECTIONS)
+    tamper(db, "UPDATE events SET data = replace(data, 'unknown node', 'unknown nodes') "
+               "WHERE stream = 'LB_OUT' AND subject = 'lb.out.rejected'")
+    result = replay_file(db)
+    assert result.first is not None and result.first.kind == "output" and result.first.seq == 20
+
+
 def test_altered_recorded_output_is_caught(db: Path) -> None:
     tamper(db, "UPDATE events SET data = replace(data, '\"capacity\":4', '\"capacity\":5') "
                "WHERE stream = 'LB_OUT' AND seq = (SELECT min(seq) FROM events WHERE stream = 'LB_OUT' "

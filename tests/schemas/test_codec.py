@@ -11,6 +11,7 @@ import inspect
 import msgspec
 import pytest
 
+from laswrr.replay.replay import legacy_rejection
 from laswrr.schemas import events as ev
 from laswrr.schemas import outputs as out
 from laswrr.schemas import subjects as sj
@@ -173,8 +174,11 @@ def test_snapshot_encoding_is_byte_stable() -> None:
 def test_phase_and_rejected_encoding() -> None:
     assert encode(out.PhaseChanged(node="n2", from_="active", to="draining", as_of_seq=41, reason="capacity set to 0")) \
         == b'{"node":"n2","from":"active","to":"draining","as_of_seq":41,"reason":"capacity set to 0","pool":"default"}'
-    assert encode(out.Rejected(seq=5, subject="lb.admin.capacity.n9", reason="unknown node 'n9'")) \
-        == b'{"seq":5,"subject":"lb.admin.capacity.n9","reason":"unknown node \'n9\'"}'
+    rejected = encode(out.Rejected(seq=5, subject="lb.admin.capacity.n9", reason="unknown node 'n9'", as_of_seq=5))
+    assert rejected == b'{"seq":5,"subject":"lb.admin.capacity.n9","reason":"unknown node \'n9\'","as_of_seq":5}'
+    # the form recorded before as_of_seq (what replay compares an old log's rejection with)
+    assert legacy_rejection(rejected) == b'{"seq":5,"subject":"lb.admin.capacity.n9","reason":"unknown node \'n9\'"}'
+    assert msgspec.json.decode(legacy_rejection(rejected), type=out.Rejected).as_of_seq is None
 
 
 def test_output_msg_id_names_its_cause() -> None:
