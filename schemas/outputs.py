@@ -69,8 +69,8 @@ class WeightSnapshot(msgspec.Struct, frozen=True, kw_only=True):
 
 class Rejected(msgspec.Struct, frozen=True, kw_only=True):
     """One input the core did not apply. ``seq`` and ``as_of_seq`` are both the input's sequence
-    number: ``as_of_seq`` names the cause as every other output does; ``seq`` stays for readers
-    of logs recorded before ``as_of_seq`` was added (there it is None when decoded)."""
+    number: ``as_of_seq`` names the cause as every other output does; ``seq`` stays for older
+    readers. A rejection recorded before ``as_of_seq`` was added decodes with it None."""
 
     KIND: ClassVar[str] = "out.rejected"
     seq: int
