@@ -14,6 +14,15 @@ the next tick. A rejected input moves only the log position (``last_seq``, ``now
 Rules kept here: no clock, randomness, IO, logging or asyncio; dicts iterate in insertion order
 and pools and nodes are emitted sorted, so two replicas given the same log emit the same bytes.
 
+Proxy epochs. Every proxy process stamps a random ``boot_id`` on its heartbeats and request
+events. The first event of a proxy id with a new boot id means the process that opened the
+id's requests is gone (killed and restarted under the same ``--proxy-id``): its open requests
+are voided at once, as after ``lb.proxy.stopped`` or ``proxy_timeout_ms`` of silence, and a late
+event of a replaced process (its boot id is among the last ``RETIRED_BOOTS``) voids nothing. A
+heartbeat with a boot id also carries the process's own in-flight count; where that is lower
+than the requests the scheduler holds open for it, the oldest of them are voided (their
+finished events were lost). Events without a boot id (older proxies) keep the old rules.
+
 ``apply_guarded`` is how every driver of the core (the scheduler service, replay, what-if, the
 portable replay, synthetic logs) applies an input: an exception from ``apply`` is a broken
 invariant, not bad input, and becomes the recorded rejection ``internal error while applying:
@@ -38,6 +47,8 @@ from laswrr.schemas import subjects
 from laswrr.schemas.codec import Envelope, Output, SchemaError, decode_event, encode
 from laswrr.schemas.outputs import NodeView, PhaseChanged, Rejected, WeightSnapshot, clip
 from laswrr.schemas.words import DrainCause, EjectCause, RequestOutcome
+
+RETIRED_BOOTS = 4  # boot ids remembered per proxy id, so a late event of a replaced process is known
 
 HEALTH_ORDER = {"OK": 0, "Warning": 1, "Alarm": 2, "Critical": 3, "UNKNOWN": 4}
 
@@ -368,14 +379,18 @@ class Scheduler:
         node = self._require(key)
         if event.request_id in self.state.open_requests:
             raise Rejection(f"duplicate request_id {event.request_id!r}: already in flight")
-        self.state.open_requests[event.request_id] = OpenRequest(node=key, proxy=event.proxy)
+        self._proxy_epoch(event.proxy, event.boot_id)
+        self.state.open_requests[event.request_id] = OpenRequest(node=key, proxy=event.proxy, boot=event.boot_id)
         self.state.proxies[event.proxy] = self.state.now_ns
         node.inflight += 1
 
     def _on_finished(self, key: str, event: events.RequestFinished) -> None:
-        request = self.state.open_requests.pop(event.request_id, None)
-        if request is None:
+        if event.request_id not in self.state.open_requests:
             raise Rejection(f"unknown request_id {event.request_id!r}: never started, already finished, or expired")
+        self._proxy_epoch(event.proxy, event.boot_id)
+        request = self.state.open_requests.pop(event.request_id, None)
+        if request is None:  # voided just now: its proxy process was replaced
+            return
         self.state.proxies[event.proxy] = self.state.now_ns
         node = self.state.nodes.get(request.node)
         if node is None:
@@ -409,15 +424,47 @@ class Scheduler:
 
     def _on_heartbeat(self, key: str, event: events.ProxyHeartbeat) -> None:
         self.state.proxies[key] = self.state.now_ns
+        if event.boot_id is None:
+            return  # a proxy from before boot ids: liveness only (old logs replay unchanged)
+        if not self._proxy_epoch(key, event.boot_id):
+            return
+        mine = [rid for rid, req in self.state.open_requests.items() if req.proxy == key]
+        if event.inflight < len(mine):  # the proxy knows better: the oldest are phantoms (lost finished)
+            self._void(mine[:len(mine) - event.inflight])
 
     def _on_proxy_stopped(self, key: str, event: events.ProxyStopped) -> None:
         self._expire_proxy(key)
 
+    def _proxy_epoch(self, proxy: str, boot: str | None) -> bool:
+        """Follow the proxy process behind ``proxy`` (module header: proxy epochs). A new boot
+        id voids the requests that another process of this id left open; a boot id this id
+        already replaced (a late event of a dead process) changes nothing. True when ``boot``
+        is the id's live process."""
+        if boot is None:
+            return False
+        state = self.state
+        current = state.proxy_boots.get(proxy)
+        if current == boot:
+            return True
+        retired = state.retired_boots.get(proxy, [])
+        if boot in retired:
+            return False
+        if current is not None:
+            state.retired_boots[proxy] = [*retired, current][-RETIRED_BOOTS:]
+        state.proxy_boots[proxy] = boot
+        self._void([rid for rid, req in state.open_requests.items() if req.proxy == proxy and req.boot != boot])
+        return True
+
     def _expire_proxy(self, proxy: str) -> None:
         """Void a dead proxy's open requests (design §8, phantom in-flight)."""
         self.state.proxies.pop(proxy, None)
+        self.state.proxy_boots.pop(proxy, None)
+        self.state.retired_boots.pop(proxy, None)
+        self._void([rid for rid, req in self.state.open_requests.items() if req.proxy == proxy])
+
+    def _void(self, request_ids: list[str]) -> None:
         open_requests = self.state.open_requests
-        for request_id in [rid for rid, req in open_requests.items() if req.proxy == proxy]:
+        for request_id in request_ids:
             node = self.state.nodes.get(open_requests.pop(request_id).node)
             if node is not None:
                 node.inflight -= 1

@@ -54,6 +54,7 @@ class NodeState(msgspec.Struct, kw_only=True):
 class OpenRequest(msgspec.Struct, frozen=True):
     node: str
     proxy: str
+    boot: str | None = None  # the boot id of the proxy process that started it
 
 
 class CoreState(msgspec.Struct, kw_only=True):
@@ -64,3 +65,5 @@ class CoreState(msgspec.Struct, kw_only=True):
     now_ns: int = 0
     tick: int = 0
     last_seq: int = 0
+    proxy_boots: dict[str, str] = msgspec.field(default_factory=dict)  # proxy -> boot id of its live process
+    retired_boots: dict[str, list[str]] = msgspec.field(default_factory=dict)  # proxy -> boot ids it replaced

@@ -138,6 +138,7 @@ class RequestStarted(Event, frozen=True, kw_only=True):
     pool: Name = "default"
     snapshot_seq: int | None = None
     ts_ns: int | None = None
+    boot_id: Name | None = None  # the proxy process (ProxyHeartbeat.boot_id)
 
 
 class RequestFinished(Event, frozen=True, kw_only=True):
@@ -156,14 +157,20 @@ class RequestFinished(Event, frozen=True, kw_only=True):
     error: str | None = None
     ts_ns: int | None = None
     next_attempt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None  # continued or retried as
+    boot_id: Name | None = None  # the proxy process (ProxyHeartbeat.boot_id)
 
 
 class ProxyHeartbeat(Event, frozen=True, kw_only=True):
-    """``lb.proxy.heartbeat.<proxy>``: a proxy is alive; ``inflight`` is its own count."""
+    """``lb.proxy.heartbeat.<proxy>``: a proxy is alive; ``inflight`` is its own count.
+
+    ``boot_id`` names the proxy *process* (random at its start, whatever its ``--proxy-id``),
+    on every heartbeat and request event: a new boot id for a proxy id tells the scheduler that
+    the process that opened the id's requests is gone. None: a proxy from before boot ids."""
 
     KIND: ClassVar[str] = "proxy.heartbeat"
     inflight: NonNegInt = 0
     ts_ns: int | None = None
+    boot_id: Name | None = None
 
 
 class ProxyStopped(Event, frozen=True, kw_only=True):
@@ -171,6 +178,7 @@ class ProxyStopped(Event, frozen=True, kw_only=True):
 
     KIND: ClassVar[str] = "proxy.stopped"
     ts_ns: int | None = None
+    boot_id: Name | None = None
 
 
 class ClockTicked(Event, frozen=True, kw_only=True):

@@ -94,10 +94,9 @@ class ProxyState:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     handlers: set[asyncio.Task[object]] = field(default_factory=set)
     ids: count[int] = field(default_factory=lambda: count(1))
-    boot: str = field(default_factory=lambda: format(time.time_ns() // 1000 % (1 << 40), "x"))
 
     def next_request_id(self) -> str:
-        return f"{self.config.proxy_id}-{self.boot}-{next(self.ids)}"
+        return f"{self.config.proxy_id}-{self.events.boot_id}-{next(self.ids)}"
 
 
 STATE = web.AppKey("proxy_state", ProxyState)

@@ -33,6 +33,10 @@ Event semantics (what analysts count):
   engine's HTTP status (null when it never answered).
 * ``lb.proxy.heartbeat.<proxy>`` every ``heartbeat_s`` with this proxy's in-flight count, and
   ``lb.proxy.stopped.<proxy>`` at clean shutdown, after the last request finished.
+* Every event carries ``boot_id``, random per process (``new_boot_id``): a proxy restarted
+  with the same ``--proxy-id`` is a new process to the scheduler, which voids what the old one
+  left open. Heartbeats go through the same ordered buffer as request events, so a heartbeat's
+  in-flight count agrees with the events before it (the scheduler trusts it where it is lower).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -79,10 +84,17 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 3)
 
 
+def new_boot_id() -> str:
+    """A proxy process's boot id: random at start, never derived from ``--proxy-id``."""
+    return secrets.token_hex(8)
+
+
 class EventPublisher:
     def __init__(self, proxy_id: str, capacity: int = 100_000, batch_max: int = 512,
-                 ack_timeout_s: float = 2.0, retry_backoff_s: float = 0.25, linger_s: float = 0.005) -> None:
+                 ack_timeout_s: float = 2.0, retry_backoff_s: float = 0.25, linger_s: float = 0.005,
+                 boot_id: str | None = None) -> None:
         self.proxy_id = proxy_id
+        self.boot_id = boot_id or new_boot_id()
         self.capacity = capacity
         self.batch_max = batch_max
         self.linger_s = linger_s
@@ -104,7 +116,7 @@ class EventPublisher:
 
     def started(self, request_id: str, node: str, pool: str, snapshot_seq: int) -> None:
         event = ev.RequestStarted(request_id=request_id, proxy=self.proxy_id, pool=pool,
-                                  snapshot_seq=snapshot_seq, ts_ns=time.time_ns())
+                                  snapshot_seq=snapshot_seq, ts_ns=time.time_ns(), boot_id=self.boot_id)
         self._put(self._subjects_of(node)[0], encode(event), f"{self.proxy_id}:{request_id}:started")
 
     def finished(self, request_id: str, node: str, pool: str, attempt: Attempt) -> None:
@@ -112,7 +124,7 @@ class EventPublisher:
             request_id=request_id, proxy=self.proxy_id, outcome=attempt.outcome, pool=pool,
             ttft_ms=attempt.ttft_ms, duration_ms=attempt.duration_ms, prompt_tokens=attempt.prompt_tokens,
             completion_tokens=attempt.completion_tokens, status=attempt.status, error=attempt.error,
-            ts_ns=time.time_ns(), next_attempt=attempt.next_attempt)
+            ts_ns=time.time_ns(), next_attempt=attempt.next_attempt, boot_id=self.boot_id)
         self._put(self._subjects_of(node)[1], encode(event), f"{self.proxy_id}:{request_id}:finished")
 
     def _subjects_of(self, node: str) -> tuple[str, str]:
@@ -125,11 +137,11 @@ class EventPublisher:
 
     def heartbeat(self, inflight: int) -> None:
         self._heartbeats += 1
-        event = ev.ProxyHeartbeat(inflight=inflight, ts_ns=time.time_ns())
+        event = ev.ProxyHeartbeat(inflight=inflight, ts_ns=time.time_ns(), boot_id=self.boot_id)
         self._put(sj.proxy_heartbeat(self.proxy_id), encode(event), f"{self.proxy_id}:hb:{self._heartbeats}:{time.time_ns()}")
 
     def stopped(self) -> None:
-        event = ev.ProxyStopped(ts_ns=time.time_ns())
+        event = ev.ProxyStopped(ts_ns=time.time_ns(), boot_id=self.boot_id)
         self._put(sj.proxy_stopped(self.proxy_id), encode(event), f"{self.proxy_id}:stopped:{time.time_ns()}")
 
     def _put(self, subject: str, data: bytes, msg_id: str) -> None:

@@ -83,22 +83,30 @@ class Feed:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def start(self, node: str, proxy: str = "p1", request_id: str | None = None) -> str:
+    def start(self, node: str, proxy: str = "p1", request_id: str | None = None, boot: str | None = None) -> str:
         if request_id is None:
             self.request_no += 1
             request_id = f"r{self.request_no}"
-        self.send(sj.req_started(node), {"request_id": request_id, "proxy": proxy, "pool": "default"})
+        payload: dict[str, Any] = {"request_id": request_id, "proxy": proxy, "pool": "default"}
+        if boot is not None:
+            payload["boot_id"] = boot
+        self.send(sj.req_started(node), payload)
         return request_id
 
     def finish(self, node: str, request_id: str, outcome: str = "completed", proxy: str = "p1",
-               ttft_ms: float | None = None) -> list[Output]:
+               ttft_ms: float | None = None, boot: str | None = None) -> list[Output]:
         payload: dict[str, Any] = {"request_id": request_id, "proxy": proxy, "outcome": outcome}
         if ttft_ms is not None:
             payload["ttft_ms"] = ttft_ms
+        if boot is not None:
+            payload["boot_id"] = boot
         return self.send(sj.req_finished(node), payload)
 
-    def heartbeat(self, proxy: str) -> list[Output]:
-        return self.send(sj.proxy_heartbeat(proxy), {"inflight": 0})
+    def heartbeat(self, proxy: str, inflight: int = 0, boot: str | None = None) -> list[Output]:
+        payload: dict[str, Any] = {"inflight": inflight}
+        if boot is not None:
+            payload["boot_id"] = boot
+        return self.send(sj.proxy_heartbeat(proxy), payload)
 
     # -- time ---------------------------------------------------------------------------------
 

@@ -106,6 +106,7 @@ PROXIES = ["pa", "pb"]
 REQUEST_IDS = [f"r{i}" for i in range(12)]
 _node = st.sampled_from(NODES)
 _proxy = st.sampled_from(PROXIES)
+_boot = st.sampled_from(["A", "B", "C"])
 _kv = st.integers(0, 1000).map(lambda x: x / 1000)
 
 
@@ -140,6 +141,10 @@ _EVENTS = st.one_of(
               st.sampled_from(REQUEST_IDS), _proxy,
               st.sampled_from(["completed", "upstream_error", "upstream_error", "client_cancelled"])),
     st.builds(lambda p: _ev(sj.proxy_heartbeat(p), {}), _proxy),
+    st.builds(lambda n, r, p, b: _ev(sj.req_started(n), {"request_id": r, "proxy": p, "boot_id": b}), _node,
+              st.sampled_from(REQUEST_IDS), _proxy, _boot),
+    st.builds(lambda p, i, b: _ev(sj.proxy_heartbeat(p), {"inflight": i, "boot_id": b}), _proxy,
+              st.integers(0, 4), _boot),  # proxy epochs: restarts and heartbeat counts
     st.builds(lambda p: _ev(sj.proxy_stopped(p), {}), _proxy),
     st.builds(lambda t: _ev(sj.CLOCK_TICK, {"tick": t}), st.integers(0, 10_000)),
     st.builds(lambda t: _ev(sj.CLOCK_TICK, {"tick": t}), st.integers(0, 10_000)),
