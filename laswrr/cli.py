@@ -5,7 +5,8 @@ sub-command(s) with ``set_defaults(func=handler)``; a handler takes the parsed
 arguments and returns the process exit code. Modules are imported only to build
 the parser, so adding a command means adding one line here.
 
-Settings from the environment: every ``--flag`` of a command may also be given as the variable
+Help: ``laswrr <command> --help`` shows one paragraph and examples from ``laswrr.command_help``
+(not the module docstrings). Settings from the environment: every ``--flag`` of a command may also be given as the variable
 ``LASWRR_<FLAG>`` (upper case, ``-`` as ``_``: ``LASWRR_LOG_LEVEL=warning``,
 ``LASWRR_PROXY_PORT=9000``); a switch (``--reuse-port``) is on for ``1``/``true``/``yes``/``on``.
 The command line wins over the environment. ``main`` reads them for the command being run
@@ -22,7 +23,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from laswrr import __version__
+from laswrr import __version__, command_help
 
 COMMAND_MODULES: tuple[str, ...] = (
     "laswrr.services.analysis",
@@ -43,11 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="laswrr",
         description="Load-aware smooth weighted round-robin router for LLM inference on Ascend NPU pools.",
+        epilog="`laswrr COMMAND --help` says what a command does, with examples; every flag may also be "
+               "set as LASWRR_<FLAG> (docs/configuration.md).",
     )
     parser.add_argument("--version", action="version", version=f"laswrr {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
+    command_help.apply(commands(parser))
     return parser
 
 

@@ -1,0 +1,42 @@
+"""`laswrr <command> --help`: one paragraph of what the command does and examples that parse."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from laswrr.cli import build_parser, commands
+from laswrr.command_help import HELP
+
+COMMANDS = sorted(commands(build_parser()))
+
+
+def test_every_command_has_a_paragraph_and_examples() -> None:
+    assert set(COMMANDS) == set(HELP), "add the new command to laswrr/command_help.py HELP"
+    for name, (paragraph, examples) in HELP.items():
+        assert "\n\n" not in paragraph and len(paragraph) < 600, name
+        assert not any(mark in paragraph for mark in ("``", "§", "Theory of operation")), name  # not a docstring
+        assert examples, name
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_examples_parse(name: str) -> None:
+    for example in HELP[name][1]:
+        words = shlex.split(example.split("|")[-1])
+        assert words[0] == "laswrr" and words[1] == name, example
+        try:
+            build_parser().parse_args(words[1:])
+        except SystemExit as exc:
+            if exc.code != 0:  # --list and the like exit 0 after printing
+                raise AssertionError(f"example does not parse: {example}") from exc
+
+
+def test_help_shows_the_paragraph_and_examples_not_the_module_docstring() -> None:
+    run = subprocess.run([sys.executable, "-m", "laswrr", "proxy", "--help"], capture_output=True, text=True,
+                         check=True)
+    text = " ".join(run.stdout.split())
+    assert "Run one OpenAI-compatible proxy replica" in text and "examples: laswrr proxy --port 8000" in text
+    assert "Runnable without the dispatcher" not in text and "``" not in text
