@@ -34,6 +34,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "laswrr.services.scheduler_service",
     "laswrr.services.operator",
     "laswrr.services.up",
+    "laswrr.services.dashboard.app",
     "laswrr.services.proxy.cli",
     "laswrr.bench.cli",
     "laswrr.bench.demo",

@@ -58,6 +58,7 @@ from nats.js.errors import KeyNotFoundError
 from laswrr.collectors.nodes import NodeEntry, NodesConfigError, load_node_entries, parse_node_entries
 from laswrr.schemas import subjects as sj
 from laswrr.services import settings
+from laswrr.services.dashboard.app import DEFAULT_PORT as DASHBOARD_PORT
 from laswrr.services.children import Child, ChildProcesses, StackError
 from laswrr.services.natsbus import EmbeddedNats, connect, ensure_streams, redact_url
 
@@ -171,6 +172,7 @@ class Stack:
         self.nodes: list[NodeSpec] = []
         self.nodes_file: Path | None = None
         self.proxy_url: str | None = None
+        self.dashboard_url: str | None = None
         self.embedded: EmbeddedNats | None = None
         self._nats_url = nats_url
         self._nc: Client | None = None
@@ -184,7 +186,7 @@ class Stack:
     # -- starting ---------------------------------------------------------------------------------
 
     async def start(self, nodes: Sequence[NodeSpec] | str | os.PathLike[str] | None = None,
-                    sim_speed: float = 1.0) -> None:
+                    sim_speed: float = 1.0, dashboard_port: int | None = None) -> None:
         """Everything, in order; on failure what was started is stopped and StackError raised."""
         try:
             specs = load_nodes(nodes) if isinstance(nodes, (str, os.PathLike)) else nodes
@@ -200,6 +202,8 @@ class Stack:
             await self.register(specs)
             await self.start_collector()
             await self.start_proxy()
+            if dashboard_port is not None:
+                await self.start_dashboard(dashboard_port)
         except BaseException:
             await self.stop()
             raise
@@ -289,6 +293,14 @@ class Stack:
         return await self.spawn("collector", "collector", "--nats-url", self.nats_url, "--nodes", str(path),
                                 role="collector")
 
+    async def start_dashboard(self, port: int = 0) -> str:
+        """``laswrr dashboard`` on the live stack (services/dashboard/); returns its URL."""
+        child = await self.spawn("dashboard", "dashboard", "--nats-url", self.nats_url, "--host", self.proxy_host,
+                                 "--port", str(port), role="other", wait_listening=True)
+        assert child.url is not None
+        self.dashboard_url = child.url
+        return child.url
+
     async def start_proxy(self, port: int | None = None, extra_args: Sequence[str] = (),
                           name: str | None = None) -> str:
         """One proxy replica; returns its URL (port 0 picks a free one). Call again for more."""
@@ -356,6 +368,8 @@ def banner(stack: Stack, out: IO[str]) -> None:
     print(f"  NATS URL:  {url}  ({where})", file=out)
     print(f"  proxy URL: {stack.proxy_url or 'none (laswrr proxy not available)'}"
           + ("  (OpenAI API: /v1/chat/completions, /v1/completions, /v1/models)" if stack.proxy_url else ""), file=out)
+    if stack.dashboard_url:
+        print(f"  dashboard: {stack.dashboard_url}", file=out)
     for child in stack.children:
         print(f"  {child.role:<10} {child.name:<12} pid {child.pid}{'  ' + child.url if child.url else ''}", file=out)
     for node in stack.nodes:
@@ -385,7 +399,8 @@ async def run_up(args: argparse.Namespace) -> int:
 
 
 async def _run_stack(stack: Stack, args: argparse.Namespace, stop: asyncio.Event) -> int:
-    starting = asyncio.create_task(stack.start(args.nodes, sim_speed=args.sim_speed))
+    starting = asyncio.create_task(stack.start(args.nodes, sim_speed=args.sim_speed,
+                                               dashboard_port=args.dashboard_port))
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():  # a signal during start-up
@@ -439,6 +454,8 @@ def register(subparsers: Any) -> None:
                              "0.0.0.0 for every interface)")
     parser.add_argument("--proxy-port", type=int, default=settings.DEFAULT_PROXY_PORT,
                         help=f"proxy listen port (default {settings.DEFAULT_PROXY_PORT}; 0 picks a free one)")
+    parser.add_argument("--dashboard-port", type=settings.port_number, default=DASHBOARD_PORT,
+                        help="the dashboard page's port (default %(default)s; 0 picks a free one)")
     parser.add_argument("--config", metavar="FILE.toml", default=None, help="scheduler configuration file")
     parser.add_argument("--tick-ms", type=settings.duration("ms"), default=settings.DEFAULT_TICK_MS, help="scheduler tick period")
     parser.add_argument("--sim-speed", type=float, default=1.0, help="speed factor of the simulated engines")

@@ -1,0 +1,260 @@
+"""The dashboard's fold: log messages in, the page's JSON out (pure: no IO, no clock).
+
+Theory of operation. ``Board.apply(subject, ts_ns, data)`` folds one message of the log, live
+(services/dashboard/app.py subscribes) or recorded (the DuckDB ``events`` table, in time
+order), and returns what a live page must be told (``Push``: a snapshot, a mark). What it keeps,
+per pool, in time order:
+
+* every weight snapshot (``lb.out.snapshot.<pool>``, at its own ``ts_ns``), as table rows;
+* marks on the time axis: capacity changes and other admin actions (``lb.admin.*``), phase
+  changes (``lb.out.phase.*``: drains, ejections, slow start, ...) and rejections
+  (``lb.out.rejected``, in the pool of the node its subject names, else every pool);
+* request outcomes (``lb.req.finished.<node>``: outcome, TTFT, duration);
+* per node, npu-smi health (the worst chip of ``lb.metrics.npu.<node>``) whenever it changes.
+
+Queries take the moment ``at_ns`` (now, or the scrubber's position over a recorded log):
+``state(at)`` is the node table of every pool as of then, with the request statistics of the
+sliding window before it (rate, outcomes, TTFT and E2E P50/P99 over completed requests);
+``history(at, window_s)`` the curves of the window before it (effective and target weight,
+in-flight and phase per node, request counts per second) and the marks. ``trim(before)`` drops
+what a live board no longer shows. A message that does not decode is counted
+(``undecodable``) and skipped: the dashboard shows the log, it never judges it.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, bisect_right, insort
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import SchemaError, decode_event
+from laswrr.schemas.events import CapacitySet, NodeRegistered, NpuSampled, RequestFinished
+from laswrr.schemas.outputs import PhaseChanged, Rejected, WeightSnapshot
+
+MS = 1_000_000
+S = 1_000_000_000
+ALL_POOLS = "*"
+REQUEST_WINDOW_S = 60.0  # the sliding window of the request statistics
+MAX_POINTS = 1500  # per node and query: denser curves are thinned (marks never are)
+SEVERITY = {"OK": 0, "Warning": 1, "Alarm": 2, "Critical": 3, "UNKNOWN": 4}
+
+_SNAPSHOT = msgspec.json.Decoder(WeightSnapshot)
+_PHASE = msgspec.json.Decoder(PhaseChanged)
+_REJECTED = msgspec.json.Decoder(Rejected)
+
+# A phase change's mark kind, by the phase entered.
+PHASE_MARKS = {"draining": "drain", "drained": "drain", "ejected": "ejected", "recovering": "slow start",
+               "active": "active", "removed": "removed"}
+
+
+@dataclass(frozen=True, slots=True)
+class Push:
+    """What a live page is sent: ``kind`` "snapshot" (``data``: one pool's rows) or "mark"."""
+
+    kind: str
+    pool: str
+    data: dict[str, Any]
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    ts_ns: int
+    as_of_seq: int
+    panic: bool
+    rows: list[dict[str, Any]]
+
+
+@dataclass(slots=True)
+class _Pool:
+    snapshots: list[_Snapshot] = field(default_factory=list)
+    snapshot_ts: list[int] = field(default_factory=list)
+    marks: list[tuple[int, str, str, str]] = field(default_factory=list)  # ts_ns, node, kind, text
+    requests: list[tuple[int, str, float | None, float | None]] = field(default_factory=list)
+
+
+def _ts(entry: tuple[Any, ...]) -> int:
+    return int(entry[0])
+
+
+def row_of(view: Any) -> dict[str, Any]:
+    """One node's table row from a snapshot's ``NodeView``."""
+    load = view.load
+    return {"node": view.node, "phase": view.phase, "routable": view.routable, "capacity": view.capacity,
+            "slots": view.capacity if load.slots is None else load.slots, "chip": view.chip,
+            "target_weight": view.target_weight, "effective_weight": view.effective_weight,
+            "inflight": view.inflight, "health": view.health, "load": load.load,
+            "sample_age_ms": load.sample_age_ms, "stale": load.stale, "phase_reason": view.phase_reason}
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100) of an ascending list; None when empty."""
+    if not sorted_values:
+        return None
+    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+class Board:
+    def __init__(self) -> None:
+        self.pools: dict[str, _Pool] = {}
+        self.node_pool: dict[str, str] = {}
+        self.npu: dict[str, list[tuple[int, str]]] = {}  # node -> (ts_ns, worst health) at each change
+        self.undecodable = 0
+        self.first_ns: int | None = None
+        self.last_ns: int | None = None
+
+    # -- folding --------------------------------------------------------------------------------
+
+    def apply(self, subject: str, ts_ns: int, data: bytes) -> list[Push]:
+        self.first_ns = ts_ns if self.first_ns is None else min(self.first_ns, ts_ns)
+        self.last_ns = ts_ns if self.last_ns is None else max(self.last_ns, ts_ns)
+        try:
+            if subject.startswith(sj.OUT_SNAPSHOT + "."):
+                return self._snapshot(_SNAPSHOT.decode(data))
+            if subject.startswith(sj.OUT_PHASE + "."):
+                return self._phase(ts_ns, _PHASE.decode(data))
+            if subject == sj.OUT_REJECTED:
+                return self._rejected(ts_ns, _REJECTED.decode(data))
+            if subject.startswith(("lb.admin.", sj.REQ_FINISHED + ".", sj.METRICS_NPU + ".")):
+                return self._input(subject, ts_ns, data)
+        except (msgspec.DecodeError, msgspec.ValidationError, SchemaError):
+            self.undecodable += 1
+        return []
+
+    def _pool(self, pool: str) -> _Pool:
+        found = self.pools.get(pool)
+        if found is None:
+            found = self.pools[pool] = _Pool()
+        return found
+
+    def _snapshot(self, snapshot: WeightSnapshot) -> list[Push]:
+        pool = self._pool(snapshot.pool)
+        rows = [row_of(view) for view in snapshot.nodes]
+        for row in rows:
+            self.node_pool[row["node"]] = snapshot.pool
+        entry = _Snapshot(snapshot.ts_ns, snapshot.as_of_seq, snapshot.panic, rows)
+        at = bisect_right(pool.snapshot_ts, snapshot.ts_ns)
+        pool.snapshot_ts.insert(at, snapshot.ts_ns)
+        pool.snapshots.insert(at, entry)
+        return [Push("snapshot", snapshot.pool, self._snapshot_json(entry))]
+
+    def _mark(self, ts_ns: int, node: str | None, kind: str, text: str) -> list[Push]:
+        pool = self.node_pool.get(node or "", ALL_POOLS)
+        targets = list(self.pools) if pool == ALL_POOLS else [pool]
+        pushes = []
+        for name in targets:
+            insort(self._pool(name).marks, (ts_ns, node or "", kind, text))
+            pushes.append(Push("mark", name, {"ts_ms": ts_ns // MS, "node": node or "", "kind": kind, "text": text}))
+        return pushes
+
+    def _phase(self, ts_ns: int, change: PhaseChanged) -> list[Push]:
+        self.node_pool.setdefault(change.node, change.pool)
+        text = f"{change.node}: {change.from_} -> {change.to} ({change.reason})"
+        return self._mark(ts_ns, change.node, PHASE_MARKS.get(change.to, change.to), text)
+
+    def _rejected(self, ts_ns: int, rejected: Rejected) -> list[Push]:
+        _, node = sj.split(rejected.subject)
+        return self._mark(ts_ns, node, "rejected", f"{rejected.subject} rejected: {rejected.reason}")
+
+    def _input(self, subject: str, ts_ns: int, data: bytes) -> list[Push]:
+        node, event = decode_event(subject, data)
+        if isinstance(event, RequestFinished):
+            pool = self._pool(event.pool)
+            entry = (ts_ns, event.outcome, event.ttft_ms, event.duration_ms)
+            if pool.requests and pool.requests[-1][0] > ts_ns:
+                insort(pool.requests, entry, key=_ts)
+            else:
+                pool.requests.append(entry)
+            return []
+        if isinstance(event, NpuSampled):
+            worst = max((c.health or "UNKNOWN" for c in event.chips), key=lambda h: SEVERITY.get(h, 4), default="UNKNOWN")
+            changes = self.npu.setdefault(node or "", [])
+            if not changes or changes[-1][1] != worst:
+                changes.append((ts_ns, worst))
+            return []
+        verb = sj.split(subject)[0].rsplit(".", 1)[-1]
+        if isinstance(event, NodeRegistered) and node is not None:
+            self.node_pool.setdefault(node, event.pool)
+            return self._mark(ts_ns, node, "admin", f"{node}: registered (capacity {event.capacity})")
+        if isinstance(event, CapacitySet):
+            return self._mark(ts_ns, node, "capacity", f"{node}: capacity set to {event.capacity}")
+        return self._mark(ts_ns, node, "admin", f"{node or 'scheduler'}: {verb}")
+
+    # -- queries --------------------------------------------------------------------------------
+
+    def npu_health(self, node: str, at_ns: int) -> str | None:
+        changes = self.npu.get(node, [])
+        i = bisect_right(changes, (at_ns, "\uffff"))
+        return changes[i - 1][1] if i else None
+
+    def _snapshot_json(self, snap: _Snapshot) -> dict[str, Any]:
+        rows = [{**row, "npu_health": self.npu_health(row["node"], snap.ts_ns)} for row in snap.rows]
+        return {"ts_ms": snap.ts_ns // MS, "as_of_seq": snap.as_of_seq, "panic": snap.panic, "nodes": rows}
+
+    def request_stats(self, pool: str, at_ns: int, window_s: float = REQUEST_WINDOW_S) -> dict[str, Any]:
+        requests = self.pools[pool].requests if pool in self.pools else []
+        window = requests[bisect_left(requests, at_ns - int(window_s * S), key=_ts):
+                          bisect_right(requests, at_ns, key=_ts)]
+        outcomes = Counter(outcome for _, outcome, _, _ in window)
+        ttft = sorted(t for _, o, t, _ in window if o == "completed" and t is not None)
+        e2e = sorted(d for _, o, _, d in window if o == "completed" and d is not None)
+        return {"window_s": window_s, "count": len(window), "rate_per_s": round(len(window) / window_s, 3),
+                "outcomes": dict(sorted(outcomes.items())),
+                "ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
+                "e2e_ms": {"p50": percentile(e2e, 50), "p99": percentile(e2e, 99)}}
+
+    def state(self, at_ns: int) -> dict[str, Any]:
+        """The node table of every pool as of ``at_ns`` and its request statistics."""
+        pools = {}
+        for name, pool in sorted(self.pools.items()):
+            i = bisect_right(pool.snapshot_ts, at_ns)
+            snap = self._snapshot_json(pool.snapshots[i - 1]) if i else {"ts_ms": None, "nodes": []}
+            pools[name] = {**snap, "requests": self.request_stats(name, at_ns)}
+        return {"at_ms": at_ns // MS, "pools": pools}
+
+    def history(self, at_ns: int, window_s: float) -> dict[str, Any]:
+        """Curves and marks of the ``window_s`` before ``at_ns``, per pool."""
+        start = at_ns - int(window_s * S)
+        pools = {}
+        for name, pool in sorted(self.pools.items()):
+            lo, hi = bisect_left(pool.snapshot_ts, start), bisect_right(pool.snapshot_ts, at_ns)
+            chosen = pool.snapshots[lo:hi]
+            step = max(1, math.ceil(len(chosen) / MAX_POINTS))
+            if step > 1:
+                chosen = chosen[::step] + ([chosen[-1]] if (len(chosen) - 1) % step else [])
+            series: dict[str, list[list[Any]]] = {}
+            for snap in chosen:
+                for row in snap.rows:
+                    series.setdefault(row["node"], []).append(
+                        [snap.ts_ns // MS, row["effective_weight"], row["target_weight"], row["inflight"], row["phase"]])
+            marks = [[ts // MS, node, kind, text] for ts, node, kind, text in
+                     pool.marks[bisect_left(pool.marks, (start,)):bisect_right(pool.marks, (at_ns, "\uffff"))]]
+            pools[name] = {"series": series, "marks": marks, "rate": self.rate_bins(name, start, at_ns)}
+        return {"at_ms": at_ns // MS, "window_s": window_s, "pools": pools}
+
+    def rate_bins(self, pool: str, start_ns: int, end_ns: int, bin_s: int = 1) -> list[list[int]]:
+        """``[second_ms, completed, not completed]`` per ``bin_s`` of finished requests in the range."""
+        requests = self.pools[pool].requests if pool in self.pools else []
+        width = bin_s * S
+        bins: dict[int, list[int]] = {}
+        for ts, outcome, _, _ in requests[bisect_left(requests, start_ns, key=_ts):
+                                          bisect_right(requests, end_ns, key=_ts)]:
+            counts = bins.setdefault(ts // width, [0, 0])
+            counts[0 if outcome == "completed" else 1] += 1
+        return [[key * width // MS, ok, bad] for key, (ok, bad) in sorted(bins.items())]
+
+    def trim(self, before_ns: int) -> None:
+        """Forget what is older than ``before_ns`` (a live board keeps a bounded past), keeping
+        each pool's newest snapshot before it so the table still has a row."""
+        for pool in self.pools.values():
+            cut = max(0, bisect_left(pool.snapshot_ts, before_ns) - 1)
+            del pool.snapshots[:cut], pool.snapshot_ts[:cut]
+            del pool.marks[:bisect_left(pool.marks, (before_ns,))]
+            del pool.requests[:bisect_left(pool.requests, before_ns, key=_ts)]
+        for changes in self.npu.values():
+            del changes[:max(0, bisect_left(changes, (before_ns,)) - 1)]

@@ -1,0 +1,366 @@
+// laswrr dashboard: fetches /api/state and /api/history, follows /api/events (Server-Sent
+// Events) when live, and draws every chart itself on <canvas> (no library, no build step).
+// What each chart last drew is kept in window.laswrrDrawn[pool][node] (the newest point of the
+// effective and target curves), so a test in a real browser can check the drawing itself.
+"use strict";
+
+const PHASE_COLORS = { active: "#22c55e", recovering: "#3b82f6", draining: "#f59e0b", drained: "#9ca3af",
+                       ejected: "#ef4444", removed: "#111827" };
+const MARK_COLORS = { capacity: "#7c3aed", drain: "#f59e0b", ejected: "#ef4444", "slow start": "#3b82f6",
+                      rejected: "#b91c1c", admin: "#6b7280", active: "#16a34a", removed: "#111827" };
+const PALETTE = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#db2777", "#0891b2", "#65a30d",
+                 "#9333ea", "#ea580c"];
+const M = { left: 44, right: 12, top: 16, axis: 18 };
+
+const app = { mode: null, windowS: 300, offsetMs: 0, at: null, range: [null, null], pools: {}, colors: {},
+              dirty: true, loading: false, playing: null };
+window.laswrrDrawn = {};
+
+const $ = (sel, root = document) => root.querySelector(sel);
+
+function color(node) {
+  if (!(node in app.colors)) app.colors[node] = PALETTE[Object.keys(app.colors).length % PALETTE.length];
+  return app.colors[node];
+}
+
+async function getJSON(url) {
+  const response = await fetch(url, { cache: "no-store" });
+  if (!response.ok) throw new Error(`${url}: HTTP ${response.status}`);
+  return response.json();
+}
+
+function pool(name) {
+  if (!app.pools[name]) app.pools[name] = { series: {}, marks: [], rate: [], table: null, requests: null, el: null };
+  return app.pools[name];
+}
+
+function viewEnd() { return app.mode === "live" ? Date.now() + app.offsetMs : app.at; }
+
+function setStatus(text, ok) {
+  const el = $("#status");
+  el.textContent = text;
+  el.className = "status " + (ok ? "ok" : "bad");
+}
+
+// -- data ----------------------------------------------------------------------------------------
+
+async function loadAt(atMs) {
+  const at = atMs == null ? "" : `at=${Math.round(atMs)}&`;
+  const [state, history] = await Promise.all([getJSON(`/api/state?${at}`),
+                                              getJSON(`/api/history?${at}window=${app.windowS}`)]);
+  applyState(state);
+  for (const [name, h] of Object.entries(history.pools)) {
+    const p = pool(name);
+    p.series = h.series; p.marks = h.marks; p.rate = h.rate;
+  }
+  app.dirty = true;
+}
+
+function applyState(state) {
+  app.mode = state.mode; app.windowS = state.window_s; app.range = state.range_ms;
+  if (state.mode === "live") app.offsetMs = state.at_ms - Date.now(); else app.at = state.at_ms;
+  $("#mode").textContent = state.mode === "live" ? "live" : "recorded log";
+  $("#source").textContent = state.source;
+  for (const [name, s] of Object.entries(state.pools)) {
+    const p = pool(name);
+    p.table = s; p.requests = s.requests;
+  }
+}
+
+function onSnapshot(s) {
+  const p = pool(s.pool);
+  p.table = { ...s, requests: p.requests };
+  for (const n of s.nodes) {
+    (p.series[n.node] ||= []).push([s.ts_ms, n.effective_weight, n.target_weight, n.inflight, n.phase]);
+  }
+  app.dirty = true;
+}
+
+function onRequests(r) {
+  const p = pool(r.pool);
+  p.requests = r;
+  for (const bin of r.rate) {
+    const i = p.rate.findIndex((b) => b[0] === bin[0]);
+    if (i >= 0) p.rate[i] = bin; else p.rate.push(bin);
+  }
+  app.dirty = true;
+}
+
+function connect() {
+  const es = new EventSource("/api/events");
+  es.addEventListener("hello", () => {  // every (re)connect: refetch what was missed meanwhile
+    loadAt(null).then(() => setStatus("live", true), (e) => setStatus(`error: ${e.message}`, false));
+  });
+  es.addEventListener("snapshot", (ev) => onSnapshot(JSON.parse(ev.data)));
+  es.addEventListener("mark", (ev) => {
+    const m = JSON.parse(ev.data);
+    pool(m.pool).marks.push([m.ts_ms, m.node, m.kind, m.text]);
+    app.dirty = true;
+  });
+  es.addEventListener("requests", (ev) => onRequests(JSON.parse(ev.data)));
+  es.onerror = () => {
+    setStatus("reconnecting…", false);
+    if (es.readyState === EventSource.CLOSED) setTimeout(connect, 2000);  // the browser gave up: start over
+  };
+}
+
+function trim(p, start) {
+  for (const [node, points] of Object.entries(p.series)) {
+    let i = 0;
+    while (i < points.length - 1 && points[i + 1][0] < start) i++;
+    if (i) points.splice(0, i);  // keeps one point before the window, so the curve starts at its edge
+    if (!points.length) delete p.series[node];
+  }
+  p.marks = p.marks.filter((m) => m[0] >= start);
+  p.rate = p.rate.filter((b) => b[0] >= start - 1000);
+}
+
+// -- drawing ---------------------------------------------------------------------------------------
+
+function canvas2d(canvas) {
+  const dpr = window.devicePixelRatio || 1;
+  const cssH = Number(canvas.dataset.h || canvas.getAttribute("height"));
+  canvas.dataset.h = cssH;
+  const cssW = canvas.clientWidth || 900;
+  canvas.style.height = cssH + "px";
+  canvas.width = Math.round(cssW * dpr); canvas.height = Math.round(cssH * dpr);
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+  ctx.clearRect(0, 0, cssW, cssH);
+  ctx.font = "11px system-ui, sans-serif";
+  return { ctx, w: cssW, h: cssH };
+}
+
+function timeAxis(ctx, x, t0, t1, y, w) {
+  ctx.fillStyle = "#6b7280"; ctx.strokeStyle = "#eef0f3"; ctx.textAlign = "center";
+  const span = (t1 - t0) / 1000;
+  const step = [5, 10, 15, 30, 60, 120, 300, 600, 1800, 3600].find((s) => span / s <= 8) || 7200;
+  for (let t = Math.ceil(t0 / 1000 / step) * step * 1000; t <= t1; t += step * 1000) {
+    ctx.beginPath(); ctx.moveTo(x(t), M.top); ctx.lineTo(x(t), y); ctx.stroke();
+    ctx.fillText(new Date(t).toLocaleTimeString([], { hour12: false }), x(t), y + 12);
+  }
+}
+
+function valueAxis(ctx, yOf, max, w) {
+  ctx.textAlign = "right"; ctx.fillStyle = "#6b7280"; ctx.strokeStyle = "#eef0f3";
+  for (const v of [0, max / 2, max]) {
+    ctx.beginPath(); ctx.moveTo(M.left, yOf(v)); ctx.lineTo(w - M.right, yOf(v)); ctx.stroke();
+    ctx.fillText(Number(v.toFixed(1)).toString(), M.left - 4, yOf(v) + 4);
+  }
+}
+
+function visible(points, t0) {
+  let i = 0;
+  while (i < points.length - 1 && points[i + 1][0] < t0) i++;
+  return points.slice(i);
+}
+
+function line(ctx, points, x, yOf, index, width, dash, stepped) {
+  if (!points.length) return;
+  ctx.lineWidth = width; ctx.setLineDash(dash); ctx.beginPath();
+  points.forEach((pt, i) => {
+    const px = Math.max(M.left, x(pt[0])), py = yOf(pt[index]);
+    if (i === 0) ctx.moveTo(px, py);
+    else if (stepped) { ctx.lineTo(px, yOf(points[i - 1][index])); ctx.lineTo(px, py); }
+    else ctx.lineTo(px, py);
+  });
+  ctx.stroke(); ctx.setLineDash([]);
+}
+
+function drawWeights(name, p, canvas, t0, t1) {
+  const { ctx, w, h } = canvas2d(canvas);
+  const nodes = Object.keys(p.series).sort();
+  const bands = nodes.length * 7;
+  const bottom = h - M.axis - bands - 4;
+  const x = (t) => M.left + ((t - t0) / (t1 - t0)) * (w - M.left - M.right);
+  let max = 1;
+  const shown = {};
+  for (const node of nodes) {
+    shown[node] = visible(p.series[node], t0);
+    for (const pt of shown[node]) max = Math.max(max, pt[1], pt[2]);
+  }
+  max *= 1.1;
+  const yOf = (v) => bottom - (v / max) * (bottom - M.top);
+  valueAxis(ctx, yOf, max, w);
+  timeAxis(ctx, x, t0, t1, h - M.axis, w);
+  const drawn = (window.laswrrDrawn[name] = {});
+  nodes.forEach((node, k) => {
+    const pts = shown[node];
+    ctx.strokeStyle = color(node);
+    line(ctx, pts, x, yOf, 2, 1.2, [5, 4], false);
+    line(ctx, pts, x, yOf, 1, 2.2, [], false);
+    const y = bottom + 4 + k * 7;  // the phase band of this node
+    pts.forEach((pt, i) => {
+      const from = Math.max(M.left, x(pt[0])), to = i + 1 < pts.length ? x(pts[i + 1][0]) : x(t1);
+      ctx.fillStyle = PHASE_COLORS[pt[4]] || "#d1d5db";
+      ctx.fillRect(from, y, Math.max(1, to - from), 5);
+    });
+    const last = pts[pts.length - 1];
+    if (last) drawn[node] = { effective: last[1], target: last[2], inflight: last[3], phase: last[4], t: last[0] };
+  });
+  let lastLabel = -1e9;
+  for (const [t, node, kind, text] of p.marks) {
+    if (t < t0 || t > t1) continue;
+    const px = x(t);
+    ctx.strokeStyle = MARK_COLORS[kind] || "#6b7280"; ctx.lineWidth = 1;
+    ctx.beginPath(); ctx.moveTo(px, M.top); ctx.lineTo(px, bottom); ctx.stroke();
+    if (px - lastLabel > 70) {
+      ctx.fillStyle = ctx.strokeStyle; ctx.textAlign = "left";
+      ctx.fillText(`${kind}${node ? " " + node : ""}`, px + 2, M.top - 4);
+      lastLabel = px;
+    }
+  }
+  canvas.dataset.drawn = JSON.stringify(drawn);
+}
+
+function drawInflight(p, canvas, t0, t1) {
+  const { ctx, w, h } = canvas2d(canvas);
+  const x = (t) => M.left + ((t - t0) / (t1 - t0)) * (w - M.left - M.right);
+  const bottom = h - M.axis;
+  let max = 1;
+  const nodes = Object.keys(p.series).sort();
+  for (const node of nodes) for (const pt of visible(p.series[node], t0)) max = Math.max(max, pt[3]);
+  const yOf = (v) => bottom - (v / (max * 1.1)) * (bottom - M.top);
+  valueAxis(ctx, yOf, max, w);
+  timeAxis(ctx, x, t0, t1, bottom, w);
+  for (const node of nodes) {
+    ctx.strokeStyle = color(node);
+    line(ctx, visible(p.series[node], t0), x, yOf, 3, 1.6, [], true);
+  }
+}
+
+function drawRate(p, canvas, t0, t1) {
+  const { ctx, w, h } = canvas2d(canvas);
+  const x = (t) => M.left + ((t - t0) / (t1 - t0)) * (w - M.left - M.right);
+  const bottom = h - M.axis;
+  const bins = p.rate.filter((b) => b[0] >= t0 - 1000 && b[0] <= t1);
+  const max = Math.max(1, ...bins.map((b) => b[1] + b[2]));
+  const yOf = (v) => bottom - (v / (max * 1.1)) * (bottom - M.top);
+  valueAxis(ctx, yOf, max, w);
+  timeAxis(ctx, x, t0, t1, bottom, w);
+  const width = Math.max(1, x(t0 + 1000) - x(t0) - 1);
+  for (const [t, ok, bad] of bins) {
+    const px = Math.max(M.left, x(t));
+    ctx.fillStyle = "#22c55e"; ctx.fillRect(px, yOf(ok), width, bottom - yOf(ok));
+    ctx.fillStyle = "#ef4444"; ctx.fillRect(px, yOf(ok + bad), width, yOf(ok) - yOf(ok + bad));
+  }
+}
+
+// -- the page --------------------------------------------------------------------------------------
+
+const fmt = (v, digits = 2) => (v == null ? "—" : Number(v).toFixed(digits));
+const ms = (v) => (v == null ? "—" : v >= 1000 ? `${(v / 1000).toFixed(2)} s` : `${Math.round(v)} ms`);
+
+function section(name, p) {
+  if (p.el) return p.el;
+  const el = $("#pool-template").content.firstElementChild.cloneNode(true);
+  el.dataset.pool = name;
+  $(".pool-name", el).textContent = `pool ${name}`;
+  const sections = [...document.querySelectorAll("section.pool")].map((s) => s.dataset.pool);
+  const after = sections.filter((s) => s < name).pop();
+  if (after) document.querySelector(`section.pool[data-pool="${CSS.escape(after)}"]`).after(el);
+  else $("#pools").prepend(el);
+  const empty = $("#empty");
+  if (empty) empty.remove();
+  return (p.el = el);
+}
+
+function renderTable(el, table) {
+  const body = $("tbody", el);
+  const rows = table.nodes.map((n) => {
+    const cells = [
+      `<td class="node"><span class="swatch" style="background:${color(n.node)}"></span>${n.node}</td>`,
+      `<td class="phase"><span class="swatch" style="background:${PHASE_COLORS[n.phase] || "#ccc"}"></span>${n.phase}</td>`,
+      `<td>${n.routable ? "yes" : "no"}</td>`, `<td>${n.chip}</td>`, `<td class="capacity">${n.capacity}</td>`,
+      `<td>${fmt(n.slots, 1)}</td>`, `<td class="target">${fmt(n.target_weight)}</td>`,
+      `<td class="effective">${fmt(n.effective_weight)}</td>`, `<td class="inflight">${n.inflight}</td>`,
+      `<td>${fmt(n.load)}</td>`,
+      `<td>${n.sample_age_ms == null ? "—" : (n.sample_age_ms / 1000).toFixed(1) + " s"}${n.stale ? " (stale)" : ""}</td>`,
+      `<td>${n.npu_health || "—"}</td>`];
+    return `<tr data-node="${n.node}">${cells.join("")}</tr>`;
+  });
+  body.innerHTML = rows.join("");
+  $(".panic", el).hidden = !table.panic;
+  $(".pool-seq", el).textContent = table.as_of_seq == null ? "" : `as_of_seq ${table.as_of_seq}`;
+}
+
+function renderRequests(el, r) {
+  if (!r) return;
+  const outcomes = Object.entries(r.outcomes).map(([k, v]) => `${k} <b>${v}</b>`).join(" · ") || "none";
+  $(".requests", el).innerHTML =
+    `<span>rate <b>${fmt(r.rate_per_s, 1)}/s</b> (last ${r.window_s} s)</span><span>${outcomes}</span>` +
+    `<span>TTFT P50 <b>${ms(r.ttft_ms.p50)}</b> P99 <b>${ms(r.ttft_ms.p99)}</b></span>` +
+    `<span>E2E P50 <b>${ms(r.e2e_ms.p50)}</b> P99 <b>${ms(r.e2e_ms.p99)}</b></span>`;
+}
+
+function render() {
+  app.dirty = false;
+  const t1 = viewEnd();
+  if (t1 == null) return;
+  const t0 = t1 - app.windowS * 1000;
+  $("#clock").textContent = new Date(t1).toLocaleString([], { hour12: false });
+  for (const [name, p] of Object.entries(app.pools)) {
+    if (app.mode === "live") trim(p, t0);
+    const el = section(name, p);
+    if (p.table) renderTable(el, p.table);
+    renderRequests(el, p.requests);
+    drawWeights(name, p, $("canvas.weights", el), t0, t1);
+    drawInflight(p, $("canvas.inflight", el), t0, t1);
+    drawRate(p, $("canvas.rate", el), t0, t1);
+    $(".legend", el).innerHTML = Object.keys(p.series).sort()
+      .map((n) => `<span><i style="background:${color(n)}"></i>${n}</span>`).join("");
+    $(".marks", el).innerHTML = p.marks.slice(-200).reverse()
+      .map(([t, , kind, text]) => `<li>${new Date(t).toLocaleTimeString([], { hour12: false })} <b>${kind}</b> ${text}</li>`)
+      .join("");
+  }
+}
+
+// -- recorded log: the scrubber ----------------------------------------------------------------------
+
+function scrubTo(atMs) {
+  app.at = atMs;
+  $("#scrubber").value = atMs;
+  $("#scrub-time").textContent = new Date(atMs).toLocaleString([], { hour12: false });
+  if (app.loading) { app.pendingAt = atMs; return; }
+  app.loading = true;
+  loadAt(atMs).catch((e) => setStatus(`error: ${e.message}`, false)).finally(() => {
+    app.loading = false;
+    if (app.pendingAt != null) { const next = app.pendingAt; app.pendingAt = null; scrubTo(next); }
+  });
+}
+
+function setUpScrubber() {
+  const [first, last] = app.range;
+  const scrubber = $("#scrubber");
+  $("#scrub").hidden = false;
+  scrubber.min = first; scrubber.max = last; scrubber.value = app.at;
+  $("#scrub-time").textContent = new Date(app.at).toLocaleString([], { hour12: false });
+  scrubber.addEventListener("input", () => scrubTo(Number(scrubber.value)));
+  $("#play").addEventListener("click", () => {
+    if (app.playing) { clearInterval(app.playing); app.playing = null; $("#play").textContent = "▶"; return; }
+    if (app.at >= last) scrubTo(first + app.windowS * 1000);
+    $("#play").textContent = "⏸";
+    app.playing = setInterval(() => {
+      const next = Math.min(last, app.at + 250 * Number($("#speed").value));
+      scrubTo(next);
+      if (next >= last) { clearInterval(app.playing); app.playing = null; $("#play").textContent = "▶"; }
+    }, 250);
+  });
+  setStatus("recorded log", true);
+}
+
+async function main() {
+  try {
+    await loadAt(null);
+  } catch (e) {
+    setStatus(`error: ${e.message}; retrying`, false);
+    setTimeout(main, 2000);
+    return;
+  }
+  if (app.mode === "live") connect(); else setUpScrubber();
+  setInterval(() => { if (app.dirty || app.mode === "live") requestAnimationFrame(render); }, 250);
+  window.addEventListener("resize", () => { app.dirty = true; });
+  render();
+}
+
+main();

@@ -1,0 +1,112 @@
+"""The dashboard's fold, fed by the real pure scheduler core: inputs and the outputs they cause."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from laswrr.scheduler.core import Scheduler
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import Envelope
+from laswrr.services.dashboard.board import MS, S, Board, percentile
+
+T0 = 1_800_000_000 * S
+
+
+class Log:
+    """Inputs through the core; every input and output folded into one Board, in time order."""
+
+    def __init__(self) -> None:
+        self.core, self.board, self.seq, self.ts_ns, self.pushes = Scheduler(), Board(), 0, T0, []
+
+    def send(self, subject: str, payload: Any, dt_ms: int = 0) -> None:
+        self.seq += 1
+        self.ts_ns += dt_ms * MS
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self.pushes += self.board.apply(subject, self.ts_ns, data)
+        for output in self.core.apply(Envelope(self.seq, self.ts_ns, subject, data)):
+            self.pushes += self.board.apply(output.subject, self.ts_ns, output.data)
+
+    def ticks(self, count: int) -> None:
+        for _ in range(count):
+            self.send(sj.CLOCK_TICK, {"tick": self.core.state.tick + 1}, dt_ms=100)
+
+
+def pool_log() -> Log:
+    log = Log()
+    for node in ("n1", "n2"):
+        log.send(sj.admin_node(node), {"url": f"http://{node}:8000", "capacity": 10, "chip": "910B"})
+    log.ticks(10)
+    return log
+
+
+def test_a_capacity_drop_is_a_mark_and_a_falling_effective_weight() -> None:
+    log = pool_log()
+    before = log.ts_ns
+    log.send(sj.admin_capacity("n2"), {"capacity": 1}, dt_ms=100)
+    dropped_at = log.ts_ns
+    log.ticks(30)
+    state = log.board.state(log.ts_ns)["pools"]["default"]
+    n2 = next(n for n in state["nodes"] if n["node"] == "n2")
+    assert n2["capacity"] == 1 and n2["phase"] == "active" and n2["effective_weight"] == n2["target_weight"] <= 1
+    history = log.board.history(log.ts_ns, 60)["pools"]["default"]
+    assert [dropped_at // MS, "n2", "capacity", "n2: capacity set to 1"] in history["marks"]
+    curve = [point[1] for point in history["series"]["n2"] if point[0] >= dropped_at // MS]
+    assert curve[0] > 5 > curve[-1] == n2["effective_weight"] and curve == sorted(curve, reverse=True)  # eases down
+    n1 = [p[1] for p in history["series"]["n1"] if p[0] >= dropped_at // MS]
+    assert max(n1) - min(n1) < 1  # the other node's weight stays put
+    # the scrubber's view before the drop still shows the old capacity
+    earlier = log.board.state(before)["pools"]["default"]
+    assert next(n for n in earlier["nodes"] if n["node"] == "n2")["capacity"] == 10
+    assert any(p.kind == "snapshot" and p.pool == "default" for p in log.pushes)
+
+
+def test_phase_changes_and_rejections_are_marked() -> None:
+    log = pool_log()
+    log.send(sj.admin_drain("n1"), {}, dt_ms=100)
+    log.ticks(2)
+    log.send(sj.admin_capacity("nope"), {"capacity": 1}, dt_ms=100)
+    kinds = [(m[1], m[2]) for m in log.board.history(log.ts_ns, 60)["pools"]["default"]["marks"]]
+    assert ("n1", "admin") in kinds and ("n1", "drain") in kinds and ("nope", "rejected") in kinds
+    texts = [m[3] for m in log.board.history(log.ts_ns, 60)["pools"]["default"]["marks"]]
+    assert "n1: active -> draining (operator drain)" in texts and "n1: registered (capacity 10)" in texts
+
+
+def test_request_statistics_over_the_sliding_window() -> None:
+    log = pool_log()
+    for i in range(1, 101):
+        log.send(sj.req_started("n1"), {"request_id": f"r{i}", "proxy": "p"}, dt_ms=10)
+        log.send(sj.req_finished("n1"), {"request_id": f"r{i}", "proxy": "p", "outcome": "completed",
+                                         "ttft_ms": float(i), "duration_ms": float(10 * i)})
+    log.send(sj.req_started("n2"), {"request_id": "bad", "proxy": "p"})
+    log.send(sj.req_finished("n2"), {"request_id": "bad", "proxy": "p", "outcome": "upstream_error"})
+    stats = log.board.state(log.ts_ns)["pools"]["default"]["requests"]
+    assert stats["count"] == 101 and stats["outcomes"] == {"completed": 100, "upstream_error": 1}
+    assert stats["ttft_ms"] == {"p50": 50.0, "p99": 99.0} and stats["e2e_ms"] == {"p50": 500.0, "p99": 990.0}
+    assert stats["rate_per_s"] == round(101 / 60, 3)
+    later = log.board.request_stats("default", log.ts_ns + 61 * S)
+    assert later["count"] == 0 and later["ttft_ms"]["p50"] is None  # slid out of the window
+    bins = log.board.rate_bins("default", T0, log.ts_ns)
+    assert sum(ok for _, ok, _ in bins) == 100 and sum(bad for _, _, bad in bins) == 1
+
+
+def test_npu_health_bad_payloads_and_trimming() -> None:
+    log = pool_log()
+    chip = {"npu_id": 0, "chip_id": 0, "health": "OK"}
+    log.send(sj.metrics_npu("n1"), {"chips": [chip, {**chip, "chip_id": 1, "health": "Warning"}]}, dt_ms=100)
+    log.ticks(1)
+    row = next(n for n in log.board.state(log.ts_ns)["pools"]["default"]["nodes"] if n["node"] == "n1")
+    assert row["npu_health"] == "Warning"
+    assert log.board.apply(sj.out_snapshot("default"), log.ts_ns, b"{not json") == []
+    assert log.board.apply(sj.admin_capacity("n1"), log.ts_ns, b'{"capacity": -1}') == []
+    assert log.board.undecodable == 2
+    log.board.trim(log.ts_ns + 3600 * S)
+    state = log.board.state(log.ts_ns + 3600 * S)["pools"]["default"]
+    assert {n["node"] for n in state["nodes"]} == {"n1", "n2"}  # the newest snapshot survives
+    assert log.board.history(log.ts_ns + 3600 * S, 60)["pools"]["default"]["marks"] == []
+
+
+def test_percentile_is_nearest_rank() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.0 and percentile([1.0, 2.0, 3.0, 4.0], 99) == 4.0
