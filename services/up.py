@@ -203,7 +203,8 @@ class Stack:
             await self.start_collector()
             await self.start_proxy()
             if dashboard_port is not None:
-                await self.start_dashboard(dashboard_port)
+                with contextlib.suppress(StackError):  # the page is optional: its failure is logged
+                    await self.start_dashboard(dashboard_port)
         except BaseException:
             await self.stop()
             raise
@@ -294,9 +295,14 @@ class Stack:
                                 role="collector")
 
     async def start_dashboard(self, port: int = 0) -> str:
-        """``laswrr dashboard`` on the live stack (services/dashboard/); returns its URL."""
-        child = await self.spawn("dashboard", "dashboard", "--nats-url", self.nats_url, "--host", self.proxy_host,
-                                 "--port", str(port), role="other", wait_listening=True)
+        """``laswrr dashboard`` on the live stack (services/dashboard/); returns its URL, or
+        StackError (logged) when it cannot start (its port taken, say)."""
+        try:
+            child = await self.spawn("dashboard", "dashboard", "--nats-url", self.nats_url, "--host",
+                                     self.proxy_host, "--port", str(port), role="other", wait_listening=True)
+        except StackError as exc:
+            log.warning("dashboard not started: %s", exc)
+            raise
         assert child.url is not None
         self.dashboard_url = child.url
         return child.url

@@ -124,7 +124,7 @@ async def stack(tmp_path: Path) -> AsyncIterator[Running]:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("NATS_URL", None)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "laswrr", "up", "--proxy-port", "0", cwd=workdir, env=env,
+        sys.executable, "-m", "laswrr", "up", "--proxy-port", "0", "--dashboard-port", "0", cwd=workdir, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
     try:
         banner = await _banner(proc)

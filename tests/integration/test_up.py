@@ -108,9 +108,10 @@ async def finish(proc: asyncio.subprocess.Process) -> tuple[int, str, str]:
 async def test_up_runs_the_stack_and_stops_cleanly_on_sigint(tmp_path: Path) -> None:
     (tmp_path / "nodes.toml").write_text(NODES)
     proc, banner = await start_up("--nodes", str(tmp_path / "nodes.toml"), "--data-dir", str(tmp_path / "data"),
-                                  "--proxy-port", "0")
+                                  "--proxy-port", "0", "--dashboard-port", "0")
     nats_url = banner["NATS URL"].split()[0]
     assert banner["proxy URL"].startswith("http://127.0.0.1:")
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/", banner["dashboard"])
     nc = await nats.connect(nats_url)
     kv = await nc.jetstream().key_value(sj.WEIGHTS_BUCKET)
     snapshot = json.loads((await kv.get("default")).value)
@@ -126,7 +127,7 @@ async def test_up_runs_the_stack_and_stops_cleanly_on_sigint(tmp_path: Path) -> 
 async def test_up_exits_non_zero_when_a_child_dies(tmp_path: Path, nats_url: str) -> None:
     (tmp_path / "nodes.toml").write_text(NODES)
     proc, banner = await start_up("--nodes", str(tmp_path / "nodes.toml"), "--data-dir", str(tmp_path / "data"),
-                                  "--proxy-port", "0", "--nats-url", nats_url)
+                                  "--proxy-port", "0", "--dashboard-port", "0", "--nats-url", nats_url)
     assert banner["NATS URL"].startswith(f"{nats_url}  (external")
     os.kill(int(banner["pid scheduler"]), signal.SIGKILL)
     code, _, err = await finish(proc)

@@ -205,8 +205,10 @@ function drawWeights(name, p, canvas, t0, t1) {
     ctx.strokeStyle = MARK_COLORS[kind] || "#6b7280"; ctx.lineWidth = 1;
     ctx.beginPath(); ctx.moveTo(px, M.top); ctx.lineTo(px, bottom); ctx.stroke();
     if (px - lastLabel > 70) {
-      ctx.fillStyle = ctx.strokeStyle; ctx.textAlign = "left";
-      ctx.fillText(`${kind}${node ? " " + node : ""}`, px + 2, M.top - 4);
+      const label = `${kind}${node ? " " + node : ""}`;
+      const right = px + 2 + ctx.measureText(label).width > w;  // near the right edge: label on the left
+      ctx.fillStyle = ctx.strokeStyle; ctx.textAlign = right ? "right" : "left";
+      ctx.fillText(label, right ? px - 2 : px + 2, M.top - 4);
       lastLabel = px;
     }
   }
@@ -297,7 +299,11 @@ function render() {
   app.dirty = false;
   const t1 = viewEnd();
   if (t1 == null) return;
-  const t0 = t1 - app.windowS * 1000;
+  // The window ends at the view's time and reaches back --window-s, or to the first data there is
+  // (a short log or a young stack fills the width), but never less than 30 s.
+  const first = Math.min(...Object.values(app.pools).flatMap((p) => Object.values(p.series).map((s) => s[0]?.[0] ?? t1)),
+                         app.mode === "live" ? t1 : (app.range[0] ?? t1));
+  const t0 = Math.min(t1 - 30000, Math.max(t1 - app.windowS * 1000, first));
   $("#clock").textContent = new Date(t1).toLocaleString([], { hour12: false });
   for (const [name, p] of Object.entries(app.pools)) {
     if (app.mode === "live") trim(p, t0);
@@ -328,6 +334,8 @@ function scrubTo(atMs) {
     if (app.pendingAt != null) { const next = app.pendingAt; app.pendingAt = null; scrubTo(next); }
   });
 }
+
+window.laswrrScrub = (atMs) => scrubTo(atMs);  // what dragging the scrubber does, for scripts and tests
 
 function setUpScrubber() {
   const [first, last] = app.range;
