@@ -276,9 +276,9 @@ def register(subparsers: Any) -> None:
                         help="listen port (default %(default)s; 0 picks a free one)")
     parser.add_argument("--db", type=Path, default=None, metavar="events.duckdb",
                         help="show this recorded log with a time scrubber instead of the live stack")
-    parser.add_argument("--window-s", type=float, default=DashboardConfig.window_s,
+    parser.add_argument("--window-s", type=settings.duration("s"), default=DashboardConfig.window_s,
                         help="time span of the curves (default %(default)s)")
-    parser.add_argument("--keep-s", type=float, default=DashboardConfig.keep_s,
+    parser.add_argument("--keep-s", type=settings.duration("s"), default=DashboardConfig.keep_s,
                         help="live: how far back the page can look (default %(default)s)")
     settings.add_logging(parser)
     parser.set_defaults(func=run_command)
