@@ -7,7 +7,7 @@ analyst's SQL says. ``interrupted`` counts the cuts a client saw: ``router_abort
 streams an engine cut mid-stream that were not continued elsewhere (``engine_cut``; a continued
 stream counts by its last attempt, so it is not interrupted), requests still open when their
 proxy announced a clean stop, and requests a dead proxy left open in a log that ends after a
-clean shutdown. ``continued_streams``, ``continuations`` and ``retried_whole`` come from the
+clean shutdown. ``continued_streams``, ``continuations`` and ``retried_before_first_byte`` come from the
 ``continuations`` view, with the median and P99 of the latency a continuation added. Requests open at the end of a log that did not
 end cleanly are counted as ``open`` (fate unknown), not as interruptions. The verdict is "zero interruptions" when ``interrupted`` and
 ``admitted_to_draining`` are both 0.
@@ -58,7 +58,7 @@ def continuation_facts(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
         "quantile_cont(added_ms, 0.5) FILTER (WHERE kind = 'continued'), "
         "quantile_cont(added_ms, 0.99) FILTER (WHERE kind = 'continued') FROM continuations").fetchone()
     assert row is not None
-    keys = ("continued_streams", "continuations", "retried_whole", "continuation_added_ms_p50",
+    keys = ("continued_streams", "continuations", "retried_before_first_byte", "continuation_added_ms_p50",
             "continuation_added_ms_p99")
     return dict(zip(keys, (row[0], row[1], row[2], _round(row[3]), _round(row[4]))))
 
@@ -99,7 +99,7 @@ def render(report: dict[str, Any]) -> None:
     table.add_column("outcome")
     table.add_column("count", justify="right")
     for key in ("requests", *OUTCOMES, "other_outcome", "open", "interrupted", "admitted_to_draining",
-                "continued_streams", "retried_whole"):
+                "continued_streams", "retried_before_first_byte"):
         table.add_row(key, str(report[key]))
     console.print(table)
     verdict = "[green]zero interruptions[/]" if report["zero_interruptions"] else "[red]INTERRUPTIONS FOUND[/]"

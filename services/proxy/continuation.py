@@ -248,7 +248,7 @@ class StreamText:
             delta = choice.get("delta") if isinstance(choice, dict) else None
             if isinstance(delta, dict):
                 delta.pop("role", None)
-                keep = keep or bool(delta.get("content") or delta.get("tool_calls"))
+                keep = keep or any(delta.get(key) for key in ("content", "tool_calls", "reasoning_content", "reasoning"))
             keep = keep or bool(isinstance(choice, dict) and (choice.get("text") or choice.get("finish_reason")))
         usage = obj.get("usage")
         if isinstance(usage, dict):

@@ -17,14 +17,17 @@ of never blocking a request on the bus.
 Event semantics (what analysts count):
 
 * One ``lb.req.started.<node>`` / ``lb.req.finished.<node>`` pair per **attempt**. The first
-  attempt of a client request uses the request id; retry k (k >= 1) uses ``<request id>.<k>``,
-  so the scheduler's in-flight bookkeeping (keyed by request id) moves from node to node with
-  the retries. A client request is the set of attempts sharing the id before the first '.'.
+  attempt of a client request uses the request id; retry or continuation k (k >= 1) uses
+  ``<request id>.<k>``, so the scheduler's in-flight bookkeeping (keyed by request id) moves
+  from node to node with the attempts. A client request is the set of attempts sharing the id before the first '.'.
 * ``snapshot_seq`` on started is the ``as_of_seq`` of the snapshot the pick used.
 * ``finished.outcome`` (``schemas.words.RequestOutcome``): ``completed`` (the engine answered with a status below 500 and the whole
   answer reached the client), ``client_cancelled`` (the client went away; the upstream request
   was cancelled), ``upstream_error`` (connection failure, timeout, a 5xx, or a stream cut after
-  its first byte), ``router_aborted`` (still running when the shutdown grace period ended).
+  its first byte and not continued), ``router_aborted`` (still running when the shutdown grace
+  period ended), ``continued`` (a stream broke after the client got part of it and went on at
+  ``next_attempt`` on another node; ``completion_tokens`` is what this attempt sent).
+  ``next_attempt`` names the attempt that continued or retried this one (null otherwise).
   An attempt that failed before any byte reached the client and was retried on another node
   has ``outcome=upstream_error``, ``ttft_ms=null`` and an ``error`` starting with
   ``"retried: "``: the client never saw that failure. ``ttft_ms`` (first byte sent to the

@@ -1,6 +1,6 @@
-"""Forwarding one client request to an engine: admission, retries, streaming, outcomes.
+"""Forwarding one client request to an engine: admission, retries, streaming, continuation, outcomes.
 
-Rules (issue 4, "never cut"):
+Rules ("never cut", docs/design.md):
 
 * The upstream URL is bound when the request is admitted (``routing.Admission``); nothing that
   happens to snapshots afterwards reaches an admitted request.
@@ -10,11 +10,23 @@ Rules (issue 4, "never cut"):
   hand, so "headers arrived, then the engine died" is still retryable. At most ``max_retries``
   retries; when none is left (or no untried node remains) the last failure is answered: the
   engine's own 5xx passes through, a connection failure becomes 502, a timeout 504.
-* After the first byte a failure ends an SSE stream with ``data: {"error": {...}}`` and the
-  outcome ``upstream_error``; the client gets what the engine produced up to the cut.
-* SSE (``text/event-stream``) is written chunk by chunk as read (``iter_any``), each write
-  awaited (backpressure); nothing else is buffered. Other answers (JSON) are read whole first,
-  which keeps them retryable to the last byte and lets the proxy read ``usage``.
+* After the first byte a break (connection reset, an engine error event, an undecodable event,
+  the stream ending before its finish, or no byte for ``stall_timeout_s``) of a continuable
+  stream is **continued**: the proxy admits another node (never one already tried, through the
+  normal policy), sends it the continuation request of ``services.proxy.continuation`` and goes
+  on writing the same SSE response; the broken attempt's outcome is ``continued`` and names
+  the next attempt. At most ``continue_limit`` continuations per request (0: none); a
+  continuation that fails before its first event is retried like any attempt (``max_retries``),
+  one answered with anything but SSE (e.g. a 4xx from an engine without the continuation
+  options) is not.
+* Otherwise (not continuable, no continuation left, or no untried node) a failure after the
+  first byte ends the SSE stream with ``data: {"error": {...}}`` (its message says why it was
+  not continued) and the outcome ``upstream_error``; the client gets what it was sent up to the cut.
+* A continuable SSE stream is forwarded one whole event at a time (the client never holds half
+  an event when an engine dies), each event read for the text so far; any other stream is
+  written chunk by chunk as read. Every write is awaited (backpressure). Other answers (JSON)
+  are read whole first, which keeps them retryable to the last byte (a non-streamed request
+  is retried whole) and lets the proxy read ``usage``.
 * Engine response headers pass through, minus hop-by-hop ones and the length (the proxy
   re-frames); ``x-laswrr-node`` names the node. Bodies pass byte for byte (no decompression).
   Redirects pass through to the client too (never followed), and the session keeps no cookies
@@ -169,25 +181,14 @@ class Forwarder:
             result = await self._attempt_with_events(request, exchange, admission, attempt_id)
             if isinstance(result, Done):
                 return result.response
-            next_admission = None
-            if isinstance(result, Broken):
-                if continuations < self.continue_limit:
-                    next_admission = self.router.admit(exchange.pool, exchange.tried)
-                attempt = result.attempt
-                if next_admission is not None:
-                    attempt.outcome = RequestOutcome.CONTINUED
-            else:
-                if result.retryable and retries < self.max_retries:
-                    next_admission = self.router.admit(exchange.pool, exchange.tried)
-                attempt = Attempt(outcome=RequestOutcome.UPSTREAM_ERROR, status=result.status,
-                                  duration_ms=_ms(time.perf_counter() - exchange.arrived),
-                                  error=(RETRIED_PREFIX if next_admission is not None else "") + result.reason)
+            broken = isinstance(result, Broken)
+            attempt, next_admission = self._take_over(result, exchange, continuations if broken else retries)
             if next_admission is not None:
                 attempt.next_attempt = f"{exchange.request_id}.{attempt_no + 1}"
             self._finish(attempt_id, admission, attempt)
             if next_admission is None:
-                return await self._give_up(result, admission, exchange)
-            if isinstance(result, Broken):
+                return await self._give_up(result, admission, exchange, self._why_not(broken, continuations))
+            if broken:
                 continuations += 1
                 self.metrics.continuations.labels(pool=exchange.pool).inc()
             else:
@@ -195,7 +196,28 @@ class Forwarder:
                 self.metrics.retries.labels(pool=exchange.pool).inc()
             admission, attempt_no = next_admission, attempt_no + 1
 
-    async def _give_up(self, result: Failed | Broken, admission: Admission, exchange: Exchange) -> web.StreamResponse:
+    def _why_not(self, broken: bool, continuations: int) -> str:
+        if not broken:
+            return "the continuation failed and no retry was left"
+        if continuations >= self.continue_limit:
+            return f"--continue-limit {self.continue_limit} reached"
+        return "no untried node to continue on"
+
+    def _take_over(self, result: Failed | Broken, exchange: Exchange, used: int) -> tuple[Attempt, Admission | None]:
+        """The failed attempt's record and the node that takes over, if the budget (``used`` of it) allows."""
+        if isinstance(result, Broken):
+            next_admission = self.router.admit(exchange.pool, exchange.tried) if used < self.continue_limit else None
+            if next_admission is not None:
+                result.attempt.outcome = RequestOutcome.CONTINUED
+            return result.attempt, next_admission
+        retry = result.retryable and used < self.max_retries
+        next_admission = self.router.admit(exchange.pool, exchange.tried) if retry else None
+        return Attempt(outcome=RequestOutcome.UPSTREAM_ERROR, status=result.status,
+                       duration_ms=_ms(time.perf_counter() - exchange.arrived),
+                       error=(RETRIED_PREFIX if next_admission is not None else "") + result.reason), next_admission
+
+    async def _give_up(self, result: Failed | Broken, admission: Admission, exchange: Exchange,
+                       why: str) -> web.StreamResponse:
         """No attempt is left: answer the last failure, or end the client's stream with an error event."""
         client = exchange.client
         if client is None:
@@ -203,7 +225,8 @@ class Forwarder:
             return self._tag(result.to_response(admission.node), admission, exchange)
         reason = result.reason if isinstance(result, Failed) else result.attempt.error
         with contextlib.suppress(ConnectionResetError, RuntimeError):  # the client may be gone too
-            await client.response.write(sse_error(f"upstream node {admission.node} failed mid-stream: {reason}"))
+            await client.response.write(sse_error(f"upstream node {admission.node} failed mid-stream: {reason} "
+                                                  f"(not continued: {why})"))
             await client.response.write_eof()
         return client.response
 

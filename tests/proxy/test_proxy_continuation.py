@@ -295,6 +295,7 @@ async def test_continue_limit_reached_ends_with_the_error_event(
     await second.kill()
     seen = await reading
     assert seen.done == 0 and len(seen.errors) == 1 and "second" in seen.errors[0]["message"]
+    assert "(not continued: --continue-limit 1 reached)" in seen.errors[0]["message"]
     assert len(seen.text("chat").split()) == 6
     finished = await finished_events(tap, 2)
     assert [d["outcome"] for _, d in finished] == ["continued", "upstream_error"]
@@ -335,3 +336,44 @@ async def not_continued(engine_processes: StartEngine, core: CoreDriver, proxy: 
     [(subject, finished)] = await finished_events(tap, 1)
     assert subject == sj.req_finished("doomed") and finished["outcome"] == "upstream_error"
     assert finished.get("next_attempt") is None
+
+
+async def test_an_engine_refusing_the_continuation_options_ends_the_stream_with_the_error(
+        engine_processes: StartEngine, core: CoreDriver, start_proxy: StartProxy,
+        http: aiohttp.ClientSession, tap: EventTap) -> None:
+    """Like an engine whose chat API has no continue_final_message: a 400 ends the stream."""
+    from aiohttp import web
+
+    received: list[dict[str, Any]] = []
+
+    async def refuse(request: web.Request) -> web.Response:
+        received.append(await request.json())
+        return web.json_response({"error": {"message": "unknown field continue_final_message"}}, status=400)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", refuse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    refuser = EngineProcess("refuser", None, f"http://127.0.0.1:{runner.addresses[0][1]}")  # type: ignore[arg-type]
+    doomed = await engine_processes("doomed")
+    try:
+        await doomed.admin(http, fail="stall_stream", cut_after=3)
+        proxy = await start_proxy()
+        await make_routable(core, proxy, doomed)
+        tokens: asyncio.Queue[int] = asyncio.Queue()
+        reading = asyncio.create_task(stream_through(http, proxy, "chat", request_body("chat", 20), tokens))
+        await until_tokens(tokens, 3)
+        await make_routable(core, proxy, refuser)
+        await doomed.kill()
+        seen = await reading
+    finally:
+        await runner.cleanup()
+    assert [r["continue_final_message"] for r in received] == [True]
+    assert received[0]["add_generation_prompt"] is False and received[0]["max_tokens"] == 17
+    assert received[0]["messages"][-1]["role"] == "assistant"
+    assert len(received[0]["messages"][-1]["content"].split()) == 3
+    assert seen.done == 0 and len(seen.errors) == 1 and "HTTP 400" in seen.errors[0]["message"]
+    finished = await finished_events(tap, 2)
+    assert [(s, d["outcome"]) for s, d in finished] == [(sj.req_finished("doomed"), "continued"),
+                                                        (sj.req_finished("refuser"), "upstream_error")]

@@ -234,9 +234,9 @@ def test_continued_streams_are_not_interrupted(tmp_path: Path) -> None:
         report = gather(con)
         assert replay_db(con).identical
     assert {k: report[k] for k in ("interrupted", "interrupted_engine_cut", "continued_streams", "continuations",
-                                   "retried_whole", "continuation_added_ms_p50")} == {
+                                   "retried_before_first_byte", "continuation_added_ms_p50")} == {
         "interrupted": 1, "interrupted_engine_cut": 1, "continued_streams": 1, "continuations": 2,
-        "retried_whole": 1, "continuation_added_ms_p50": 45.0}
+        "retried_before_first_byte": 1, "continuation_added_ms_p50": 45.0}
 
 
 def test_every_sql_example_in_the_analyst_guide_runs(crafted: tuple[Path, dict[str, int]]) -> None:
