@@ -33,6 +33,12 @@ WORKDIR /app
 COPY deploy/healthcheck.py deploy/nodes.compose.toml ./deploy/
 COPY deploy/nodes.compose.toml /etc/laswrr/nodes.toml
 
+# For `docker run laswrr proxy|sim-engine|collector ...`: probes the command's own endpoint (the
+# proxy's /readiness, an engine's /health, the collector's /metrics); compose.yaml sets each
+# service's check itself.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
+  CMD ["python", "/app/deploy/healthcheck.py", "auto"]
+
 USER laswrr
 WORKDIR /home/laswrr
 ENV NATS_URL=nats://nats:4222

@@ -13,6 +13,14 @@ Two checks, one line on stderr when unhealthy:
   streams S. A service without an HTTP port is healthy when its own process holds a live NATS
   connection: a hung or dead process loses it (the server's pings go unanswered).
 
+* ``healthcheck.py auto`` — the image's own ``HEALTHCHECK`` (Dockerfile), for ``docker run``
+  without compose: it reads the container's command (``/proc/1/cmdline``; ``--cmdline`` for
+  tests) and probes what that service serves: ``laswrr proxy`` its ``/readiness``, ``laswrr
+  sim-engine`` its ``/health``, ``laswrr collector --metrics-port N`` its ``/metrics``, on
+  127.0.0.1 and the port of the command line (else ``LASWRR_PORT`` / ``LASWRR_METRICS_PORT``,
+  else the default). A command without an HTTP port (scheduler, recorder, a one-shot) is healthy
+  while it runs; compose.yaml gives those a NATS check instead.
+
 The image copies this file to ``/app/deploy/healthcheck.py``; ``deploy/compose_local.py`` runs
 the same checks against local processes.
 """
@@ -80,6 +88,48 @@ def check_http(url: str, timeout_s: float) -> str:
     return f"{url} answered"
 
 
+# service -> (path probed, port flag, its LASWRR_ variable, default port); see ``auto``
+AUTO_PROBES = {
+    "proxy": ("/readiness", "--port", "LASWRR_PORT", 8000),
+    "sim-engine": ("/health", "--port", "LASWRR_PORT", None),
+    "collector": ("/metrics", "--metrics-port", "LASWRR_METRICS_PORT", None),
+}
+
+
+def flag_value(argv: Sequence[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def auto_probe(cmdline: Sequence[str], environ: Any = os.environ) -> str | None:
+    """The URL to probe for the laswrr command in ``cmdline``; None when it serves no HTTP probe."""
+    at = next((i for i, word in enumerate(cmdline) if os.path.basename(word) == "laswrr"), None)
+    if at is None and len(cmdline) > 2 and cmdline[1:3] == ["-m", "laswrr"]:
+        at = 2
+    argv = list(cmdline[at + 1:]) if at is not None else []
+    if not argv or argv[0] not in AUTO_PROBES:
+        return None
+    path, flag, variable, default = AUTO_PROBES[argv[0]]
+    port = flag_value(argv, flag) or environ.get(variable) or default
+    return None if port in (None, "0") else f"http://127.0.0.1:{port}{path}"
+
+
+def check_auto(cmdline: Sequence[str], timeout_s: float) -> str:
+    url = auto_probe(cmdline)
+    if url is None:
+        return f"{' '.join(cmdline) or 'the command'} serves no HTTP probe; running"
+    return check_http(url, timeout_s)
+
+
+def _pid1_cmdline() -> list[str]:
+    with open("/proc/1/cmdline", "rb") as handle:
+        return [part.decode(errors="replace") for part in handle.read().split(b"\0") if part]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="healthcheck.py", description="laswrr container health checks")
     parser.add_argument("--timeout-s", type=float, default=3.0, help="per request (default 3)")
@@ -91,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--stream", action="append", default=[], help="a JetStream stream that must exist")
     client.add_argument("--monitor-url", default=os.environ.get("NATS_MONITOR_URL") or DEFAULT_MONITOR_URL,
                         help=f"NATS monitoring base URL (default $NATS_MONITOR_URL or {DEFAULT_MONITOR_URL})")
+    auto = checks.add_parser("auto", help="probe what the container's laswrr command serves")
+    auto.add_argument("--cmdline", default=None, help="the command to look at (default: PID 1's)")
     return parser
 
 
@@ -99,6 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.check == "http":
             message = check_http(args.url, args.timeout_s)
+        elif args.check == "auto":
+            cmdline = args.cmdline.split() if args.cmdline is not None else _pid1_cmdline()
+            message = check_auto(cmdline, args.timeout_s)
         else:
             message = check_nats_client(args.monitor_url, args.name, args.stream, args.timeout_s)
     except Unhealthy as exc:

@@ -66,3 +66,40 @@ def test_http_check(monitored_nats: tuple[str, str]) -> None:
     assert missing.returncode == 1 and "HTTP 404" in missing.stderr
     refused = check("--timeout-s", "1", "http", f"http://127.0.0.1:{free_port()}/health")
     assert refused.returncode == 1 and refused.stderr.startswith("unhealthy:")
+
+
+def test_auto_probe_follows_the_containers_command() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("healthcheck", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    probe = module.auto_probe
+    assert probe(["/sbin/docker-init", "--", "laswrr", "proxy", "--port", "9000"], {}) == \
+        "http://127.0.0.1:9000/readiness"
+    assert probe(["/usr/local/bin/laswrr", "proxy"], {"LASWRR_PORT": "8100"}) == "http://127.0.0.1:8100/readiness"
+    assert probe(["laswrr", "proxy"], {}) == "http://127.0.0.1:8000/readiness"
+    assert probe(["laswrr", "sim-engine", "--port=8001", "--chip", "910C"], {}) == "http://127.0.0.1:8001/health"
+    assert probe(["laswrr", "collector", "--nodes", "n.toml", "--metrics-port", "9100"], {}) == \
+        "http://127.0.0.1:9100/metrics"
+    assert probe(["laswrr", "collector", "--nodes", "n.toml"], {}) is None  # no metrics port: nothing to probe
+    assert probe(["laswrr", "scheduler", "--replica-id", "a"], {}) is None
+    assert probe(["python", "-m", "laswrr", "proxy", "--port", "1"], {}) == "http://127.0.0.1:1/readiness"
+
+
+async def test_auto_check_of_a_real_proxy_is_its_readiness() -> None:
+    from laswrr.services.proxy.app import start
+    from laswrr.services.proxy.config import ProxyConfig
+
+    proxy = await start(ProxyConfig(nats_url=f"nats://127.0.0.1:{free_port()}", host="127.0.0.1", port=0,
+                                    proxy_id="p", grace_s=0))
+    try:
+        import asyncio
+
+        run = await asyncio.to_thread(check, "auto", "--cmdline", f"laswrr proxy --port {proxy.port}")
+        assert run.returncode == 1 and "/readiness: HTTP 503" in run.stderr  # alive, no snapshot yet
+        idle = await asyncio.to_thread(check, "auto", "--cmdline", "laswrr recorder --data-dir /data")
+        assert idle.returncode == 0 and "serves no HTTP probe" in idle.stdout
+    finally:
+        await proxy.stop()

@@ -28,6 +28,7 @@ import shlex
 import shutil
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,41 +165,58 @@ async def _shell(command: str, stack: Running) -> tuple[int, str]:
     return proc.returncode, out.decode(errors="replace")
 
 
-async def _nats_here(command: str, nc: nats.aio.client.Client) -> tuple[int, str]:
-    """What the ``nats`` CLI would do, with nats-py (for machines without the CLI)."""
+async def _nats_here(command: str, env: dict[str, str]) -> tuple[int, str]:
+    """What the ``nats`` CLI would do, with nats-py (for machines without the CLI); the command's own
+    connection options (``-s``, ``--creds``, ``--user``/``--password``) with its variables expanded."""
     parser = argparse.ArgumentParser(prog="nats", exit_on_error=False)
     parser.add_argument("-s", "--server")
+    parser.add_argument("--creds")
+    parser.add_argument("--user")
+    parser.add_argument("--password")
     parser.add_argument("words", nargs="+")
-    words = parser.parse_args(shlex.split(command, comments=True)[1:]).words
-    if words[0] == "pub":
-        await nc.publish(words[1], words[2].encode() if len(words) > 2 else b"")
-        await nc.flush()
-        return 0, ""
-    if words[0] == "sub":
-        sub = await nc.subscribe(words[1])
-        try:
+    words = [_expand(word, env) for word in shlex.split(command, comments=True)[1:]]
+    options = parser.parse_args(words)
+    words = options.words
+    connect: dict[str, object] = {"servers": options.server or env.get("NATS_URL")}
+    if options.creds:
+        connect["user_credentials"] = options.creds
+    if options.user:
+        connect.update(user=options.user, password=options.password)
+    nc = await nats.connect(**connect)  # type: ignore[arg-type]
+    try:
+        if words[0] == "pub":
+            await nc.publish(words[1], words[2].encode() if len(words) > 2 else b"")
+            await nc.flush()
+            return 0, ""
+        if words[0] == "sub":
+            sub = await nc.subscribe(words[1])
             msg = await sub.next_msg(timeout=10)
-        finally:
-            await sub.unsubscribe()
-        return 0, f"[#1] Received on {msg.subject}\n{msg.data.decode()}"
-    if words[:2] == ["kv", "get"]:
-        entry = await (await nc.jetstream().key_value(words[2])).get(words[3])
-        return 0, (entry.value or b"").decode()
+            return 0, f"[#1] Received on {msg.subject}\n{msg.data.decode()}"
+        if words[:2] == ["kv", "get"]:
+            entry = await (await nc.jetstream().key_value(words[2])).get(words[3])
+            return 0, (entry.value or b"").decode()
+    finally:
+        await nc.close()
     raise AssertionError(f"no stand-in for `{command}`: install the nats CLI or extend _nats_here")
 
 
-async def _run_one(command: str, stack: Running, nc: nats.aio.client.Client) -> tuple[int, str]:
+def _expand(word: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\{?(\w+)\}?", lambda m: env.get(m.group(1), m.group(0)), word)
+
+
+async def _run_one(command: str, stack: Running) -> tuple[int, str]:
     words = shlex.split(command, comments=True)
     if words[0] == "curl":
         return await _shell(command.replace("localhost:8000", stack.proxy) + " --fail-with-body -sS", stack)
     if words[0] == "nats" and shutil.which("nats") is None:
-        return await _nats_here(command, nc)
-    if words[0] == "nats" and words[1:3] == ["-s", "$NATS_URL"] and "sub" in words:
+        return await _nats_here(command, stack.env)
+    if words[0] == "nats" and "sub" in words:
         code, out = await _shell(f"timeout 10 {command} --count 1", stack)
         return (0 if code == 0 and out else code), out
     return await _shell(command, stack)
 
 
+@pytest.mark.timeout(600)  # ~40 s alone; some twenty CLI start-ups take longer on a shared, busy machine
 async def test_readme_command_blocks_run_against_laswrr_up(stack: Running) -> None:
     commands = [c for c in readme_commands((ROOT / "README.md").read_text()) if _runnable(c)]
     kinds = {shlex.split(c)[0].rsplit("/", 1)[-1] for c in commands}
@@ -213,9 +231,11 @@ async def test_readme_command_blocks_run_against_laswrr_up(stack: Running) -> No
     failures = []
     try:
         for command in commands:
-            code, out = await _run_one(command, stack, nc)
+            started = time.monotonic()
+            code, out = await _run_one(command, stack)
+            took = f"{time.monotonic() - started:.1f} s"
             if code != 0:
-                failures.append(f"$ {command}\n(exit {code})\n{out[-1500:]}")
+                failures.append(f"$ {command}\n(exit {code} after {took})\n{out[-1500:]}")
             elif command.startswith("curl") and ('"error"' in out or
                                                  ('"stream": true' in command and "data: [DONE]" not in out)):
                 failures.append(f"$ {command}\nanswered an error or an unfinished stream:\n{out[-1500:]}")
