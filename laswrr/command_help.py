@@ -113,6 +113,13 @@ HELP: dict[str, tuple[str, tuple[str, ...]]] = {
         "Check what the collector reads from an engine's /metrics text: `parse FILE` prints the sample as JSON.",
         ("curl -s http://127.0.0.1:8001/metrics | laswrr metrics parse -",),
     ),
+    "dashboard": (
+        "Serve one read-only web page per deployment: every pool's nodes with their weights, phases, "
+        "in-flight and request outcomes, live from NATS, or over a recorded log with a time scrubber "
+        "(--db). It publishes nothing.",
+        ("laswrr dashboard", "laswrr dashboard --port 8090 --keep-s 30m",
+         "laswrr dashboard --db .laswrr/events.duckdb"),
+    ),
     "bench": (
         "Run a scenario for several policies on the identical workload against the real stack (or replay "
         "a trace), and write a table, results.json and plots under --out.",
