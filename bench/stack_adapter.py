@@ -36,9 +36,10 @@ from pathlib import Path
 import aiohttp
 
 from laswrr.bench.scenarios import Scenario
+from laswrr.collectors.nodes import Node
 from laswrr.services.children import preexec
 from laswrr.services.natsbus import free_port
-from laswrr.services.up import NodeSpec, Stack
+from laswrr.services.up import Stack
 
 log = logging.getLogger("laswrr.bench.stack")
 
@@ -106,7 +107,7 @@ async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Pat
     return RunningStack(stack, proxy_url, {n.id: n.url for n in nodes}, stack.data_dir / "events.duckdb", peers)
 
 
-async def start_peer(router: str, router_policy: str, nodes: list[NodeSpec], log_dir: Path,
+async def start_peer(router: str, router_policy: str, nodes: list[Node], log_dir: Path,
                      peers: list[asyncio.subprocess.Process]) -> str:
     binary = peer_binary(router)
     if binary is None:

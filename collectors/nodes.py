@@ -26,14 +26,17 @@ Nodes with the same ``npu_smi`` string share one host: the command runs once per
 and each node gets its selected chips. For a simulated engine the command is
 ``"<python> -m laswrr sim-npu-smi --url <engine url>"``.
 
-Rules: ``parse_node_entries`` is pure (a decoded TOML document in, ``NodeEntry``s out: the up
-keys, every other key as written, and the collector's ``CollectorNode``) and validates every
-known key of every node, whoever reads the file, so a file is valid for all three commands or
-for none (except that registering needs ``capacity`` and at least one node:
+Rules: ``parse_nodes`` is pure (a decoded TOML document in, ``Node``s out) and validates
+every known key of every node, whoever reads the file, so a file is valid for all three commands
+or for none (except that registering needs ``capacity`` and at least one node:
 ``registration=True``). Anything wrong raises ``NodesConfigError`` with a one-line message
 naming the node (``node #<n>`` until its id is known, then ``node '<id>'``) and the key;
-``load_node_entries`` adds the file. Unknown keys are returned as warnings, never errors.
-``parse_nodes`` / ``load_nodes`` are the collector's view of the same.
+``load_nodes`` adds the file. Unknown keys are returned as warnings, never errors.
+
+``Node`` is the one description of a node: what registration publishes (``registration()``, the
+``lb.admin.node.<id>`` body; built here and nowhere else) and how the collector polls it. It
+lives in collectors/ so that the collector, ``laswrr up`` and ``laswrr register`` (services/)
+all import it from below.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ DEFAULT_NPU_SMI = "npu-smi info"
 ENGINES = ENGINE_NAMES
 UP_KEYS = frozenset({"id", "url", "pool", "chip", "capacity"})
 COLLECTOR_KEYS = frozenset({"metrics_url", "health_url", "engine", "npu_smi", "npu_ids", "chips"})
+# What the collector needs to poll a node registered at runtime (lb.admin.node's last fields).
+REGISTERED_COLLECTOR_KEYS = ("metrics_url", "health_url", "engine")
 
 
 class NodesConfigError(ValueError):
@@ -61,27 +66,51 @@ class NodesConfigError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class CollectorNode:
+class Node:
+    """One inference engine: its registration (id, url, pool, chip, capacity) and how the
+    collector polls it (metrics and health URLs, engine, npu-smi host command and chips).
+
+    ``metrics_url`` and ``health_url`` left empty mean ``<url>/metrics`` and ``<url>/health``.
+    ``extra`` holds the ``[[node]]`` table's other keys as written (``laswrr up`` writes them
+    back into the collector's nodes.toml; registration forwards the collector keys given there).
+    """
+
     id: str
-    url: str
-    metrics_url: str
-    health_url: str
+    url: str  # a parsed file's is without a trailing "/"
+    pool: str = "default"
+    chip: str | None = None  # None: not given (the scheduler then says "unknown")
+    capacity: int | None = None  # None: not given (then the node cannot be registered)
+    metrics_url: str = ""
+    health_url: str = ""
     engine: EngineKind | Literal["auto"] = "auto"
     npu_smi: str | None = None
     selector: ChipSelector = ChipSelector()
-
-
-@dataclass(frozen=True)
-class NodeEntry:
-    """One validated ``[[node]]`` table."""
-
-    id: str
-    url: str  # without a trailing "/"
-    collector: CollectorNode  # what the collector polls for this node
-    pool: str = "default"
-    chip: str | None = None  # None: not given
-    capacity: int | None = None  # None: not given (then the node cannot be registered)
     extra: dict[str, Any] = field(default_factory=dict)  # every key but the up keys, as written
+
+    def __post_init__(self) -> None:
+        if not self.metrics_url:
+            object.__setattr__(self, "metrics_url", f"{self.url}/metrics")
+        if not self.health_url:
+            object.__setattr__(self, "health_url", f"{self.url}/health")
+
+    @property
+    def polling(self) -> tuple[Any, ...]:
+        """What the collector's polling of this node depends on (a change restarts it)."""
+        return (self.id, self.url, self.metrics_url, self.health_url, self.engine, self.npu_smi, self.selector)
+
+    def registration(self) -> dict[str, Any]:
+        """The ``lb.admin.node.<id>`` body (plain JSON, as `nats pub` would send it): url, pool,
+        chip when given, capacity, and the collector keys (``REGISTERED_COLLECTOR_KEYS``) that
+        ``extra`` gives explicitly, so a registration never overrides the collector's own file
+        with a default."""
+        if self.capacity is None:
+            raise NodesConfigError(f"node {self.id!r}: capacity must be given to register it")
+        body: dict[str, Any] = {"url": self.url, "pool": self.pool}
+        if self.chip is not None:
+            body["chip"] = self.chip
+        body["capacity"] = self.capacity
+        body.update({key: self.extra[key] for key in REGISTERED_COLLECTOR_KEYS if self.extra.get(key) is not None})
+        return body
 
 
 # -- one table --------------------------------------------------------------------------------------
@@ -152,20 +181,7 @@ def _node_id(table: Any, where: str) -> str:
         raise NodesConfigError(f"{where}: {exc}") from None
 
 
-def _collector_node(table: dict[str, Any], node_id: str, url: str, where: str) -> CollectorNode:
-    engine = table.get("engine", "auto")
-    if engine not in ENGINES:
-        raise NodesConfigError(f"{where}: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    selector = _selector(table, where)
-    return CollectorNode(
-        id=node_id, url=url,
-        metrics_url=_http_url(table.get("metrics_url", f"{url}/metrics"), "metrics_url", where),
-        health_url=_http_url(table.get("health_url", f"{url}/health"), "health_url", where),
-        engine=engine, npu_smi=_npu_smi(table, selector, where), selector=selector,
-    )
-
-
-def _entry(table: Any, index: int, registration: bool) -> NodeEntry:
+def _node(table: Any, index: int, registration: bool) -> Node:
     node_id = _node_id(table, f"node #{index + 1}")
     where = f"node {node_id!r}"
     url = _http_url(table.get("url"), "url", where).rstrip("/")
@@ -175,20 +191,28 @@ def _entry(table: Any, index: int, registration: bool) -> NodeEntry:
         raise NodesConfigError(f"{where}: {exc}") from None
     chip = None if table.get("chip") is None else _string(table["chip"], "chip", where)
     capacity = _capacity(table.get("capacity"), where, required=registration)
-    return NodeEntry(id=node_id, url=url, collector=_collector_node(table, node_id, url, where), pool=pool,
-                     chip=chip, capacity=capacity, extra={k: v for k, v in table.items() if k not in UP_KEYS})
+    engine = table.get("engine", "auto")
+    if engine not in ENGINES:
+        raise NodesConfigError(f"{where}: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    selector = _selector(table, where)
+    return Node(
+        id=node_id, url=url, pool=pool, chip=chip, capacity=capacity,
+        metrics_url=_http_url(table.get("metrics_url", f"{url}/metrics"), "metrics_url", where),
+        health_url=_http_url(table.get("health_url", f"{url}/health"), "health_url", where),
+        engine=engine, npu_smi=_npu_smi(table, selector, where), selector=selector,
+        extra={k: v for k, v in table.items() if k not in UP_KEYS})
 
 
 # -- the file ---------------------------------------------------------------------------------------
 
 
-def _warnings(tables: Sequence[dict[str, Any]], nodes: Sequence[CollectorNode]) -> list[str]:
+def _warnings(tables: Sequence[dict[str, Any]], nodes: Sequence[Node]) -> list[str]:
     notes = []
     for table, node in zip(tables, nodes, strict=True):
         unknown = sorted(set(table) - UP_KEYS - COLLECTOR_KEYS)
         if unknown:
             notes.append(f"node {node.id!r}: keys {', '.join(unknown)} are not collector or up keys (typo?)")
-    by_command: dict[str, list[CollectorNode]] = {}
+    by_command: dict[str, list[Node]] = {}
     for node in nodes:
         if node.npu_smi is not None:
             by_command.setdefault(node.npu_smi, []).append(node)
@@ -200,24 +224,24 @@ def _warnings(tables: Sequence[dict[str, Any]], nodes: Sequence[CollectorNode]) 
     return notes
 
 
-def parse_node_entries(document: dict[str, Any], registration: bool = False) -> tuple[list[NodeEntry], list[str]]:
-    """``(entries, warnings)`` from a decoded nodes.toml document; ``registration``: every node
+def parse_nodes(document: dict[str, Any], registration: bool = False) -> tuple[list[Node], list[str]]:
+    """``(nodes, warnings)`` from a decoded nodes.toml document; ``registration``: every node
     needs a capacity and there must be at least one (``laswrr up --nodes``, ``register --nodes``)."""
     tables = document.get("node", [])
     if not isinstance(tables, list):
         raise NodesConfigError("'node' must be an array of tables: write [[node]], not [node]")
     if registration and not tables:
         raise NodesConfigError("no [[node]] tables (each needs id, url and capacity; pool and chip are optional)")
-    entries = [_entry(table, i, registration) for i, table in enumerate(tables)]
+    nodes = [_node(table, i, registration) for i, table in enumerate(tables)]
     seen: set[str] = set()
-    for entry in entries:
-        if entry.id in seen:
-            raise NodesConfigError(f"node {entry.id!r} is defined twice")
-        seen.add(entry.id)
-    return entries, _warnings(tables, [e.collector for e in entries])
+    for node in nodes:
+        if node.id in seen:
+            raise NodesConfigError(f"node {node.id!r} is defined twice")
+        seen.add(node.id)
+    return nodes, _warnings(tables, nodes)
 
 
-def load_node_entries(path: str | Path, registration: bool = False) -> tuple[list[NodeEntry], list[str]]:
+def load_nodes(path: str | Path, registration: bool = False) -> tuple[list[Node], list[str]]:
     """Read and parse ``path``; NodesConfigError (one line, naming the file) when unreadable or invalid."""
     try:
         document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
@@ -226,18 +250,7 @@ def load_node_entries(path: str | Path, registration: bool = False) -> tuple[lis
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise NodesConfigError(f"{path} is not valid TOML: {exc}") from None
     try:
-        return parse_node_entries(document, registration)
+        return parse_nodes(document, registration)
     except NodesConfigError as exc:
         raise NodesConfigError(f"{path}: {exc}") from None
 
-
-def parse_nodes(document: dict[str, Any]) -> tuple[list[CollectorNode], list[str]]:
-    """The collector's view: ``(nodes, warnings)`` from a decoded nodes.toml document."""
-    entries, warnings = parse_node_entries(document)
-    return [entry.collector for entry in entries], warnings
-
-
-def load_nodes(path: str | Path) -> tuple[list[CollectorNode], list[str]]:
-    """The collector's view of the file at ``path`` (``load_node_entries``)."""
-    entries, warnings = load_node_entries(path)
-    return [entry.collector for entry in entries], warnings

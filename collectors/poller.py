@@ -47,7 +47,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from laswrr.collectors.engine import probe_health, scrape_metrics
 from laswrr.collectors.errors import ParseError
-from laswrr.collectors.nodes import CollectorNode
+from laswrr.collectors.nodes import Node
 from laswrr.collectors.npu import NpuSmiError, run_npu_smi, select_chips, split_command
 from laswrr.collectors.prometheus import EngineMetrics, engine_sample
 from laswrr.schemas import subjects as sj
@@ -165,11 +165,11 @@ class NpuHost:
 
     command: str
     argv: tuple[str, ...]
-    nodes: tuple[CollectorNode, ...]
+    nodes: tuple[Node, ...]
 
 
-def npu_hosts(nodes: Iterable[CollectorNode]) -> list[NpuHost]:
-    grouped: dict[str, list[CollectorNode]] = {}
+def npu_hosts(nodes: Iterable[Node]) -> list[NpuHost]:
+    grouped: dict[str, list[Node]] = {}
     for node in nodes:
         if node.npu_smi is not None:
             grouped.setdefault(node.npu_smi, []).append(node)
@@ -179,10 +179,10 @@ def npu_hosts(nodes: Iterable[CollectorNode]) -> list[NpuHost]:
 class Collector:
     """Polls ``nodes`` and publishes their samples through ``js`` until ``stop`` is set."""
 
-    def __init__(self, nodes: list[CollectorNode], js: JetStreamContext, settings: Settings,
+    def __init__(self, nodes: list[Node], js: JetStreamContext, settings: Settings,
                  clock_ns: Callable[[], int] = time.time_ns) -> None:
         self.js, self.settings, self.clock_ns = js, settings, clock_ns
-        self.nodes: dict[str, CollectorNode] = {node.id: node for node in nodes}  # polled now
+        self.nodes: dict[str, Node] = {node.id: node for node in nodes}  # polled now
         self.stats = Stats()
         self.warn = RateLimitedLog(settings.warn_every_s)
         self._prev: dict[str, EngineMetrics] = {}
@@ -211,7 +211,7 @@ class Collector:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    def update(self, node_id: str, node: CollectorNode | None) -> None:
+    def update(self, node_id: str, node: Node | None) -> None:
         """Poll ``node`` from now on (replacing how ``node_id`` was polled), or stop polling
         ``node_id`` (``node`` None): the node set followed at runtime (collectors/registrations.py)."""
         task = self._node_tasks.pop(node_id, None)
@@ -225,7 +225,7 @@ class Collector:
         if self._running is not None:
             self._start_node(node, 0.0)
 
-    def _start_node(self, node: CollectorNode, phase: float) -> None:
+    def _start_node(self, node: Node, phase: float) -> None:
         assert self._running is not None
         session, stop = self._running
         self._node_tasks[node.id] = asyncio.create_task(self._node_loop(node, session, stop, phase),
@@ -239,7 +239,7 @@ class Collector:
     def _ticks(self, period_s: float, stop: asyncio.Event, late_key: str, phase: float = 0.0) -> "AsyncTicks":
         return AsyncTicks(period_s, stop, lambda: self.stats.inc("late_ticks", loop=late_key), phase * period_s)
 
-    async def _node_loop(self, node: CollectorNode, session: aiohttp.ClientSession, stop: asyncio.Event,
+    async def _node_loop(self, node: Node, session: aiohttp.ClientSession, stop: asyncio.Event,
                          phase: float) -> None:
         async for _ in self._ticks(self.settings.interval_s, stop, node.id, phase):
             await asyncio.gather(self._engine_once(node, session), self._health_once(node, session))
@@ -255,7 +255,7 @@ class Collector:
 
     # -- one round ------------------------------------------------------------------------
 
-    async def _engine_once(self, node: CollectorNode, session: aiohttp.ClientSession) -> None:
+    async def _engine_once(self, node: Node, session: aiohttp.ClientSession) -> None:
         scrape = await scrape_metrics(session, node.metrics_url, self.settings.timeout_s, node.engine)
         ts_ns = self.clock_ns()
         key = f"{node.id}:metrics"
@@ -275,12 +275,12 @@ class Collector:
         self._prev[node.id] = scrape.metrics
         await self._publish("engine", sj.metrics_engine(node.id), sample)
 
-    def _note_engine(self, node: CollectorNode, kind: str) -> None:
+    def _note_engine(self, node: Node, kind: str) -> None:
         if self._engine_kind.get(node.id) != kind:
             log.info("node %s: %s metrics at %s", node.id, kind, node.metrics_url)
             self._engine_kind[node.id] = kind
 
-    async def _health_once(self, node: CollectorNode, session: aiohttp.ClientSession) -> None:
+    async def _health_once(self, node: Node, session: aiohttp.ClientSession) -> None:
         probe = await probe_health(session, node.health_url, self.settings.timeout_s, self.clock_ns)
         self.stats.inc("health_probes", node=node.id, result="ok" if probe.ok else "fail")
         key = f"{node.id}:health"

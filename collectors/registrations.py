@@ -22,39 +22,38 @@ nodes, minus removals.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import cast
 
-from laswrr.collectors.nodes import CollectorNode
+from laswrr.collectors.nodes import Node
+from laswrr.collectors.npu import ChipSelector
 from laswrr.collectors.prometheus import EngineKind
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import SchemaError, decode_event
 from laswrr.schemas.events import NodeRegistered, NodeRemoveRequested
 
-Change = tuple[str, CollectorNode | None]  # (node id, how to poll it now; None: stop polling)
+Change = tuple[str, Node | None]  # (node id, how to poll it now; None: stop polling)
 
 
-def registered_node(node_id: str, event: NodeRegistered, file_node: CollectorNode | None) -> CollectorNode:
-    """How to poll ``node_id`` after ``event`` (the rules in the module doc)."""
+def registered_node(node_id: str, event: NodeRegistered, file_node: Node | None) -> Node:
+    """``node_id`` as ``event`` registers it, polled by the rules in the module doc."""
     url = event.url.rstrip("/")
     base = file_node if file_node is not None and file_node.url == url else None
     engine = event.engine or (file_node.engine if file_node is not None else "auto")
-    node = CollectorNode(
-        id=node_id, url=url,
-        metrics_url=event.metrics_url or (base.metrics_url if base else f"{url}/metrics"),
-        health_url=event.health_url or (base.health_url if base else f"{url}/health"),
-        engine=cast(EngineKind, engine))
-    if file_node is not None:
-        node = replace(node, npu_smi=file_node.npu_smi, selector=file_node.selector)
-    return node
+    return Node(
+        id=node_id, url=url, pool=event.pool, chip=event.chip, capacity=event.capacity,
+        metrics_url=event.metrics_url or (base.metrics_url if base else ""),
+        health_url=event.health_url or (base.health_url if base else ""),
+        engine=cast(EngineKind, engine),
+        npu_smi=file_node.npu_smi if file_node is not None else None,
+        selector=file_node.selector if file_node is not None else ChipSelector())
 
 
 class RegisteredNodes:
     """The node set the collector polls; ``observe`` folds one admin message into it."""
 
-    def __init__(self, file_nodes: Iterable[CollectorNode] = ()) -> None:
+    def __init__(self, file_nodes: Iterable[Node] = ()) -> None:
         self.file = {node.id: node for node in file_nodes}
-        self.nodes: dict[str, CollectorNode] = dict(self.file)
+        self.nodes: dict[str, Node] = dict(self.file)
 
     def observe(self, subject: str, data: bytes) -> Change | None:
         """The change ``subject``/``data`` makes to the set, or None (not a node or remove
@@ -71,7 +70,8 @@ class RegisteredNodes:
             return (node_id, None) if self.nodes.pop(node_id, None) is not None else None
         assert isinstance(event, NodeRegistered)
         node = registered_node(node_id, event, self.file.get(node_id))
-        if self.nodes.get(node_id) == node:
-            return None
+        known = self.nodes.get(node_id)
         self.nodes[node_id] = node
+        if known is not None and known.polling == node.polling:
+            return None  # registered again (maybe with another capacity): polled as before
         return node_id, node

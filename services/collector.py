@@ -35,7 +35,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
-from laswrr.collectors.nodes import CollectorNode, NodesConfigError, load_nodes
+from laswrr.collectors.nodes import Node, NodesConfigError, load_nodes
 from laswrr.collectors.poller import Collector, RateLimitedLog, Settings, Stats, npu_hosts
 from laswrr.collectors.registrations import RegisteredNodes
 from laswrr.schemas import subjects as sj
@@ -83,7 +83,7 @@ async def _until_stopped(start: Coroutine[Any, Any, Client], stop: asyncio.Event
     return None
 
 
-async def follow_registrations(js: JetStreamContext, collector: Collector, file_nodes: list[CollectorNode]) -> Any:
+async def follow_registrations(js: JetStreamContext, collector: Collector, file_nodes: list[Node]) -> Any:
     """Subscribe to the admin subjects; every change of the node set goes to ``collector.update``."""
     node_set = RegisteredNodes(file_nodes)
 
@@ -102,7 +102,7 @@ async def follow_registrations(js: JetStreamContext, collector: Collector, file_
                               deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
 
 
-async def serve(nats_url: str, nodes: list[CollectorNode], settings: Settings,
+async def serve(nats_url: str, nodes: list[Node], settings: Settings,
                 stop: asyncio.Event | None = None) -> Stats:
     """Connect, collect until ``stop`` (or SIGINT/SIGTERM), drain; returns the counters."""
     stop = common.stop_event(stop)

@@ -30,7 +30,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError, NotFoundError
 
-from laswrr.collectors.nodes import NodesConfigError, load_node_entries
+from laswrr.collectors.nodes import REGISTERED_COLLECTOR_KEYS, Node, NodesConfigError, load_nodes
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.events import ENGINE_NAMES
 from laswrr.services import settings
@@ -181,35 +181,21 @@ def _write(builder: Any, body_of: Any) -> Any:
     return handler
 
 
-# What the collector needs to poll a node registered at runtime (lb.admin.node's last fields).
-COLLECTOR_FIELDS = ("metrics_url", "health_url", "engine")
-
-
 def _register_body(args: argparse.Namespace) -> dict[str, Any]:
-    body: dict[str, Any] = {"url": args.url, "pool": args.pool}
-    if args.chip:
-        body["chip"] = args.chip
-    body["capacity"] = args.capacity
-    body.update({key: getattr(args, key) for key in COLLECTOR_FIELDS if getattr(args, key) is not None})
-    return body
+    given = {key: getattr(args, key) for key in REGISTERED_COLLECTOR_KEYS if getattr(args, key) is not None}
+    node = Node(id=args.node, url=args.url, pool=args.pool, chip=args.chip or None, capacity=args.capacity,
+                extra=given)
+    return node.registration()
 
 
 def nodes_file_bodies(path: str) -> list[tuple[str, dict[str, Any]]]:
-    """``(subject, lb.admin.node body)`` per ``[[node]]`` of a nodes.toml (id, url, pool, chip,
-    capacity), validated by collectors/nodes.py before anything is published."""
+    """``(subject, lb.admin.node body)`` per ``[[node]]`` of a nodes.toml (``Node.registration``),
+    validated by collectors/nodes.py before anything is published."""
     try:
-        entries, _ = load_node_entries(path, registration=True)
+        nodes, _ = load_nodes(path, registration=True)
     except NodesConfigError as exc:
         raise OperatorError(str(exc)) from None
-    bodies = []
-    for entry in entries:
-        body: dict[str, Any] = {"url": entry.url, "pool": entry.pool}
-        if entry.chip is not None:
-            body["chip"] = entry.chip
-        body["capacity"] = entry.capacity
-        body.update({key: entry.extra[key] for key in COLLECTOR_FIELDS if key in entry.extra})
-        bodies.append((sj.admin_node(entry.id), body))
-    return bodies
+    return [(sj.admin_node(node.id), node.registration()) for node in nodes]
 
 
 def run_register(args: argparse.Namespace) -> int:

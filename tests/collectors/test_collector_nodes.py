@@ -8,20 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from laswrr.collectors.nodes import CollectorNode, NodesConfigError, load_nodes, parse_nodes
+from laswrr.collectors.nodes import Node, NodesConfigError, load_nodes, parse_nodes
 from laswrr.collectors.npu import ChipSelector, select_chips
 from laswrr.schemas.events import NpuChip
 
 
-def parse(text: str) -> tuple[list[CollectorNode], list[str]]:
+def parse(text: str) -> tuple[list[Node], list[str]]:
     return parse_nodes(tomllib.loads(text))
 
 
 def test_defaults_from_the_up_keys_alone() -> None:
     (node,), warnings = parse('[[node]]\nid = "n1"\nurl = "http://10.0.0.5:8000/"\npool = "p"\nchip = "910B"\ncapacity = 8\n')
-    assert node == CollectorNode(id="n1", url="http://10.0.0.5:8000", metrics_url="http://10.0.0.5:8000/metrics",
-                                 health_url="http://10.0.0.5:8000/health", engine="auto", npu_smi=None,
-                                 selector=ChipSelector())
+    assert node == Node(id="n1", url="http://10.0.0.5:8000", pool="p", chip="910B", capacity=8,
+                        metrics_url="http://10.0.0.5:8000/metrics", health_url="http://10.0.0.5:8000/health",
+                        engine="auto", npu_smi=None, selector=ChipSelector())
     assert warnings == []
 
 
@@ -134,3 +134,26 @@ def test_registration_needs_a_capacity_the_collector_does_not(tmp_path: Path) ->
     assert [n.url for n in load_nodes(path)[0]] == ["http://h:1"]
     with pytest.raises(OperatorError, match=r"node 'a': capacity must be an integer > 0, none given$"):
         nodes_file_bodies(str(path))
+
+
+def test_registration_is_the_lb_admin_node_body_with_only_what_was_given() -> None:
+    (full, bare), _ = parse("""
+[[node]]
+id = "a"
+url = "http://h:1"
+pool = "p"
+chip = "910B"
+capacity = 8
+health_url = "http://h:2/health"
+engine = "mindie"
+npu_ids = [0]
+[[node]]
+id = "b"
+url = "http://h:3"
+capacity = 2
+""")
+    assert full.registration() == {"url": "http://h:1", "pool": "p", "chip": "910B", "capacity": 8,
+                                   "health_url": "http://h:2/health", "engine": "mindie"}
+    assert bare.registration() == {"url": "http://h:3", "pool": "default", "capacity": 2}  # no defaults sent
+    with pytest.raises(NodesConfigError, match="capacity must be given"):
+        Node(id="c", url="http://h:4").registration()

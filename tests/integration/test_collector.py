@@ -19,7 +19,7 @@ from aiohttp import web
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from laswrr.collectors.nodes import CollectorNode
+from laswrr.collectors.nodes import Node
 from laswrr.collectors.npu import ChipSelector, NpuSmiError, run_npu_smi
 from laswrr.collectors.npu_smi import render_info
 from laswrr.scheduler.core import Scheduler
@@ -89,9 +89,9 @@ async def tiny_apps() -> AsyncIterator[Callable[[web.Application], Awaitable[str
         await runner.cleanup()
 
 
-def node(node_id: str, url: str, **extra: object) -> CollectorNode:
-    return CollectorNode(id=node_id, url=url, metrics_url=f"{url}/metrics", health_url=f"{url}/health",
-                         **extra)  # type: ignore[arg-type]
+def node(node_id: str, url: str, **extra: object) -> Node:
+    return Node(id=node_id, url=url, metrics_url=f"{url}/metrics", health_url=f"{url}/health",
+                **extra)  # type: ignore[arg-type]
 
 
 def sim_npu_smi(url: str) -> str:
@@ -101,7 +101,7 @@ def sim_npu_smi(url: str) -> str:
 class Running:
     """A collector task on a real NATS connection, stopped (and awaited) by ``stop()``."""
 
-    def __init__(self, nodes: list[CollectorNode], js: JetStreamContext, settings: Settings = FAST) -> None:
+    def __init__(self, nodes: list[Node], js: JetStreamContext, settings: Settings = FAST) -> None:
         self.collector = Collector(nodes, js, settings)
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(self.collector.run(self._stop))

@@ -15,8 +15,10 @@ from pathlib import Path
 import nats
 import pytest
 
+from laswrr.collectors.nodes import Node
+from laswrr.collectors.npu import ChipSelector
 from laswrr.schemas import subjects as sj
-from laswrr.services.up import (NodeSpec, Stack, StackError, load_nodes, parse_nodes, render_nodes,
+from laswrr.services.up import (Stack, StackError, load_nodes, parse_nodes, render_nodes,
                          sim_npu_smi_command)
 
 NODES = """
@@ -31,8 +33,9 @@ capacity = 8
 
 
 def test_nodes_file_round_trips_and_keeps_collector_keys() -> None:
-    nodes = [NodeSpec("a", "http://h:1", "p", "910C", 16, {"npu_smi": 'x --url "q"', "npu_ids": [0, 1]}),
-             NodeSpec("b", "http://h:2")]
+    nodes = [Node(id="a", url="http://h:1", pool="p", chip="910C", capacity=16, npu_smi='x --url "q"',
+                  selector=ChipSelector(npu_ids=(0, 1)), extra={"npu_smi": 'x --url "q"', "npu_ids": [0, 1]}),
+             Node(id="b", url="http://h:2", chip="unknown", capacity=8)]
     assert parse_nodes(tomllib.loads(render_nodes(nodes))) == nodes
 
 
