@@ -348,8 +348,10 @@ def banner(stack: Stack, out: IO[str]) -> None:
     where = f"embedded, JetStream store in {stack.data_dir / 'jetstream'}" if stack.embedded else "external"
     print(f"laswrr up: running (data dir {stack.data_dir}, logs in {stack.log_dir})", file=out)
     print(f"  NATS URL:  {url}  ({where})", file=out)
-    print(f"  proxy URL: {stack.proxy_url or 'none (laswrr proxy not available)'}"
-          + ("  (OpenAI API: /v1/chat/completions, /v1/completions, /v1/models)" if stack.proxy_url else ""), file=out)
+    api = ("  (OpenAI API: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, ...; "
+           "\"model\": a pool name, e.g. \"default\", or its engines' model id)")
+    print(f"  proxy URL: {stack.proxy_url or 'none (laswrr proxy not available)'}" + (api if stack.proxy_url else ""),
+          file=out)
     if stack.dashboard_url:
         print(f"  dashboard: {stack.dashboard_url}", file=out)
     for child in stack.children:
