@@ -447,8 +447,10 @@ def _ms(seconds: float) -> float:
 
 
 def upstream_url(base: str, path_qs: str) -> str:
+    """The engine URL of a client path. A node URL may end in ``/v1`` (the OpenAI base); the
+    client's path is taken from the server root either way: ``/v1/...`` once, ``/tokenize`` at the root."""
     base = base.rstrip("/")
-    if base.endswith("/v1") and path_qs.startswith("/v1/"):
+    if base.endswith("/v1"):
         base = base[:-3]
     return base + path_qs
 

@@ -19,6 +19,7 @@ from aiohttp import web
 from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
 from laswrr.schemas import subjects as sj
 from laswrr.services.proxy.app import OPENAI_POST_ROUTES
+from laswrr.services.proxy.upstream import upstream_url
 from laswrr.services.sim_engine.app import RunningServer, start_server
 from laswrr.services.sim_engine.config import SimConfig
 
@@ -149,3 +150,10 @@ async def test_readiness_waits_for_a_snapshot_with_a_routable_node(
     await wait_seq(proxy, "default", await core.capacity("n1", 0))
     await wait_for(lambda: not proxy.state.router.pools["default"].targets, what="n1 not routable")
     assert (await probe("/readiness"))[1]["reason"] == "no_routable_node"
+
+
+def test_root_routes_reach_the_server_root_whatever_the_node_url() -> None:
+    for base in ("http://e:1", "http://e:1/", "http://e:1/v1", "http://e:1/v1/"):
+        assert upstream_url(base, "/tokenize") == "http://e:1/tokenize"
+        assert upstream_url(base, "/v1/embeddings?x=1") == "http://e:1/v1/embeddings?x=1"
+    assert upstream_url("http://gw/engine-a/v1", "/detokenize") == "http://gw/engine-a/detokenize"
