@@ -22,8 +22,8 @@ from laswrr.services.children import interrupt_on_sigterm
 
 DEMO_POLICIES = ("la-swrr", "rr")
 # Twice the scenario's 42 s: long enough for round robin's queue on the one-slot node to show in
-# the drop phase (28 s of it), short enough for `make demo` to end in ~4 min on a fresh 2-core box
-# (measured: 188 s for the runs, ~35 s for the venv).
+# the drop phase (28 s of it), short enough for `make demo` to end in a few minutes on a fresh
+# 2-core box (the measured time: docs/design.md §4, "Figures behind choices in the code").
 DEMO_DURATION_SCALE = 2.0
 
 

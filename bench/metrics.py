@@ -1,6 +1,6 @@
 """Benchmark metrics (pure): latency percentiles per phase and load balance over time.
 
-Definitions (semantics.md §8 "Go beyond" 10):
+Definitions:
 
 * **Percentiles** use linear interpolation between closest ranks (numpy's default "linear"):
   for sorted x[0..n-1], the q-th percentile sits at rank (n-1)·q/100.

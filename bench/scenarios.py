@@ -20,12 +20,12 @@ to 80 % when the dropped node's traffic moves off it (real pressure, still stabl
 capacity-blind policy keeps sending the node a quarter of the load, 125 % of what its one slot
 sustains, so its queue grows for the whole drop. At 50 % that quarter is 104 % of the one slot:
 a borderline case in which the queue grows too slowly within a phase to tell policies apart
-(measured at 50 %, duration scale 3: drop-phase P99 6.35 s for round robin, 5.35 s for la-swrr).
+(docs/design.md §4, "Figures behind choices in the code").
 
 The same concavity means a slot is worth more than its share: one slot of a 910B sustains 48 % of
 its 10-slot throughput (at speed 4: 1.05 vs 2.19 requests/s with the default workload), so a 10→1
 *slot* cut removes about half of the node's throughput, while the scheduler, for which capacity is
-a throughput unit (ascend.md §6.2: 10 × decode speed), moves ~97 % of its traffic away. Likewise
+a throughput unit (docs/ascend.md §3: 10 × decode speed), moves ~97 % of its traffic away. Likewise
 the chips' saturation throughputs (910C 8.0, 910B 2.19, 910 1.23 requests/s at speed 4) are not
 in the ratio of their capacities 20 : 10 : 7. ``saturation_rps`` computes these figures.
 
@@ -48,7 +48,7 @@ their P99s are comparable.
 only (silent faults); ``health`` sets the Health its simulated ``npu-smi info`` shows (OK |
 Warning | Alarm | Critical), which reaches the scheduler only through the collector's npu-smi
 samples, as on real hardware. Each action also defines the node's *true* capacity for the balance
-metrics: 0 while its engine refuses (``fail: refuse``) or its NPU is ``Critical`` (ascend.md §3.1:
+metrics: 0 while its engine refuses (``fail: refuse``) or its NPU is ``Critical`` (docs/ascend.md §1:
 eject now), whichever of the two or both; its slots again once neither holds.
 """
 

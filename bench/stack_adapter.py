@@ -9,10 +9,9 @@ scenario's chips, capacities and ``--speed``; ``--node-id`` = node), registratio
 
 The collector also samples every engine's simulated ``npu-smi info`` (AICore %, HBM, Health: the
 Ascend signals LA-SWRR reads) at its default 2 s interval, with ``curl`` of the engine's GET
-/sim/npu-smi (``services.up.sim_npu_smi_command``). Measured on this 2-core box over 30 s of an
-idle 4-engine stack (collector + its reaped children, /proc utime+stime+cutime+cstime): no npu-smi
-1.4 CPU-s, curl 1.9 CPU-s (~9 ms per sample, 60 samples), the Python ``sim-npu-smi`` fallback (no
-curl installed) 16-21 CPU-s, half a core; the engines' own CPU does not change measurably.
+/sim/npu-smi (``services.up.sim_npu_smi_command``), which costs little CPU, unlike the Python
+``sim-npu-smi`` fallback when curl is missing (the figures: docs/design.md §4, "Figures behind
+choices in the code").
 
 **Peers.** A policy named ``<router>:<its policy>`` (``vllm-router:power_of_two``,
 ``sglang-router:cache_aware``, ...) runs the same stack and engines but sends the load through

@@ -54,7 +54,6 @@ from laswrr.schemas.events import ENGINE_NAMES
 from laswrr.schemas.subjects import SubjectError, check_token
 
 DEFAULT_NPU_SMI = "npu-smi info"
-ENGINES = ENGINE_NAMES
 UP_KEYS = frozenset({"id", "url", "pool", "chip", "capacity"})
 COLLECTOR_KEYS = frozenset({"metrics_url", "health_url", "engine", "npu_smi", "npu_ids", "chips"})
 # What the collector needs to poll a node registered at runtime (lb.admin.node's last fields).
@@ -192,8 +191,8 @@ def _node(table: Any, index: int, registration: bool) -> Node:
     chip = None if table.get("chip") is None else _string(table["chip"], "chip", where)
     capacity = _capacity(table.get("capacity"), where, required=registration)
     engine = table.get("engine", "auto")
-    if engine not in ENGINES:
-        raise NodesConfigError(f"{where}: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine not in ENGINE_NAMES:
+        raise NodesConfigError(f"{where}: engine must be one of {', '.join(ENGINE_NAMES)}, got {engine!r}")
     selector = _selector(table, where)
     return Node(
         id=node_id, url=url, pool=pool, chip=chip, capacity=capacity,

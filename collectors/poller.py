@@ -51,7 +51,7 @@ from laswrr.collectors.nodes import Node
 from laswrr.collectors.npu import NpuSmiError, run_npu_smi, select_chips, split_command
 from laswrr.collectors.prometheus import EngineMetrics, engine_sample
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.codec import encode_event
+from laswrr.schemas.codec import encode
 from laswrr.schemas.events import Event, NpuSampled
 
 log = logging.getLogger("laswrr.collector")
@@ -317,7 +317,7 @@ class Collector:
 
     async def _publish(self, kind: str, subject: str, event: Event) -> None:
         try:
-            await self.js.publish(subject, encode_event(event), timeout=self.settings.publish_timeout_s,
+            await self.js.publish(subject, encode(event), timeout=self.settings.publish_timeout_s,
                                   stream=sj.EVENTS_STREAM)
         except asyncio.CancelledError:
             raise

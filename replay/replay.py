@@ -1,6 +1,6 @@
 """Exact replay of a recorded log: feed LB_EVENTS rows through the core, diff against LB_OUT.
 
-Theory of operation. The scheduler's outputs are a pure function of its inputs (design §3), so
+Theory of operation. The scheduler's outputs are a pure function of its inputs (docs/algorithm.md §6), so
 the recorded inputs (their exact payload bytes, ``store.PAYLOAD_SQL``), applied in stream-sequence order to a fresh ``Scheduler`` that starts from
 ``SchedulerConfig()`` defaults (recorded ``lb.admin.config`` events then set the configuration
 that was in force), must reproduce every recorded output byte for byte. Inputs go through
@@ -311,8 +311,7 @@ def replay_db(con: duckdb.DuckDBPyConnection, overrides: dict[str, Any] | None =
 
 
 class _Replayer:
-    """The hot loop (~4.5 us per input, ~3.5 of them in the core): per input, build the
-    envelope, apply it, and only when the core produced outputs look at the recorded ones.
+    """The hot loop (its cost per input: docs/design.md §4): per input, build the envelope, apply it, and only when the core produced outputs look at the recorded ones.
     Recorded outputs for an input that produced none are found at the next input with outputs
     (or at the end) as orphans."""
 

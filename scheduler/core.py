@@ -1,7 +1,7 @@
 """The sans-IO LA-SWRR scheduler: ``Scheduler.apply(envelope) -> list[Output]``.
 
 Theory of operation. The scheduler's state after input n is a pure function of inputs 1..n
-(design §3). Each input is an ``Envelope`` (stream sequence, event time, subject, raw bytes);
+(docs/algorithm.md §6). Each input is an ``Envelope`` (stream sequence, event time, subject, raw bytes);
 ``apply`` decodes it by subject, checks it against the current state, and only then mutates, so
 a rejected input changes nothing and yields one ``lb.out.rejected`` output with the reason.
 Time is the envelope's ``ts_ns`` (the stream's timestamp, kept monotonic); timers (drain
@@ -456,7 +456,7 @@ class Scheduler:
         return True
 
     def _expire_proxy(self, proxy: str) -> None:
-        """Void a dead proxy's open requests (design §8, phantom in-flight)."""
+        """Void a dead proxy's open requests (docs/algorithm.md §4, "Phantom in-flight")."""
         self.state.proxies.pop(proxy, None)
         self.state.proxy_boots.pop(proxy, None)
         self.state.retired_boots.pop(proxy, None)

@@ -8,7 +8,7 @@ so Σ cw = 0 after every pass. Weights 5,1,1 give the period a a b a c a a (ngin
 
 Weight changes keep the accumulators (``set_weights``): a node that stays eligible keeps its
 cw; a new node starts at exactly 0; a node that leaves or drops to weight 0 is re-centred to 0
-and the credit or debt it held is spread over the nodes that stay (semantics §8, "go beyond" 5),
+and the credit or debt it held is spread over the nodes that stay (docs/algorithm.md §5, "Re-centring"),
 so the sum is still exactly 0 and a node coming back never bursts on stale credit. Integer
 arithmetic throughout; the remainder of the spread goes to the earliest nodes.
 

@@ -1,6 +1,6 @@
 """Load -> target weight, easing, and slow start: the arithmetic of LA-SWRR.
 
-Signals, each normalised to 0..1 (design §4):
+Signals, each normalised to 0..1 (docs/algorithm.md §1):
   queue    = waiting / (waiting + capacity)      waiting beyond the decode slots
   running  = min(running, capacity) / capacity   slot occupancy
   kv       = KV-cache use reported by the engine

@@ -141,6 +141,3 @@ def encode(obj: Any) -> bytes:
     """The one encoder for everything published or recorded."""
     return _ENCODER.encode(obj)
 
-
-def encode_event(event: ev.Event) -> bytes:
-    return _ENCODER.encode(event)

@@ -7,7 +7,7 @@ Theory of operation.
   database's highest recorded seq + 1: the file, not the consumer, says where to resume. Each is
   read with raw pull requests (``PullReader.fetch``, services/jsreader.py: ``batch`` messages or
   ``flush_ms`` of waiting, whichever comes first) into a callback subscription: nats-py's
-  ``fetch`` waits on every message separately and tops out near 35,000 msg/s here.
+  ``fetch`` waits on every message separately (services/jsreader.py says why that is slow).
 * **Commit, then ack.** A batch becomes one row per message — ``(stream, stream seq, ts_ns,
   subject, data, raw)`` with ``ts_ns`` the exact JetStream timestamp from the ack subject (the
   same time the scheduler used) and the payload's exact bytes, malformed or not, not UTF-8 or
@@ -22,7 +22,7 @@ Theory of operation.
   check runs once over the whole file at start.
 * **Pipelining.** The next pull request is in flight while a batch is committed in a worker
   thread; one lock serialises every use of the DuckDB connection.
-* **One writer per DuckDB file** (design §8). Readers (``laswrr replay|report|export --db``)
+* **One writer per DuckDB file** (docs/design.md §1, "Hazards designed for"). Readers (``laswrr replay|report|export --db``)
   that find the file locked send a request on ``lb.recorder.snapshot`` (``{"db": path, "to":
   path}``); the recorder that owns ``db`` pauses committing LB_OUT, records LB_EVENTS up to the
   stream's last seq at the time of the request (so every recorded output has its input),

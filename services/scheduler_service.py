@@ -1,4 +1,4 @@
-"""`laswrr scheduler`: the IO shell around the pure core (design §3, §7).
+"""`laswrr scheduler`: the IO shell around the pure core (docs/algorithm.md §6, docs/design.md §6).
 
 Theory of operation.
 
@@ -76,10 +76,6 @@ from laswrr.services.natsbus import MSG_ID, Throttled, connect, ensure_checkpoin
 from laswrr.services.output_writer import OutputWriter, highest_published_seq
 from laswrr.services.service_metrics import (BATCH_BUCKETS, Buckets, Metric, counter, gauge, histogram, lag,
                                              reason_class, render, serve_metrics)
-
-# Re-exported: tests and tools import these from here.
-from laswrr.services.jsreader import envelope_of as envelope_of, parse_ack_subject as parse_ack_subject
-from laswrr.services.output_writer import as_of_seq_of as as_of_seq_of
 
 log = logging.getLogger("laswrr.scheduler")
 

@@ -120,12 +120,12 @@ def render_nodes(nodes: Sequence[Node]) -> str:
 
 def sim_npu_smi_command(url: str, python: str = sys.executable) -> str:
     """The ``npu_smi`` command line (nodes.toml) that samples the simulated engine at ``url``:
-    ``curl`` of its GET /sim/npu-smi when curl is installed (a few ms of CPU per sample), else
-    ``sim-npu-smi`` (a Python start-up per sample, far dearer on a small machine)."""
+    ``curl`` of its GET /sim/npu-smi when curl is installed, else ``sim-npu-smi`` (a Python
+    start-up per sample, far dearer: docs/design.md §4, "Figures behind choices in the code")."""
     base = url.rstrip("/")
     if shutil.which("curl"):
         return f"curl -sf --max-time 2 {shlex.quote(base + '/sim/npu-smi')}"
-    # the sim-engine module alone starts twice as fast as the whole dispatcher
+    # the sim-engine module alone starts faster than the whole dispatcher
     return f"{shlex.quote(python)} -m laswrr.services.sim_engine.cli sim-npu-smi --url {shlex.quote(base)}"
 
 

@@ -79,7 +79,6 @@ class BusLink:
         self.nc: Client | None = None
         self.closing = False
         self._task: asyncio.Task[None] | None = None
-        self.snapshots_applied = 0
         self.last_update = 0.0
 
     @property
@@ -197,7 +196,6 @@ class BusLink:
             return False
         if not self.router.offer(snapshot, time.monotonic()):
             return True
-        self.snapshots_applied += 1
         return False
 
     async def close(self, drain_timeout_s: float = 5.0) -> None:

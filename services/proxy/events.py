@@ -11,7 +11,7 @@ order, after a short back-off; while NATS is disconnected nothing is sent and ev
 
 The buffer is bounded (``capacity``): when full, the *oldest* event is dropped, counted
 (``dropped``, exported in /metrics) and logged. A dropped ``finished`` leaves a phantom
-in-flight in the scheduler until this proxy stops or goes silent (design §8); that is the price
+in-flight in the scheduler until this proxy stops or goes silent (docs/design.md §1, "Hazards designed for"); that is the price
 of never blocking a request on the bus.
 
 Event semantics (what analysts count):

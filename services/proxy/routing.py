@@ -28,7 +28,8 @@ Rules:
   prompt, or with none of its prefix held by one node more than another, the pick is exactly
   LA-SWRR's.
 * **Seeds.** Each pool's policy is seeded from the proxy's seed and the pool name, so replicas
-  (different proxy ids) start their SWRR/P2C sequences at different points (semantics §8.9).
+  (different proxy ids) start their SWRR/P2C sequences at different points (docs/algorithm.md
+  §5, "Seeded warm-up").
 
 No IO and no clock: callers pass ``now`` (monotonic seconds) where an age is needed.
 """

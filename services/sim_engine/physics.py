@@ -15,7 +15,7 @@ What it models (vLLM-style continuous batching with chunk-free mixed steps):
 * TPOT grows with the batch: ``base_tpot / decode_speed * (1 + growth * (n - 1) / ref)``
   where ``ref`` is the chip's ``base_capacity`` (hardware batch scale, not the admission
   limit, so tokens/s still rise with the batch at any capacity): ~32 ms alone, ~150 ms
-  with 10 running on a 910B (ascend.md 6.3 light/saturated anchors);
+  with 10 running on a 910B (docs/ascend.md §3, light/saturated anchors);
 * KV use = tokens held by running requests (prompt + generated, rounded up to 16-token
   blocks) / the chip's KV room;
 * prefix caching (``prefix_cache``): a request submitted with its prompt text looks its
@@ -159,7 +159,6 @@ class EngineSim:
         self._step: _Step | None = None
         self._clock = 0.0  # end of the last step (the engine is free from here on)
         self.steps = 0
-        self.busy_s = 0.0
         self.tokens_generated = 0
         self.requests_finished = 0
 
@@ -301,7 +300,6 @@ class EngineSim:
         self._step = None
         self._clock = step.end
         self.steps += 1
-        self.busy_s += step.end - step.start
         events: list[TokenEvent] = []
         for req_id in step.batch:
             req = self._running.get(req_id)

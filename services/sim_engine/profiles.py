@@ -1,11 +1,11 @@
 """Chip profiles for the simulated Ascend inference engine.
 
 Models one engine instance (e.g. vLLM-Ascend serving a 7-8B BF16 model at TP1) on one
-``npu-smi`` NPU id, after /work/shared/reference/ascend.md section 6:
+``npu-smi`` NPU id, after docs/ascend.md §3:
 
 * decode speed is relative to a 910B3 (HBM bandwidth ratio), prefill speed relative to its
   FP16 peak; the 910B3 baseline anchors are TPOT ~32 ms at light load and TTFT ~0.3 s for a
-  ~500-token prompt (section 6.3);
+  ~500-token prompt;
 * KV room (tokens) = HBM x 0.9 - weights - workspace for Llama-3-8B BF16 (131 072 B/token);
 * the npu-smi appearance (name shown, HBM per chip, chips per NPU, idle/loaded power and
   temperature) comes from the real fixtures in tests/fixtures/real.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# 910B3 baseline anchors (ascend.md section 6.3): light-load TPOT, prefill rate and a fixed
+# 910B3 baseline anchors (docs/ascend.md §3): light-load TPOT, prefill rate and a fixed
 # front-end cost (tokenise + schedule + detokenise) that together give TTFT 0.3-0.4 s.
 BASE_TPOT_S = 0.032
 BASE_PREFILL_TOKENS_PER_S = 4000.0
@@ -40,7 +40,7 @@ class ChipProfile:
     hbm_mb_per_chip: int  # HBM-Usage total per chip (MB), as npu-smi prints it
     chips_per_npu: int  # 2 for an A3 NPU (two dies), else 1
     kv_tokens: int  # KV-cache room in tokens (8B BF16), whole NPU
-    base_capacity: int  # suggested integer SWRR weight (ascend.md 6.2)
+    base_capacity: int  # suggested integer SWRR weight (docs/ascend.md §3)
     power_idle_w: float
     power_load_w: float
     temp_idle_c: float

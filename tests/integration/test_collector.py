@@ -24,7 +24,7 @@ from laswrr.collectors.npu import ChipSelector, NpuSmiError, run_npu_smi
 from laswrr.collectors.npu_smi import render_info
 from laswrr.scheduler.core import Scheduler
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.codec import Envelope, decode_event, encode_event
+from laswrr.schemas.codec import Envelope, decode_event, encode
 from laswrr.schemas.events import ClockTicked, EngineSampled, Event, HealthProbed, NodeRegistered, NpuChip, NpuSampled
 from laswrr.collectors.poller import Collector, Settings
 from laswrr.services.natsbus import ensure_streams, free_port
@@ -332,7 +332,7 @@ async def test_failing_npu_smi_is_counted_and_engine_samples_continue(
 async def test_samples_reach_the_scheduler_core(nc: Client, engines: Callable[..., Awaitable[RunningServer]]) -> None:
     engine = await engines(chip="910B", capacity=4)
     js = nc.jetstream()
-    await js.publish(sj.admin_node("a"), encode_event(NodeRegistered(url=engine.url, capacity=4, chip="910B")))
+    await js.publish(sj.admin_node("a"), encode(NodeRegistered(url=engine.url, capacity=4, chip="910B")))
     running = Running([node("a", engine.url, npu_smi=sim_npu_smi(engine.url))], js)
     async with aiohttp.ClientSession() as session:
         load = [asyncio.create_task(stream_completion(session, engine.url, 400)) for _ in range(3)]
@@ -353,7 +353,7 @@ async def test_samples_reach_the_scheduler_core(nc: Client, engines: Callable[..
                     if o.subject == sj.OUT_REJECTED]
         assert rejected == []
     last = samples[-1]
-    core.apply(Envelope(last.seq + 1, last.ts_ns, sj.CLOCK_TICK, encode_event(ClockTicked(tick=1))))
+    core.apply(Envelope(last.seq + 1, last.ts_ns, sj.CLOCK_TICK, encode(ClockTicked(tick=1))))
     (view,) = core.snapshot("default").nodes
     assert view.node == "a" and not view.load.stale and view.load.sample_age_ms is not None
     assert view.load.kv > 0 and view.load.npu > 0 and view.load.running > 0 and view.load.load > 0

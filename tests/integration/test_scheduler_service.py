@@ -22,15 +22,9 @@ from laswrr.scheduler.core import Scheduler
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope
 from laswrr.services.natsbus import connect, ensure_streams
-from laswrr.services.scheduler_service import (
-    SchedulerOptions,
-    SchedulerService,
-    as_of_seq_of,
-    config_changes,
-    envelope_of,
-    parse_ack_subject,
-    tick_number,
-)
+from laswrr.services.jsreader import envelope_of, parse_ack_subject
+from laswrr.services.output_writer import as_of_seq_of
+from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService, config_changes, tick_number
 from laswrr.scheduler.config import SchedulerConfig
 
 # -- the ack subject (pure) -------------------------------------------------------------------------

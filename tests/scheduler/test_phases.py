@@ -402,7 +402,7 @@ def test_failed_probes_eject_and_a_passing_probe_recovers() -> None:
     assert phase_changes(feed.probe("n1", True)) == [("n1", "ejected", "recovering", "health probe passed")]
 
 
-# -- phantom in-flight (design §8) --------------------------------------------------------
+# -- phantom in-flight (docs/algorithm.md §4) --------------------------------------------------------
 
 
 def test_a_silent_proxy_has_its_requests_expired_after_the_timeout() -> None:

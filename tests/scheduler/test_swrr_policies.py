@@ -1,6 +1,6 @@
 """SWRR and the pick policies: exact sequences, the Σcw = 0 invariant, shares, seeds.
 
-Oracles from reference/semantics.md §1.6 and §6.7: static integer weights give the nginx
+Oracles (docs/algorithm.md §5): static integer weights give the nginx
 sequence with period W = Σw and exact counts per period; Σ current weights is 0 after every
 pick, whatever changes between picks; no node is ever a full pick ahead of its share.
 """
@@ -87,7 +87,7 @@ def test_period_is_sum_of_weights_with_exact_counts(weights: list[int]) -> None:
         counts[swrr.pick()] += 1
         assert sum(swrr.current.values()) == 0
         for name, weight in zip(names, weights):
-            # §1.6 property 3: count_i(t) - t·w_i/W < 1 (never a full pick ahead of the share)
+            # nginx SWRR property: count_i(t) - t·w_i/W < 1 (never a full pick ahead of the share)
             assert counts[name] * total - t * weight < total
     assert counts == Counter(dict(zip(names, weights)))
     assert set(swrr.current.values()) == {0}
@@ -145,7 +145,7 @@ def test_removed_node_credit_is_spread_and_new_node_starts_at_zero() -> None:
 
 
 def test_node_going_to_weight_zero_is_recentred_and_returns_without_a_burst() -> None:
-    # §8 "go beyond" 5: an ineligible node must not keep credit and burst on its return.
+    # re-centring (docs/algorithm.md §5): an ineligible node must not keep credit and burst on its return.
     swrr = _swrr(("a", 1), ("b", 1), ("c", 1))
     swrr.set_weights([("a", 1), ("b", 1), ("c", 0)])
     for _ in range(50):

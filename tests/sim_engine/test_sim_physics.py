@@ -32,7 +32,7 @@ def test_light_load_anchors_910b() -> None:
     req = sim.submit(512, 20, 0.0)
     events = run_until_idle(sim)
     assert req.first_token_at is not None and req.finished_at is not None
-    assert 0.3 <= req.first_token_at <= 0.4  # ascend.md 6.3: TTFT 0.3-0.4 s light
+    assert 0.3 <= req.first_token_at <= 0.4  # docs/ascend.md §3: TTFT ~0.3 s light
     tpot = (req.finished_at - req.first_token_at) / (req.output_tokens - 1)
     assert 0.030 <= tpot <= 0.040  # TPOT 30-40 ms light
     assert [e.index for e in events] == list(range(20))
