@@ -6,9 +6,14 @@ child also gets SIGTERM if the parent itself dies (Linux ``PR_SET_PDEATHSIG``). 
 to ``<log_dir>/<name>.log`` and so does its stdout, through a pump (a full pipe would block the
 child); a child that prints ``... listening on URL`` can be waited for, and the URL is recorded.
 A child that exits on its own (not during ``stop``, not marked ``expected_exit``) is reported by
-``wait_unexpected_exit``. ``stop(order)`` takes the roles in ``order``, all children of one role
-at once: SIGTERM, up to the role's stop timeout, then SIGKILL. Only these processes are
-signalled, by pid.
+``wait_unexpected_exit``, unless a ``RestartPolicy`` is given: then it is restarted, the same
+command with the same arguments (a ``--port 0`` pinned to the port it had, so its URL stays
+valid), after a backoff that doubles from ``first_backoff_s`` up to ``max_backoff_s``, each
+death logged with its exit status. A child that dies more than ``max_restarts`` times within
+``window_s`` is not restarted again: it is reported by ``wait_unexpected_exit`` (``laswrr up``
+then stops the rest and exits 1). ``stop(order)`` ends any pending restart first, then takes the
+roles in ``order``, all children of one role at once: SIGTERM, up to the role's stop timeout,
+then SIGKILL. Only these processes are signalled, by pid.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +69,19 @@ def interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a dead child is started again (module header)."""
+
+    first_backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+    max_restarts: int = 5  # deaths within window_s beyond this: the child keeps dying, give up
+    window_s: float = 60.0
+
+    def backoff_s(self, recent_deaths: int) -> float:
+        return min(self.max_backoff_s, self.first_backoff_s * 2 ** max(0, recent_deaths - 1))
+
+
 @dataclass
 class Child:
     name: str
@@ -74,6 +92,10 @@ class Child:
     expected_exit: bool = False
     watcher: asyncio.Task[None] | None = None
     pump: asyncio.Task[None] | None = None
+    argv: tuple[str, ...] = ()  # the laswrr command and its arguments, to restart it
+    wait_listening: bool = False
+    deaths: list[float] = field(default_factory=list)  # monotonic times of unexpected exits
+    restarts: int = 0
 
     @property
     def pid(self) -> int:
@@ -89,37 +111,48 @@ class ChildProcesses:
     """Every child started through ``spawn``, in start order (module header)."""
 
     def __init__(self, log_dir: Path, python: str = sys.executable,
-                 stop_timeout_s: Mapping[str, float] | None = None) -> None:
+                 stop_timeout_s: Mapping[str, float] | None = None, restart: RestartPolicy | None = None) -> None:
         self.log_dir, self.python = log_dir, python
         self.stop_timeout_s = dict(stop_timeout_s or {})  # per role; others DEFAULT_STOP_TIMEOUT_S
+        self.restart = restart
         self.children: list[Child] = []
         self._failures: asyncio.Queue[Child] = asyncio.Queue()
         self._stopping = False
+        self._stop_requested = asyncio.Event()
+        self._restarting: set[asyncio.Task[None]] = set()
 
     async def spawn(self, name: str, command: str, *args: str, role: str = "other",
                     wait_listening: bool = False) -> Child:
         """Start ``python -m laswrr COMMAND ARGS`` as a child; with ``wait_listening``, wait
         for its ``... listening on URL`` stdout line and record the URL."""
+        process, log_path = await self._exec(name, (command, *args))
+        child = Child(name=name, role=role, process=process, log_path=log_path, argv=(command, *args),
+                      wait_listening=wait_listening)
+        self.children.append(child)
+        await self._started(child)
+        return child
+
+    async def _exec(self, name: str, argv: Sequence[str]) -> tuple[asyncio.subprocess.Process, Path]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         log_file = open(log_path, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         try:
             process = await asyncio.create_subprocess_exec(
-                self.python, "-m", "laswrr", command, *args, stdin=asyncio.subprocess.DEVNULL,
+                self.python, "-m", "laswrr", *argv, stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=log_file, env=env, start_new_session=True,
                 preexec_fn=preexec(),
             )
         finally:
             log_file.close()
-        child = Child(name=name, role=role, process=process, log_path=log_path)
-        self.children.append(child)
-        if wait_listening:
+        return process, log_path
+
+    async def _started(self, child: Child) -> None:
+        if child.wait_listening:
             child.url = await self._read_url(child)
         child.pump = asyncio.create_task(self._pump(child))
         child.watcher = asyncio.create_task(self._watch(child))
-        log.info("started %s (pid %d)%s", name, process.pid, f" at {child.url}" if child.url else "")
-        return child
+        log.info("started %s (pid %d)%s", child.name, child.pid, f" at {child.url}" if child.url else "")
 
     async def _read_url(self, child: Child) -> str:
         assert child.process.stdout is not None
@@ -149,17 +182,58 @@ class ChildProcesses:
 
     async def _watch(self, child: Child) -> None:
         code = await child.process.wait()
-        if not child.expected_exit and not self._stopping:
+        if child.expected_exit or self._stopping:
+            return
+        policy = self.restart
+        if policy is None:
             log.error("%s (pid %d) exited unexpectedly with %s", child.name, child.pid, code)
             self._failures.put_nowait(child)
+            return
+        now = time.monotonic()
+        child.deaths = [t for t in child.deaths if now - t <= policy.window_s] + [now]
+        if len(child.deaths) > policy.max_restarts:
+            log.error("%s (pid %d) exited with %s: %d deaths within %g s, not restarting it again", child.name,
+                      child.pid, code, len(child.deaths), policy.window_s)
+            self._failures.put_nowait(child)
+            return
+        backoff = policy.backoff_s(len(child.deaths))
+        log.error("%s (pid %d) exited unexpectedly with %s; restarting it in %g s (death %d of %d allowed "
+                  "within %g s)", child.name, child.pid, code, backoff, len(child.deaths), policy.max_restarts,
+                  policy.window_s)
+        task = asyncio.create_task(self._restart(child, backoff))
+        self._restarting.add(task)
+        task.add_done_callback(self._restarting.discard)
+
+    async def _restart(self, child: Child, backoff_s: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stop_requested.wait(), backoff_s)
+        if self._stopping:
+            return
+        if child.pump is not None:
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(child.pump, 2.0)
+        argv = pinned_port(child.argv, child.url)
+        try:
+            child.process, child.log_path = await self._exec(child.name, argv)
+            child.restarts += 1
+            await self._started(child)
+        except (OSError, StackError) as exc:  # could not come up: counts as one more death
+            log.error("restarting %s failed: %s", child.name, exc)
+            if child.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.kill()
+            child.watcher = asyncio.create_task(self._watch(child))
 
     async def wait_unexpected_exit(self) -> Child:
         """The first child that exits while the group runs (not during ``stop``)."""
         return await self._failures.get()
 
     async def stop(self, order: Sequence[str]) -> None:
-        """Stop the children role by role in ``order`` (idempotent)."""
+        """Stop the children role by role in ``order`` (idempotent); pending restarts end first."""
         self._stopping = True
+        self._stop_requested.set()
+        if self._restarting:
+            await asyncio.gather(*self._restarting, return_exceptions=True)
         for role in order:
             group = [c for c in self.children if c.role == role]
             await asyncio.gather(*(self._stop_child(c) for c in group))
@@ -184,6 +258,16 @@ class ChildProcesses:
                     await asyncio.wait_for(task, 2.0)
         if process.returncode not in (0, -signal.SIGTERM):
             log.warning("%s exited with %s (log %s)", child.name, process.returncode, child.log_path)
+
+
+def pinned_port(argv: Sequence[str], url: str | None) -> tuple[str, ...]:
+    """``argv`` with ``--port 0`` replaced by the port of ``url`` (the one the child had)."""
+    args = list(argv)
+    port = url.rsplit(":", 1)[-1].split("/", 1)[0] if url else ""
+    for i, arg in enumerate(args[:-1]):
+        if arg == "--port" and args[i + 1] == "0" and port.isdigit():
+            args[i + 1] = port
+    return tuple(args)
 
 
 def _append(path: Path, line: bytes) -> None:

@@ -12,8 +12,17 @@ one 910C, two 910B, one 910, all in pool ``default`` serving one model id, ``SIM
 registration of every node by publishing ``lb.admin.node.<id>`` (plain JSON, as ``nats pub``
 would), waiting until LB_WEIGHTS shows them -> collector -> proxy.
 Stop order: proxies (they finish in-flight requests), collector, engines, scheduler, recorder
-last (so everything published is recorded), then NATS. A child that exits while the stack is
-running is reported; ``laswrr up`` then stops the rest and exits 1.
+last (so everything published is recorded), then NATS.
+
+Supervision (``laswrr up``; a library ``Stack`` given ``restart=RestartPolicy()``): a child that
+dies on its own (scheduler, recorder, collector, proxy, a simulated engine) is restarted with
+the same arguments after a backoff of 0.5 s doubling to at most 10 s, each death logged with its
+exit status; meanwhile the proxies keep routing on the last snapshot in LB_WEIGHTS, the
+restarted scheduler resumes from its checkpoint and the recorder from its database. The rule
+for giving up: a child that dies more than ``--max-restarts`` times (default 5) within 60 s
+keeps dying; ``laswrr up`` then stops the rest in order and exits 1. Otherwise it exits only on
+SIGINT or SIGTERM (exit 0). ``--max-restarts 0``: the first death stops the stack. The embedded
+nats-server is not restarted (every service reconnects to it on its own).
 
 Library API (for benchmarks and the demo)::
 
@@ -59,7 +68,7 @@ from laswrr.collectors.nodes import Node, NodesConfigError
 from laswrr.schemas import subjects as sj
 from laswrr.services import settings
 from laswrr.services.dashboard.app import DEFAULT_PORT as DASHBOARD_PORT
-from laswrr.services.children import Child, ChildProcesses, StackError
+from laswrr.services.children import Child, ChildProcesses, RestartPolicy, StackError
 from laswrr.services.natsbus import EmbeddedNats, connect, ensure_streams, redact_url
 
 log = logging.getLogger("laswrr.up")
@@ -135,7 +144,8 @@ class Stack:
     def __init__(self, data_dir: str | os.PathLike[str] = settings.DEFAULT_DATA_DIR, *, nats_url: str | None = None,
                  proxy_port: int = settings.DEFAULT_PROXY_PORT, proxy_host: str = DEFAULT_PROXY_HOST,
                  config: str | None = None, tick_ms: int = settings.DEFAULT_TICK_MS,
-                 scheduler_args: Sequence[str] = (), python: str = sys.executable) -> None:
+                 scheduler_args: Sequence[str] = (), python: str = sys.executable,
+                 restart: RestartPolicy | None = None) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.log_dir = self.data_dir / "logs"
         self.proxy_port = proxy_port
@@ -144,7 +154,7 @@ class Stack:
         self.tick_ms = tick_ms
         self.scheduler_args = tuple(scheduler_args)
         self.python = python
-        self.processes = ChildProcesses(self.log_dir, python, STOP_TIMEOUT_S)
+        self.processes = ChildProcesses(self.log_dir, python, STOP_TIMEOUT_S, restart=restart)
         self.nodes: list[Node] = []
         self.nodes_file: Path | None = None
         self.proxy_url: str | None = None
@@ -374,8 +384,9 @@ def banner(stack: Stack, out: IO[str]) -> None:
 
 async def run_up(args: argparse.Namespace) -> int:
     stop = settings.stop_event()
+    restart = RestartPolicy(max_restarts=args.max_restarts) if args.max_restarts > 0 else None
     stack = Stack(args.data_dir, nats_url=args.nats_url, proxy_port=args.proxy_port, proxy_host=args.proxy_host,
-                  config=args.config, tick_ms=args.tick_ms)
+                  config=args.config, tick_ms=args.tick_ms, restart=restart)
     try:
         return await _run_stack(stack, args, stop)
     finally:  # whatever happened (even a closed stdout), nothing is left running
@@ -409,7 +420,8 @@ async def _run_stack(stack: Stack, args: argparse.Namespace, stop: asyncio.Event
     stopped.cancel()
     if failed.done():
         child = failed.result()
-        _say(f"laswrr up: {child.name} (pid {child.pid}) exited unexpectedly with {child.process.returncode}; "
+        again = f" after {child.restarts} restart(s)" if child.restarts else ""
+        _say(f"laswrr up: {child.name} (pid {child.pid}) exited unexpectedly with {child.process.returncode}{again}; "
              f"stopping the rest. Last lines of {child.log_path}:\n{child.tail()}", sys.stderr)
         await stack.stop()
         return 1
@@ -443,6 +455,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--config", metavar="FILE.toml", default=None, help="scheduler configuration file")
     parser.add_argument("--tick-ms", type=settings.duration("ms"), default=settings.DEFAULT_TICK_MS, help="scheduler tick period")
     parser.add_argument("--sim-speed", type=float, default=1.0, help="speed factor of the simulated engines")
+    parser.add_argument("--max-restarts", type=int, default=RestartPolicy().max_restarts, metavar="N",
+                        help=f"restart a child that dies, unless it died more than N times within "
+                             f"{RestartPolicy().window_s:g} s: then stop everything and exit 1 (default "
+                             f"{RestartPolicy().max_restarts}; 0: the first death stops the stack)")
     settings.add_logging(parser)
     parser.set_defaults(func=run_command)
 

@@ -9,7 +9,6 @@ import re
 import signal
 import sys
 import tomllib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
@@ -20,6 +19,7 @@ from laswrr.collectors.npu import ChipSelector
 from laswrr.schemas import subjects as sj
 from laswrr.services.up import (Stack, StackError, load_nodes, parse_nodes, render_nodes,
                          sim_npu_smi_command)
+from tests.up_process import finish, no_leftover_stack, start_up
 
 NODES = """
 [[node]]
@@ -61,51 +61,7 @@ def test_bad_nodes_files_are_one_line_errors(text: str, message: str) -> None:
 # -- laswrr up --------------------------------------------------------------------------------------
 
 
-STARTED: list[asyncio.subprocess.Process] = []
-
-
-@pytest.fixture(autouse=True)
-async def no_leftover_stack() -> AsyncIterator[None]:
-    """If a test fails half-way, stop its `laswrr up` (which stops everything it started)."""
-    yield
-    while STARTED:
-        proc = STARTED.pop()
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                await asyncio.wait_for(proc.wait(), 60)
-            except asyncio.TimeoutError:
-                proc.kill()
-                await proc.wait()
-
-
-async def start_up(*args: str) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
-    """Run `laswrr up ARGS`; returns the process and the banner's "name: value" lines once printed."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "laswrr", "up", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
-    STARTED.append(proc)
-    assert proc.stdout is not None
-    banner: dict[str, str] = {}
-    while "Ctrl-C" not in banner.get("last", ""):
-        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-        if not line:
-            err = await proc.stderr.read() if proc.stderr else b""
-            raise AssertionError(f"laswrr up exited early: {err.decode()[-2000:]}")
-        banner["last"] = line
-        key, _, value = line.strip().partition(": ")
-        if value:
-            banner[key] = value.strip()
-        match = re.match(r"\s+(\w[\w-]*)\s+(\S+)\s+pid (\d+)", line)
-        if match:
-            banner[f"pid {match.group(2)}"] = match.group(3)
-    return proc, banner
-
-
-async def finish(proc: asyncio.subprocess.Process) -> tuple[int, str, str]:
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode is not None
-    return proc.returncode, (out or b"").decode(), (err or b"").decode()
+no_leftover_stack = pytest.fixture(autouse=True)(no_leftover_stack)
 
 
 async def test_up_runs_the_stack_and_stops_cleanly_on_sigint(tmp_path: Path) -> None:
@@ -130,7 +86,8 @@ async def test_up_runs_the_stack_and_stops_cleanly_on_sigint(tmp_path: Path) -> 
 async def test_up_exits_non_zero_when_a_child_dies(tmp_path: Path, nats_url: str) -> None:
     (tmp_path / "nodes.toml").write_text(NODES)
     proc, banner = await start_up("--nodes", str(tmp_path / "nodes.toml"), "--data-dir", str(tmp_path / "data"),
-                                  "--proxy-port", "0", "--dashboard-port", "0", "--nats-url", nats_url)
+                                  "--proxy-port", "0", "--dashboard-port", "0", "--nats-url", nats_url,
+                                  "--max-restarts", "0")
     assert banner["NATS URL"].startswith(f"{nats_url}  (external")
     os.kill(int(banner["pid scheduler"]), signal.SIGKILL)
     code, _, err = await finish(proc)

@@ -1,0 +1,131 @@
+"""Test helper: `laswrr up` as a real child process, its banner, and a load of real clients.
+
+``start_up(*args)`` runs ``python -m laswrr up ARGS`` in its own session and returns the
+process and the banner's ``name: value`` lines (``banner["pid scheduler"]`` and so on) once it
+is printed; ``up_stderr`` keeps reading its stderr afterwards (a full pipe would block it).
+``no_leftover_stack`` (use it as an autouse fixture) stops every `laswrr up` a failed test left
+behind, by its own pid. ``Load`` runs ``workers`` clients that post chat completions to a proxy
+until stopped, counting what was served and what failed (with the first reasons).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+
+STARTED: list[asyncio.subprocess.Process] = []
+
+
+async def no_leftover_stack() -> AsyncIterator[None]:
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                await asyncio.wait_for(proc.wait(), 60)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+async def start_up(*args: str) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
+    """Run `laswrr up ARGS`; returns the process and the banner's "name: value" lines once printed."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "laswrr", "up", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
+    STARTED.append(proc)
+    assert proc.stdout is not None
+    banner: dict[str, str] = {}
+    while "Ctrl-C" not in banner.get("last", ""):
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        if not line:
+            err = await proc.stderr.read() if proc.stderr else b""
+            raise AssertionError(f"laswrr up exited early: {err.decode()[-2000:]}")
+        banner["last"] = line
+        key, _, value = line.strip().partition(": ")
+        if value:
+            banner[key] = value.strip()
+        match = re.match(r"\s+(\w[\w-]*)\s+(\S+)\s+pid (\d+)", line)
+        if match:
+            banner[f"pid {match.group(2)}"] = match.group(3)
+    return proc, banner
+
+
+async def finish(proc: asyncio.subprocess.Process) -> tuple[int, str, str]:
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, (out or b"").decode(), (err or b"").decode()
+
+
+class UpStderr:
+    """Every stderr line of a running `laswrr up`, read in the background."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.lines: list[str] = []
+        self._task = asyncio.create_task(self._read(proc))
+
+    async def _read(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stderr is not None
+        while line := await proc.stderr.readline():
+            self.lines.append(line.decode(errors="replace"))
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    async def wait_for(self, pattern: str, count: int = 1, timeout_s: float = 30.0) -> re.Match[str]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            matches = list(re.finditer(pattern, self.text()))
+            if len(matches) >= count:
+                return matches[count - 1]
+            assert time.monotonic() < deadline, f"no {pattern!r} (x{count}) in laswrr up's stderr:\n{self.text()[-3000:]}"
+            await asyncio.sleep(0.05)
+
+
+@dataclass
+class Load:
+    """``workers`` clients posting chat completions to ``url`` until ``stop()``."""
+
+    url: str
+    model: str = "default"
+    workers: int = 8
+    served: int = 0
+    failed: int = 0
+    reasons: list[str] = field(default_factory=list)
+    failed_at: list[float] = field(default_factory=list)
+
+    def start(self) -> None:
+        self._running = True
+        self._tasks = [asyncio.create_task(self._worker()) for _ in range(self.workers)]
+
+    async def stop(self) -> None:
+        self._running = False
+        await asyncio.gather(*self._tasks)
+
+    async def _worker(self) -> None:
+        body = {"model": self.model, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            while self._running:
+                try:
+                    async with http.post(f"{self.url}/v1/chat/completions", json=body) as response:
+                        await response.read()
+                        ok = response.status == 200
+                        reason = f"HTTP {response.status}"
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    ok, reason = False, f"{type(exc).__name__}: {exc}"
+                if ok:
+                    self.served += 1
+                else:
+                    self.failed += 1
+                    self.failed_at.append(time.monotonic())
+                    if len(self.reasons) < 5:
+                        self.reasons.append(reason)
+                    await asyncio.sleep(0.05)
