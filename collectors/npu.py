@@ -8,7 +8,9 @@ Theory of operation
   (``ChipSelector``): explicit ``(npu_id, chip_id)`` pairs, whole NPU ids, or (no selector)
   every chip the command printed.
 * ``run_npu_smi`` runs the command with ``asyncio.create_subprocess_exec`` (argv from
-  ``shlex.split``, never a shell), bounded by a timeout (the child is killed on expiry).
+  ``shlex.split``, never a shell) in a session of its own, bounded by a timeout: on expiry the
+  whole session is killed (a wrapper such as ``ssh host npu-smi`` or a script, and whatever it
+  started, not only the direct child).
   Every failure (not found, not executable, timeout, non-zero exit, garbage output) raises
   ``NpuSmiError`` with a one-line reason and a short ``kind`` the caller counts; the parse
   itself is ``collectors.npu_smi.parse_info`` (pure).
@@ -19,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shlex
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -82,6 +86,8 @@ async def _communicate(proc: asyncio.subprocess.Process, timeout_s: float) -> tu
     try:
         return await asyncio.wait_for(proc.communicate(), timeout_s)
     except (asyncio.TimeoutError, asyncio.CancelledError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: a wrapper's children die too
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         await proc.wait()
@@ -93,7 +99,7 @@ async def run_npu_smi(argv: Sequence[str], timeout_s: float) -> list[NpuChip]:
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE)
+            stderr=asyncio.subprocess.PIPE, start_new_session=True)
     except OSError as exc:
         raise NpuSmiError("not_runnable", f"cannot run {argv[0]!r}: {exc.strerror or exc}") from None
     try:

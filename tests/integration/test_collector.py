@@ -311,6 +311,29 @@ async def test_npu_smi_failures_are_typed(command: list[str], kind: str) -> None
         assert str(caught.value) == "exit status 3: dcmi error -8005"
 
 
+async def test_a_hanging_npu_smi_wrapper_is_killed_with_what_it_started(tmp_path: Path) -> None:
+    """npu-smi behind a wrapper (a shell script, ``ssh host npu-smi``) that hangs: after the
+    timeout the wrapper and its child are both gone, and the run is reported as a timeout."""
+    pid_file = tmp_path / "child.pid"
+    command = ["sh", "-c", f"sleep 30 & echo $! > {pid_file}; wait"]
+    started = time.monotonic()
+    with pytest.raises(NpuSmiError) as caught:
+        await run_npu_smi(command, timeout_s=0.5)
+    assert caught.value.kind == "timeout" and time.monotonic() - started < 3.0
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 2.0
+    while Path(f"/proc/{child}").exists() and "Z" not in _proc_state(child):
+        assert time.monotonic() < deadline, "the wrapper's child outlived the timeout"
+        await asyncio.sleep(0.02)
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
 async def test_failing_npu_smi_is_counted_and_engine_samples_continue(
         nc: Client, engines: Callable[..., Awaitable[RunningServer]]) -> None:
     engine = await engines(speed=20.0)
