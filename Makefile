@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench venv clean
+.PHONY: test test-faults demo bench venv clean
 
 venv: $(STAMP)
 
@@ -16,6 +16,11 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The fault suite alone (also part of `make test`): real processes killed by their own pid,
+# poison pills, decoder fuzzing. Each fault prints a "FAULT ..." line of figures.
+test-faults: $(STAMP)
+	$(PY) -m pytest -q -s tests/faults tests/integration/test_poison_pill.py tests/replay/test_byte_faithful.py
 
 # Speed goals live here, not in timed tests. Each prints its figures; results land in bench-out/.
 bench: $(STAMP)
