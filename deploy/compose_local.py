@@ -42,6 +42,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deploy.compose_plan import ComposeError, Health, ProcessPlan, Runtime, load_compose, plan  # noqa: E402
+from laswrr.services.children import preexec  # noqa: E402
 from laswrr.services.natsbus import free_port, nats_server_binary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,8 +151,9 @@ class LocalStack:
         while not self._ready():
             if time.monotonic() > deadline:
                 waiting = [n for n, i in self.instances.items() if not self._satisfies(i, "service_healthy")]
-                raise StackError(f"not up within {timeout_s:g} s; waiting for {', '.join(waiting)}"
-                                 + self._tails(waiting))
+                message = f"not up within {timeout_s:g} s; waiting for {', '.join(waiting)}" + self._tails(waiting)
+                self.down()  # nothing started is left behind
+                raise StackError(message)
             self._step()
             time.sleep(0.05)
 
@@ -201,7 +203,7 @@ class LocalStack:
         instance.log.flush()
         instance.process = subprocess.Popen(instance.plan.argv, env=instance.env, cwd=self.workdir,
                                             stdin=subprocess.DEVNULL, stdout=instance.log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=preexec())
 
     def _tails(self, names: Iterable[str]) -> str:
         parts = []

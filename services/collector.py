@@ -122,8 +122,8 @@ async def serve(nats_url: str, nodes: list[Node], settings: Settings,
     finally:
         if runner is not None:
             await runner.cleanup()
-        with contextlib.suppress(Exception):
-            await nc.drain()
+        with contextlib.suppress(Exception):  # bounded: a drain with NATS gone would wait for ever
+            await asyncio.wait_for(nc.drain(), 10)
         log.info("collector stopped: %s", collector.stats.summary())
     return collector.stats
 

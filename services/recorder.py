@@ -438,7 +438,7 @@ async def serve(nats_url: str, options: RecorderOptions, metrics_port: int | Non
     finally:
         if runner is not None:
             await runner.cleanup()
-        with contextlib.suppress(Exception):
-            await nc.drain()
+        with contextlib.suppress(Exception):  # bounded: a drain with NATS gone would wait for ever
+            await asyncio.wait_for(nc.drain(), 10)
     log.debug("ran %.1f s", time.monotonic() - started)
     return 0
