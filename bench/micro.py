@@ -67,7 +67,7 @@ def bench_pick(rounds: int) -> list[tuple[str, float, float]]:
 def bench_affinity_pick(rounds: int) -> tuple[float, float]:
     """(median µs per admission+release with a 2 KB prompt, the same without a prompt)."""
     from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
-    from laswrr.services.proxy.prompt import prompt_text, request_tokens
+    from laswrr.services.proxy.prompt import prompt_text, request_size
     from laswrr.services.proxy.routing import Router
 
     load = LoadView(queue=0, running=0, kv=0, npu=0, latency=0, load=0, sample_age_ms=None, stale=False)
@@ -90,7 +90,7 @@ def bench_affinity_pick(rounds: int) -> tuple[float, float]:
             state["i"] += 1
             if with_prompt:
                 text = prompt_text(chat, None)
-                admission = router.admit("default", prompt=text, tokens=request_tokens(text, 128, None))
+                admission = router.admit("default", prompt=text, size=request_size(text, 128, None))
             else:
                 admission = router.admit("default")
             assert admission is not None

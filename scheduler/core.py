@@ -53,6 +53,14 @@ RETIRED_BOOTS = 4  # boot ids remembered per proxy id, so a late event of a repl
 HEALTH_ORDER = {"OK": 0, "Warning": 1, "Alarm": 2, "Critical": 3, "UNKNOWN": 4}
 
 
+def _end_request(node: NodeState, request: OpenRequest) -> None:
+    """One of the node's requests is no longer in flight (finished, or voided with its proxy)."""
+    node.inflight -= 1
+    if request.tokens is not None:
+        node.sized_inflight -= 1
+        node.inflight_tokens -= request.tokens
+
+
 class Rejection(ValueError):
     """An input that is well-formed but cannot be applied to the current state."""
 
@@ -380,9 +388,14 @@ class Scheduler:
         if event.request_id in self.state.open_requests:
             raise Rejection(f"duplicate request_id {event.request_id!r}: already in flight")
         self._proxy_epoch(event.proxy, event.boot_id)
-        self.state.open_requests[event.request_id] = OpenRequest(node=key, proxy=event.proxy, boot=event.boot_id)
+        tokens = None if event.prompt_tokens is None else event.prompt_tokens + (event.max_tokens or 0)
+        self.state.open_requests[event.request_id] = OpenRequest(node=key, proxy=event.proxy, boot=event.boot_id,
+                                                                 tokens=tokens)
         self.state.proxies[event.proxy] = self.state.now_ns
         node.inflight += 1
+        if tokens is not None:
+            node.sized_inflight += 1
+            node.inflight_tokens += tokens
 
     def _on_finished(self, key: str, event: events.RequestFinished) -> None:
         if event.request_id not in self.state.open_requests:
@@ -395,7 +408,7 @@ class Scheduler:
         node = self.state.nodes.get(request.node)
         if node is None:
             return
-        node.inflight -= 1
+        _end_request(node, request)
         if event.ttft_ms is not None and event.outcome == RequestOutcome.COMPLETED:
             reweigh.observe_latency(node, event.ttft_ms, self.config)
         if event.outcome in (RequestOutcome.UPSTREAM_ERROR, RequestOutcome.CONTINUED):  # continued: broke mid-stream
@@ -465,9 +478,10 @@ class Scheduler:
     def _void(self, request_ids: list[str]) -> None:
         open_requests = self.state.open_requests
         for request_id in request_ids:
-            node = self.state.nodes.get(open_requests.pop(request_id).node)
+            request = open_requests.pop(request_id)
+            node = self.state.nodes.get(request.node)
             if node is not None:
-                node.inflight -= 1
+                _end_request(node, request)
                 self._touched.add(node.pool)
                 self._check_drained(node)
 

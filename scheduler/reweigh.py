@@ -80,15 +80,31 @@ def health_factor(node: NodeState, config: SchedulerConfig) -> float:
     return config.warning_health if node.npu_health == "Warning" else 0.0
 
 
+def token_mean(members: list[NodeState]) -> float | None:
+    """Mean tokens (prompt + max_tokens) of the pool's sized requests in flight; None without any."""
+    sized = sum(n.sized_inflight for n in members)
+    return sum(n.inflight_tokens for n in members) / sized if sized else None
+
+
+def occupancy(node: NodeState, mean_tokens: float | None) -> float:
+    """The node's requests in flight, each sized one counted as its tokens over the pool's mean:
+    one 100k-token prompt beside 100-token ones weighs what it holds, not one request. Without
+    sized requests (old logs, proxies that send no estimate) it is exactly the in-flight count."""
+    if not node.sized_inflight or not mean_tokens:
+        return node.inflight
+    return node.inflight - node.sized_inflight + node.inflight_tokens / mean_tokens
+
+
 def node_signals(node: NodeState, latency: float, slots: float | None, now_ns: int,
-                 config: SchedulerConfig) -> Signals:
-    """The node's signals at ``now_ns``: occupancy against its believed slots (or its capacity),
-    engine and NPU samples aged by their own sample times."""
+                 config: SchedulerConfig, mean_tokens: float | None = None) -> Signals:
+    """The node's signals at ``now_ns``: occupancy (``occupancy``) against its believed slots (or
+    its capacity), engine and NPU samples aged by their own sample times."""
     age = None if node.engine_ns is None else now_ns - node.engine_ns
     stale = weights.staleness(age, config)
     sampled = None if node.running is None else node.running + (node.waiting or 0)
     capacity = node.capacity if slots is None else max(1, round(slots))
-    queue, running = weights.occupancy_signals(capacity, sampled, stale, node.inflight, config.unknown_load,
+    queue, running = weights.occupancy_signals(capacity, sampled, stale, occupancy(node, mean_tokens),
+                                               config.unknown_load,
                                                node.waiting or 0)
     npu_stale = weights.staleness(None if node.npu_ns is None else now_ns - node.npu_ns, config)
     return Signals(
@@ -120,6 +136,7 @@ def reweigh_pool(members: list[NodeState], now_ns: int, config: SchedulerConfig,
     panic = in_panic(members, config)
     latencies = [n.ttft_ewma for n in members if n.ttft_ewma is not None and n.phase in ROUTABLE]
     best = min(latencies) if latencies else None
+    mean_tokens = token_mean(members)
     routed: list[tuple[NodeState, float, float]] = []  # (node, believed slots, load)
     for node in members:
         latency = weights.latency_signal(node.ttft_ewma, best)
@@ -129,7 +146,7 @@ def reweigh_pool(members: list[NodeState], now_ns: int, config: SchedulerConfig,
         elif latency > config.slots_hold_latency:
             node.slots_seen_ns = now_ns  # still slow: the evidence holds
             slots = float(node.slots_seen or 0)
-        signals = node_signals(node, latency, slots, now_ns, config)
+        signals = node_signals(node, latency, slots, now_ns, config, mean_tokens)
         node.load = load_view(signals, config, slots)
         node.health = health_factor(node, config)
         if not routable(node, panic):

@@ -50,12 +50,15 @@ class NodeState(msgspec.Struct, kw_only=True):
     queue_evidence: int = 0  # engine samples in a row with a queue and fewer running than capacity
     slots_seen: int | None = None  # the running count of the last such evidence (weights.believed_slots)
     slots_seen_ns: int = 0
+    sized_inflight: int = 0  # in-flight requests whose started event carried a prompt-token estimate
+    inflight_tokens: int = 0  # their prompt + max_tokens, summed (reweigh.token_occupancy)
 
 
 class OpenRequest(msgspec.Struct, frozen=True):
     node: str
     proxy: str
     boot: str | None = None  # the boot id of the proxy process that started it
+    tokens: int | None = None  # prompt + max_tokens when the started event carried them
 
 
 class CoreState(msgspec.Struct, kw_only=True):

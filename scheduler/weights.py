@@ -83,14 +83,14 @@ def blend(value: float | None, stale: float, unknown: float) -> float:
     return (1.0 - stale) * value + stale * unknown
 
 
-def split_occupancy(capacity: int, occupancy: int) -> tuple[float, float]:
+def split_occupancy(capacity: int, occupancy: float) -> tuple[float, float]:
     """(queue, running) of ``occupancy`` requests on ``capacity`` decode slots."""
     running = min(occupancy, capacity)
     waiting = occupancy - running
     return waiting / (waiting + capacity), running / capacity
 
 
-def occupancy_signals(capacity: int, sampled: int | None, stale: float, inflight: int,
+def occupancy_signals(capacity: int, sampled: int | None, stale: float, inflight: float,
                       unknown: float, sampled_waiting: int = 0) -> tuple[float, float]:
     """(queue, running): the engine's sampled occupancy aged toward ``unknown``, but never below
     what the in-flight count (dead reckoning from request events, never stale) already shows.

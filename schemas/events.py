@@ -139,6 +139,8 @@ class RequestStarted(Event, frozen=True, kw_only=True):
     snapshot_seq: int | None = None
     ts_ns: int | None = None
     boot_id: Name | None = None  # the proxy process (ProxyHeartbeat.boot_id)
+    prompt_tokens: NonNegInt | None = None  # the proxy's estimate of the prompt (token-aware load)
+    max_tokens: NonNegInt | None = None  # the output the request may generate (its decode reservation)
 
 
 class RequestFinished(Event, frozen=True, kw_only=True):

@@ -49,7 +49,7 @@ from laswrr.services.proxy.config import ProxyConfig
 from laswrr.services.proxy.events import EventPublisher
 from laswrr.services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from laswrr.services.proxy.models import ModelCatalog
-from laswrr.services.proxy.prompt import prompt_text, request_tokens
+from laswrr.services.proxy.prompt import prompt_text, request_size
 from laswrr.services.proxy.routing import Router
 from laswrr.services.proxy.tasks import stop_task
 from laswrr.services.proxy.upstream import Exchange, Forwarder, error_response, forward_headers
@@ -157,7 +157,7 @@ async def _forward(request: web.Request, state: ProxyState, arrived: float) -> w
         if served is not None and served != pool:
             body = with_model(body, served)
     text = prompt_text(peek.messages, peek.prompt)
-    admission = router.admit(pool, prompt=text, tokens=request_tokens(text, peek.max_tokens, peek.max_completion_tokens))
+    admission = router.admit(pool, prompt=text, size=request_size(text, peek.max_tokens, peek.max_completion_tokens))
     if admission is None:
         state.metrics.rejected.labels(reason="no_routable_node").inc()
         return error_response(503, f"no routable node in pool {pool!r}", "service_unavailable", "no_routable_node",

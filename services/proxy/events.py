@@ -60,6 +60,7 @@ from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import encode
 from laswrr.schemas.words import RequestOutcome
 from laswrr.services.natsbus import publish_acked
+from laswrr.services.proxy.prompt import RequestSize
 
 log = logging.getLogger("laswrr.proxy.events")
 
@@ -117,9 +118,12 @@ class EventPublisher:
 
     # -- producers (synchronous, never block) ------------------------------------------------
 
-    def started(self, request_id: str, node: str, pool: str, snapshot_seq: int) -> None:
+    def started(self, request_id: str, node: str, pool: str, snapshot_seq: int,
+                size: RequestSize | None = None) -> None:
         event = ev.RequestStarted(request_id=request_id, proxy=self.proxy_id, pool=pool,
-                                  snapshot_seq=snapshot_seq, ts_ns=time.time_ns(), boot_id=self.boot_id)
+                                  snapshot_seq=snapshot_seq, ts_ns=time.time_ns(), boot_id=self.boot_id,
+                                  prompt_tokens=None if size is None else size.prompt_tokens,
+                                  max_tokens=None if size is None else size.max_tokens)
         self._put(self._subjects_of(node)[0], encode(event), f"{self.proxy_id}:{request_id}:started")
 
     def finished(self, request_id: str, node: str, pool: str, attempt: Attempt) -> None:

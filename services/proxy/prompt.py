@@ -3,12 +3,14 @@
 The body is decoded once (``app.RequestPeek``); this module turns the decoded ``messages`` (chat)
 or ``prompt`` (completions) into the bytes the prefix index hashes, and estimates the request's
 tokens: the prompt at ~4 characters a token plus ``max_completion_tokens`` / ``max_tokens`` (the
-decode reservation; 0 when absent). Anything of an unexpected shape counts as no prompt (no
+decode reservation; 0 when absent). Both go on ``lb.req.started`` (``prompt_tokens``,
+``max_tokens``), so the scheduler weighs tokens in flight too. Anything of an unexpected shape counts as no prompt (no
 affinity, the plain LA-SWRR pick): the proxy never rejects a request the engine would take.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 CHARS_PER_TOKEN = 4
@@ -37,8 +39,22 @@ def prompt_text(messages: Any, prompt: Any) -> bytes:
     return b""
 
 
-def request_tokens(text: bytes, max_tokens: Any, max_completion_tokens: Any) -> int:
-    """Prompt estimate plus the output reservation, for the tokens-in-flight guard."""
+@dataclass(frozen=True, slots=True)
+class RequestSize:
+    """A request's size as the proxy sees it: the prompt estimate and the output limit."""
+
+    prompt_tokens: int
+    max_tokens: int | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Prompt plus the output reservation, for the tokens-in-flight guard."""
+        return self.prompt_tokens + (self.max_tokens or 0)
+
+
+def request_size(text: bytes, max_tokens: Any, max_completion_tokens: Any) -> RequestSize:
+    """``text``'s estimate (4 characters a token) and the body's ``max_completion_tokens`` or
+    ``max_tokens`` (None when absent or not a positive integer)."""
     limit = max_completion_tokens if max_completion_tokens is not None else max_tokens
-    reserve = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
-    return len(text) // CHARS_PER_TOKEN + reserve
+    valid = isinstance(limit, int) and not isinstance(limit, bool) and limit > 0
+    return RequestSize(len(text) // CHARS_PER_TOKEN, limit if valid else None)

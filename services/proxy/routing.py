@@ -45,6 +45,7 @@ from laswrr.scheduler.policies import Candidate, Policy, canonical_policy, make_
 from laswrr.scheduler.policies.affinity import BLOCKS_PER_NODE, Affinity, PrefixIndex
 from laswrr.scheduler.policies.la_swrr import LaSwrr
 from laswrr.schemas.outputs import NodeView, WeightSnapshot
+from laswrr.services.proxy.prompt import RequestSize
 
 DEFAULT_POOL = "default"
 
@@ -57,7 +58,11 @@ class Admission:
     node: str
     url: str
     snapshot_seq: int
-    tokens: int = 0  # counted in the node's tokens in flight until release
+    size: RequestSize | None = None  # counted in the node's tokens in flight until release
+
+    @property
+    def tokens(self) -> int:
+        return 0 if self.size is None else self.size.tokens
 
 
 @dataclass(slots=True)
@@ -134,8 +139,9 @@ class Router:
 
     # -- admission ----------------------------------------------------------------------------
 
-    def admit(self, pool: str, tried: Iterable[str] = (), prompt: bytes = b"", tokens: int = 0) -> Admission | None:
-        """Pick a node for a request (``prompt``: its text, for affinity; ``tokens``: its size)."""
+    def admit(self, pool: str, tried: Iterable[str] = (), prompt: bytes = b"",
+              size: RequestSize | None = None) -> Admission | None:
+        """Pick a node for a request (``prompt``: its text, for affinity; ``size``: its tokens)."""
         route = self.pools.get(pool)
         if route is None or not route.targets:
             return None
@@ -147,6 +153,7 @@ class Router:
         if keys:
             assert index is not None and isinstance(route.policy, LaSwrr)
             preferred = index.preferred(keys, [n for n in route.targets if n not in exclude])
+            tokens = 0 if size is None else size.tokens
             affinity = Affinity(preferred, self.inflight_tokens, tokens) if preferred else None
             node = route.policy.pick(self.inflight, exclude, affinity)
             if node is not None:
@@ -156,10 +163,11 @@ class Router:
         if node is None:
             return None
         self.inflight[node] = self.inflight.get(node, 0) + 1
-        self.inflight_tokens[node] = self.inflight_tokens.get(node, 0) + tokens
+        admission = Admission(pool=pool, node=node, url=route.targets[node].url,
+                              snapshot_seq=route.snapshot.as_of_seq, size=size)
+        self.inflight_tokens[node] = self.inflight_tokens.get(node, 0) + admission.tokens
         self.total_inflight += 1
-        return Admission(pool=pool, node=node, url=route.targets[node].url, snapshot_seq=route.snapshot.as_of_seq,
-                         tokens=tokens)
+        return admission
 
     def at_cap(self, view: NodeView) -> bool:
         assert self.cap_factor is not None

@@ -232,7 +232,7 @@ class Forwarder:
 
     async def _attempt_with_events(self, request: web.Request, exchange: Exchange, admission: Admission,
                                    attempt_id: str) -> Done | Failed | Broken:
-        self.events.started(attempt_id, admission.node, admission.pool, admission.snapshot_seq)
+        self.events.started(attempt_id, admission.node, admission.pool, admission.snapshot_seq, admission.size)
         state = AttemptState(started=time.perf_counter())
         try:
             result = await self._attempt(request, exchange, admission, state)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from laswrr.services.proxy.prompt import prompt_text, request_tokens
+from laswrr.services.proxy.prompt import RequestSize, prompt_text, request_size
 from laswrr.services.proxy.routing import Router
 from tests.proxy.test_proxy_routing import node, snap
 
@@ -24,7 +24,7 @@ def test_unshared_prompts_pick_exactly_as_la_swrr() -> None:
     for name, router in (("on", on), ("off", off)):
         held = []
         for i in range(60):
-            admission = router.admit("default", prompt=f"request {i} ".encode() * 200, tokens=500)
+            admission = router.admit("default", prompt=f"request {i} ".encode() * 200, size=RequestSize(500))
             assert admission is not None
             picks[name].append(admission.node)
             held.append(admission)
@@ -37,15 +37,15 @@ def test_unshared_prompts_pick_exactly_as_la_swrr() -> None:
 def test_a_conversation_stays_on_its_node_while_the_guard_allows() -> None:
     router = Router("la-swrr", seed=1)
     router.offer(snap(1, node("a", 4), node("b", 4), node("c", 4)), now=0)
-    first = router.admit("default", prompt=turn(1, 2), tokens=300)
+    first = router.admit("default", prompt=turn(1, 2), size=RequestSize(300))
     assert first is not None
     router.release(first)
     for turns in range(3, 9):
-        admission = router.admit("default", prompt=turn(1, turns), tokens=300)
+        admission = router.admit("default", prompt=turn(1, turns), size=RequestSize(300))
         assert admission is not None and admission.node == first.node
         router.release(admission)
     # with that node loaded by other work, the next turn goes elsewhere (the guard)
-    busy = [router.admit("default", prompt=turn(1, 8), tokens=300) for _ in range(2)]
+    busy = [router.admit("default", prompt=turn(1, 8), size=RequestSize(300)) for _ in range(2)]
     assert busy[0] is not None and busy[1] is not None
     assert busy[0].node == first.node and busy[1].node != first.node
 
@@ -54,7 +54,7 @@ def test_ejected_and_removed_nodes_are_dropped_from_the_index() -> None:
     router = Router("la-swrr", seed=1)
     router.offer(snap(1, node("a", 4), node("b", 4)), now=0)
     for i in range(4):
-        admission = router.admit("default", prompt=turn(i, 3), tokens=10)
+        admission = router.admit("default", prompt=turn(i, 3), size=RequestSize(10))
         assert admission is not None
         router.release(admission)
     index = router.pools["default"].index
@@ -71,8 +71,8 @@ def test_ejected_and_removed_nodes_are_dropped_from_the_index() -> None:
 def test_tokens_in_flight_follow_admissions() -> None:
     router = Router("la-swrr", seed=1)
     router.offer(snap(1, node("a", 4)), now=0)
-    first = router.admit("default", prompt=b"x" * 2000, tokens=700)
-    second = router.admit("default", prompt=b"y" * 2000, tokens=300)
+    first = router.admit("default", prompt=b"x" * 2000, size=RequestSize(700))
+    second = router.admit("default", prompt=b"y" * 2000, size=RequestSize(300))
     assert first is not None and second is not None
     assert router.inflight_tokens == {"a": 1000}
     router.release(first)
@@ -85,7 +85,7 @@ def test_other_policies_have_no_affinity() -> None:
     router = Router("p2c", seed=1)
     router.offer(snap(1, node("a", 4), node("b", 4)), now=0)
     assert router.pools["default"].index is None and router.affinity_mode == "none"
-    assert router.admit("default", prompt=b"z" * 4096, tokens=10) is not None
+    assert router.admit("default", prompt=b"z" * 4096, size=RequestSize(10)) is not None
 
 
 def test_prompt_text_and_tokens_of_bodies() -> None:
@@ -94,6 +94,7 @@ def test_prompt_text_and_tokens_of_bodies() -> None:
     assert prompt_text(None, "once upon") == b"once upon" and prompt_text(None, ["x"]) == b"x"
     assert prompt_text(None, [1, 2, 3]) == b"" and prompt_text("bad", None) == b""
     assert prompt_text([{"role": "user", "content": None}, 5], None) == b"user\n\n"
-    assert request_tokens(b"a" * 400, 50, None) == 150
-    assert request_tokens(b"a" * 400, 50, 20) == 120
-    assert request_tokens(b"a" * 400, True, None) == 100 and request_tokens(b"", "x", -1) == 0
+    assert request_size(b"a" * 400, 50, None) == RequestSize(100, 50) and RequestSize(100, 50).tokens == 150
+    assert request_size(b"a" * 400, 50, 20) == RequestSize(100, 20)
+    assert request_size(b"a" * 400, True, None) == RequestSize(100) and RequestSize(100).tokens == 100
+    assert request_size(b"", "x", -1) == RequestSize(0, None)
