@@ -202,7 +202,8 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
             before = await prefix_counters(http, stack.engine_urls)
             t0 = loop.time() + 0.2
             timeline = asyncio.create_task(run_timeline(scenario.actions, t0, stack.engine_urls, http, watch))
-            load = await run_load(stack.proxy_url, workload, t0, on_done=on_result, session=http)
+            load = await run_load(stack.proxy_url, workload, t0, model=stack_adapter.request_model(policy),
+                                  on_done=on_result, session=http)
             applied = await timeline
             prefix_cache = counter_deltas(before, await prefix_counters(http, stack.engine_urls))
         notes += [f"action at {t:.2f}s: {label}" for t, label in applied]

@@ -38,14 +38,15 @@ from laswrr.bench.scenarios import Scenario
 from laswrr.collectors.nodes import Node
 from laswrr.services.children import preexec
 from laswrr.services.natsbus import free_port
-from laswrr.services.up import Stack
+from laswrr.services.up import SIM_MODEL, Stack
 
 log = logging.getLogger("laswrr.bench.stack")
 
 PEER_PREFIX = "vllm-router:"  # the default peer
-# router -> (the arguments before the common ones, its --log-level word for warnings)
-PEER_ROUTERS: dict[str, tuple[tuple[str, ...], str]] = {"vllm-router": ((), "warning"),
-                                                         "sglang-router": (("launch",), "warn")}
+# router -> (the arguments before the common ones, its --log-level word for warnings, whether the
+# requests must name the model: sglang-router routes a request without one to model "unknown")
+PEER_ROUTERS: dict[str, tuple[tuple[str, ...], str, bool]] = {"vllm-router": ((), "warning", False),
+                                                               "sglang-router": (("launch",), "warn", True)}
 PEER_START_TIMEOUT_S = 60.0
 
 
@@ -57,6 +58,12 @@ def peer_of(policy: str) -> tuple[str, str] | None:
 
 def is_peer(policy: str) -> bool:
     return peer_of(policy) is not None
+
+
+def request_model(policy: str) -> str | None:
+    """The ``model`` the load must send through this policy's router (None: send none)."""
+    peer = peer_of(policy)
+    return SIM_MODEL if peer is not None and PEER_ROUTERS[peer[0]][2] else None
 
 
 def peer_binary(router: str) -> str | None:
@@ -111,7 +118,7 @@ async def start_peer(router: str, router_policy: str, nodes: list[Node], log_dir
     binary = peer_binary(router)
     if binary is None:
         raise RuntimeError(f"{router} is not installed (pip install 'laswrr[peers]')")
-    lead, log_level = PEER_ROUTERS[router]
+    lead, log_level, _ = PEER_ROUTERS[router]
     port = free_port()
     with open(log_dir / f"{router}.log", "ab") as sink:
         proc = await asyncio.create_subprocess_exec(
@@ -127,7 +134,9 @@ async def start_peer(router: str, router_policy: str, nodes: list[Node], log_dir
 
 
 async def _wait_answering(url: str, proc: asyncio.subprocess.Process, router: str) -> None:
-    body = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    body: dict[str, object] = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    if PEER_ROUTERS[router][2]:
+        body["model"] = SIM_MODEL
     deadline = time.monotonic() + PEER_START_TIMEOUT_S
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
         while time.monotonic() < deadline:

@@ -53,8 +53,10 @@ def test_policies_default_and_peer_names() -> None:
 
 
 def test_peer_names_map_to_their_routers() -> None:
-    from laswrr.bench.stack_adapter import is_peer, peer_of
+    from laswrr.bench.stack_adapter import is_peer, peer_of, request_model
 
     assert peer_of("sglang-router:cache_aware") == ("sglang-router", "cache_aware")
     assert peer_of("vllm-router:power_of_two") == ("vllm-router", "power_of_two")
     assert peer_of("la-swrr") is None and not is_peer("p2c") and is_peer("sglang-router:random")
+    assert request_model("sglang-router:cache_aware") == "sim-llm"  # it would route to model "unknown"
+    assert request_model("vllm-router:cache_aware") is None and request_model("la-swrr") is None
