@@ -40,7 +40,7 @@ from laswrr.collectors.poller import Collector, RateLimitedLog, Settings, Stats,
 from laswrr.collectors.registrations import RegisteredNodes
 from laswrr.schemas import subjects as sj
 from laswrr.services import settings as common
-from laswrr.services.natsbus import connect, ensure_streams_exist, redact_url
+from laswrr.services.natsbus import connect, ensure_streams, redact_url
 from laswrr.services.service_metrics import serve_metrics
 
 log = logging.getLogger("laswrr.collector")
@@ -112,7 +112,7 @@ async def serve(nats_url: str, nodes: list[Node], settings: Settings,
     runner = None
     collector = Collector(nodes, nc.jetstream(), settings)
     try:
-        await ensure_streams_exist(collector.js)
+        await ensure_streams(collector.js)
         await follow_registrations(collector.js, collector, nodes)
         if settings.metrics_port is not None:
             runner = await serve_metrics(settings.metrics_port, collector.stats.render, service="collector")

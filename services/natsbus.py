@@ -2,8 +2,9 @@
 
 One module owns stream/bucket setup (style.md): LB_EVENTS holds every input subject
 (``lb.>`` except ``lb.out.>``), LB_OUT every output, KV bucket LB_WEIGHTS the latest snapshot of
-each pool, KV bucket LB_CHECKPOINT the scheduler's checkpoint. Setup is idempotent (create, or
-update to the same config) so every service may call it at start-up. The de-duplication window
+each pool, KV bucket LB_CHECKPOINT the scheduler's checkpoint. Setup is idempotent (create what
+is missing; an existing stream's limits are the operator's and only warned about) so every
+service may call it at start-up. The de-duplication window
 makes ``Nats-Msg-Id`` (``MSG_ID``) publishes safe to repeat: two scheduler replicas yield one tick
 per period and one copy of each output. ``connect`` is the only way any command reaches the bus.
 """
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import nats
@@ -57,17 +58,36 @@ def stream_configs(limits: StreamLimits) -> list[StreamConfig]:
     ]
 
 
+LIMIT_FIELDS = ("retention", "discard", "storage", "max_age", "max_bytes", "max_msgs", "duplicate_window",
+                "num_replicas")
+
+
 async def ensure_streams(js: JetStreamContext, limits: StreamLimits | None = None) -> None:
-    """Create LB_EVENTS, LB_OUT and the LB_WEIGHTS bucket, or bring them to this config."""
+    """Create LB_EVENTS, LB_OUT and the LB_WEIGHTS bucket where missing, with ``limits``.
+
+    An existing stream is never reconfigured behind its operator's back: a limit that differs
+    from ``limits`` (age, size, count, de-duplication window, storage, replicas) is logged as a
+    warning and left as it is. Only subjects the stream lacks are added (a newer version's
+    subject would otherwise never be recorded), keeping every limit the stream has.
+    """
     limits = limits or StreamLimits()
     for config in stream_configs(limits):
         try:
-            await js.stream_info(config.name)
+            info = await js.stream_info(config.name)
         except NotFoundError:
             with contextlib.suppress(BadRequestError):  # a replica created it meanwhile
                 await js.add_stream(config)
-        else:
-            await js.update_stream(config)
+            continue
+        existing = info.config
+        for name in LIMIT_FIELDS:
+            wanted, have = getattr(config, name), getattr(existing, name)
+            if wanted is not None and have is not None and wanted != have:
+                log.warning("stream %s has %s = %s where this service would create %s: left as it is",
+                            config.name, name, have, wanted)
+        missing = [subject for subject in config.subjects or [] if subject not in (existing.subjects or [])]
+        if missing:
+            log.warning("stream %s lacks subjects %s: adding them (its limits unchanged)", config.name, missing)
+            await js.update_stream(replace(existing, subjects=[*(existing.subjects or []), *missing]))
     try:
         await js.key_value(sj.WEIGHTS_BUCKET)
     except (NotFoundError, BadRequestError):
@@ -84,18 +104,6 @@ async def ensure_checkpoint_bucket(js: JetStreamContext) -> KeyValue:
             await js.create_key_value(KeyValueConfig(bucket=sj.CHECKPOINT_BUCKET, history=1,
                                                      storage=StorageType.FILE, max_value_size=-1))
         return await js.key_value(sj.CHECKPOINT_BUCKET)
-
-
-async def ensure_streams_exist(js: JetStreamContext) -> None:
-    """For services that only read or write the log (collector, recorder): create the streams
-    with defaults when one is missing, but never change the limits an operator or the scheduler
-    configured on existing ones."""
-    for name in (sj.EVENTS_STREAM, sj.OUT_STREAM):
-        try:
-            await js.stream_info(name)
-        except NotFoundError:
-            await ensure_streams(js)
-            return
 
 
 class Throttled:

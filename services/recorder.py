@@ -55,7 +55,7 @@ from laswrr.replay import store
 from laswrr.schemas import subjects as sj
 from laswrr.services import settings
 from laswrr.services.jsreader import PullReader, ack_all_consumer, get_envelope, parse_ack_subject
-from laswrr.services.natsbus import connect, ensure_streams_exist, redact_url
+from laswrr.services.natsbus import connect, ensure_streams, redact_url
 from laswrr.services.service_metrics import BATCH_BUCKETS, Buckets, Metric, lag, render, serve_metrics
 
 log = logging.getLogger("laswrr.recorder")
@@ -102,7 +102,7 @@ class Recorder:
     async def run(self, stop: asyncio.Event) -> None:
         self.con = await asyncio.to_thread(store.open_writer, self.options.db_path)
         try:
-            await ensure_streams_exist(self.js)
+            await ensure_streams(self.js)
             for stream in self.stats:
                 first = (await self.js.stream_info(stream)).state.first_seq
                 recorded = await self._db(store.max_seq, self.con, stream)
