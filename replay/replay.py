@@ -299,10 +299,7 @@ def replay_db(con: duckdb.DuckDBPyConnection, overrides: dict[str, Any] | None =
     scheduler = make_scheduler(overrides)
     replayer = _Replayer(scheduler, result, recorded, max_key, missing, on_outputs)
     inputs = con.cursor().execute(INPUTS_SQL)
-    if overrides:
-        replayer.run_with_overrides(inputs, overrides)
-    else:
-        replayer.run(inputs)
+    replayer.run(inputs, overrides)
     result.verified_through = min(max_key, result.last_seq or 0) if verify else 0
     if recorded is not None:
         replayer.orphans(recorded.take_below((result.last_seq or 0) + 1))
@@ -311,7 +308,8 @@ def replay_db(con: duckdb.DuckDBPyConnection, overrides: dict[str, Any] | None =
 
 
 class _Replayer:
-    """The hot loop (its cost per input: docs/design.md §4): per input, build the envelope, apply it, and only when the core produced outputs look at the recorded ones.
+    """The hot loop (its cost per input: docs/design.md §4): per input, build the envelope,
+    apply it, and only when the core produced outputs look at the recorded ones.
     Recorded outputs for an input that produced none are found at the next input with outputs
     (or at the end) as orphans."""
 
@@ -320,20 +318,13 @@ class _Replayer:
         self.scheduler, self.result, self.recorded = scheduler, result, recorded
         self.max_key, self.missing, self.on_outputs = max_key, missing, on_outputs
 
-    def run(self, inputs: duckdb.DuckDBPyConnection) -> None:
+    def run(self, inputs: duckdb.DuckDBPyConnection, overrides: dict[str, Any] | None = None) -> None:
+        """Apply every input; ``overrides`` (what-if) are re-applied after each recorded config event."""
         scheduler = self.scheduler
         for batch in fetch_batches(inputs):
             for envelope in starmap(Envelope, batch):
                 outputs, _ = apply_guarded(scheduler, envelope)
-                if outputs:
-                    self.produced(envelope, outputs)
-
-    def run_with_overrides(self, inputs: duckdb.DuckDBPyConnection, overrides: dict[str, Any]) -> None:
-        scheduler = self.scheduler
-        for batch in fetch_batches(inputs):
-            for envelope in starmap(Envelope, batch):
-                outputs, _ = apply_guarded(scheduler, envelope)
-                if envelope.subject == sj.ADMIN_CONFIG:
+                if overrides and envelope.subject == sj.ADMIN_CONFIG:
                     scheduler.state.config = config_mod.with_changes(scheduler.state.config, overrides)
                 if outputs:
                     self.produced(envelope, outputs)

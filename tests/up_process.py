@@ -23,17 +23,22 @@ import aiohttp
 STARTED: list[asyncio.subprocess.Process] = []
 
 
+async def interrupt(proc: asyncio.subprocess.Process, timeout_s: float = 60.0) -> None:
+    """Ctrl-C ``proc`` (if still running), as an operator would, and wait; SIGKILL after ``timeout_s``."""
+    if proc.returncode is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        await asyncio.wait_for(proc.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+
+
 async def no_leftover_stack() -> AsyncIterator[None]:
     yield
     while STARTED:
-        proc = STARTED.pop()
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                await asyncio.wait_for(proc.wait(), 60)
-            except asyncio.TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await interrupt(STARTED.pop())
 
 
 async def start_up(*args: str) -> tuple[asyncio.subprocess.Process, dict[str, str]]:

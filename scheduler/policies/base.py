@@ -12,6 +12,8 @@ from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
+from laswrr.scheduler.rng import Rng
+
 WEIGHT_UNIT = 1000  # snapshot weights have three decimals; policies work on integers
 
 
@@ -36,6 +38,18 @@ class Policy(Protocol):
 def eligible_names(candidates: Sequence[Candidate]) -> list[str]:
     """The nodes a weight-blind policy may pick from, in candidate order."""
     return [c.node for c in candidates if c.weight > 0]
+
+
+class WeightBlind:
+    """What the policies that ignore weights beyond eligibility share: the caller's Rng and the
+    eligible node names of the newest snapshot, in candidate order."""
+
+    def __init__(self, rng: Rng) -> None:
+        self.rng = rng
+        self.names: list[str] = []
+
+    def set_candidates(self, candidates: Sequence[Candidate]) -> None:
+        self.names = eligible_names(candidates)
 
 
 def without(names: list[str], exclude: Container[str]) -> list[str]:

@@ -6,22 +6,14 @@ ignored beyond eligibility (this is the popular routers' default, our baseline).
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Mapping
 from typing import ClassVar
 
-from laswrr.scheduler.policies.base import Candidate, eligible_names, without
-from laswrr.scheduler.rng import Rng
+from laswrr.scheduler.policies.base import WeightBlind, without
 
 
-class PowerOfTwo:
+class PowerOfTwo(WeightBlind):
     name: ClassVar[str] = "p2c"
-
-    def __init__(self, rng: Rng) -> None:
-        self.rng = rng
-        self.names: list[str] = []
-
-    def set_candidates(self, candidates: Sequence[Candidate]) -> None:
-        self.names = eligible_names(candidates)
 
     def pick(self, inflight: Mapping[str, int], exclude: Container[str] = ()) -> str | None:
         names = without(self.names, exclude)

@@ -6,22 +6,19 @@ rr_index randomly for the same reason).
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Mapping
 from typing import ClassVar
 
-from laswrr.scheduler.policies.base import Candidate, eligible_names, without
+from laswrr.scheduler.policies.base import WeightBlind, without
 from laswrr.scheduler.rng import Rng
 
 
-class RoundRobin:
+class RoundRobin(WeightBlind):
     name: ClassVar[str] = "rr"
 
     def __init__(self, rng: Rng) -> None:
-        self.names: list[str] = []
+        super().__init__(rng)
         self.index = rng.below(1 << 16)
-
-    def set_candidates(self, candidates: Sequence[Candidate]) -> None:
-        self.names = eligible_names(candidates)
 
     def pick(self, inflight: Mapping[str, int], exclude: Container[str] = ()) -> str | None:
         names = without(self.names, exclude)

@@ -233,11 +233,7 @@ async def _stream(request: web.Request, creq: CompletionRequest, handle: Request
             sent += 1
             finished = event.finished
             if _cut_now(request, sent):
-                await resp.write(bytes(out))
-                if request.app[FAULTS_KEY].fail == "stall_stream":
-                    await asyncio.Event().wait()  # hung: until the client leaves or the process dies
-                _abort_connection(request)
-                return resp
+                return await _cut_stream(request, resp, out)
         await resp.write(bytes(out))
     tail = _sse(stream_chunk(creq.kind, rid, created, creq.model, "" if creq.kind == "completion" else None,
                              finish=creq.finish_reason))
@@ -245,6 +241,16 @@ async def _stream(request: web.Request, creq: CompletionRequest, handle: Request
         tail += _sse(usage_chunk(creq.kind, rid, created, creq.model, creq.prompt_tokens, sent))
     await resp.write(tail + b"data: [DONE]\n\n")
     await resp.write_eof()
+    return resp
+
+
+async def _cut_stream(request: web.Request, resp: web.StreamResponse, out: bytearray) -> web.StreamResponse:
+    """A stream cut by a fault: what was produced is sent, then the engine hangs (``stall_stream``:
+    until the client leaves or the process dies) or breaks the connection."""
+    await resp.write(bytes(out))
+    if request.app[FAULTS_KEY].fail == "stall_stream":
+        await asyncio.Event().wait()
+    _abort_connection(request)
     return resp
 
 
@@ -267,11 +273,7 @@ async def _stream_response(request: web.Request, creq: CompletionRequest, handle
             sent += 1
             out += event(text_delta(rid, sent, words[item.index]))
             if _cut_now(request, sent):
-                await resp.write(bytes(out))
-                if request.app[FAULTS_KEY].fail == "stall_stream":
-                    await asyncio.Event().wait()  # hung: until the client leaves or the process dies
-                _abort_connection(request)
-                return resp
+                return await _cut_stream(request, resp, out)
         await resp.write(bytes(out))
     done = response_object(rid, created, creq.model, "".join(words[:sent]), creq.finish_reason, creq.prompt_tokens,
                            sent)

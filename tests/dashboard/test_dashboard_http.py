@@ -8,25 +8,14 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
-import nats
 import pytest
 from nats.aio.client import Client
 
 from laswrr.schemas import subjects as sj
 from laswrr.services.children import ChildProcesses
-from laswrr.services.natsbus import ensure_streams
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    client = await nats.connect(nats_url)
-    await ensure_streams(client.jetstream())
-    yield client
-    await client.drain()
 
 
 async def sse_events(url: str, wanted: int, timeout_s: float = 15.0) -> list[tuple[str, dict]]:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
-import nats
 import pytest
 from aiohttp import web
 from nats.aio.client import Client
@@ -27,8 +26,8 @@ from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope, decode_event, encode
 from laswrr.schemas.events import ClockTicked, EngineSampled, Event, HealthProbed, NodeRegistered, NpuChip, NpuSampled
 from laswrr.collectors.poller import Collector, Settings
-from laswrr.services.natsbus import ensure_streams, free_port
-from laswrr.services.sim_engine.app import RunningServer, start_server
+from laswrr.services.natsbus import free_port
+from laswrr.services.sim_engine.app import RunningServer
 from laswrr.services.sim_engine.config import SimConfig
 
 # Generous timeouts: engines run in the test's own event loop and CI machines are shared.
@@ -50,25 +49,8 @@ class Sample:
 
 
 @pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    client = await nats.connect(nats_url)
-    await ensure_streams(client.jetstream())
-    yield client
-    await client.drain()
-
-
-@pytest.fixture
-async def engines() -> AsyncIterator[Callable[..., Awaitable[RunningServer]]]:
-    servers: list[RunningServer] = []
-
-    async def _start(**overrides: object) -> RunningServer:
-        server = await start_server(replace(SIM, **overrides))
-        servers.append(server)
-        return server
-
-    yield _start
-    for server in servers:
-        await server.close()
+def sim_config() -> SimConfig:
+    return SIM
 
 
 @pytest.fixture
@@ -156,9 +138,9 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, max_tokens
 
 
 async def test_engine_health_and_npu_samples_land_in_lb_events_and_reflect_load(
-        nc: Client, engines: Callable[..., Awaitable[RunningServer]]) -> None:
-    busy = await engines(chip="910B", capacity=4)  # slow: requests stay in flight
-    quick = await engines(chip="910C", capacity=8, speed=20.0)  # fast: requests finish -> latency deltas
+        nc: Client, start_engine: Callable[..., Awaitable[RunningServer]]) -> None:
+    busy = await start_engine(chip="910B", capacity=4)  # slow: requests stay in flight
+    quick = await start_engine(chip="910C", capacity=8, speed=20.0)  # fast: requests finish -> latency deltas
     js = nc.jetstream()
     running = Running([node("busy", busy.url, npu_smi=sim_npu_smi(busy.url)),
                        node("quick", quick.url, npu_smi=sim_npu_smi(quick.url))], js)
@@ -197,9 +179,9 @@ async def test_engine_health_and_npu_samples_land_in_lb_events_and_reflect_load(
 
 
 async def test_unreachable_node_and_5xx_health_give_failing_samples_while_others_keep_going(
-        nc: Client, engines: Callable[..., Awaitable[RunningServer]],
+        nc: Client, start_engine: Callable[..., Awaitable[RunningServer]],
         tiny_apps: Callable[[web.Application], Awaitable[str]]) -> None:
-    good = await engines(speed=20.0)
+    good = await start_engine(speed=20.0)
     async def junk(_: web.Request) -> web.Response:
         return web.Response(text="<html>fine, thanks</html>\n")
 
@@ -233,7 +215,7 @@ async def test_unreachable_node_and_5xx_health_give_failing_samples_while_others
 
 
 async def test_a_slow_node_never_delays_the_others(
-        nc: Client, engines: Callable[..., Awaitable[RunningServer]],
+        nc: Client, start_engine: Callable[..., Awaitable[RunningServer]],
         tiny_apps: Callable[[web.Application], Awaitable[str]]) -> None:
     async def hang(_: web.Request) -> web.Response:
         await asyncio.sleep(30)
@@ -243,7 +225,7 @@ async def test_a_slow_node_never_delays_the_others(
     app.router.add_get("/metrics", hang)
     app.router.add_get("/health", hang)
     slow = await tiny_apps(app)
-    fast = [await engines(speed=20.0) for _ in range(3)]
+    fast = [await start_engine(speed=20.0) for _ in range(3)]
     js = nc.jetstream()
     settings = replace(FAST, interval_s=0.2, timeout_s=1.0)
     running = Running([node("slow", slow)] + [node(f"f{i}", e.url) for i, e in enumerate(fast)], js, settings)
@@ -270,8 +252,8 @@ def _table_command(tmp_path: Path, chips: list[NpuChip]) -> str:
 
 
 async def test_shared_npu_smi_runs_once_per_interval_and_splits_chips(nc: Client, tmp_path: Path,
-                                                                      engines: Callable[..., Awaitable[RunningServer]]) -> None:
-    engine = await engines(speed=20.0)
+                                                                      start_engine: Callable[..., Awaitable[RunningServer]]) -> None:
+    engine = await start_engine(speed=20.0)
     chips = [NpuChip(npu_id=n, chip_id=c, name="Ascend910", health="OK", aicore_util=0.1 * (n + 1),
                      hbm_used_mb=1000, hbm_total_mb=65536, memory_used_mb=0, memory_total_mb=0)
              for n in range(3) for c in range(2)]
@@ -335,8 +317,8 @@ def _proc_state(pid: int) -> str:
 
 
 async def test_failing_npu_smi_is_counted_and_engine_samples_continue(
-        nc: Client, engines: Callable[..., Awaitable[RunningServer]]) -> None:
-    engine = await engines(speed=20.0)
+        nc: Client, start_engine: Callable[..., Awaitable[RunningServer]]) -> None:
+    engine = await start_engine(speed=20.0)
     js = nc.jetstream()
     failing = f"{sys.executable} -c 'import sys; sys.stderr.write(\"dcmi error\"); sys.exit(3)'"
     running = Running([node("n", engine.url, npu_smi=failing)], js, replace(FAST, npu_interval_s=0.2))
@@ -352,8 +334,8 @@ async def test_failing_npu_smi_is_counted_and_engine_samples_continue(
     assert of(await EventLog(js).read(), NpuSampled, "n") == []
 
 
-async def test_samples_reach_the_scheduler_core(nc: Client, engines: Callable[..., Awaitable[RunningServer]]) -> None:
-    engine = await engines(chip="910B", capacity=4)
+async def test_samples_reach_the_scheduler_core(nc: Client, start_engine: Callable[..., Awaitable[RunningServer]]) -> None:
+    engine = await start_engine(chip="910B", capacity=4)
     js = nc.jetstream()
     await js.publish(sj.admin_node("a"), encode(NodeRegistered(url=engine.url, capacity=4, chip="910B")))
     running = Running([node("a", engine.url, npu_smi=sim_npu_smi(engine.url))], js)
@@ -384,8 +366,8 @@ async def test_samples_reach_the_scheduler_core(nc: Client, engines: Callable[..
 
 
 async def test_cli_runs_publishes_serves_counters_and_stops_on_sigterm(
-        nats_url: str, nc: Client, engines: Callable[..., Awaitable[RunningServer]], tmp_path: Path) -> None:
-    engine = await engines(speed=20.0)
+        nats_url: str, nc: Client, start_engine: Callable[..., Awaitable[RunningServer]], tmp_path: Path) -> None:
+    engine = await start_engine(speed=20.0)
     nodes_toml = tmp_path / "nodes.toml"
     nodes_toml.write_text(f'[[node]]\nid = "n1"\nurl = "{engine.url}"\npool = "default"\nchip = "910B"\n'
                           f'capacity = 4\nnpu_smi = "{sim_npu_smi(engine.url)}"\n')

@@ -11,23 +11,13 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import nats
 import pytest
 from nats.aio.client import Client
 
 from laswrr.schemas import subjects as sj
 from laswrr.services.children import ChildProcesses
-from laswrr.services.natsbus import ensure_streams
 
 INTERVAL_MS = 500  # the collector's default
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    client = await nats.connect(nats_url)
-    await ensure_streams(client.jetstream())
-    yield client
-    await client.drain()
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 from nats.js import JetStreamContext
 
 from laswrr.schemas import subjects as sj
-from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.services.natsbus import connect
 from laswrr.services.operator import Outcome, publish_and_wait
 from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService
 
@@ -24,15 +24,6 @@ async def laswrr(*args: str) -> tuple[int, str, str]:
     out, err = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
-
-
-@pytest.fixture
-async def js(nats_url: str) -> AsyncIterator[JetStreamContext]:
-    nc = await connect(nats_url, "test")
-    context = nc.jetstream()
-    await ensure_streams(context)
-    yield context
-    await nc.close()
 
 
 @pytest.fixture

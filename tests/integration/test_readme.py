@@ -26,7 +26,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -38,6 +37,7 @@ import pytest
 
 from laswrr.cli import build_parser
 from laswrr.schemas import subjects as sj
+from tests.up_process import interrupt
 
 ROOT = Path(__file__).resolve().parents[2]
 NOT_RUN = {"up", "bench", "demo"}  # the stack itself; runs that take minutes
@@ -134,13 +134,7 @@ async def stack(tmp_path: Path) -> AsyncIterator[Running]:
         shutil.copy(workdir / ".laswrr" / "nodes.toml", workdir / "nodes.toml")
         yield Running(workdir, nats_url, proxy, dict(env, NATS_URL=nats_url))
     finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                await asyncio.wait_for(proc.wait(), 60)
-            except asyncio.TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await interrupt(proc)
 
 
 def _runnable(command: str) -> bool:

@@ -21,7 +21,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from laswrr.scheduler.core import Scheduler
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope
-from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.services.natsbus import connect
 from laswrr.services.jsreader import envelope_of, parse_ack_subject
 from laswrr.services.output_writer import as_of_seq_of
 from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService, config_changes, tick_number
@@ -74,15 +74,6 @@ def test_small_helpers() -> None:
 # -- harness ----------------------------------------------------------------------------------------
 
 RunService = Callable[..., Awaitable[SchedulerService]]
-
-
-@pytest.fixture
-async def bus(nats_url: str) -> AsyncIterator[JetStreamContext]:
-    nc = await connect(nats_url, "test")
-    js = nc.jetstream()
-    await ensure_streams(js)
-    yield js
-    await nc.close()
 
 
 @pytest.fixture
@@ -173,17 +164,17 @@ REGISTER = b'{"url": "http://127.0.0.1:9001", "pool": "default", "chip": "910B",
 # -- round trip -------------------------------------------------------------------------------------
 
 
-async def test_event_to_snapshot_round_trip(bus: JetStreamContext, run_service: RunService) -> None:
+async def test_event_to_snapshot_round_trip(js: JetStreamContext, run_service: RunService) -> None:
     service, _ = await run_service()
-    ack = await bus.publish("lb.admin.node.n1", REGISTER)
-    snapshot = await wait_for(lambda: _kv_at_least(bus, ack.seq))
+    ack = await js.publish("lb.admin.node.n1", REGISTER)
+    snapshot = await wait_for(lambda: _kv_at_least(js, ack.seq))
     assert node_view(snapshot, "n1")["capacity"] == 10  # type: ignore[arg-type]
-    out = await outputs_for(bus, ack.seq)
+    out = await outputs_for(js, ack.seq)
     assert [s for s, _ in out] == ["lb.out.phase.n1", "lb.out.snapshot.default"]
-    kv = await bus.key_value(sj.WEIGHTS_BUCKET)
+    kv = await js.key_value(sj.WEIGHTS_BUCKET)
     assert out[1][1] == (await kv.get("default")).value  # the KV holds the published bytes
-    tick = await bus.publish(sj.CLOCK_TICK, b'{"tick": 1}')
-    await wait_for(lambda: _kv_at_least(bus, tick.seq))
+    tick = await js.publish(sj.CLOCK_TICK, b'{"tick": 1}')
+    await wait_for(lambda: _kv_at_least(js, tick.seq))
     assert service.applied_seq == tick.seq
 
 
@@ -196,20 +187,20 @@ async def _kv_at_least(js: JetStreamContext, seq: int, pool: str = "default") ->
 
 
 async def test_raw_socket_publish_is_handled_like_a_nats_py_publish(
-        bus: JetStreamContext, run_service: RunService, nats_url: str) -> None:
+        js: JetStreamContext, run_service: RunService, nats_url: str) -> None:
     await run_service()
-    await bus.publish("lb.admin.node.n1", REGISTER)
-    await bus.publish("lb.admin.node.n2", REGISTER)
+    await js.publish("lb.admin.node.n1", REGISTER)
+    await js.publish("lb.admin.node.n2", REGISTER)
     await raw_pub(nats_url, "lb.admin.capacity.n1", b'{"capacity": 1}')
-    ack = await bus.publish("lb.admin.capacity.n2", b'{"capacity": 1}')
-    snapshot = await wait_for(lambda: _kv_at_least(bus, ack.seq))
+    ack = await js.publish("lb.admin.capacity.n2", b'{"capacity": 1}')
+    snapshot = await wait_for(lambda: _kv_at_least(js, ack.seq))
     assert node_view(snapshot, "n1")["capacity"] == 1  # type: ignore[arg-type]
     assert node_view(snapshot, "n2")["capacity"] == 1  # type: ignore[arg-type]
-    events = await read_stream(bus, sj.EVENTS_STREAM)
+    events = await read_stream(js, sj.EVENTS_STREAM)
     raw, py = events[2], events[3]
     assert raw[0].data == py[0].data == b'{"capacity": 1}' and raw[1] == py[1] == {}
     # Both produced the same kind of output (phase unchanged: just the pool's snapshot).
-    assert [s for s, _ in await outputs_for(bus, raw[0].seq)] == ["lb.out.snapshot.default"]
+    assert [s for s, _ in await outputs_for(js, raw[0].seq)] == ["lb.out.snapshot.default"]
 
 
 BAD_ADMIN = [
@@ -227,15 +218,15 @@ BAD_ADMIN = [
 
 
 async def test_each_bad_admin_input_is_rejected_with_a_reason(
-        bus: JetStreamContext, run_service: RunService, nats_url: str) -> None:
+        js: JetStreamContext, run_service: RunService, nats_url: str) -> None:
     service, _ = await run_service()
-    await bus.publish("lb.admin.node.n1", REGISTER)
+    await js.publish("lb.admin.node.n1", REGISTER)
     for subject, payload, _ in BAD_ADMIN:
         await raw_pub(nats_url, subject, payload)  # what an operator's `nats pub` sends
-    good = await bus.publish("lb.admin.capacity.n1", b'{"capacity": 3}')
-    snapshot = await wait_for(lambda: _kv_at_least(bus, good.seq))
+    good = await js.publish("lb.admin.capacity.n1", b'{"capacity": 3}')
+    snapshot = await wait_for(lambda: _kv_at_least(js, good.seq))
     assert node_view(snapshot, "n1")["capacity"] == 3  # type: ignore[arg-type]  # still running
-    rejected = [msgspec.json.decode(env.data) for env, _ in await read_stream(bus, sj.OUT_STREAM)
+    rejected = [msgspec.json.decode(env.data) for env, _ in await read_stream(js, sj.OUT_STREAM)
                 if env.subject == sj.OUT_REJECTED]
     assert [r["seq"] for r in rejected] == list(range(2, 2 + len(BAD_ADMIN)))
     for record, (subject, _, reason) in zip(rejected, BAD_ADMIN):
@@ -245,7 +236,7 @@ async def test_each_bad_admin_input_is_rejected_with_a_reason(
 
 
 async def test_a_core_exception_is_rejected_and_acked_not_fatal(
-        bus: JetStreamContext, run_service: RunService, monkeypatch: pytest.MonkeyPatch) -> None:
+        js: JetStreamContext, run_service: RunService, monkeypatch: pytest.MonkeyPatch) -> None:
     service, _ = await run_service()
     original = Scheduler.apply
 
@@ -255,11 +246,11 @@ async def test_a_core_exception_is_rejected_and_acked_not_fatal(
         return original(self, envelope)  # type: ignore[return-value]
 
     monkeypatch.setattr(Scheduler, "apply", explode_on_drain)
-    await bus.publish("lb.admin.node.n1", REGISTER)
-    bad = await bus.publish("lb.admin.drain.n1", b"{}")
-    after = await bus.publish("lb.admin.capacity.n1", b'{"capacity": 2}')
-    await wait_for(lambda: _kv_at_least(bus, after.seq))
-    [(subject, data)] = await outputs_for(bus, bad.seq)
+    await js.publish("lb.admin.node.n1", REGISTER)
+    bad = await js.publish("lb.admin.drain.n1", b"{}")
+    after = await js.publish("lb.admin.capacity.n1", b'{"capacity": 2}')
+    await wait_for(lambda: _kv_at_least(js, after.seq))
+    [(subject, data)] = await outputs_for(js, bad.seq)
     assert subject == sj.OUT_REJECTED and b"internal error" in data and b"broken invariant" in data
     assert service.stats.rejected_internal == 1
 
@@ -291,41 +282,41 @@ async def publish_workload(js: JetStreamContext, tick0: int) -> int:
 
 @pytest.mark.parametrize("use_checkpoint", [True, False])
 async def test_restart_rebuilds_identical_state(
-        bus: JetStreamContext, run_service: RunService, use_checkpoint: bool) -> None:
+        js: JetStreamContext, run_service: RunService, use_checkpoint: bool) -> None:
     first, halt = await run_service(checkpoint_every=4, use_checkpoint=use_checkpoint)
-    last = await publish_workload(bus, 1)
-    await wait_for(lambda: _kv_at_least(bus, last))
+    last = await publish_workload(js, 1)
+    await wait_for(lambda: _kv_at_least(js, last))
     await halt()
-    while_down = await publish_workload(bus, 10)  # the replica was down for these
+    while_down = await publish_workload(js, 10)  # the replica was down for these
     second, _ = await run_service(checkpoint_every=4, use_checkpoint=use_checkpoint)
     assert second.publish_floor == last  # outputs up to here were already published
     assert second.applied_seq == while_down  # rebuilt before going live
-    tick = await bus.publish(sj.CLOCK_TICK, b'{"tick": 20}')
-    await wait_for(lambda: _kv_at_least(bus, tick.seq))
+    tick = await js.publish(sj.CLOCK_TICK, b'{"tick": 20}')
+    await wait_for(lambda: _kv_at_least(js, tick.seq))
 
-    events = await read_stream(bus, sj.EVENTS_STREAM)
+    events = await read_stream(js, sj.EVENTS_STREAM)
     core, expected = fold(events)
     assert second.scheduler.checkpoint() == core.checkpoint()
-    published = [(env.subject, env.data, h["Nats-Msg-Id"]) for env, h in await read_stream(bus, sj.OUT_STREAM)]
+    published = [(env.subject, env.data, h["Nats-Msg-Id"]) for env, h in await read_stream(js, sj.OUT_STREAM)]
     assert published == expected  # each output exactly once, byte for byte, including the new tick's
-    assert (await kv_snapshot(bus))["as_of_seq"] == tick.seq
+    assert (await kv_snapshot(js))["as_of_seq"] == tick.seq
 
 
 async def test_configuration_file_is_published_once_as_an_event(
-        bus: JetStreamContext, run_service: RunService, tmp_path: object) -> None:
+        js: JetStreamContext, run_service: RunService, tmp_path: object) -> None:
     from pathlib import Path
 
     config = Path(str(tmp_path)) / "scheduler.toml"
     config.write_text("[scheduler]\nease_alpha = 0.25\ndrain_deadline_ms = 5000\n")
     service, halt = await run_service(config_file=str(config))
-    events = await wait_for(lambda: _config_events(bus))
+    events = await wait_for(lambda: _config_events(js))
     assert msgspec.json.decode(events[0].data) == {"set": {"ease_alpha": 0.25, "drain_deadline_ms": 5000}}
     await wait_for(lambda: _applied(service, events[0].seq))
     assert service.scheduler.config.ease_alpha == 0.25
     await halt()
     await run_service(config_file=str(config))  # already in force: not published again
     await asyncio.sleep(0.2)
-    assert len(await _config_events(bus)) == 1
+    assert len(await _config_events(js)) == 1
 
 
 async def _config_events(js: JetStreamContext) -> list[Envelope]:
@@ -337,27 +328,27 @@ async def _applied(service: SchedulerService, seq: int) -> bool:
 
 
 async def test_two_replicas_yield_one_output_stream_and_one_tick_per_period(
-        bus: JetStreamContext, run_service: RunService) -> None:
+        js: JetStreamContext, run_service: RunService) -> None:
     a, halt_a = await run_service(tick_ms=50, replica_id="a")
     b, halt_b = await run_service(tick_ms=50, replica_id="b")
     for node in ("a", "b"):
-        await bus.publish(f"lb.admin.node.{node}", b'{"url": "http://%s", "capacity": 8}' % node.encode())
-    await bus.publish("lb.admin.capacity.a", b'{"capacity": 2}')
-    await bus.publish("lb.admin.capacity.a", b'{"capacity": -2}')
+        await js.publish(f"lb.admin.node.{node}", b'{"url": "http://%s", "capacity": 8}' % node.encode())
+    await js.publish("lb.admin.capacity.a", b'{"capacity": 2}')
+    await js.publish("lb.admin.capacity.a", b'{"capacity": -2}')
     await asyncio.sleep(1.0)
-    mark = (await bus.stream_info(sj.EVENTS_STREAM)).state.last_seq
+    mark = (await js.stream_info(sj.EVENTS_STREAM)).state.last_seq
     await wait_for(lambda: _both_applied(a, b, mark))
     await halt_a()
     await halt_b()
 
-    events = await read_stream(bus, sj.EVENTS_STREAM)
+    events = await read_stream(js, sj.EVENTS_STREAM)
     ticks = [msgspec.json.decode(env.data)["tick"] for env, _ in events if env.subject == sj.CLOCK_TICK]
     assert len(ticks) == len(set(ticks)) >= 10  # one tick per 50 ms period, not two
     assert ticks == sorted(ticks) and ticks[-1] - ticks[0] + 1 - len(ticks) <= 3  # few periods missed
     for replica in (a, b):  # each replica's state is the fold of the log up to where it stopped
         assert replica.scheduler.checkpoint() == fold(events[:replica.applied_seq])[0].checkpoint()
 
-    out = [(env.subject, env.data, h["Nats-Msg-Id"]) for env, h in await read_stream(bus, sj.OUT_STREAM)]
+    out = [(env.subject, env.data, h["Nats-Msg-Id"]) for env, h in await read_stream(js, sj.OUT_STREAM)]
     per_id = collections.Counter(msg_id for _, _, msg_id in out)
     assert max(per_id.values()) == 1  # de-duplicated: one copy per output
     assert out == fold(events[:max(a.applied_seq, b.applied_seq)])[1]
@@ -367,12 +358,12 @@ async def _both_applied(a: SchedulerService, b: SchedulerService, seq: int) -> b
     return a.applied_seq >= seq and b.applied_seq >= seq
 
 
-async def test_holes_in_a_delivery_are_fetched_with_their_exact_time(bus: JetStreamContext, nats_url: str) -> None:
+async def test_holes_in_a_delivery_are_fetched_with_their_exact_time(js: JetStreamContext, nats_url: str) -> None:
     from nats.aio.msg import Msg
 
     for capacity in (1, 2, 3):
-        await bus.publish("lb.admin.capacity.n1", b'{"capacity": %d}' % capacity)
-    stored = [env for env, _ in await read_stream(bus, sj.EVENTS_STREAM)]
+        await js.publish("lb.admin.capacity.n1", b'{"capacity": %d}' % capacity)
+    stored = [env for env, _ in await read_stream(js, sj.EVENTS_STREAM)]
     nc = await connect(nats_url, "scheduler")
     service = SchedulerService(nc, SchedulerOptions(tick_ms=0))
 
@@ -386,10 +377,10 @@ async def test_holes_in_a_delivery_are_fetched_with_their_exact_time(bus: JetStr
 
 
 async def test_an_unreadable_checkpoint_means_a_rebuild_from_the_log(
-        bus: JetStreamContext, run_service: RunService) -> None:
+        js: JetStreamContext, run_service: RunService) -> None:
     from laswrr.services.natsbus import ensure_checkpoint_bucket
 
-    await bus.publish("lb.admin.node.n1", REGISTER)
-    await (await ensure_checkpoint_bucket(bus)).put("scheduler", b"\x00garbage")
+    await js.publish("lb.admin.node.n1", REGISTER)
+    await (await ensure_checkpoint_bucket(js)).put("scheduler", b"\x00garbage")
     service, _ = await run_service()
     assert service.applied_seq == 1 and list(service.scheduler.state.nodes) == ["n1"]

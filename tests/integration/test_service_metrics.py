@@ -6,17 +6,15 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
-import nats
 import pytest
 from nats.aio.client import Client
 
 from laswrr.schemas import subjects as sj
 from laswrr.services.children import ChildProcesses
-from laswrr.services.natsbus import ensure_streams, free_port
+from laswrr.services.natsbus import free_port
 from laswrr.services.service_metrics import reason_class
 
 
@@ -26,14 +24,6 @@ def test_reason_classes_are_bounded() -> None:
     assert reason_class("payload is not valid JSON: unexpected character") == "payload is not valid JSON"
     assert reason_class("payload of 70000 bytes exceeds the 65536-byte limit") == "payload of bytes exceeds the -byte limit"
     assert reason_class("") == "other"
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    client = await nats.connect(nats_url)
-    await ensure_streams(client.jetstream())
-    yield client
-    await client.drain()
 
 
 def value(text: str, series: str) -> float:

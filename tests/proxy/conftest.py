@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
 from dataclasses import replace
 from typing import Any
 
@@ -17,17 +18,15 @@ from laswrr.services.proxy.config import ProxyConfig
 
 
 @pytest.fixture
-async def engines() -> AsyncIterator[Callable[..., Awaitable[EchoEngine]]]:
-    started: list[EchoEngine] = []
+def engines(closing: AsyncExitStack) -> Callable[..., Awaitable[EchoEngine]]:
+    """Factory: ``await engines("a", ...)`` -> a running echo engine, stopped after the test."""
 
     async def _start(name: str, **kw: Any) -> EchoEngine:
         engine = await EchoEngine(name=name, **kw).start()
-        started.append(engine)
+        closing.push_async_callback(engine.stop)
         return engine
 
-    yield _start
-    for engine in started:
-        await engine.stop()
+    return _start
 
 
 @pytest.fixture

@@ -13,20 +13,17 @@ read-only and after a recorder opened it (which adds the column).
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import duckdb
 import msgspec
+from live_recording import live_recording
 
 from laswrr.replay import store
 from laswrr.replay.portable import input_line, read_events
 from laswrr.replay.replay import replay_db
 from laswrr.replay.synthetic import LogBuilder
 from laswrr.schemas import subjects as sj
-from laswrr.services.natsbus import connect, ensure_streams
-from laswrr.services.recorder import Recorder, RecorderOptions
-from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService
 
 BIG = b'{"capacity": 3, "note": "' + b"x" * 1_000_000 + b'"}'
 PAYLOADS = [
@@ -39,39 +36,18 @@ PAYLOADS = [
 ]
 
 
-async def _until(predicate, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
 async def record(nats_url: str, data_dir: Path) -> dict[int, bytes]:
-    client, scheduler_nc, recorder_nc = [await connect(nats_url, name) for name in ("test", "sched", "rec")]
-    js = client.jetstream()
-    await ensure_streams(js)
-    service = SchedulerService(scheduler_nc, SchedulerOptions(tick_ms=0, fetch_timeout_s=0.05))
-    recorder = Recorder(recorder_nc, RecorderOptions(data_dir=data_dir, flush_ms=20))
-    stop = asyncio.Event()
-    tasks = [asyncio.create_task(service.run(stop)), asyncio.create_task(recorder.run(stop))]
-    await asyncio.wait_for(asyncio.gather(service.ready.wait(), recorder.ready.wait()), 10)
     published: dict[int, bytes] = {}
-    for node, capacity in (("a", 8), ("b", 4)):
-        body = b'{"url": "http://%s:8000", "capacity": %d}' % (node.encode(), capacity)
-        published[(await js.publish(sj.admin_node(node), body)).seq] = body
-    for tick, (subject, body) in enumerate(PAYLOADS, start=1):
-        published[(await js.publish(subject, body)).seq] = body
-        body = b'{"tick": %d}' % tick
-        published[(await js.publish(sj.CLOCK_TICK, body)).seq] = body
-    last = max(published)
-    await _until(lambda: service.applied_seq >= last)
-    out_last = (await js.stream_info(sj.OUT_STREAM)).state.last_seq
-    await _until(lambda: recorder.recorded_through[sj.EVENTS_STREAM] >= last
-                 and recorder.recorded_through[sj.OUT_STREAM] >= out_last)
-    stop.set()
-    await asyncio.wait_for(asyncio.gather(*tasks), 10)
-    for nc in (client, scheduler_nc, recorder_nc):
-        await nc.close()
+    async with live_recording(nats_url, data_dir) as live:
+        js = live.js
+        for node, capacity in (("a", 8), ("b", 4)):
+            body = b'{"url": "http://%s:8000", "capacity": %d}' % (node.encode(), capacity)
+            published[(await js.publish(sj.admin_node(node), body)).seq] = body
+        for tick, (subject, body) in enumerate(PAYLOADS, start=1):
+            published[(await js.publish(subject, body)).seq] = body
+            body = b'{"tick": %d}' % tick
+            published[(await js.publish(sj.CLOCK_TICK, body)).seq] = body
+        await live.settle(max(published), timeout_s=15.0)
     return published
 
 

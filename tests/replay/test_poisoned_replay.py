@@ -11,13 +11,13 @@ recorded by that core would.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from live_recording import live_recording
 
 from laswrr.replay import store
 from laswrr.replay.portable import LogLine, input_line, replay_lines
@@ -26,9 +26,6 @@ from laswrr.scheduler.config import SchedulerConfig
 from laswrr.scheduler.core import Scheduler
 from laswrr.schemas import events as ev
 from laswrr.schemas import subjects as sj
-from laswrr.services.natsbus import connect, ensure_streams
-from laswrr.services.recorder import Recorder, RecorderOptions
-from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService
 
 BROKEN_CAPACITY = 7
 REASON = "internal error while applying: KeyError: 'broken invariant'"
@@ -48,39 +45,19 @@ def broken_core(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-async def _until(predicate: Any, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
 async def record_live_run(nats_url: str, data_dir: Path) -> tuple[int, int]:
     """Run scheduler + recorder over a short workload; returns (poisoned seq, last input seq)."""
-    client, scheduler_nc, recorder_nc = [await connect(nats_url, name) for name in ("test", "sched", "rec")]
-    js = client.jetstream()
-    await ensure_streams(js)
-    service = SchedulerService(scheduler_nc, SchedulerOptions(tick_ms=0, fetch_timeout_s=0.05))
-    recorder = Recorder(recorder_nc, RecorderOptions(data_dir=data_dir, flush_ms=20))
-    stop = asyncio.Event()
-    tasks = [asyncio.create_task(service.run(stop)), asyncio.create_task(recorder.run(stop))]
-    await asyncio.wait_for(asyncio.gather(service.ready.wait(), recorder.ready.wait()), 10)
-    for node, capacity in (("a", 8), ("b", 4)):
-        await js.publish(sj.admin_node(node), b'{"url": "http://%s:8000", "capacity": %d}' % (node.encode(), capacity))
-    await js.publish(sj.CLOCK_TICK, b'{"tick": 1}')
-    poisoned = (await js.publish(sj.admin_capacity("a"), b'{"capacity": %d}' % BROKEN_CAPACITY)).seq
-    await js.publish(sj.CLOCK_TICK, b'{"tick": 2}')
-    await js.publish(sj.admin_capacity("b"), b'{"capacity": 2}')
-    last = (await js.publish(sj.CLOCK_TICK, b'{"tick": 3}')).seq
-    await _until(lambda: service.applied_seq >= last)
-    out_last = (await js.stream_info(sj.OUT_STREAM)).state.last_seq
-    await _until(lambda: recorder.recorded_through[sj.EVENTS_STREAM] >= last
-                 and recorder.recorded_through[sj.OUT_STREAM] >= out_last)
-    stop.set()
-    await asyncio.wait_for(asyncio.gather(*tasks), 10)
-    assert service.stats.rejected_internal == 1
-    for nc in (client, scheduler_nc, recorder_nc):
-        await nc.close()
+    async with live_recording(nats_url, data_dir) as live:
+        js = live.js
+        for node, capacity in (("a", 8), ("b", 4)):
+            await js.publish(sj.admin_node(node), b'{"url": "http://%s:8000", "capacity": %d}' % (node.encode(), capacity))
+        await js.publish(sj.CLOCK_TICK, b'{"tick": 1}')
+        poisoned = (await js.publish(sj.admin_capacity("a"), b'{"capacity": %d}' % BROKEN_CAPACITY)).seq
+        await js.publish(sj.CLOCK_TICK, b'{"tick": 2}')
+        await js.publish(sj.admin_capacity("b"), b'{"capacity": 2}')
+        last = (await js.publish(sj.CLOCK_TICK, b'{"tick": 3}')).seq
+        await live.settle(last)
+    assert live.service.stats.rejected_internal == 1
     return poisoned, last
 
 

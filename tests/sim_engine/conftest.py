@@ -1,35 +1,25 @@
-"""Fixtures: real sim-engine HTTP servers on free ports (aiohttp AppRunner, port 0)."""
+"""Fixtures: the sim engine the root conftest's ``start_engine`` starts in these tests (FAST), an
+HTTP session and official OpenAI clients."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
 
 import aiohttp
 import openai
 import pytest
 
-from laswrr.services.sim_engine.app import RunningServer, start_server
+from laswrr.services.sim_engine.app import RunningServer
 from laswrr.services.sim_engine.config import SimConfig
 
 FAST = SimConfig(chip="910B", capacity=4, port=0, speed=20.0, node_id="node-a")
 
-StartEngine = Callable[..., Awaitable[RunningServer]]
+StartEngine = Callable[..., Awaitable[RunningServer]]  # the root conftest's start_engine
 
 
 @pytest.fixture
-async def start_engine() -> AsyncIterator[StartEngine]:
-    """Factory: ``await start_engine(capacity=2, ...)`` -> a running server (stopped after the test)."""
-    servers: list[RunningServer] = []
-
-    async def _start(**overrides: object) -> RunningServer:
-        server = await start_server(replace(FAST, **overrides))
-        servers.append(server)
-        return server
-
-    yield _start
-    for server in servers:
-        await server.close()
+def sim_config() -> SimConfig:
+    return FAST
 
 
 @pytest.fixture
