@@ -94,30 +94,46 @@ class PrefixIndex:
     def entries(self) -> int:
         return sum(len(keys) for keys in self.lru.values())
 
-    def depths(self, keys: Sequence[int], nodes: Iterable[str]) -> dict[str, int]:
-        """How many leading ``keys`` each of ``nodes`` holds."""
+    def _levels(self, keys: Sequence[int], nodes: set[str]) -> list[set[str]]:
+        """For each leading key, the ``nodes`` that hold the prefix up to it (nested, shrinking)."""
         holders = self.holders
-        depth = dict.fromkeys(nodes, 0)
-        alive = [n for n in depth]
-        for i, key in enumerate(keys):
+        levels: list[set[str]] = []
+        alive = nodes
+        for key in keys:
             held = holders.get(key)
             if not held:
                 break
-            alive = [n for n in alive if n in held]
+            alive = alive & held
             if not alive:
                 break
-            for n in alive:
-                depth[n] = i + 1
+            levels.append(alive)
+        return levels
+
+    def depths(self, keys: Sequence[int], nodes: Iterable[str]) -> dict[str, int]:
+        """How many leading ``keys`` each of ``nodes`` holds."""
+        depth = dict.fromkeys(nodes, 0)
+        for level, alive in enumerate(self._levels(keys, set(depth)), 1):
+            for node in alive:
+                depth[node] = level
         return depth
 
     def preferred(self, keys: Sequence[int], eligible: Sequence[str]) -> list[str]:
         """Eligible nodes holding more of the prefix than the least-holding one, best first."""
         if not keys or not eligible:
             return []
-        depth = self.depths(keys, eligible)
-        floor = min(depth.values())
-        better = [n for n in eligible if depth[n] > floor]
-        return sorted(better, key=lambda n: (-depth[n], -rendezvous(keys[depth[n] - 1], n), n))
+        everyone = set(eligible)
+        levels = self._levels(keys, everyone)
+        floor = 0  # the depth every eligible node reaches
+        while floor < len(levels) and len(levels[floor]) == len(everyone):
+            floor += 1
+        ranked: list[str] = []
+        placed: set[str] = set()
+        for depth in range(len(levels), floor, -1):  # deepest first; ties by rendezvous on that key
+            fresh = levels[depth - 1] - placed
+            key = keys[depth - 1]
+            ranked += sorted(fresh, key=lambda n: (-rendezvous(key, n), n))
+            placed |= fresh
+        return ranked
 
     def record(self, node: str, keys: Sequence[int]) -> None:
         """``node`` was sent a prompt with these keys: it holds them now (most recently)."""
