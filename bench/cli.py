@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from laswrr.bench.report import PolicyRun, print_table, scenario_summary
 from laswrr.bench.scenarios import SCENARIOS, TEST_SCENARIOS, Scenario, get_scenario
@@ -35,6 +35,9 @@ from laswrr.bench.workload import RequestSpec, generate
 from laswrr.scheduler.policies import POLICIES, canonical_policy
 from laswrr.services import settings
 from laswrr.services.children import interrupt_on_sigterm
+
+if TYPE_CHECKING:
+    from laswrr.bench.runner import Alongside
 
 DEFAULT_POLICIES = ("la-swrr", "rr", "least-request", "p2c")
 DEFAULT_PEER = "vllm-router:power_of_two"  # an extra row when the `peers` extra is installed
@@ -168,8 +171,10 @@ def bench_workload(scenario: Scenario, seed: int) -> tuple[Scenario, list[Reques
 async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int, out_dir: Path,
                          scale: float = 1.0, plots: bool = True, util: float | None = None,
                          scheduler_config: dict[str, Any] | None = None,
-                         proxy_args: Sequence[str] = ()) -> tuple[dict[str, Any], list[Path]]:
-    """Run every policy on the same workload; write results.json (and plots); return the summary."""
+                         proxy_args: Sequence[str] = (),
+                         alongside: dict[str, Alongside] | None = None) -> tuple[dict[str, Any], list[Path]]:
+    """Run every policy on the same workload; write results.json (and plots); return the summary.
+    ``alongside``: per policy, a task on its running stack (``runner.run_policy``)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from laswrr.bench.runner import run_policy
@@ -187,7 +192,8 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
         for policy in policies:
             task = progress.add_task(f"{scenario.name} · {policy:<13}", total=len(workload))
             runs.append(await run_policy(scenario, policy, workload, out_dir / "runs" / policy.replace(":", "-"),
-                                         on_result=lambda _r, t=task: progress.advance(t), proxy_args=proxy_args))
+                                         on_result=lambda _r, t=task: progress.advance(t), proxy_args=proxy_args,
+                                         alongside=(alongside or {}).get(policy)))
     summary = scenario_summary(scenario, runs, seed, scale)
     summary["proxy_args"] = list(proxy_args)
     if scenario.trace is not None:

@@ -4,7 +4,9 @@ Runs the core scenario (four simulated 910B engines, one drops from 10 to 1 slot
 and ``lb.admin.capacity`` together, then returns) once per policy on a fresh stack with the
 embedded NATS, on the identical seeded workload; prints the comparison table; runs
 ``laswrr replay --db`` and ``laswrr report --db`` on LA-SWRR's recorded log (exact replay, zero
-interruptions); writes the plots and results into ``--out`` and says where.
+interruptions); writes the plots and results into ``--out`` and says where, and
+``--out``/dashboard.png: the live dashboard of the LA-SWRR run, taken in headless Chromium
+during the drop phase (skipped, saying so, without chromium).
 """
 
 from __future__ import annotations
@@ -38,6 +40,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.set_defaults(func=main)
 
 
+def dashboard_shot(out: Path, scenario: Any, phase: str = "drop", fraction: float = 0.6) -> Any:
+    """A task for ``bench_scenario(alongside=...)``: starts ``laswrr dashboard`` on the running
+    stack and, ``fraction`` into ``phase`` of the (scaled) scenario, screenshots the page in
+    headless Chromium into ``out``. The browser opens only shortly before, to load the benchmark's
+    two cores as little as possible."""
+    from laswrr.bench.browser import Browser
+
+    window = next(p for p in scenario.phases if p.name == phase)
+    at_s = window.start_s + fraction * (window.end_s - window.start_s)
+
+    async def dashboard_screenshot(stack: Any, t0: float) -> None:
+        url = await stack.stack.start_dashboard(0)
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(max(0.0, t0 + at_s - 10.0 - loop.time()))
+        async with Browser() as browser:
+            await browser.goto(url)
+            await browser.wait_for("document.querySelectorAll('table.nodes tbody tr').length > 0", timeout_s=8.0)
+            await asyncio.sleep(max(0.0, t0 + at_s - loop.time()))
+            await browser.screenshot(out)
+
+    return dashboard_screenshot
+
+
 def _verdict(policy: str, summary: dict[str, Any]) -> list[str]:
     s = summary["policies"][policy]
     lines = []
@@ -60,6 +85,7 @@ def _verdict(policy: str, summary: dict[str, Any]) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from laswrr.bench.browser import chromium_binary
     from laswrr.bench.cli import bench_scenario, plots_missing
     from laswrr.bench.report import print_table
     from laswrr.bench.scenarios import ANNOUNCED_DROP
@@ -74,9 +100,16 @@ def main(args: argparse.Namespace) -> int:
     interrupt_on_sigterm()  # `kill` stops the demo like Ctrl-C: the stack is torn down
     started = time.monotonic()
     print(f"demo: {ANNOUNCED_DROP.description}; policies {', '.join(DEMO_POLICIES)}; embedded NATS")
+    shot = args.out / "dashboard.png"
+    shot.unlink(missing_ok=True)  # what exists afterwards is this run's
+    alongside = {}
+    if chromium_binary() is not None:
+        alongside["la-swrr"] = dashboard_shot(shot, ANNOUNCED_DROP.scaled(args.duration_scale))
+    else:
+        print(f"demo: no chromium installed (apt-get install chromium): {shot} will not be taken")
     try:
         summary, paths = asyncio.run(bench_scenario(ANNOUNCED_DROP, DEMO_POLICIES, args.seed, args.out,
-                                                    args.duration_scale))
+                                                    args.duration_scale, alongside=alongside))
     except (OSError, RuntimeError, TimeoutError) as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return 1
@@ -86,6 +119,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"\nresults: {args.out / 'results.json'}")
     for path in paths:
         print(f"plot:    {path}")
+    if shot.exists():
+        print(f"dashboard during the drop phase: {shot}")
     print(f"demo finished in {time.monotonic() - started:.0f}s")
     la = summary["policies"]["la-swrr"]
     replay_ok = la.get("replay") is None or la["replay"]["ok"]

@@ -31,7 +31,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -184,8 +184,14 @@ def counter_deltas(before: dict[str, tuple[float, float]], after: dict[str, tupl
                    "hit_tokens": h - before.get(node, (0.0, 0.0))[1]} for node, (q, h) in after.items()}
 
 
+# Something to do on the running stack beside the load (the demo's dashboard screenshot): it gets
+# the stack and t0 (loop time); its failure is logged, never fails the run.
+Alongside = Callable[[stack_adapter.RunningStack, float], Awaitable[None]]
+
+
 async def run_policy(scenario: Scenario, policy: str, workload: Sequence[RequestSpec], run_dir: Path,
-                     on_result: OnResult | None = None, proxy_args: Sequence[str] = ()) -> PolicyRun:
+                     on_result: OnResult | None = None, proxy_args: Sequence[str] = (),
+                     alongside: Alongside | None = None) -> PolicyRun:
     started = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
     stack = await stack_adapter.start(scenario, policy, run_dir, write_scheduler_config(scenario, run_dir),
@@ -202,9 +208,16 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
             before = await prefix_counters(http, stack.engine_urls)
             t0 = loop.time() + 0.2
             timeline = asyncio.create_task(run_timeline(scenario.actions, t0, stack.engine_urls, http, watch))
+            beside = asyncio.create_task(alongside(stack, t0)) if alongside is not None else None
             load = await run_load(stack.proxy_url, workload, t0, model=stack_adapter.request_model(policy),
                                   on_done=on_result, session=http)
             applied = await timeline
+            if beside is not None:
+                try:
+                    await beside
+                except Exception as exc:  # noqa: BLE001 - an extra, never the measurement
+                    notes.append(f"{getattr(alongside, '__name__', 'alongside')} failed: {exc}")
+                    log.warning("%s/%s: %s", scenario.name, policy, notes[-1])
             prefix_cache = counter_deltas(before, await prefix_counters(http, stack.engine_urls))
         notes += [f"action at {t:.2f}s: {label}" for t, label in applied]
         await asyncio.sleep(SETTLE_S)

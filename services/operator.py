@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError, NotFoundError
@@ -98,10 +99,12 @@ class Outcome:
 # -- publishing ---------------------------------------------------------------------------------------
 
 
-async def open_connection(url: str) -> Client:
+async def open_connection(url: str, reconnect: bool = False) -> Client:
+    """One connection for one command; ``reconnect``: it outlives a NATS restart (``--watch``)."""
+    options: dict[str, Any] = {} if reconnect else dict(allow_reconnect=False, max_reconnect_attempts=1,
+                                                         reconnect_time_wait=0.2)
     try:
-        return await connect(url, "laswrr-operator", allow_reconnect=False, connect_timeout=3,
-                             max_reconnect_attempts=1, reconnect_time_wait=0.2, error_cb=_quiet)
+        return await connect(url, "laswrr-operator", connect_timeout=3, error_cb=_quiet, **options)
     except Exception as exc:
         raise OperatorError(f"cannot connect to NATS at {redact_url(url)}: {exc or type(exc).__name__}") from None
 
@@ -223,21 +226,26 @@ def run_register(args: argparse.Namespace) -> int:
 async def read_snapshots(url: str) -> dict[str, dict[str, Any]]:
     nc = await open_connection(url)
     try:
-        try:
-            kv = await nc.jetstream().key_value(sj.WEIGHTS_BUCKET)
-            keys = await kv.keys()
-        except (BucketNotFoundError, NotFoundError):
-            raise OperatorError(f"no KV bucket {sj.WEIGHTS_BUCKET} on {redact_url(url)}: has a scheduler ever run there?") from None
-        except NoKeysError:
-            return {}
-        snapshots: dict[str, dict[str, Any]] = {}
-        for key in sorted(keys):
-            with contextlib.suppress(KeyNotFoundError, ValueError):
-                snapshots[key] = json.loads((await kv.get(key)).value or b"null")
-        return snapshots
+        return await _snapshots(nc, url)
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
+
+
+async def _snapshots(nc: Client, url: str) -> dict[str, dict[str, Any]]:
+    """Every pool's latest snapshot in KV LB_WEIGHTS (OperatorError when there is no bucket)."""
+    try:
+        kv = await nc.jetstream().key_value(sj.WEIGHTS_BUCKET)
+        keys = await kv.keys()
+    except (BucketNotFoundError, NotFoundError):
+        raise OperatorError(f"no KV bucket {sj.WEIGHTS_BUCKET} on {redact_url(url)}: has a scheduler ever run there?") from None
+    except NoKeysError:
+        return {}
+    snapshots: dict[str, dict[str, Any]] = {}
+    for key in sorted(keys):
+        with contextlib.suppress(KeyNotFoundError, ValueError):
+            snapshots[key] = json.loads((await kv.get(key)).value or b"null")
+    return snapshots
 
 
 def _age(ms: Any) -> str:
@@ -268,7 +276,71 @@ def render_tables(snapshots: dict[str, dict[str, Any]], now_ns: int) -> list[Any
     return tables
 
 
+def _only_pool(snapshots: dict[str, dict[str, Any]], pool: str | None) -> dict[str, dict[str, Any]]:
+    if pool is None:
+        return snapshots
+    if pool not in snapshots:
+        known = ", ".join(snapshots) or "none"
+        raise OperatorError(f"no pool {pool!r} in {sj.WEIGHTS_BUCKET} (pools: {known})")
+    return {pool: snapshots[pool]}
+
+
+async def watch_nodes(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    """``laswrr nodes --watch``: the tables refreshed in place every ``--interval-s`` on a
+    terminal (rich Live); one JSON line per refresh (``{"ts_ms", "pools"}``) with ``--json`` or
+    when stdout is not a terminal. A read that fails is shown (or logged to stderr) and retried."""
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.text import Text
+
+    lines = args.json or not sys.stdout.isatty()
+    nc = await open_connection(args.nats_url, reconnect=True)
+    console = Console()
+    live = None if lines else Live(Text("reading LB_WEIGHTS ..."), console=console, auto_refresh=False)
+    try:
+        if live is not None:
+            live.start()
+        while not stop.is_set():
+            try:
+                snapshots = _only_pool(await _snapshots(nc, args.nats_url), args.pool)
+                problem = None
+            except (OperatorError, nats.errors.Error, asyncio.TimeoutError) as exc:
+                snapshots, problem = {}, str(exc) or type(exc).__name__
+            now_ns = time.time_ns()
+            if lines:
+                if problem is None:
+                    print(json.dumps({"ts_ms": now_ns // 1_000_000, "pools": snapshots}), flush=True)
+                else:
+                    print(f"laswrr nodes --watch: {problem}", file=sys.stderr, flush=True)
+            else:
+                assert live is not None
+                header = Text(f"laswrr nodes --watch: every {args.interval_s:g} s, {time.strftime('%H:%M:%S')}"
+                              + (f" — {problem}" if problem else ""), style="bold red" if problem else "bold")
+                live.update(Group(header, *render_tables(snapshots, now_ns)), refresh=True)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), args.interval_s)
+    finally:
+        if live is not None:
+            live.stop()
+        with contextlib.suppress(Exception):
+            await nc.close()
+    return 0
+
+
+async def _watch(args: argparse.Namespace) -> int:
+    return await watch_nodes(args, settings.stop_event())
+
+
 def run_nodes(args: argparse.Namespace) -> int:
+    if args.watch:
+        if args.interval_s <= 0:
+            print("laswrr: --interval-s must be > 0", file=sys.stderr)
+            return EXIT_USAGE
+        try:
+            return asyncio.run(_watch(args))
+        except OperatorError as exc:
+            print(f"laswrr: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         snapshots = asyncio.run(read_snapshots(args.nats_url))
     except OperatorError as exc:
@@ -341,6 +413,10 @@ def register(subparsers: Any) -> None:
     nodes = subparsers.add_parser("nodes", help="show each pool's latest snapshot (KV LB_WEIGHTS)",
                                   description="One table per pool: phase, capacity, weights, in-flight, load, sample age.")
     nodes.add_argument("--pool", default=None, help="only this pool")
-    nodes.add_argument("--json", action="store_true", help="print the snapshots as JSON")
+    nodes.add_argument("--json", action="store_true", help="print the snapshots as JSON (with --watch: one line each)")
+    nodes.add_argument("--watch", action="store_true",
+                       help="refresh in place until Ctrl-C (JSON lines when stdout is not a terminal)")
+    nodes.add_argument("--interval-s", type=settings.duration("s"), default=1.0,
+                       help="--watch refresh period (default %(default)s)")
     _common(nodes, write=False)
     nodes.set_defaults(func=run_nodes)

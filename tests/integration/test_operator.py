@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import pty
+import select
+import signal
 import json
 import sys
 from collections.abc import AsyncIterator
@@ -126,3 +130,59 @@ def test_outcome_reads_a_rejection_by_its_as_of_seq() -> None:
     later = Outcome(seq=10, node="n1")
     later.observe(sj.OUT_REJECTED, {"seq": 11, "subject": "y", "reason": "someone else's", "as_of_seq": 11})
     assert later.applied and later.rejected is None
+
+
+async def test_nodes_watch_prints_json_lines_when_not_a_terminal(nats_url: str, js: JetStreamContext,
+                                                                 scheduler: SchedulerService) -> None:
+    last = await js.publish("lb.admin.node.w1", b'{"url": "http://w1", "capacity": 8}')
+    await asyncio.wait_for(_applied(scheduler, last.seq), 5)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "laswrr", "nodes", "--watch", "--interval-s", "200ms", "--nats-url", nats_url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        capacities = []
+        changed = False
+        while len(capacities) < 40 and 3 not in capacities:
+            line = json.loads(await asyncio.wait_for(proc.stdout.readline(), 10))
+            assert set(line) == {"ts_ms", "pools"}
+            nodes = line["pools"].get("default", {}).get("nodes", [])
+            capacities.append(next((n["capacity"] for n in nodes if n["node"] == "w1"), None))
+            if capacities[-1] == 8 and not changed:
+                await js.publish("lb.admin.capacity.w1", b'{"capacity": 3}')
+                changed = True
+        assert capacities[0] == 8 and capacities[-1] == 3  # the same process saw the change
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_nodes_watch_refreshes_the_table_in_place_on_a_terminal(nats_url: str, js: JetStreamContext,
+                                                                     scheduler: SchedulerService) -> None:
+    last = await js.publish("lb.admin.node.t1", b'{"url": "http://t1", "capacity": 2}')
+    await asyncio.wait_for(_applied(scheduler, last.seq), 5)
+    master, slave = pty.openpty()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "laswrr", "nodes", "--watch", "--interval-s", "200ms", "--nats-url", nats_url,
+        stdout=slave, stderr=asyncio.subprocess.PIPE, env={**os.environ, "COLUMNS": "200", "TERM": "xterm"})
+    os.close(slave)
+    try:
+        screen = b""
+        deadline = asyncio.get_running_loop().time() + 10
+        while screen.count(b"pool default") < 3 and asyncio.get_running_loop().time() < deadline:
+            ready, _, _ = await asyncio.to_thread(select.select, [master], [], [], 0.5)
+            if ready:
+                screen += os.read(master, 65536)
+        assert screen.count(b"pool default") >= 3 and b"t1" in screen
+        assert b"\x1b[2K" in screen or b"\x1b[1A" in screen  # rich Live moves back over the last table
+        assert b'"ts_ms"' not in screen  # a table, not JSON lines
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        os.close(master)

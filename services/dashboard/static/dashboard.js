@@ -189,12 +189,15 @@ function drawWeights(name, p, canvas, t0, t1) {
     ctx.strokeStyle = color(node);
     line(ctx, pts, x, yOf, 2, 1.2, [5, 4], false);
     line(ctx, pts, x, yOf, 1, 2.2, [], false);
-    const y = bottom + 4 + k * 7;  // the phase band of this node
-    pts.forEach((pt, i) => {
-      const from = Math.max(M.left, x(pt[0])), to = i + 1 < pts.length ? x(pts[i + 1][0]) : x(t1);
-      ctx.fillStyle = PHASE_COLORS[pt[4]] || "#d1d5db";
+    const y = bottom + 4 + k * 7;  // the phase band of this node: one rectangle per run of a phase
+    for (let i = 0; i < pts.length;) {
+      let j = i + 1;
+      while (j < pts.length && pts[j][4] === pts[i][4]) j++;
+      const from = Math.max(M.left, x(pts[i][0])), to = j < pts.length ? x(pts[j][0]) : x(t1);
+      ctx.fillStyle = PHASE_COLORS[pts[i][4]] || "#d1d5db";
       ctx.fillRect(from, y, Math.max(1, to - from), 5);
-    });
+      i = j;
+    }
     const last = pts[pts.length - 1];
     if (last) drawn[node] = { effective: last[1], target: last[2], inflight: last[3], phase: last[4], t: last[0] };
   });
