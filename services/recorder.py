@@ -370,15 +370,15 @@ async def render_metrics(recorder: Recorder) -> bytes:
 
 
 def _families(recorder: Recorder, recorded: dict[str, int]) -> Iterator[Metric]:
-    prefix, labels = "laswrr_recorder", ["stream"]
+    labels = ["stream"]
     families = {
-        "rows_written": CounterMetricFamily(f"{prefix}_rows_written", "Rows committed to DuckDB", labels=labels),
-        "batches": CounterMetricFamily(f"{prefix}_batches", "Batches committed", labels=labels),
-        "repaired": CounterMetricFamily(f"{prefix}_repaired", "Missing seqs fetched from the stream", labels=labels),
-        "gaps": CounterMetricFamily(f"{prefix}_gaps", "Seqs the stream no longer had", labels=labels),
-        "seq": GaugeMetricFamily(f"{prefix}_recorded_seq", "Highest seq recorded without a hole", labels=labels),
+        "rows_written": CounterMetricFamily("laswrr_recorder_rows_written", "Rows committed to DuckDB", labels=labels),
+        "batches": CounterMetricFamily("laswrr_recorder_batches", "Batches committed", labels=labels),
+        "repaired": CounterMetricFamily("laswrr_recorder_repaired", "Missing seqs fetched from the stream", labels=labels),
+        "gaps": CounterMetricFamily("laswrr_recorder_gaps", "Seqs the stream no longer had", labels=labels),
+        "seq": GaugeMetricFamily("laswrr_recorder_recorded_seq", "Highest seq recorded without a hole", labels=labels),
     }
-    batch = HistogramMetricFamily(f"{prefix}_batch_seconds", "One commit (insert, fill holes)", labels=labels)
+    batch = HistogramMetricFamily("laswrr_recorder_batch_seconds", "One commit (insert, fill holes)", labels=labels)
     for stream, stats in recorder.stats.items():
         for key, value in (("rows_written", stats.recorded), ("batches", stats.batches), ("repaired", stats.repaired),
                            ("gaps", stats.gaps), ("seq", recorded[stream])):

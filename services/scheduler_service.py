@@ -372,19 +372,19 @@ async def render_metrics(service: SchedulerService) -> bytes:
 
 
 def _families(service: SchedulerService) -> Iterator[Metric]:
-    stats, prefix = service.stats, "laswrr_scheduler"
-    yield counter(f"{prefix}_events_applied", "Events of LB_EVENTS applied to the core", stats.applied)
-    yield counter(f"{prefix}_outputs_published", "Outputs acknowledged by LB_OUT", stats.published)
-    rejections = CounterMetricFamily(f"{prefix}_rejections", "Inputs rejected, by class of reason", labels=["reason"])
+    stats = service.stats
+    yield counter("laswrr_scheduler_events_applied", "Events of LB_EVENTS applied to the core", stats.applied)
+    yield counter("laswrr_scheduler_outputs_published", "Outputs acknowledged by LB_OUT", stats.published)
+    rejections = CounterMetricFamily("laswrr_scheduler_rejections", "Inputs rejected, by class of reason", labels=["reason"])
     for reason, n in sorted(stats.rejections.items()):
         rejections.add_metric([reason], n)
     yield rejections
-    yield gauge(f"{prefix}_applied_seq", "Stream seq of the last applied event", service.applied_seq)
-    yield gauge(f"{prefix}_checkpoint_age_seconds", "Time since the last checkpoint (or start)",
+    yield gauge("laswrr_scheduler_applied_seq", "Stream seq of the last applied event", service.applied_seq)
+    yield gauge("laswrr_scheduler_checkpoint_age_seconds", "Time since the last checkpoint (or start)",
                 max(0.0, time.time() - stats.checkpointed_at))
-    yield gauge(f"{prefix}_checkpoint_lag_events", "Events applied since the last checkpoint",
+    yield gauge("laswrr_scheduler_checkpoint_lag_events", "Events applied since the last checkpoint",
                 service.applied_seq - service.checkpointed_seq)
-    yield histogram(f"{prefix}_batch_seconds", "One batch: apply, publish, KV, ack", stats.batch_seconds)
+    yield histogram("laswrr_scheduler_batch_seconds", "One batch: apply, publish, KV, ack", stats.batch_seconds)
 
 
 # -- NATS helpers ---------------------------------------------------------------------------------

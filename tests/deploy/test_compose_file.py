@@ -31,6 +31,7 @@ COMPOSE = ROOT / "compose.yaml"
 NODES = ROOT / "deploy" / "nodes.compose.toml"
 CORE = {"nats", "scheduler-a", "scheduler-b", "recorder", "collector", "register", "proxy-a", "proxy-b"}
 SIMS = {"sim-910c", "sim-910b-1", "sim-910b-2", "sim-910"}
+OBSERVABILITY = {"prometheus", "grafana", "dashboard"}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def laswrr_services(services: dict[str, Any]) -> dict[str, Any]:
 # -- docker-compose, when installed ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("profile", [None, "sim"])
+@pytest.mark.parametrize("profile", [None, "sim", "observability"])
 def test_docker_compose_config_accepts_the_file(profile: str | None) -> None:
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose not installed (.ci/run installs it); the structural tests still run")
@@ -59,9 +60,9 @@ def test_docker_compose_config_accepts_the_file(profile: str | None) -> None:
     assert quiet.returncode == 0, quiet.stderr
     listed = subprocess.run([*args, "config", "--services"], capture_output=True, text=True, timeout=60)
     # docker-compose 1.x lists profiled services even without --profile; `docker compose` v2 does not
-    assert CORE <= set(listed.stdout.split()) <= CORE | SIMS
+    assert CORE <= set(listed.stdout.split()) <= CORE | SIMS | OBSERVABILITY
     if profile:
-        assert set(listed.stdout.split()) == CORE | SIMS
+        assert set(listed.stdout.split()) >= CORE | (SIMS if profile == "sim" else OBSERVABILITY)
 
 
 def test_docker_compose_config_rejects_a_broken_file(tmp_path: Path) -> None:
@@ -81,6 +82,7 @@ def test_docker_compose_config_rejects_a_broken_file(tmp_path: Path) -> None:
 def test_services_and_profiles(compose: dict[str, Any]) -> None:
     assert set(selected_services(compose)) == CORE
     assert set(selected_services(compose, ["sim"])) == CORE | SIMS
+    assert set(selected_services(compose, ["observability"])) == CORE | OBSERVABILITY
     for name in SIMS:
         assert compose["services"][name]["profiles"] == ["sim"]
 
@@ -138,7 +140,7 @@ def test_health_checks_restart_policies_and_environment(services: dict[str, Any]
     for name, spec in laswrr_services(services).items():
         assert spec["environment"]["NATS_URL"] == "nats://nats:4222", name
         assert spec["image"] == "laswrr:latest" and spec["init"] is True
-    assert set(compose["volumes"]) == {"nats-data", "recorder-data"}
+    assert set(compose["volumes"]) == {"nats-data", "recorder-data", "prometheus-data", "grafana-data"}
 
 
 def test_environment_variables_reach_the_commands() -> None:
@@ -146,7 +148,8 @@ def test_environment_variables_reach_the_commands() -> None:
            "LASWRR_NODES": "/etc/fleet/nodes.toml", "PROXY_POLICY": "p2c"}
     services = load_compose(COMPOSE, env)["services"]
     assert services["scheduler-a"]["environment"]["NATS_URL"] == "nats://bus.example:4222"
-    assert services["scheduler-a"]["command"][-1] == "50"
+    command = services["scheduler-a"]["command"]
+    assert command[command.index("--tick-ms") + 1] == "50"
     assert services["proxy-a"]["ports"] == ["9000:8000"]
     assert services["proxy-b"]["command"][-1] == "p2c"
     assert services["collector"]["volumes"] == ["/etc/fleet/nodes.toml:/etc/laswrr/nodes.toml:ro"]
