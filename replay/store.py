@@ -262,7 +262,12 @@ def _open_copy(copy: Path) -> duckdb.DuckDBPyConnection:
 
 @contextlib.contextmanager
 def _locked_copy(db: Path, copy_locked: CopyLocked) -> Iterator[Path]:
-    workdir = Path(tempfile.mkdtemp(prefix="laswrr-db-"))
+    """A copy made by the file's owner, in a private directory next to the file (the recorder
+    writes copies only under its own data directory)."""
+    try:
+        workdir = Path(tempfile.mkdtemp(prefix=".laswrr-copy-", dir=db.parent))
+    except OSError as exc:
+        raise StoreError(f"{db} is locked and no copy can be made next to it in {db.parent}: {exc.strerror}") from None
     try:
         target = workdir / DB_FILE
         copy_locked(db, target)

@@ -15,6 +15,7 @@ import msgspec
 
 from laswrr.schemas.codec import SchemaError
 from laswrr.schemas.events import MAX_INT
+from laswrr.scheduler.upstreams import PatternError, check_pattern, upstream_patterns
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -61,6 +62,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     backoff_decay_ms: int = 10_000
     panic_threshold: float = 0.5  # fewer routable nodes than this share -> route to ejected too
     proxy_timeout_ms: int = 15_000  # a proxy silent this long has its open requests expired
+    # Hosts an ``lb.admin.node`` URL may name: comma-separated host, host:port or CIDR patterns
+    # (scheduler/upstreams.py); empty: any host. User info, a query or a fragment is refused
+    # whatever the list says. A string, not a list, so ``lb.admin.config`` keeps its scalar values.
+    allow_upstream: str = ""
 
 
 _DECODER = msgspec.json.Decoder(SchedulerConfig)
@@ -114,6 +119,11 @@ def _check(config: SchedulerConfig) -> None:
     if not 0.0 <= config.max_ejection_percent <= 100.0:
         raise SchemaError(f"invalid configuration: max_ejection_percent={config.max_ejection_percent} "
                           "must be within 0..100")
+    for pattern in upstream_patterns(config.allow_upstream):
+        try:
+            check_pattern(pattern)
+        except PatternError as exc:
+            raise SchemaError(f"invalid configuration: allow_upstream: {exc}") from None
     if config.capacity_ramp_ratio <= 1.0:
         raise SchemaError(f"invalid configuration: capacity_ramp_ratio={config.capacity_ramp_ratio} must be > 1")
 

@@ -41,6 +41,7 @@ from laswrr.scheduler import config as config_mod
 from laswrr.scheduler import reweigh
 from laswrr.scheduler.phases import ROUTABLE, HeldBy, Phase, PhaseError, Trigger, next_phase, release_trigger
 from laswrr.scheduler.state import CoreState, NodeState, OpenRequest
+from laswrr.scheduler.upstreams import upstream_patterns, upstream_rejection
 from laswrr.scheduler.weights import MS, round_milli
 from laswrr.schemas import events
 from laswrr.schemas import subjects
@@ -264,6 +265,12 @@ class Scheduler:
     # -- admin --------------------------------------------------------------------------------
 
     def _on_registered(self, key: str, event: events.NodeRegistered) -> None:
+        allowed = upstream_patterns(self.config.allow_upstream)
+        reasons = [upstream_rejection(event.url, allowed)] + [
+            upstream_rejection(url, allowed, strict=False) for url in (event.metrics_url, event.health_url) if url]
+        for reason in reasons:
+            if reason is not None:
+                raise Rejection(reason)
         node = self.state.nodes.get(key)
         if node is None:
             self._register(key, event)

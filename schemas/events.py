@@ -141,6 +141,7 @@ class RequestStarted(Event, frozen=True, kw_only=True):
     boot_id: Name | None = None  # the proxy process (ProxyHeartbeat.boot_id)
     prompt_tokens: NonNegInt | None = None  # the proxy's estimate of the prompt (token-aware load)
     max_tokens: NonNegInt | None = None  # the output the request may generate (its decode reservation)
+    key_name: Annotated[str, Meta(max_length=128)] | None = None  # the client's API key, by name (never the key)
 
 
 class RequestFinished(Event, frozen=True, kw_only=True):

@@ -136,7 +136,7 @@ def run_db(args: argparse.Namespace) -> int:
     except SchemaError as exc:
         return _fail("replay", str(exc))
     try:
-        with store.open_read(args.db, copy_from_recorder(args.nats_url)) as con:
+        with store.open_read(args.db, copy_from_recorder(args.nats_url, auth=settings.nats_auth(args))) as con:
             if overrides:
                 return _what_if(con, overrides, Path(args.out), args.fraction)
             started = time.perf_counter()
@@ -186,7 +186,7 @@ def run_report(args: argparse.Namespace) -> int:
     from laswrr.replay import report
 
     try:
-        with store.open_read(args.db, copy_from_recorder(args.nats_url)) as con:
+        with store.open_read(args.db, copy_from_recorder(args.nats_url, auth=settings.nats_auth(args))) as con:
             data = report.gather(con)
     except store.StoreError as exc:
         return _fail("report", str(exc), 1)
@@ -204,7 +204,7 @@ def run_export(args: argparse.Namespace) -> int:
     if target.exists() and not target.is_dir():
         return _fail("export", f"{target} exists and is not a directory")
     try:
-        with store.open_read(args.db, copy_from_recorder(args.nats_url)) as con:
+        with store.open_read(args.db, copy_from_recorder(args.nats_url, auth=settings.nats_auth(args))) as con:
             written = export(con, target, views=not args.no_views)
     except store.StoreError as exc:
         return _fail("export", str(exc), 1)

@@ -94,6 +94,7 @@ class Child:
     pump: asyncio.Task[None] | None = None
     argv: tuple[str, ...] = ()  # the laswrr command and its arguments, to restart it
     wait_listening: bool = False
+    env: Mapping[str, str] | None = None  # its environment (None: this process's), the same at a restart
     deaths: list[float] = field(default_factory=list)  # monotonic times of unexpected exits
     restarts: int = 0
 
@@ -122,21 +123,23 @@ class ChildProcesses:
         self._restarting: set[asyncio.Task[None]] = set()
 
     async def spawn(self, name: str, command: str, *args: str, role: str = "other",
-                    wait_listening: bool = False) -> Child:
-        """Start ``python -m laswrr COMMAND ARGS`` as a child; with ``wait_listening``, wait
-        for its ``... listening on URL`` stdout line and record the URL."""
-        process, log_path = await self._exec(name, (command, *args))
+                    wait_listening: bool = False, env: Mapping[str, str] | None = None) -> Child:
+        """Start ``python -m laswrr COMMAND ARGS`` as a child (environment ``env``, default this
+        process's); with ``wait_listening``, wait for its ``... listening on URL`` stdout line
+        and record the URL."""
+        process, log_path = await self._exec(name, (command, *args), env)
         child = Child(name=name, role=role, process=process, log_path=log_path, argv=(command, *args),
-                      wait_listening=wait_listening)
+                      wait_listening=wait_listening, env=env)
         self.children.append(child)
         await self._started(child)
         return child
 
-    async def _exec(self, name: str, argv: Sequence[str]) -> tuple[asyncio.subprocess.Process, Path]:
+    async def _exec(self, name: str, argv: Sequence[str],
+                    env: Mapping[str, str] | None = None) -> tuple[asyncio.subprocess.Process, Path]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         log_file = open(log_path, "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
         try:
             process = await asyncio.create_subprocess_exec(
                 self.python, "-m", "laswrr", *argv, stdin=asyncio.subprocess.DEVNULL,
@@ -214,7 +217,7 @@ class ChildProcesses:
                 await asyncio.wait_for(child.pump, 2.0)
         argv = pinned_port(child.argv, child.url)
         try:
-            child.process, child.log_path = await self._exec(child.name, argv)
+            child.process, child.log_path = await self._exec(child.name, argv, child.env)
             child.restarts += 1
             await self._started(child)
         except (OSError, StackError) as exc:  # could not come up: counts as one more death

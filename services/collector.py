@@ -40,12 +40,12 @@ from laswrr.collectors.poller import Collector, RateLimitedLog, Settings, Stats,
 from laswrr.collectors.registrations import RegisteredNodes
 from laswrr.schemas import subjects as sj
 from laswrr.services import settings as common
-from laswrr.services.natsbus import connect, ensure_streams, redact_url
+from laswrr.services.natsbus import NatsAuth, connect, ensure_streams, redact_url
 from laswrr.services.service_metrics import serve_metrics
 
 log = logging.getLogger("laswrr.collector")
 
-async def _connect(nats_url: str, timeout_s: float, stop: asyncio.Event) -> Client:
+async def _connect(nats_url: str, timeout_s: float, stop: asyncio.Event, auth: NatsAuth | None) -> Client:
     """Connect (reconnecting forever later on); give up on a server never reached at start."""
     warn = RateLimitedLog(30.0)
     where = redact_url(nats_url)
@@ -62,7 +62,7 @@ async def _connect(nats_url: str, timeout_s: float, stop: asyncio.Event) -> Clie
 
     try:
         return await asyncio.wait_for(
-            connect(nats_url, "laswrr-collector", error_cb=on_error, disconnected_cb=on_disconnected,
+            connect(nats_url, "laswrr-collector", auth, error_cb=on_error, disconnected_cb=on_disconnected,
                     reconnected_cb=on_reconnected), timeout_s)
     except asyncio.TimeoutError:
         raise ConnectionError(f"no NATS server answered within {timeout_s:.0f} s") from None
@@ -103,10 +103,10 @@ async def follow_registrations(js: JetStreamContext, collector: Collector, file_
 
 
 async def serve(nats_url: str, nodes: list[Node], settings: Settings,
-                stop: asyncio.Event | None = None) -> Stats:
+                stop: asyncio.Event | None = None, auth: NatsAuth | None = None) -> Stats:
     """Connect, collect until ``stop`` (or SIGINT/SIGTERM), drain; returns the counters."""
     stop = common.stop_event(stop)
-    nc = await _until_stopped(_connect(nats_url, settings.connect_timeout_s, stop), stop)
+    nc = await _until_stopped(_connect(nats_url, settings.connect_timeout_s, stop, auth), stop)
     if nc is None:
         return Stats()
     runner = None
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     if not nodes:
         log.warning("%s has no [[node]] tables: nothing to collect until stopped", args.nodes)
     try:
-        asyncio.run(serve(args.nats_url, nodes, settings))
+        asyncio.run(serve(args.nats_url, nodes, settings, auth=common.nats_auth(args)))
     except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
         print(f"laswrr collector: NATS at {redact_url(args.nats_url)}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

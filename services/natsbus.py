@@ -17,10 +17,11 @@ import logging
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -180,10 +181,63 @@ def _redact_one(url: str) -> str:
     return f"{scheme}://{user}:***@{host}" if colon else f"{scheme}://***@{host}"
 
 
-async def connect(url: str, name: str, **options: object) -> Client:
-    """Connect with reconnects forever (services must outlive a NATS restart)."""
+AUTH_ENV = {"creds": "NATS_CREDS", "nkey": "NATS_NKEY", "tls_ca": "NATS_TLS_CA", "tls_cert": "NATS_TLS_CERT",
+            "tls_key": "NATS_TLS_KEY"}
+
+
+@dataclass(frozen=True)
+class NatsAuth:
+    """How to prove who we are to NATS, beside what the URL carries (``user:password@`` or
+    ``token@``). Every field is a file path, never a secret itself, so this value may be
+    logged; each has a flag (``--nats-creds``, ...) and an environment variable (``AUTH_ENV``).
+
+    * ``creds``: a decentralised-auth ``.creds`` file (user JWT and nkey seed);
+    * ``nkey``: a file holding an nkey seed (``SU...``);
+    * ``tls_ca``: the CA bundle that must have signed the server's certificate (``tls://`` or a
+      server that requires TLS); ``tls_cert`` and ``tls_key``: this client's own certificate.
+    """
+
+    creds: str | None = None
+    nkey: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "NatsAuth":
+        environ = os.environ if environ is None else environ
+        return cls(**{field: environ.get(var) or None for field, var in AUTH_ENV.items()})
+
+    def env(self) -> dict[str, str]:
+        """The environment variables that hand this to a child process (paths only)."""
+        return {AUTH_ENV[field]: value for field, value in vars(self).items() if value}
+
+    def connect_options(self) -> dict[str, object]:
+        """nats-py ``connect`` keyword arguments; a missing file raises ``FileNotFoundError``."""
+        for path in vars(self).values():
+            if path and not os.path.isfile(path):
+                raise FileNotFoundError(f"NATS credential file {path} does not exist")
+        options: dict[str, object] = {}
+        if self.creds:
+            options["user_credentials"] = self.creds
+        if self.nkey:
+            options["nkeys_seed"] = self.nkey
+        if self.tls_ca or self.tls_cert:
+            context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.tls_ca)
+            if self.tls_cert:
+                context.load_cert_chain(self.tls_cert, self.tls_key)
+            options["tls"] = context
+        return options
+
+
+async def connect(url: str, name: str, auth: NatsAuth | None = None, **options: object) -> Client:
+    """The one way to the bus: connect with reconnects forever (services must outlive a NATS
+    restart). ``url`` may carry ``user:password@`` or ``token@``; ``auth`` adds creds, nkey and
+    TLS files (default: from the environment, ``NatsAuth.from_env``)."""
+    auth = NatsAuth.from_env() if auth is None else auth
     defaults: dict[str, object] = dict(name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                                        connect_timeout=5, allow_reconnect=True)
+    defaults.update(auth.connect_options())
     defaults.update(options)
     return await nats.connect(url, **defaults)  # type: ignore[arg-type]
 
@@ -206,20 +260,25 @@ def nats_server_binary() -> str:
 
 
 class EmbeddedNats:
-    """A nats-server child process with JetStream on a free port, storage under ``data_dir``."""
+    """A nats-server child process with JetStream on a free port, storage under ``data_dir``.
+    ``config_file``: a nats-server configuration (users and permissions, TLS: services/accounts.py);
+    the address, port and store given here override what it says."""
 
     def __init__(self, data_dir: str | os.PathLike[str], port: int = 0, host: str = "127.0.0.1",
-                 log_file: str | None = None, config: str = "") -> None:
+                 log_file: str | None = None, config: str = "",
+                 config_file: str | os.PathLike[str] | None = None) -> None:
         """``config``: extra nats-server configuration text (e.g. ``max_payload: 65536``)."""
         self.data_dir = Path(data_dir)
         self.config = config
         self.host = host
         self.port = port or free_port(host)
         self.log_file = log_file
+        self.config_file = config_file
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
+        """The address without credentials (``accounts.role_url`` adds a role's)."""
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float = 15.0) -> "EmbeddedNats":
@@ -232,14 +291,23 @@ class EmbeddedNats:
         store = self.data_dir / "jetstream"
         store.mkdir(parents=True, exist_ok=True)
         log = ["-l", self.log_file] if self.log_file else []
-        if self.config:
-            conf = self.data_dir / "nats-server.conf"
-            conf.write_text(self.config)
-            log += ["-c", str(conf)]
+        config = self._config_args()
         self.process = subprocess.Popen(
-            [nats_server_binary(), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(store), *log],
+            [nats_server_binary(), *config, "-a", self.host, "-p", str(self.port), "-js", "-sd", str(store), *log],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec(),
         )
+
+    def _config_args(self) -> list[str]:
+        """``-c FILE``: ``config_file``, with the ``config`` text after it when both are given
+        (in one file beside ``config_file``, as private as it)."""
+        if not self.config:
+            return ["-c", str(self.config_file)] if self.config_file else []
+        base = Path(self.config_file).read_text() if self.config_file else ""
+        conf = Path(self.config_file).with_suffix(".extra.conf") if self.config_file else self.data_dir / "nats-server.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as sink:
+            sink.write(base + "\n" + self.config + "\n")
+        return ["-c", str(conf)]
 
     def wait_ready(self, timeout: float = 15.0) -> "EmbeddedNats":
         """Block until the server accepts connections (or raise, stopping it)."""

@@ -35,7 +35,7 @@ from laswrr.collectors.nodes import REGISTERED_COLLECTOR_KEYS, Node, NodesConfig
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.events import ENGINE_NAMES
 from laswrr.services import settings
-from laswrr.services.natsbus import connect, redact_url
+from laswrr.services.natsbus import NatsAuth, connect, redact_url
 
 EXIT_APPLIED, EXIT_REJECTED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
 DESCRIBE_GRACE_S = 0.5  # after the proof of application, time allowed for a snapshot with the node
@@ -99,12 +99,12 @@ class Outcome:
 # -- publishing ---------------------------------------------------------------------------------------
 
 
-async def open_connection(url: str, reconnect: bool = False) -> Client:
+async def open_connection(url: str, reconnect: bool = False, auth: NatsAuth | None = None) -> Client:
     """One connection for one command; ``reconnect``: it outlives a NATS restart (``--watch``)."""
     options: dict[str, Any] = {} if reconnect else dict(allow_reconnect=False, max_reconnect_attempts=1,
                                                          reconnect_time_wait=0.2)
     try:
-        return await connect(url, "laswrr-operator", connect_timeout=3, error_cb=_quiet, **options)
+        return await connect(url, "laswrr-operator", auth, connect_timeout=3, error_cb=_quiet, **options)
     except Exception as exc:
         raise OperatorError(f"cannot connect to NATS at {redact_url(url)}: {exc or type(exc).__name__}") from None
 
@@ -113,9 +113,10 @@ async def _quiet(exc: Exception) -> None:
     """nats-py logs a traceback per failed attempt by default; the caller reports one line."""
 
 
-async def publish_and_wait(url: str, subject: str, payload: bytes, node: str | None, wait_s: float) -> Outcome | None:
+async def publish_and_wait(url: str, subject: str, payload: bytes, node: str | None, wait_s: float,
+                           auth: NatsAuth | None = None) -> Outcome | None:
     """Publish one admin event like `nats pub` and fold the outputs until decided or ``wait_s``."""
-    nc = await open_connection(url)
+    nc = await open_connection(url, auth=auth)
     queue: asyncio.Queue[Msg] = asyncio.Queue()
     try:
         await nc.subscribe("lb.out.>", cb=queue.put)
@@ -154,7 +155,8 @@ async def _fold_until(queue: asyncio.Queue[Msg], outcome: Outcome, deadline: flo
 def run_write(args: argparse.Namespace, subject: str, body: dict[str, Any], node: str | None) -> int:
     payload = json.dumps(body).encode()
     try:
-        outcome = asyncio.run(publish_and_wait(args.nats_url, subject, payload, node, args.wait))
+        outcome = asyncio.run(publish_and_wait(args.nats_url, subject, payload, node, args.wait,
+                                               settings.nats_auth(args)))
     except OperatorError as exc:
         print(f"laswrr: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -223,8 +225,8 @@ def run_register(args: argparse.Namespace) -> int:
 # -- laswrr nodes -------------------------------------------------------------------------------------
 
 
-async def read_snapshots(url: str) -> dict[str, dict[str, Any]]:
-    nc = await open_connection(url)
+async def read_snapshots(url: str, auth: NatsAuth | None = None) -> dict[str, dict[str, Any]]:
+    nc = await open_connection(url, auth=auth)
     try:
         return await _snapshots(nc, url)
     finally:
@@ -294,7 +296,7 @@ async def watch_nodes(args: argparse.Namespace, stop: asyncio.Event) -> int:
     from rich.text import Text
 
     lines = args.json or not sys.stdout.isatty()
-    nc = await open_connection(args.nats_url, reconnect=True)
+    nc = await open_connection(args.nats_url, reconnect=True, auth=settings.nats_auth(args))
     console = Console()
     live = None if lines else Live(Text("reading LB_WEIGHTS ..."), console=console, auto_refresh=False)
     try:
@@ -342,7 +344,7 @@ def run_nodes(args: argparse.Namespace) -> int:
             print(f"laswrr: {exc}", file=sys.stderr)
             return EXIT_USAGE
     try:
-        snapshots = asyncio.run(read_snapshots(args.nats_url))
+        snapshots = asyncio.run(read_snapshots(args.nats_url, settings.nats_auth(args)))
     except OperatorError as exc:
         print(f"laswrr: {exc}", file=sys.stderr)
         return EXIT_USAGE

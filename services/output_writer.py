@@ -82,6 +82,7 @@ class OutputWriter:
         self._weights: KeyValue | None = None
         self._kv_known: dict[str, tuple[int, int]] = {}  # pool -> (as_of_seq, revision) in LB_WEIGHTS
         self._latest: dict[str, Output] = {}  # pool -> newest snapshot output not yet in LB_WEIGHTS
+        self._events_last_seq = 0  # LB_EVENTS' last seq when last looked up (a bound on any true as_of_seq)
 
     async def open(self) -> None:
         self._weights = await self.js.key_value(sj.WEIGHTS_BUCKET)
@@ -153,9 +154,20 @@ class OutputWriter:
                     CAS_ATTEMPTS)
 
     async def _read_weight(self, pool: str) -> tuple[int, int]:
+        """``(as_of_seq, revision)`` of the pool's entry. An entry that claims a seq beyond
+        LB_EVENTS' last one was not written by a scheduler (a hostile or stray writer: "newest
+        wins" would keep it for good), so it counts as 0 and is replaced; one that does not
+        decode counts as 0 too."""
         assert self._weights is not None
         try:
             entry = await self._weights.get(pool)
         except KeyNotFoundError:  # also a deleted key: create() works on it
             return (0, 0)
-        return (as_of_seq_of(None, entry.value), entry.revision or 0)
+        seq = as_of_seq_of(None, entry.value)
+        if seq > self._events_last_seq:
+            self._events_last_seq = (await self.js.stream_info(sj.EVENTS_STREAM)).state.last_seq
+            if seq > self._events_last_seq:
+                log.warning("LB_WEIGHTS[%s] claims as_of_seq %d, beyond LB_EVENTS' last seq %d: not a scheduler's "
+                            "snapshot; replacing it", pool, seq, self._events_last_seq)
+                seq = 0
+        return (seq, entry.revision or 0)

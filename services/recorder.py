@@ -24,8 +24,9 @@ Theory of operation.
   thread; one lock serialises every use of the DuckDB connection.
 * **One writer per DuckDB file** (docs/design.md §1, "Hazards designed for"). Readers (``laswrr replay|report|export --db``)
   that find the file locked send a request on ``lb.recorder.snapshot`` (``{"db": path, "to":
-  path}``); the recorder that owns ``db`` pauses committing LB_OUT, records LB_EVENTS up to the
-  stream's last seq at the time of the request (so every recorded output has its input),
+  path}``; ``to`` must be a new file inside the recorder's data directory, anything else is
+  refused with the reason); the recorder that owns ``db`` pauses committing LB_OUT, records
+  LB_EVENTS up to the stream's last seq at the time of the request (so every recorded output has its input),
   copies the database into ``to`` with DuckDB's ``COPY FROM DATABASE`` and replies ``{"path": to}`` (or ``{"error": ...}``).
   A recorder that does not own ``db`` stays silent.
 * **Stop.** SIGINT/SIGTERM: finish the pull in flight, commit, ack, drain the connection, close
@@ -55,7 +56,7 @@ from laswrr.replay import store
 from laswrr.schemas import subjects as sj
 from laswrr.services import settings
 from laswrr.services.jsreader import PullReader, ack_all_consumer, get_envelope, parse_ack_subject
-from laswrr.services.natsbus import connect, ensure_streams, redact_url
+from laswrr.services.natsbus import NatsAuth, connect, ensure_streams, redact_url
 from laswrr.services.service_metrics import BATCH_BUCKETS, Buckets, Metric, lag, render, serve_metrics
 
 log = logging.getLogger("laswrr.recorder")
@@ -254,8 +255,10 @@ class Recorder:
             return
         if not owner:
             return  # another recorder's file: let its owner answer
-        if target.exists() or not target.parent.is_dir():
-            await msg.respond(json.dumps({"error": f"{target} exists or its directory does not"}).encode())
+        refused = self._refuse_target(target)
+        if refused is not None:
+            log.warning("refused a copy request: %s", refused)
+            await msg.respond(json.dumps({"error": refused}).encode())
             return
         self._out_gate.clear()
         async with self._db_lock:  # a LB_OUT commit in progress ends before we read the target
@@ -266,6 +269,17 @@ class Recorder:
         reply = await future
         with contextlib.suppress(Exception):
             await msg.respond(json.dumps(reply).encode())
+
+    def _refuse_target(self, target: Path) -> str | None:
+        """Why a copy may not be written at ``target`` (None: it may). Copies go only inside the
+        data directory (symbolic links resolved), never over an existing file."""
+        home = self.options.data_dir.resolve()
+        resolved = target.resolve()
+        if not resolved.is_relative_to(home) or resolved == home:
+            return f"{target} is not inside the recorder's data directory {home}"
+        if resolved.exists() or not resolved.parent.is_dir():
+            return f"{target} exists or its directory does not"
+        return None
 
     async def _serve_snapshots(self, final: bool = False) -> None:
         ready = [s for s in self._snapshots if final or self.recorded_through[sj.EVENTS_STREAM] >= s[0]]
@@ -282,13 +296,13 @@ class Recorder:
             self._out_gate.set()
 
 
-def copy_from_recorder(nats_url: str, timeout_s: float = 60.0) -> store.CopyLocked:
+def copy_from_recorder(nats_url: str, timeout_s: float = 60.0, auth: NatsAuth | None = None) -> store.CopyLocked:
     """``store.open_read``'s ``copy_locked`` for a file that a running recorder holds: ask it,
     over ``lb.recorder.snapshot`` on ``nats_url``, for a consistent copy (blocking)."""
 
     def copy_locked(db: Path, target: Path) -> None:
         try:
-            reply = asyncio.run(_request_copy(nats_url, db, target, timeout_s))
+            reply = asyncio.run(_request_copy(nats_url, db, target, timeout_s, auth))
         except Exception as exc:  # noqa: BLE001 - any NATS failure becomes the one-line explanation
             raise store.StoreError(
                 f"{db} is locked by another process and no recorder answered {sj.RECORDER_SNAPSHOT} on "
@@ -300,11 +314,12 @@ def copy_from_recorder(nats_url: str, timeout_s: float = 60.0) -> store.CopyLock
     return copy_locked
 
 
-async def _request_copy(nats_url: str, db: Path, target: Path, timeout_s: float) -> dict[str, str]:
+async def _request_copy(nats_url: str, db: Path, target: Path, timeout_s: float,
+                        auth: NatsAuth | None = None) -> dict[str, str]:
     async def quiet(exc: Exception) -> None:
         return None
 
-    nc = await asyncio.wait_for(connect(nats_url, "laswrr-reader", connect_timeout=2, max_reconnect_attempts=0,
+    nc = await asyncio.wait_for(connect(nats_url, "laswrr-reader", auth, connect_timeout=2, max_reconnect_attempts=0,
                                         allow_reconnect=False, error_cb=quiet), 3.0)
     try:
         body = json.dumps({"db": str(db.resolve()), "to": str(target)}).encode()
@@ -415,13 +430,14 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     options = RecorderOptions(data_dir=Path(args.data_dir), batch=args.batch, flush_ms=args.flush_ms,
                               durable=args.durable)
-    return asyncio.run(serve(args.nats_url, options, args.metrics_port))
+    return asyncio.run(serve(args.nats_url, options, args.metrics_port, settings.nats_auth(args)))
 
 
-async def serve(nats_url: str, options: RecorderOptions, metrics_port: int | None = None) -> int:
+async def serve(nats_url: str, options: RecorderOptions, metrics_port: int | None = None,
+                auth: NatsAuth | None = None) -> int:
     stop = settings.stop_event()
     try:
-        nc = await connect(nats_url, "laswrr-recorder")
+        nc = await connect(nats_url, "laswrr-recorder", auth)
     except Exception as exc:  # noqa: BLE001
         log.error("cannot connect to %s: %s", redact_url(nats_url), exc)
         return 1

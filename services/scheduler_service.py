@@ -72,7 +72,8 @@ from laswrr.schemas.codec import Envelope, Output, encode, publishable
 from laswrr.schemas.outputs import Rejected
 from laswrr.services import settings
 from laswrr.services.jsreader import ConsumerGone, InOrder, PullReader, ack_all_consumer
-from laswrr.services.natsbus import MSG_ID, Throttled, connect, ensure_checkpoint_bucket, ensure_streams, redact_url
+from laswrr.services.natsbus import (MSG_ID, NatsAuth, Throttled, connect, ensure_checkpoint_bucket, ensure_streams,
+                                     redact_url)
 from laswrr.services.output_writer import OutputWriter, highest_published_seq
 from laswrr.services.service_metrics import (BATCH_BUCKETS, Buckets, Metric, counter, gauge, histogram, lag,
                                              reason_class, render, serve_metrics)
@@ -112,6 +113,7 @@ class SchedulerOptions:
     fetch_timeout_s: float = 0.25
     checkpoint_every: int = 10_000  # events between checkpoints; 0 disables checkpoints
     use_checkpoint: bool = True
+    allow_upstream: tuple[str, ...] | None = None  # --allow-upstream: replaces the config's allow_upstream
 
 
 HEADER_MARGIN_BYTES = 1024  # room for the headers (Nats-Msg-Id) within the connection's max payload
@@ -315,18 +317,37 @@ class SchedulerService:
         self._checkpointed_seq = self.applied_seq
         self.stats.checkpointed_at = time.time()
 
+    @property
+    def _allow_text(self) -> str:
+        return ",".join(self.options.allow_upstream or ())
+
+    def _wanted(self) -> config_mod.SchedulerConfig | None:
+        """The ``--config`` file's configuration, with ``--allow-upstream`` over it."""
+        if self.options.allow_upstream is None:
+            return self._wanted_config
+        base = self._wanted_config or self.scheduler.config
+        return config_mod.with_changes(base, {"allow_upstream": self._allow_text})
+
     async def _publish_config(self) -> None:
-        if self._wanted_config is None:
+        await self._publish_wanted_config()
+        if not self.scheduler.config.allow_upstream and self.options.allow_upstream is None:
+            log.warning("no --allow-upstream: lb.admin.node may register any upstream host; "
+                        "give the engines' hosts or CIDR blocks to refuse the others")
+
+    async def _publish_wanted_config(self) -> None:
+        wanted = self._wanted()
+        if wanted is None:
             return
-        changes = config_changes(self.scheduler.config, self._wanted_config)
+        changes = config_changes(self.scheduler.config, wanted)
         if not changes:
-            log.info("configuration file %s is already in force", self.options.config_file)
+            log.info("configuration %s is already in force", self.options.config_file or "--allow-upstream")
             return
         payload = encode({"set": changes})
         digest = hashlib.sha256(payload).hexdigest()[:16]
         msg_id = f"config-{self.applied_seq}-{digest}"  # replicas started together publish it once
         ack = await self.js.publish(sj.ADMIN_CONFIG, payload, headers={MSG_ID: msg_id})
-        log.info("published configuration %s as seq %d: %s", self.options.config_file, ack.seq, sorted(changes))
+        log.info("published configuration %s as seq %d: %s", self.options.config_file or "--allow-upstream", ack.seq,
+                 sorted(changes))
 
     async def _tick_loop(self, stop: asyncio.Event) -> None:
         period_ns = self.options.tick_ms * 1_000_000
@@ -411,6 +432,10 @@ def register(subparsers: Any) -> None:
                         help=f"events between checkpoints in KV {sj.CHECKPOINT_BUCKET} (0 = none; default %(default)s)")
     parser.add_argument("--no-checkpoint", action="store_true", help="rebuild from the first retained event")
     settings.add_metrics_port(parser)
+    parser.add_argument("--allow-upstream", action="append", default=None, metavar="PATTERN",
+                        help="a host, host:port or CIDR block that lb.admin.node URLs may name (repeatable; "
+                             "published as the configuration key allow_upstream; default: the key in force, "
+                             "empty = any host)")
     settings.add_logging(parser)
     parser.set_defaults(func=run_command)
 
@@ -423,23 +448,38 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         options = SchedulerOptions(config_file=args.config, tick_ms=args.tick_ms, batch=args.batch,
                                    checkpoint_every=args.checkpoint_every, use_checkpoint=not args.no_checkpoint,
-                                   replica_id=args.replica_id or default_replica_id())
+                                   replica_id=args.replica_id or default_replica_id(),
+                                   allow_upstream=_patterns(args.allow_upstream))
         if options.config_file:
             config_mod.load_file(options.config_file)
     except (OSError, ValueError) as exc:
         print(f"laswrr scheduler: bad --config {args.config}: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(args.nats_url, options, args.metrics_port))
+    if options.allow_upstream is not None:
+        try:
+            config_mod.with_changes(config_mod.SchedulerConfig(), {"allow_upstream": ",".join(options.allow_upstream)})
+        except ValueError as exc:
+            print(f"laswrr scheduler: bad --allow-upstream: {exc}", file=sys.stderr)
+            return 2
+    return asyncio.run(serve(args.nats_url, options, args.metrics_port, settings.nats_auth(args)))
+
+
+def _patterns(values: list[str] | None) -> tuple[str, ...] | None:
+    """Repeated ``--allow-upstream`` values (each may itself be comma-separated)."""
+    if values is None:
+        return None
+    return tuple(p.strip() for value in values for p in value.split(",") if p.strip())
 
 
 async def _log_nats_error(exc: Exception) -> None:
     log.warning("NATS: %s", exc or type(exc).__name__)
 
 
-async def serve(nats_url: str, options: SchedulerOptions, metrics_port: int | None = None) -> int:
+async def serve(nats_url: str, options: SchedulerOptions, metrics_port: int | None = None,
+                auth: NatsAuth | None = None) -> int:
     stop = settings.stop_event()
     try:
-        nc = await connect(nats_url, f"laswrr-scheduler-{options.replica_id}", error_cb=_log_nats_error)
+        nc = await connect(nats_url, f"laswrr-scheduler-{options.replica_id}", auth, error_cb=_log_nats_error)
     except Exception as exc:
         log.error("cannot connect to %s: %s", redact_url(nats_url), exc)
         return 1

@@ -36,6 +36,8 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+from laswrr.services.natsbus import AUTH_ENV, NatsAuth
+
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_DATA_DIR = ".laswrr"
 DEFAULT_TICK_MS = 100
@@ -52,14 +54,32 @@ def default_nats_url() -> str:
 
 
 def add_nats_options(parser: argparse.ArgumentParser, embedded: bool = False) -> None:
-    """``--nats-url``. ``embedded``: the command starts its own server unless a URL is given
-    (``laswrr up``), so the default is None rather than ``$NATS_URL``."""
+    """``--nats-url`` (user:password@ or token@ may be in it) and the credential files
+    ``--nats-creds``, ``--nats-nkey``, ``--nats-tls-ca``, ``--nats-tls-cert``, ``--nats-tls-key``,
+    each defaulting to its environment variable (``NATS_CREDS``, ...). ``embedded``: the command
+    starts its own server unless a URL is given (``laswrr up``), so the URL's default is None."""
+    group = parser.add_argument_group("NATS connection")
     if embedded:
-        parser.add_argument("--nats-url", default=None, metavar="URL",
-                            help="use this NATS server (default: start an embedded one)")
+        group.add_argument("--nats-url", default=None, metavar="URL",
+                           help="use this NATS server (default: start an embedded one)")
     else:
-        parser.add_argument("--nats-url", default=default_nats_url(), metavar="URL",
-                            help=f"NATS server (default: $NATS_URL or {DEFAULT_NATS_URL})")
+        group.add_argument("--nats-url", default=default_nats_url(), metavar="URL",
+                           help=f"NATS server, may hold user:password@ or token@ (default: $NATS_URL or "
+                                f"{DEFAULT_NATS_URL})")
+    for field, var in AUTH_ENV.items():
+        flag = "--nats-" + field.replace("_", "-")
+        group.add_argument(flag, dest=f"nats_{field}", default=os.environ.get(var) or None, metavar="FILE",
+                           help=f"{_AUTH_HELP[field]} (default ${var})")
+
+
+_AUTH_HELP = {"creds": "NATS decentralised-auth credentials (.creds)", "nkey": "file with an nkey seed",
+              "tls_ca": "CA certificates that signed the server's", "tls_cert": "client certificate (mutual TLS)",
+              "tls_key": "client certificate's private key"}
+
+
+def nats_auth(args: argparse.Namespace) -> NatsAuth:
+    """The credential files given by ``add_nats_options``' flags (or their environment variables)."""
+    return NatsAuth(**{field: getattr(args, f"nats_{field}", None) for field in AUTH_ENV})
 
 
 def port_number(text: str) -> int:

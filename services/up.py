@@ -7,7 +7,9 @@ stops the children in order; each child also gets SIGTERM if ``up`` itself dies 
 nodes.toml parser is collectors/nodes.py).
 
 Start order: NATS (embedded ``nats-server`` under ``<data_dir>/jetstream`` unless a URL is
-given) -> streams -> scheduler, recorder -> simulated engines (when no nodes file is given:
+given; secure by default: one user per role with a random password and the permissions of
+services/accounts.py, written to ``<data_dir>/secrets/<role>.env`` as ``NATS_URL=...``, mode
+0600; ``secure=False`` keeps an open server) -> streams -> scheduler, recorder -> simulated engines (when no nodes file is given:
 one 910C, two 910B, one 910, all in pool ``default`` serving one model id, ``SIM_MODEL``; their nodes file is written to ``<data_dir>/nodes.toml``) ->
 registration of every node by publishing ``lb.admin.node.<id>`` (plain JSON, as ``nats pub``
 would), waiting until LB_WEIGHTS shows them -> collector -> proxy.
@@ -26,10 +28,13 @@ nats-server is not restarted (every service reconnects to it on its own).
 
 Library API (for benchmarks and the demo)::
 
-    stack = Stack(data_dir, nats_url=None, proxy_port=8000, config=None, tick_ms=100)
+    stack = Stack(data_dir, nats_url=None, proxy_port=8000, config=None, tick_ms=100, secure=True,
+                  allow_upstream=(), proxy_args=(), nats_auth=None)
     await stack.start(nodes=None)   # everything above; nodes: None (sim engines),
                                     # a nodes.toml path, or a list of Node
-    stack.nats_url, stack.proxy_url, stack.nodes, stack.nodes_file, stack.children
+    stack.nats_url                  # the operator's URL (with its password when secure)
+    stack.role_url("proxy")         # any role's; children get theirs in $NATS_URL, never in argv
+    stack.proxy_url, stack.nodes, stack.nodes_file, stack.children
     # or piece by piece:
     await stack.start_nats(); await stack.start_core()
     nodes = await stack.start_sim_engines(DEFAULT_SIMS, speed=1.0)   # -> list[Node]
@@ -41,7 +46,8 @@ Library API (for benchmarks and the demo)::
     failed = await stack.wait_unexpected_exit()   # the first child that died on its own
     await stack.stop()                            # ordered shutdown; idempotent
 
-Logs of every child go to ``<data_dir>/logs/<name>.log``.
+Logs of every child go to ``<data_dir>/logs/<name>.log``. The scheduler gets ``--allow-upstream``
+for ``allow_upstream`` plus, in ``start``, the hosts of the nodes (``127.0.0.1`` for simulated engines).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 from pathlib import Path
 from typing import IO, Any
 
@@ -66,10 +73,10 @@ from nats.js.errors import KeyNotFoundError
 from laswrr.collectors import nodes as nodes_toml
 from laswrr.collectors.nodes import Node, NodesConfigError
 from laswrr.schemas import subjects as sj
-from laswrr.services import settings
+from laswrr.services import accounts, settings
 from laswrr.services.dashboard.app import DEFAULT_PORT as DASHBOARD_PORT
 from laswrr.services.children import Child, ChildProcesses, RestartPolicy, StackError
-from laswrr.services.natsbus import EmbeddedNats, connect, ensure_streams, redact_url
+from laswrr.services.natsbus import AUTH_ENV, EmbeddedNats, NatsAuth, connect, ensure_streams, redact_url
 
 log = logging.getLogger("laswrr.up")
 
@@ -145,9 +152,16 @@ class Stack:
                  proxy_port: int = settings.DEFAULT_PROXY_PORT, proxy_host: str = DEFAULT_PROXY_HOST,
                  config: str | None = None, tick_ms: int = settings.DEFAULT_TICK_MS,
                  scheduler_args: Sequence[str] = (), python: str = sys.executable,
-                 restart: RestartPolicy | None = None) -> None:
+                 restart: RestartPolicy | None = None, secure: bool = True, allow_upstream: Sequence[str] = (),
+                 proxy_args: Sequence[str] = (), nats_auth: NatsAuth | None = None) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.log_dir = self.data_dir / "logs"
+        self.secrets_dir = self.data_dir / "secrets"
+        self.secure = secure and nats_url is None  # users are generated for the embedded server only
+        self.allow_upstream = list(allow_upstream)
+        self.proxy_args = tuple(proxy_args)
+        self.nats_auth = nats_auth or NatsAuth()  # files for an external server (handed on by environment)
+        self._role_urls: dict[str, str] = {}
         self.proxy_port = proxy_port
         self.proxy_host = proxy_host
         self.config = config
@@ -165,9 +179,13 @@ class Stack:
 
     @property
     def nats_url(self) -> str:
+        """The operator's URL: what ``nats -s`` and ``laswrr capacity`` need."""
+        return self.role_url("operator")
+
+    def role_url(self, role: str) -> str:
         if self._nats_url is None:
             raise StackError("NATS is not started yet")
-        return self._nats_url
+        return self._role_urls.get(role, self._nats_url)
 
     # -- starting ---------------------------------------------------------------------------------
 
@@ -176,6 +194,7 @@ class Stack:
         """Everything, in order; on failure what was started is stopped and StackError raised."""
         try:
             specs = load_nodes(nodes) if isinstance(nodes, (str, os.PathLike)) else nodes
+            self.allow_hosts(specs if specs is not None else [], sims=specs is None)
             await self.start_nats()
             await self.start_core()
             if specs is None:
@@ -195,26 +214,47 @@ class Stack:
             await self.stop()
             raise
 
+    def allow_hosts(self, nodes: Sequence[Node], sims: bool = False) -> None:
+        """Add the hosts of ``nodes``' URLs (and, for simulated engines, 127.0.0.1, where they
+        listen) to the scheduler's ``--allow-upstream``; call before ``start_core``."""
+        urls = [url for node in nodes for url in (node.url, node.metrics_url, node.health_url)]
+        hosts = [urlsplit(url).hostname for url in urls] + (["127.0.0.1"] if sims else [])
+        for host in hosts:
+            if host and host not in self.allow_upstream:
+                self.allow_upstream.append(host)
+
     async def start_nats(self) -> str:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self._nats_url is None:
-            self.embedded = EmbeddedNats(self.data_dir, log_file=str(self.log_dir / "nats.log"))
+            passwords = accounts.new_passwords() if self.secure else {}
+            config = None
+            if passwords:
+                config = accounts.write_private(self.secrets_dir / "nats-server.conf", accounts.server_config(
+                    passwords, header="# Generated by `laswrr up`: one user per role (services/accounts.py)."))
+            self.embedded = EmbeddedNats(self.data_dir, log_file=str(self.log_dir / "nats.log"), config_file=config)
             self.embedded.spawn()  # from the loop's thread: PDEATHSIG follows the spawning thread
             await asyncio.to_thread(self.embedded.wait_ready)
             self._nats_url = self.embedded.url
+            self._role_urls = {role: accounts.role_url(role, password, self.embedded.host, self.embedded.port)
+                               for role, password in passwords.items()}
+            accounts.write_secrets(self.secrets_dir, self._role_urls)
         try:
-            self._nc = await connect(self.nats_url, "laswrr-up")
+            async with contextlib.AsyncExitStack() as scope:  # streams and buckets are the scheduler's to set up
+                setup = await connect(self.role_url("scheduler"), "laswrr-up-setup", self.nats_auth)
+                scope.push_async_callback(setup.close)
+                await ensure_streams(setup.jetstream())
+            self._nc = await connect(self.nats_url, "laswrr-up", self.nats_auth)
         except Exception as exc:
             raise StackError(f"cannot connect to NATS at {redact_url(self.nats_url)}: {exc}") from None
-        await ensure_streams(self._nc.jetstream())
         return self.nats_url
 
     async def start_core(self) -> None:
-        args = ["--nats-url", self.nats_url, "--tick-ms", str(self.tick_ms), *self.scheduler_args]
+        args = ["--tick-ms", str(self.tick_ms), *(f"--allow-upstream={p}" for p in self.allow_upstream),
+                *self.scheduler_args]
         if self.config:
             args += ["--config", self.config]
         await self.spawn("scheduler", "scheduler", *args, role="scheduler")
-        await self.spawn("recorder", "recorder", "--nats-url", self.nats_url, "--data-dir", str(self.data_dir),
+        await self.spawn("recorder", "recorder", "--data-dir", str(self.data_dir),
                          role="recorder")
 
     async def start_sim_engines(self, sims: Sequence[tuple[str, str, int]] = DEFAULT_SIMS, speed: float = 1.0,
@@ -277,15 +317,15 @@ class Stack:
         path = nodes_file or self.nodes_file
         if path is None:
             return None
-        return await self.spawn("collector", "collector", "--nats-url", self.nats_url, "--nodes", str(path),
+        return await self.spawn("collector", "collector", "--nodes", str(path),
                                 role="collector")
 
     async def start_dashboard(self, port: int = 0) -> str:
         """``laswrr dashboard`` on the live stack (services/dashboard/); returns its URL, or
         StackError (logged) when it cannot start (its port taken, say)."""
         try:
-            child = await self.spawn("dashboard", "dashboard", "--nats-url", self.nats_url, "--host",
-                                     self.proxy_host, "--port", str(port), role="other", wait_listening=True)
+            child = await self.spawn("dashboard", "dashboard", "--host", self.proxy_host, "--port", str(port),
+                                     role="other", wait_listening=True)  # reads as the operator
         except StackError as exc:
             log.warning("dashboard not started: %s", exc)
             raise
@@ -299,8 +339,8 @@ class Stack:
         replicas = sum(1 for c in self.children if c.role == "proxy")
         name = name or ("proxy" if replicas == 0 else f"proxy-{replicas + 1}")
         port = self.proxy_port if port is None else port
-        child = await self.spawn(name, "proxy", "--nats-url", self.nats_url, "--host", self.proxy_host,
-                                 "--port", str(port), "--proxy-id", name, *extra_args, role="proxy",
+        child = await self.spawn(name, "proxy", "--host", self.proxy_host, "--port", str(port), "--proxy-id", name,
+                                 *self.proxy_args, *extra_args, role="proxy",
                                  wait_listening=True)
         assert child.url is not None
         await self._wait_routing(child)
@@ -332,8 +372,19 @@ class Stack:
     async def spawn(self, name: str, command: str, *args: str, role: str = "other",
                     wait_listening: bool = False) -> Child:
         """Start ``python -m laswrr COMMAND ARGS`` as a child; with ``wait_listening``, wait
-        for its ``... listening on URL`` stdout line and record the URL (services/children.py)."""
-        return await self.processes.spawn(name, command, *args, role=role, wait_listening=wait_listening)
+        for its ``... listening on URL`` stdout line and record the URL (services/children.py).
+        Its NATS credentials come in its environment (``child_env``), never in its arguments."""
+        return await self.processes.spawn(name, command, *args, role=role, wait_listening=wait_listening,
+                                          env=self.child_env(role))
+
+    def child_env(self, role: str) -> dict[str, str]:
+        """The environment of a child: ``NATS_URL`` of its role (``other``: the operator's; an
+        engine: none) and the credential files of an external server, nothing inherited of either."""
+        env = {k: v for k, v in os.environ.items() if k != "NATS_URL" and k not in AUTH_ENV.values()}
+        if role != "sim-engine" and self._nats_url is not None:
+            env["NATS_URL"] = self.role_url(role if role in accounts.ROLES else "operator")
+            env.update(self.nats_auth.env())
+        return env
 
     async def wait_unexpected_exit(self) -> Child:
         """The first child that exits while the stack runs (not during ``stop``)."""
@@ -354,10 +405,16 @@ class Stack:
 
 
 def banner(stack: Stack, out: IO[str]) -> None:
-    url = stack.nats_url
     where = f"embedded, JetStream store in {stack.data_dir / 'jetstream'}" if stack.embedded else "external"
     print(f"laswrr up: running (data dir {stack.data_dir}, logs in {stack.log_dir})", file=out)
-    print(f"  NATS URL:  {url}  ({where})", file=out)
+    operator_env = stack.secrets_dir / "operator.env"
+    if stack.secure:
+        print(f"  NATS:      {redact_url(stack.nats_url)}  ({where}; one user per role, credentials in "
+              f"{stack.secrets_dir}/<role>.env)", file=out)
+        print(f"  operator:  NATS_URL={stack.nats_url}", file=out)
+    else:
+        print(f"  NATS URL:  {redact_url(stack.nats_url)}  ({where}{', open: no authentication' if stack.embedded else ''})",
+              file=out)
     api = ("  (OpenAI API: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, ...; "
            "\"model\": a pool name, e.g. \"default\", or its engines' model id)")
     print(f"  proxy URL: {stack.proxy_url or 'none (laswrr proxy not available)'}" + (api if stack.proxy_url else ""),
@@ -374,19 +431,25 @@ def banner(stack: Stack, out: IO[str]) -> None:
     node = stack.nodes[0].id if stack.nodes else "<node>"
     pool = stack.nodes[0].pool if stack.nodes else "default"
     print("operator commands:", file=out)
-    print(f"  nats -s {url} pub lb.admin.capacity.{node} '{{\"capacity\": 1}}'", file=out)
-    print(f"  nats -s {url} sub 'lb.out.>'", file=out)
-    print(f"  nats -s {url} kv get LB_WEIGHTS {pool}", file=out)
-    print(f"  laswrr nodes --nats-url {url}", file=out)
-    print(f"  laswrr capacity {node} 1 --nats-url {url}   (also: drain, undrain, remove, register)", file=out)
+    if stack.secure:
+        print(f"  export $(cat {operator_env})", file=out)
+    else:
+        print(f"  export NATS_URL={redact_url(stack.nats_url)}", file=out)
+    print(f"  nats -s \"$NATS_URL\" pub lb.admin.capacity.{node} '{{\"capacity\": 1}}'", file=out)
+    print("  nats -s \"$NATS_URL\" sub 'lb.out.>'", file=out)
+    print(f"  nats -s \"$NATS_URL\" kv get LB_WEIGHTS {pool}", file=out)
+    print("  laswrr nodes", file=out)
+    print(f"  laswrr capacity {node} 1   (also: drain, undrain, remove, register)", file=out)
     print("Ctrl-C (SIGINT) or SIGTERM stops everything.", file=out, flush=True)
 
 
 async def run_up(args: argparse.Namespace) -> int:
     stop = settings.stop_event()
     restart = RestartPolicy(max_restarts=args.max_restarts) if args.max_restarts > 0 else None
+    proxy_args = ("--api-keys", str(Path(args.api_keys).resolve())) if args.api_keys else ()
     stack = Stack(args.data_dir, nats_url=args.nats_url, proxy_port=args.proxy_port, proxy_host=args.proxy_host,
-                  config=args.config, tick_ms=args.tick_ms, restart=restart)
+                  config=args.config, tick_ms=args.tick_ms, restart=restart, secure=not args.insecure,
+                  allow_upstream=args.allow_upstream or (), proxy_args=proxy_args, nats_auth=settings.nats_auth(args))
     try:
         return await _run_stack(stack, args, stop)
     finally:  # whatever happened (even a closed stdout), nothing is left running
@@ -459,6 +522,12 @@ def register(subparsers: Any) -> None:
                         help=f"restart a child that dies, unless it died more than N times within "
                              f"{RestartPolicy().window_s:g} s: then stop everything and exit 1 (default "
                              f"{RestartPolicy().max_restarts}; 0: the first death stops the stack)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="embedded NATS without users or permissions, as before (experiments only)")
+    parser.add_argument("--allow-upstream", action="append", default=None, metavar="PATTERN",
+                        help="upstream hosts the scheduler accepts besides the nodes' own (repeatable)")
+    parser.add_argument("--api-keys", default=os.environ.get("LASWRR_API_KEYS_FILE") or None, metavar="FILE",
+                        help="the proxy's API keys, one per line, optionally name:key (default $LASWRR_API_KEYS_FILE)")
     settings.add_logging(parser)
     parser.set_defaults(func=run_command)
 
@@ -480,4 +549,12 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"laswrr up: bad --config {args.config}: {exc}", file=sys.stderr)
             return 2
         args.config = str(Path(args.config).resolve())
+    if args.api_keys is not None:
+        from laswrr.services.proxy.keys import ApiKeys, KeysFileError
+
+        try:
+            ApiKeys.load(args.api_keys)
+        except KeysFileError as exc:
+            print(f"laswrr up: {exc}", file=sys.stderr)
+            return 2
     return asyncio.run(run_up(args))

@@ -11,6 +11,7 @@ import pytest
 from laswrr.cli import build_parser
 from laswrr.services import settings
 from laswrr.services.proxy.cli import config_from_args
+from laswrr.services.natsbus import NatsAuth
 from laswrr.services.proxy.config import ProxyConfig
 from laswrr.services.recorder import RecorderOptions
 from laswrr.services.scheduler_service import SchedulerOptions
@@ -52,7 +53,7 @@ def test_configure_logging_sets_the_level_and_quiets_nats() -> None:
 
 def test_proxy_flags_default_to_the_config_dataclass() -> None:
     args = build_parser().parse_args(["proxy", "--proxy-id", "p1", "--nats-url", ProxyConfig().nats_url])
-    assert config_from_args(args) == dataclasses.replace(ProxyConfig(), proxy_id="p1")
+    assert config_from_args(args) == dataclasses.replace(ProxyConfig(), proxy_id="p1", nats_auth=NatsAuth())
 
 
 def test_scheduler_and_recorder_flags_default_to_their_options() -> None:

@@ -17,6 +17,12 @@ Handlers hold no policy: they validate input (400 invalid JSON, 413 body over
 OpenAI-style ``{"error": {message, type, code}}``), pick the pool, ask the router for an
 admission and hand over to ``upstream.Forwarder``.
 
+API keys (``--api-keys``, services/proxy/keys.py): every forwarded route and ``/v1/models``
+first check ``Authorization: Bearer <key>`` (401 ``invalid_api_key``) and the key's requests in
+flight (429 ``rate_limit_exceeded``); the key's name goes on ``lb.req.started`` and into
+``/metrics``. ``--admin-port`` moves ``/metrics`` and the probes to a second listener (they
+stay unauthenticated wherever they are: a load balancer probes them).
+
 Model -> pool: a pool with that exact name; else the pool whose engines list that model id on
 their ``/v1/models``; else the pool ``default`` if it exists; else 404. A request that names a
 pool (``"model": "default"``) is forwarded with the model id that pool's engines serve, so the
@@ -47,6 +53,7 @@ from aiohttp import web
 from laswrr.services.proxy.bus import BusLink
 from laswrr.services.proxy.config import ProxyConfig
 from laswrr.services.proxy.events import EventPublisher
+from laswrr.services.proxy.keys import ApiKeys, UpstreamAuth
 from laswrr.services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from laswrr.services.proxy.models import ModelCatalog
 from laswrr.services.proxy.prompt import prompt_text, request_size
@@ -86,6 +93,8 @@ class ProxyState:
     events: EventPublisher
     metrics: ProxyMetrics
     bus: BusLink
+    keys: ApiKeys | None = None
+    upstream_auth: UpstreamAuth = field(default_factory=UpstreamAuth)
     forwarder: Forwarder | None = None
     catalog: ModelCatalog | None = None
     stopping: bool = False
@@ -114,13 +123,19 @@ async def forward_by_model(request: web.Request) -> web.StreamResponse:
         state.metrics.count_response(503)
         return error_response(503, "proxy is shutting down", "service_unavailable", "shutting_down",
                               headers={"Retry-After": "1", "Connection": "close"})
+    key_name = None
+    if state.keys is not None:
+        key_name = state.keys.identify(request.headers.get("Authorization"))
+        refused = _refuse_key(state, state.keys, key_name)
+        if refused is not None:
+            return refused
     state.active += 1
     state.idle.clear()
     task = asyncio.current_task()
     if task is not None:
         state.handlers.add(task)
     try:
-        response = await _forward(request, state, arrived)
+        response = await _forward(request, state, arrived, key_name)
         state.metrics.count_response(response.status)
         return response
     finally:
@@ -128,9 +143,27 @@ async def forward_by_model(request: web.Request) -> web.StreamResponse:
         state.active -= 1
         if state.active == 0:
             state.idle.set()
+        if key_name is not None and state.keys is not None:
+            state.keys.release(key_name)
 
 
-async def _forward(request: web.Request, state: ProxyState, arrived: float) -> web.StreamResponse:
+def _refuse_key(state: ProxyState, keys: ApiKeys, key_name: str | None) -> web.Response | None:
+    """None when the request may go on (its key now counted in flight); else the 401 or 429 to answer."""
+    if key_name is None:
+        state.metrics.rejected.labels(reason="invalid_api_key").inc()
+        state.metrics.count_response(401)
+        return error_response(401, "Incorrect or missing API key: send Authorization: Bearer <key>",
+                              "invalid_request_error", "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    if not keys.acquire(key_name):
+        state.metrics.rejected.labels(reason="key_max_inflight").inc()
+        state.metrics.count_response(429)
+        return error_response(429, f"Rate limit reached: {keys.max_inflight} requests in flight for this key",
+                              "requests", "rate_limit_exceeded", headers={"Retry-After": "1"})
+    return None
+
+
+async def _forward(request: web.Request, state: ProxyState, arrived: float,
+                   key_name: str | None = None) -> web.StreamResponse:
     body_or_error = await _read_body(request, state)
     if isinstance(body_or_error, web.Response):
         return body_or_error
@@ -163,8 +196,10 @@ async def _forward(request: web.Request, state: ProxyState, arrived: float) -> w
         return error_response(503, f"no routable node in pool {pool!r}", "service_unavailable", "no_routable_node",
                               headers={"Retry-After": "1"})
     request_id = state.next_request_id()
+    headers = forward_headers(request.headers, request_id)
+    state.upstream_auth.apply(headers)
     exchange = Exchange(request_id=request_id, pool=pool, path_qs=request.path_qs, method=request.method, body=body,
-                        headers=forward_headers(request.headers, request_id), arrived=arrived)
+                        headers=headers, arrived=arrived, key_name=key_name)
     assert state.forwarder is not None
     return await state.forwarder.forward(request, exchange, admission)
 
@@ -201,9 +236,15 @@ def _unknown_model(model: str | None, router: Router) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    catalog = request.app[STATE].catalog
-    assert catalog is not None
-    return web.json_response(await catalog.listing())
+    state = request.app[STATE]
+    if state.keys is not None:
+        key_name = state.keys.identify(request.headers.get("Authorization"))
+        if key_name is None:
+            refused = _refuse_key(state, state.keys, key_name)
+            assert refused is not None
+            return refused
+    assert state.catalog is not None
+    return web.json_response(await state.catalog.listing())
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -307,19 +348,33 @@ def init_app(config: ProxyConfig) -> web.Application:
     router = Router(config.policy, config.seed, config.inflight_cap_per_capacity, config.affinity,
                     config.affinity_blocks)
     events = EventPublisher(config.proxy_id, capacity=config.event_buffer)
-    state = ProxyState(config=config, router=router, events=events, metrics=ProxyMetrics(config.proxy_id),
-                       bus=BusLink(config.nats_url, f"laswrr-proxy-{config.proxy_id}", router, events))
+    keys = ApiKeys.load(config.api_keys_file, config.key_max_inflight) if config.api_keys_file else None
+    state = ProxyState(config=config, router=router, events=events, metrics=ProxyMetrics(config.proxy_id, keys),
+                       bus=BusLink(config.nats_url, f"laswrr-proxy-{config.proxy_id}", router, events,
+                                   auth=config.nats_auth),
+                       keys=keys, upstream_auth=UpstreamAuth(config.forward_authorization, config.upstream_api_key))
     state.idle.set()
     app = web.Application(client_max_size=config.max_body_bytes)
     app[STATE] = state
     app.cleanup_ctx.append(_resources)
-    app[ROUTES] = add_routes(app, config.extra_routes)
+    app[ROUTES] = add_routes(app, config.extra_routes, probes=config.admin_port is None)
     return app
 
 
-def add_routes(app: web.Application, extra_posts: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
-    gets = {"/v1/models": list_models, "/health": healthz, "/healthz": healthz, "/readiness": readiness,
-            "/metrics": metrics}
+ADMIN_GETS = {"/health": healthz, "/healthz": healthz, "/readiness": readiness, "/metrics": metrics}
+
+
+def init_admin_app(state: ProxyState) -> web.Application:
+    """``--admin-port``: the probes and /metrics alone, on the state of the main app."""
+    admin = web.Application()
+    admin[STATE] = state
+    for path, handler in ADMIN_GETS.items():
+        admin.router.add_get(path, handler)
+    return admin
+
+
+def add_routes(app: web.Application, extra_posts: tuple[str, ...], probes: bool = True) -> dict[str, tuple[str, ...]]:
+    gets = {"/v1/models": list_models, **(ADMIN_GETS if probes else {})}
     posts = dict.fromkeys(OPENAI_POST_ROUTES + tuple(p for p in extra_posts if p not in OPENAI_POST_ROUTES))
     for path in posts:
         app.router.add_post(path, forward_by_model)
@@ -341,11 +396,21 @@ class RunningProxy:
     site: web.TCPSite
     host: str
     port: int
+    admin_runner: web.AppRunner | None = None
+    admin_port: int | None = None
 
     @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{self._host}:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        """Where /metrics and the probes are: the admin listener, else the main one."""
+        return self.url if self.admin_port is None else f"http://{self._host}:{self.admin_port}"
+
+    @property
+    def _host(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
 
     @property
     def state(self) -> ProxyState:
@@ -370,6 +435,8 @@ class RunningProxy:
                 task.cancel()
             await asyncio.gather(*state.handlers, return_exceptions=True)  # their finished events first
         await self.runner.cleanup()  # then: stopped event, flush, NATS drain (cleanup_ctx)
+        if self.admin_runner is not None:
+            await self.admin_runner.cleanup()
 
 
 async def start(config: ProxyConfig) -> RunningProxy:
@@ -379,8 +446,17 @@ async def start(config: ProxyConfig) -> RunningProxy:
     site = web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port or None)
     await site.start()
     port = _bound_port(site, config.port)
-    log.info("proxy %s listening on %s:%d (policy %s)", config.proxy_id, config.host, port, config.policy)
-    return RunningProxy(app=app, runner=runner, site=site, host=config.host, port=port)
+    log.info("proxy %s listening on %s:%d (policy %s%s)", config.proxy_id, config.host, port, config.policy,
+             ", API keys required" if app[STATE].keys is not None else "")
+    proxy = RunningProxy(app=app, runner=runner, site=site, host=config.host, port=port)
+    if config.admin_port is not None:
+        proxy.admin_runner = web.AppRunner(init_admin_app(app[STATE]), access_log=None, shutdown_timeout=1.0)
+        await proxy.admin_runner.setup()
+        admin_site = web.TCPSite(proxy.admin_runner, config.host, config.admin_port)
+        await admin_site.start()
+        proxy.admin_port = _bound_port(admin_site, config.admin_port)
+        log.info("proxy %s: /metrics and probes on %s:%d", config.proxy_id, config.host, proxy.admin_port)
+    return proxy
 
 
 def _bound_port(site: web.TCPSite, fallback: int) -> int:

@@ -51,7 +51,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.outputs import WeightSnapshot
-from laswrr.services.natsbus import connect, ensure_streams, redact_url
+from laswrr.services.natsbus import NatsAuth, connect, ensure_streams, redact_url
 from laswrr.services.proxy.events import EventPublisher
 from laswrr.services.proxy.routing import Router
 from laswrr.services.proxy.tasks import bounded, stop_task
@@ -65,8 +65,9 @@ WEIGHTS_STREAM = f"KV_{sj.WEIGHTS_BUCKET}"
 class BusLink:
     def __init__(self, url: str, name: str, router: Router, publisher: EventPublisher,
                  rewatch_s: float = 10.0, retry_s: float = 0.5, max_retry_s: float = 5.0,
-                 stream_check_s: float = 1.0) -> None:
+                 stream_check_s: float = 1.0, auth: NatsAuth | None = None) -> None:
         self.url = url
+        self.auth = auth
         self.name = name
         self.router = router
         self.publisher = publisher
@@ -117,7 +118,7 @@ class BusLink:
             try:
                 # Every subject this link publishes on is built by schemas.subjects from checked
                 # tokens: nats-py's per-publish subject regex (two per event) is redundant here.
-                nc = await connect(self.url, self.name, skip_subject_validation=True)
+                nc = await connect(self.url, self.name, self.auth, skip_subject_validation=True)
                 log.info("connected to NATS at %s", redact_url(self.url))
                 return nc
             except asyncio.CancelledError:
@@ -164,8 +165,10 @@ class BusLink:
                     return  # silent too long: re-create the watcher
                 if entry is None or not self.apply(entry):
                     continue
-                if time.monotonic() - self._stream_checked_at >= self.stream_check_s and await self._check_stream(js):
-                    self.apply(entry)  # refused as older than a snapshot of the stream that is gone
+                if time.monotonic() - self._stream_checked_at < self.stream_check_s:
+                    continue
+                if await self._check_stream(js) or await self._held_is_forged(js, entry.key):
+                    self.apply(entry)  # refused as older than a snapshot that is gone or was never real
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
@@ -180,6 +183,21 @@ class BusLink:
         log.warning("%s was recreated (created %s, was %s): the next snapshot of each pool replaces the one held",
                     WEIGHTS_STREAM, created, known)
         self.router.new_stream()
+        return True
+
+    async def _held_is_forged(self, js: JetStreamContext, pool: str) -> bool:
+        """True (and the pool forgotten) when the snapshot held for ``pool`` claims an
+        ``as_of_seq`` beyond LB_EVENTS' last seq: no scheduler wrote it, and "newest wins" would
+        otherwise keep it against every real snapshot."""
+        route = self.router.pools.get(pool)
+        if route is None:
+            return False
+        last = (await js.stream_info(sj.EVENTS_STREAM)).state.last_seq
+        if route.snapshot.as_of_seq <= last:
+            return False
+        log.warning("the snapshot held for pool %s claims as_of_seq %d, beyond LB_EVENTS' last seq %d: "
+                    "not a scheduler's; replaced by the next one", pool, route.snapshot.as_of_seq, last)
+        self.router.forget(pool)
         return True
 
     def apply(self, entry: KeyValue.Entry) -> bool:

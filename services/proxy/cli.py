@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from laswrr.scheduler.policies import POLICIES, canonical_policy
 from laswrr.services.proxy.app import start
 from laswrr.services import settings
+from laswrr.services.proxy.keys import ApiKeys, KeysFileError
 from laswrr.services.proxy.config import AFFINITY_MODES, ProxyConfig, default_proxy_id, parse_size
 
 LISTEN_PREFIX = "proxy listening on "
@@ -87,6 +89,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--affinity-blocks", type=int, default=_DEFAULTS.affinity_blocks, metavar="N",
                         help="prefix-index keys kept per node, 512 characters (~128 tokens) each; set it to the "
                              "engines' KV room (default %(default)s, ~2 M tokens)")
+    keys = parser.add_argument_group("client API keys and upstream credentials (services/proxy/keys.py)")
+    keys.add_argument("--api-keys", default=os.environ.get("LASWRR_API_KEYS_FILE") or _DEFAULTS.api_keys_file,
+                      metavar="FILE", help="clients must send Authorization: Bearer <one of its keys>; one key "
+                                           "per line, optionally name:key (default $LASWRR_API_KEYS_FILE; none: open)")
+    keys.add_argument("--key-max-inflight", type=int, default=_DEFAULTS.key_max_inflight, metavar="N",
+                      help="requests in flight per key; beyond, 429 with Retry-After (default: no limit)")
+    keys.add_argument("--forward-authorization", action="store_true",
+                      help="pass the client's Authorization header on to the engines (default: dropped)")
+    keys.add_argument("--upstream-api-key", default=os.environ.get("LASWRR_UPSTREAM_API_KEY") or None,
+                      metavar="KEY", help="send Authorization: Bearer KEY to the engines (default "
+                                          "$LASWRR_UPSTREAM_API_KEY; prefer the variable: argv is public)")
+    parser.add_argument("--admin-port", type=settings.port_number, default=_DEFAULTS.admin_port, metavar="PORT",
+                        help="serve /metrics, /health, /healthz and /readiness on this port only (default: "
+                             "on --port, open)")
     parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
                         help="event loop; auto = uvloop when installed (default %(default)s)")
     settings.add_logging(parser)
@@ -108,6 +124,10 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         reuse_port=args.reuse_port, extra_routes=args.extra_routes, continue_limit=args.continue_limit,
         stall_timeout_s=args.stall_timeout_s,
         affinity=args.affinity, affinity_blocks=args.affinity_blocks,
+        nats_auth=settings.nats_auth(args),
+        api_keys_file=args.api_keys, key_max_inflight=args.key_max_inflight,
+        forward_authorization=args.forward_authorization, upstream_api_key=args.upstream_api_key,
+        admin_port=args.admin_port,
     ).validate()
 
 
@@ -142,6 +162,12 @@ def run_proxy(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"proxy: {exc}", file=sys.stderr)
         return 2
+    if config.api_keys_file is not None:
+        try:
+            ApiKeys.load(config.api_keys_file)
+        except KeysFileError as exc:
+            print(f"proxy: {exc}", file=sys.stderr)
+            return 2
     try:
         _run(serve(config), args.loop)
     except ImportError:

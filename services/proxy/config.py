@@ -11,11 +11,12 @@ import hashlib
 import os
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from laswrr.schemas import subjects as sj
 from laswrr.scheduler.policies import canonical_policy
 from laswrr.scheduler.policies.affinity import BLOCKS_PER_NODE
+from laswrr.services.natsbus import NatsAuth
 from laswrr.services.settings import DEFAULT_NATS_URL, DEFAULT_PROXY_PORT
 
 AFFINITY_MODES = ("prefix", "none")
@@ -57,6 +58,12 @@ class ProxyConfig:
     stall_timeout_s: float = 30.0  # a continuable stream silent this long has broken
     affinity: str = "prefix"  # la-swrr: prefer the node holding the prompt's prefix, under the guard; "none": off
     affinity_blocks: int = BLOCKS_PER_NODE  # prefix-index keys kept per node (512-character blocks)
+    nats_auth: NatsAuth | None = None  # credential files beside the URL's; None: from the environment
+    api_keys_file: str | None = None  # clients need one of its keys (services/proxy/keys.py); None: open
+    key_max_inflight: int | None = None  # per key; beyond it 429
+    forward_authorization: bool = False  # pass the client's Authorization header to the engines
+    upstream_api_key: str | None = field(default=None, repr=False)  # Authorization: Bearer <it> to engines
+    admin_port: int | None = None  # /metrics and the probes on this port instead of ``port``
 
     def validate(self) -> "ProxyConfig":
         sj.check_token(self.proxy_id, "proxy name")
@@ -75,6 +82,9 @@ class ProxyConfig:
             (self.stall_timeout_s > 0, "--stall-timeout-s must be > 0"),
             (self.affinity in AFFINITY_MODES, f"--affinity must be one of {', '.join(AFFINITY_MODES)}"),
             (self.affinity_blocks >= 1, "--affinity-blocks must be >= 1"),
+            (self.admin_port is None or 0 <= self.admin_port < 65536, "--admin-port must be 0..65535"),
+            (self.key_max_inflight is None or self.key_max_inflight > 0, "--key-max-inflight must be > 0"),
+            (self.key_max_inflight is None or self.api_keys_file is not None, "--key-max-inflight needs --api-keys"),
         ]
         checks += [(path.startswith("/") and " " not in path, f"--extra-routes: {path!r} is not a path like /v1/x")
                    for path in self.extra_routes]

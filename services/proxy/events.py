@@ -119,11 +119,11 @@ class EventPublisher:
     # -- producers (synchronous, never block) ------------------------------------------------
 
     def started(self, request_id: str, node: str, pool: str, snapshot_seq: int,
-                size: RequestSize | None = None) -> None:
+                size: RequestSize | None = None, key_name: str | None = None) -> None:
         event = ev.RequestStarted(request_id=request_id, proxy=self.proxy_id, pool=pool,
                                   snapshot_seq=snapshot_seq, ts_ns=time.time_ns(), boot_id=self.boot_id,
                                   prompt_tokens=None if size is None else size.prompt_tokens,
-                                  max_tokens=None if size is None else size.max_tokens)
+                                  max_tokens=None if size is None else size.max_tokens, key_name=key_name)
         self._put(self._subjects_of(node)[0], encode(event), f"{self.proxy_id}:{request_id}:started")
 
     def finished(self, request_id: str, node: str, pool: str, attempt: Attempt) -> None:

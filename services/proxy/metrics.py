@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from laswrr.scheduler.phases import Phase
 from laswrr.services.proxy.events import EventPublisher
+from laswrr.services.proxy.keys import ApiKeys
 from laswrr.services.service_metrics import Buckets, register_build_info
 from laswrr.services.proxy.routing import Router
 
@@ -70,6 +71,15 @@ class _RequestCollector(Collector):
                                       value=m.publisher.dropped)
         if m.router is not None:
             yield from _routing_families(m.router)
+        if m.keys is not None:  # names only, never a key (services/proxy/keys.py)
+            per_key = CounterMetricFamily("laswrr_proxy_api_key_requests", "Requests admitted per API key name",
+                                          labels=["key"])
+            inflight = GaugeMetricFamily("laswrr_proxy_api_key_inflight", "Requests in flight per API key name",
+                                         labels=["key"])
+            for name, _ in m.keys.entries:
+                per_key.add_metric([name], m.keys.requests.get(name, 0))
+                inflight.add_metric([name], m.keys.inflight.get(name, 0))
+            yield from (per_key, inflight)
 
 
 PHASES = tuple(phase.value for phase in Phase)
@@ -99,9 +109,10 @@ def _routing_families(router: Router) -> Iterator[Metric]:
 
 
 class ProxyMetrics:
-    def __init__(self, proxy_id: str) -> None:
+    def __init__(self, proxy_id: str, keys: ApiKeys | None = None) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
         register_build_info(registry)
+        self.keys = keys
         self.requests: dict[tuple[str, str, str], int] = {}
         self.ttft: dict[str, Buckets] = {}
         self.duration: dict[str, Buckets] = {}

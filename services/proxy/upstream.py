@@ -116,6 +116,7 @@ class Exchange:
     tried: list[str] = field(default_factory=list)
     client: ClientStream | None = None
     continuation: bytes | None = None  # the body of the next attempt after a break
+    key_name: str | None = None  # the client's API key, by name (lb.req.started)
 
 
 @dataclass(slots=True)
@@ -232,7 +233,8 @@ class Forwarder:
 
     async def _attempt_with_events(self, request: web.Request, exchange: Exchange, admission: Admission,
                                    attempt_id: str) -> Done | Failed | Broken:
-        self.events.started(attempt_id, admission.node, admission.pool, admission.snapshot_seq, admission.size)
+        self.events.started(attempt_id, admission.node, admission.pool, admission.snapshot_seq, admission.size,
+                            exchange.key_name)
         state = AttemptState(started=time.perf_counter())
         try:
             result = await self._attempt(request, exchange, admission, state)

@@ -10,6 +10,7 @@ long-running service, and every command a real ``laswrr`` sub-command with optio
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -24,11 +25,13 @@ import yaml
 from laswrr.collectors.nodes import load_nodes
 from deploy.compose_plan import container_ports, health_test, interpolate, load_compose, selected_services
 from laswrr.cli import build_parser
+from laswrr.services.accounts import ROLES, compose_config
 from laswrr.services.operator import nodes_file_bodies
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
 NODES = ROOT / "deploy" / "nodes.compose.toml"
+PASSWORDS = {f"LASWRR_NATS_PASSWORD_{role.upper()}": f"pw-{role}" for role in ROLES}  # what .env must set
 CORE = {"nats", "scheduler-a", "scheduler-b", "recorder", "collector", "register", "proxy-a", "proxy-b"}
 SIMS = {"sim-910c", "sim-910b-1", "sim-910b-2", "sim-910"}
 OBSERVABILITY = {"prometheus", "grafana", "dashboard"}
@@ -36,7 +39,7 @@ OBSERVABILITY = {"prometheus", "grafana", "dashboard"}
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    return load_compose(COMPOSE, {})
+    return load_compose(COMPOSE, PASSWORDS)
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +59,10 @@ def test_docker_compose_config_accepts_the_file(profile: str | None) -> None:
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose not installed (.ci/run installs it); the structural tests still run")
     args = ["docker-compose", "-f", str(COMPOSE)] + (["--profile", profile] if profile else [])
-    quiet = subprocess.run([*args, "config", "-q"], capture_output=True, text=True, timeout=60)
+    env = {**os.environ, **PASSWORDS}
+    quiet = subprocess.run([*args, "config", "-q"], capture_output=True, text=True, timeout=60, env=env)
     assert quiet.returncode == 0, quiet.stderr
-    listed = subprocess.run([*args, "config", "--services"], capture_output=True, text=True, timeout=60)
+    listed = subprocess.run([*args, "config", "--services"], capture_output=True, text=True, timeout=60, env=env)
     # docker-compose 1.x lists profiled services even without --profile; `docker compose` v2 does not
     assert CORE <= set(listed.stdout.split()) <= CORE | SIMS | OBSERVABILITY
     if profile:
@@ -72,7 +76,7 @@ def test_docker_compose_config_rejects_a_broken_file(tmp_path: Path) -> None:
     broken = tmp_path / "compose.yaml"
     broken.write_text(COMPOSE.read_text().replace("    restart: unless-stopped\n", "    restarts: unless-stopped\n", 1))
     result = subprocess.run(["docker-compose", "-f", str(broken), "config", "-q"], capture_output=True, text=True,
-                            timeout=60)
+                            timeout=60, env={**os.environ, **PASSWORDS})
     assert result.returncode != 0 and "restarts" in result.stderr
 
 
@@ -137,17 +141,22 @@ def test_health_checks_restart_policies_and_environment(services: dict[str, Any]
             continue
         assert health_test(spec), f"{name} has no health check"
         assert spec["restart"] == "unless-stopped", name
+    roles = {"scheduler-a": "scheduler", "scheduler-b": "scheduler", "recorder": "recorder", "collector": "collector",
+             "register": "operator", "proxy-a": "proxy", "proxy-b": "proxy", "dashboard": "operator"}
     for name, spec in laswrr_services(services).items():
-        assert spec["environment"]["NATS_URL"] == "nats://nats:4222", name
+        if name in roles:  # each service is its role's NATS user; the simulated engines use no NATS
+            assert spec["environment"]["NATS_URL"] == f"nats://{roles[name]}:pw-{roles[name]}@nats:4222", name
+        else:
+            assert "NATS_URL" not in spec["environment"], name
         assert spec["image"] == "laswrr:latest" and spec["init"] is True
     assert set(compose["volumes"]) == {"nats-data", "recorder-data", "prometheus-data", "grafana-data"}
 
 
 def test_environment_variables_reach_the_commands() -> None:
-    env = {"NATS_URL": "nats://bus.example:4222", "PROXY_A_PORT": "9000", "TICK_MS": "50", "SIM_SPEED": "20",
+    env = {**PASSWORDS, "NATS_ADDRESS": "bus.example:4222", "PROXY_A_PORT": "9000", "TICK_MS": "50", "SIM_SPEED": "20",
            "LASWRR_NODES": "/etc/fleet/nodes.toml", "PROXY_POLICY": "p2c"}
     services = load_compose(COMPOSE, env)["services"]
-    assert services["scheduler-a"]["environment"]["NATS_URL"] == "nats://bus.example:4222"
+    assert services["scheduler-a"]["environment"]["NATS_URL"] == "nats://scheduler:pw-scheduler@bus.example:4222"
     command = services["scheduler-a"]["command"]
     assert command[command.index("--tick-ms") + 1] == "50"
     assert services["proxy-a"]["ports"] == ["9000:8000"]
@@ -170,7 +179,7 @@ def test_interpolation_follows_compose_rules() -> None:
                                       "COLLECT_INTERVAL_MS": "250", "NPU_INTERVAL_MS": "5000"}])
 def test_every_command_parses_as_a_laswrr_subcommand(env: dict[str, str]) -> None:
     parser = build_parser()
-    services = load_compose(COMPOSE, env)["services"]
+    services = load_compose(COMPOSE, {**PASSWORDS, **env})["services"]
     for name, spec in laswrr_services(services).items():
         args = parser.parse_args(spec["command"])  # argparse exits (SystemExit) on anything unknown
         assert args.command == spec["command"][0] and callable(args.func), name
@@ -183,7 +192,7 @@ def test_a_wrong_option_in_a_command_would_be_caught() -> None:
 
 def test_health_checks_name_files_the_image_has() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
-    services = load_compose(COMPOSE, {})["services"]
+    services = load_compose(COMPOSE, PASSWORDS)["services"]
     for name, spec in laswrr_services(services).items():
         test = health_test(spec)
         if test is None:
@@ -234,6 +243,18 @@ def test_dockerignore_keeps_local_state_out_of_the_context() -> None:
     assert {".venv", ".laswrr", "demo-out", ".pytest_cache", ".hypothesis", "**/__pycache__", ".git"} <= ignored
     copied = re.findall(r"^COPY (\S+) ", (ROOT / "Dockerfile").read_text(), re.M)
     assert not any(c.split("/")[0] in ignored for c in copied)
+
+
+def test_nats_runs_the_generated_accounts_and_needs_every_password(services: dict[str, Any]) -> None:
+    nats = services["nats"]
+    command = nats["command"]
+    assert command[command.index("-c") + 1] == "/etc/nats/nats-server.conf"
+    assert "./deploy/nats-server.conf:/etc/nats/nats-server.conf:ro" in nats["volumes"]
+    assert nats["environment"] == PASSWORDS
+    assert (ROOT / "deploy" / "nats-server.conf").read_text() == compose_config()
+    for missing in PASSWORDS:
+        with pytest.raises(ValueError, match="set the NATS passwords"):
+            load_compose(COMPOSE, {k: v for k, v in PASSWORDS.items() if k != missing})
 
 
 def test_compose_yaml_is_plain_yaml() -> None:

@@ -30,7 +30,9 @@ import duckdb
 import nats
 
 from deploy.compose_local import COMPOSE_FILE, LocalStack
+from laswrr.services.accounts import ROLES
 
+PASSWORDS = {f"LASWRR_NATS_PASSWORD_{role.upper()}": f"{role}-{os.getpid()}-secret" for role in ROLES}
 NODES = {"sim-910c", "sim-910b-1", "sim-910b-2", "sim-910"}
 DRAINED = "sim-910b-1"
 
@@ -87,14 +89,14 @@ def node_views(nats_url: str) -> dict[str, dict[str, Any]]:
 
 
 def test_compose_services_route_a_stream_and_follow_a_capacity_drop(tmp_path: Path) -> None:
-    env = {**os.environ, "SIM_SPEED": "20"}
+    env = {**os.environ, "SIM_SPEED": "20", **PASSWORDS}
     stack = LocalStack.from_file(COMPOSE_FILE, tmp_path, profiles=["sim"], env=env)
     assert set(stack.instances) == {"nats", "scheduler-a", "scheduler-b", "recorder", "collector", "register",
                                     "proxy-a", "proxy-b"} | NODES
     stack.up(timeout_s=30)  # every health check passed, `register` exited 0
     try:
-        nats_url = stack.env_of("scheduler-a")["NATS_URL"]
-        assert nats_url == f"nats://127.0.0.1:{stack.port('nats', 4222)}"
+        nats_url = stack.env_of("register")["NATS_URL"]  # the operator's (register's) credentials
+        assert nats_url == f"nats://operator:{PASSWORDS['LASWRR_NATS_PASSWORD_OPERATOR']}@127.0.0.1:{stack.port('nats', 4222)}"
         proxies = [stack.url("proxy-a", 8000), stack.url("proxy-b", 8000)]
         wait_until(lambda: all(routable(p) == NODES for p in proxies), 10, "both proxies to route to 4 nodes")
 

@@ -125,11 +125,12 @@ async def stack(tmp_path: Path) -> AsyncIterator[Running]:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("NATS_URL", None)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "laswrr", "up", "--proxy-port", "0", "--dashboard-port", "0", cwd=workdir, env=env,
+        sys.executable, "-m", "laswrr", "up", "--proxy-port", "0", "--allow-upstream", "10.0.0.0/8",  # the README's n5
+        "--dashboard-port", "0", cwd=workdir, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
     try:
         banner = await _banner(proc)
-        nats_url = banner["NATS URL"].split()[0]
+        nats_url = banner["operator"].removeprefix("NATS_URL=")  # secure by default: the operator's line
         proxy = banner["proxy URL"].split()[0].removeprefix("http://")
         shutil.copy(workdir / ".laswrr" / "nodes.toml", workdir / "nodes.toml")
         yield Running(workdir, nats_url, proxy, dict(env, NATS_URL=nats_url))

@@ -68,7 +68,11 @@ async def test_up_runs_the_stack_and_stops_cleanly_on_sigint(tmp_path: Path) -> 
     (tmp_path / "nodes.toml").write_text(NODES)
     proc, banner = await start_up("--nodes", str(tmp_path / "nodes.toml"), "--data-dir", str(tmp_path / "data"),
                                   "--proxy-port", "0", "--dashboard-port", "0")
-    nats_url = banner["NATS URL"].split()[0]
+    nats_url = banner["operator"].removeprefix("NATS_URL=")  # secure by default: the operator's credentials
+    secrets = tmp_path / "data" / "secrets"
+    assert (secrets / "operator.env").read_text() == f"NATS_URL={nats_url}\n"
+    assert {p.name: p.stat().st_mode & 0o777 for p in secrets.glob("*.env")} == {
+        f"{role}.env": 0o600 for role in ("operator", "scheduler", "proxy", "collector", "recorder")}
     assert banner["proxy URL"].startswith("http://127.0.0.1:")
     assert re.fullmatch(r"http://127\.0\.0\.1:\d+/", banner["dashboard"])
     nc = await nats.connect(nats_url)
