@@ -380,7 +380,8 @@ class Stack:
     def child_env(self, role: str) -> dict[str, str]:
         """The environment of a child: ``NATS_URL`` of its role (``other``: the operator's; an
         engine: none) and the credential files of an external server, nothing inherited of either."""
-        env = {k: v for k, v in os.environ.items() if k != "NATS_URL" and k not in AUTH_ENV.values()}
+        env = {k: v for k, v in os.environ.items()
+               if k != "NATS_URL" and k not in AUTH_ENV.values() and not k.startswith("LASWRR_NATS_")}
         if role != "sim-engine" and self._nats_url is not None:
             env["NATS_URL"] = self.role_url(role if role in accounts.ROLES else "operator")
             env.update(self.nats_auth.env())

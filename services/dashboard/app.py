@@ -46,7 +46,7 @@ from laswrr.schemas import subjects as sj
 from laswrr.services import settings
 from laswrr.services.dashboard.board import MS, S, Board, Push
 from laswrr.services.jsreader import parse_ack_subject
-from laswrr.services.natsbus import connect, redact_url
+from laswrr.services.natsbus import NatsAuth, connect, redact_url
 
 log = logging.getLogger("laswrr.dashboard")
 
@@ -63,6 +63,7 @@ class DashboardConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     nats_url: str = settings.DEFAULT_NATS_URL
+    nats_auth: NatsAuth | None = None  # credential files beside the URL's; None: from the environment
     db: Path | None = None  # recorded mode
     window_s: float = 300.0  # the curves' default time span
     keep_s: float = 900.0  # live: how far back the board reaches
@@ -207,7 +208,7 @@ async def _live_source(app: web.Application) -> Any:
 
 async def follow_live(dash: Dashboard) -> None:
     """Subscribe (waiting for NATS and the streams), then push request statistics every second."""
-    nc = await connect(dash.config.nats_url, "laswrr-dashboard", error_cb=_quiet)
+    nc = await connect(dash.config.nats_url, "laswrr-dashboard", dash.config.nats_auth, error_cb=_quiet)
     try:
         since = datetime.datetime.fromtimestamp(time.time() - dash.config.keep_s, tz=datetime.timezone.utc)
 
@@ -251,12 +252,12 @@ ORDER BY ts_ns, stream, seq
 """
 
 
-def load_recorded(db: Path, nats_url: str) -> Board:
+def load_recorded(db: Path, nats_url: str, auth: NatsAuth | None = None) -> Board:
     """The board of a whole recorded log (StoreError when it cannot be read)."""
     from laswrr.services.recorder import copy_from_recorder
 
     board = Board()
-    with store.open_read(db, copy_from_recorder(nats_url)) as con:
+    with store.open_read(db, copy_from_recorder(nats_url, auth=auth)) as con:
         cursor = con.execute(RECORDED_SQL)
         while rows := cursor.fetchmany(10_000):
             for ts_ns, subject, payload in rows:
@@ -290,10 +291,10 @@ def run_command(args: argparse.Namespace) -> int:
         print("laswrr dashboard: --window-s must be > 0 and --keep-s >= --window-s", file=sys.stderr)
         return 2
     config = DashboardConfig(host=args.host, port=args.port, nats_url=args.nats_url, db=args.db,
-                             window_s=args.window_s, keep_s=args.keep_s)
+                             window_s=args.window_s, keep_s=args.keep_s, nats_auth=settings.nats_auth(args))
     if config.db is not None:
         try:
-            board = load_recorded(config.db, config.nats_url)
+            board = load_recorded(config.db, config.nats_url, config.nats_auth)
         except store.StoreError as exc:
             print(f"laswrr dashboard: {exc}", file=sys.stderr)
             return 2

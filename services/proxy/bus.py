@@ -76,6 +76,7 @@ class BusLink:
         self.max_retry_s = max_retry_s
         self.stream_check_s = stream_check_s
         self.stream_created: datetime | None = None  # identity of the LB_WEIGHTS stream being read
+        self.refused: WeightSnapshot | None = None  # the last snapshot the router refused as not newer
         self._stream_checked_at = -math.inf
         self.nc: Client | None = None
         self.closing = False
@@ -187,13 +188,13 @@ class BusLink:
 
     async def _held_is_forged(self, js: JetStreamContext, pool: str) -> bool:
         """True (and the pool forgotten) when the snapshot held for ``pool`` claims an
-        ``as_of_seq`` beyond LB_EVENTS' last seq: no scheduler wrote it, and "newest wins" would
-        otherwise keep it against every real snapshot."""
-        route = self.router.pools.get(pool)
-        if route is None:
+        ``as_of_seq`` beyond LB_EVENTS' last seq while the refused one does not: no scheduler
+        wrote the held one, and "newest wins" would otherwise keep it against every real snapshot."""
+        route, refused = self.router.pools.get(pool), self.refused
+        if route is None or refused is None or refused.pool != pool:
             return False
         last = (await js.stream_info(sj.EVENTS_STREAM)).state.last_seq
-        if route.snapshot.as_of_seq <= last:
+        if route.snapshot.as_of_seq <= last or refused.as_of_seq > last:
             return False
         log.warning("the snapshot held for pool %s claims as_of_seq %d, beyond LB_EVENTS' last seq %d: "
                     "not a scheduler's; replaced by the next one", pool, route.snapshot.as_of_seq, last)
@@ -213,6 +214,7 @@ class BusLink:
             log.warning("ignoring bad snapshot under %s/%s: %s", sj.WEIGHTS_BUCKET, entry.key, exc)
             return False
         if not self.router.offer(snapshot, time.monotonic()):
+            self.refused = snapshot
             return True
         return False
 

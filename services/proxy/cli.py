@@ -97,9 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="requests in flight per key; beyond, 429 with Retry-After (default: no limit)")
     keys.add_argument("--forward-authorization", action="store_true",
                       help="pass the client's Authorization header on to the engines (default: dropped)")
-    keys.add_argument("--upstream-api-key", default=os.environ.get("LASWRR_UPSTREAM_API_KEY") or None,
-                      metavar="KEY", help="send Authorization: Bearer KEY to the engines (default "
-                                          "$LASWRR_UPSTREAM_API_KEY; prefer the variable: argv is public)")
+    keys.add_argument("--upstream-api-key", default=_DEFAULTS.upstream_api_key, metavar="KEY",
+                      help="send Authorization: Bearer KEY to the engines (prefer $LASWRR_UPSTREAM_API_KEY: "
+                           "argv is public)")
     parser.add_argument("--admin-port", type=settings.port_number, default=_DEFAULTS.admin_port, metavar="PORT",
                         help="serve /metrics, /health, /healthz and /readiness on this port only (default: "
                              "on --port, open)")

@@ -83,3 +83,31 @@ async def test_proxy_follows_a_recreated_weights_stream_on_a_surviving_watcher(e
     started = time.monotonic()
     await _recreate_and_follow(nc, core, engines, proxy, http, ticking=True)
     assert time.monotonic() - started < 60
+
+
+async def test_a_forged_snapshot_beyond_the_log_gives_way_to_the_schedulers(engines, nc: Any, core: CoreDriver,
+                                                                         start_proxy: StartProxy,
+                                                                         http: aiohttp.ClientSession) -> None:
+    """A stray writer (an open bus) put a snapshot numbered 2^53 into LB_WEIGHTS: "newest wins"
+    alone would keep it against every real snapshot. Its as_of_seq is beyond LB_EVENTS' last seq,
+    so once the scheduler's next snapshot is refused as older, the proxy drops the forged one."""
+    real, hijack = await engines("real"), await engines("hijack")
+    js = nc.jetstream()
+    for tick in range(1, 101):  # the log holds 100 events: no real snapshot is numbered above 100
+        await js.publish(sj.CLOCK_TICK, b'{"tick": %d}' % tick)
+    forger = CoreDriver(await js.key_value(sj.WEIGHTS_BUCKET))
+    forger.seq = 2**53 - 1
+    await forger.register("hijack", hijack.url)
+    proxy = await start_proxy()
+    await wait_seq(proxy, "default", 2**53)
+    assert await _node_of(http, proxy.url) == "hijack"
+
+    await core.register("real", real.url)  # the scheduler's snapshots: as_of_seq 1, 2, ...
+    for _ in range(50):
+        if set(proxy.state.router.pools["default"].targets) == {"real"}:
+            break
+        await core.tick()
+        await asyncio.sleep(0.1)
+    assert set(proxy.state.router.pools["default"].targets) == {"real"}
+    assert proxy.state.router.pools["default"].snapshot.as_of_seq <= 51
+    assert await _node_of(http, proxy.url) == "real"
