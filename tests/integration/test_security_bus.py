@@ -319,6 +319,26 @@ async def test_tls_with_the_right_ca_connects_and_a_wrong_ca_is_refused(tmp_path
                           connect_timeout=2, error_cb=Errors().on_error)
 
 
+async def test_an_nkey_user_connects_with_its_seed_file_only(tmp_path: Path) -> None:
+    import nkeys
+
+    seed = nkeys.encode_seed(bytes(range(32)), nkeys.PREFIX_BYTE_USER)
+    public = nkeys.from_seed(bytearray(seed)).public_key.decode()
+    seed_file = tmp_path / "user.nk"
+    seed_file.write_bytes(seed + b"\n")
+    config = tmp_path / "nkey.conf"
+    config.write_text('authorization { users = [ {nkey: "%s"} ] }\n' % public)
+    with EmbeddedNats(tmp_path / "nats", log_file=str(tmp_path / "nats.log"), config_file=config) as server:
+        nc = await connect(server.url, "nkey-user", NatsAuth(nkey=str(seed_file)), allow_reconnect=False)
+        try:
+            await ensure_streams(nc.jetstream())
+        finally:
+            await nc.close()
+        with pytest.raises(nats.errors.Error):
+            await connect(server.url, "no-seed", NatsAuth(), allow_reconnect=False, max_reconnect_attempts=0,
+                          connect_timeout=2, error_cb=Errors().on_error)
+
+
 def test_credential_files_come_from_flags_or_environment(tmp_path: Path) -> None:
     auth = NatsAuth.from_env({"NATS_CREDS": "/c", "NATS_TLS_CA": "/ca", "UNRELATED": "x"})
     assert auth == NatsAuth(creds="/c", tls_ca="/ca")
