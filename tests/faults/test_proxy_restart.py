@@ -83,8 +83,8 @@ async def test_a_restarted_proxy_leaves_no_phantom_in_flight(tmp_path: Path, nat
     with store.open_read(data / store.DB_FILE) as con:
         recorded = con.execute("SELECT count(*) FROM events WHERE stream = 'LB_EVENTS'").fetchone()
         cut = con.execute("SELECT count(*) FROM interruptions").fetchone()
-        boots = con.execute("SELECT count(DISTINCT j->>'boot_id') FROM input_events "
-                            "WHERE family = 'lb.proxy.heartbeat'").fetchone()
+        boots = con.execute("SELECT count(DISTINCT j->>'boot_id') FROM input_events WHERE family IN "
+                            "('lb.proxy.heartbeat', 'lb.req.started', 'lb.req.finished')").fetchone()
         result = replay_db(con)
     failed = sum(1 for o in outcomes if o != "completed")
     print(f"FAULT proxy kill -9 with {IN_FLIGHT} in flight, restarted with the same id: restarted in "
