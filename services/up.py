@@ -425,7 +425,8 @@ def banner(stack: Stack, out: IO[str]) -> None:
     for child in stack.children:
         print(f"  {child.role:<10} {child.name:<12} pid {child.pid}{'  ' + child.url if child.url else ''}", file=out)
     for node in stack.nodes:
-        print(f"  node       {node.id:<12} {node.chip:<5} capacity {node.capacity:<3} pool {node.pool:<8} {node.url}",
+        chip = node.chip or "unknown"  # what the scheduler calls a node registered without one
+        print(f"  node       {node.id:<12} {chip:<5} capacity {node.capacity:<3} pool {node.pool:<8} {node.url}",
               file=out)
     if stack.nodes_file:
         print(f"  nodes file: {stack.nodes_file}", file=out)
