@@ -15,14 +15,16 @@ import yaml
 
 from deploy.compose_plan import container_ports, load_compose
 from laswrr.cli import build_parser
+from laswrr.services.accounts import ROLES
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "laswrr.json"
+PASSWORDS = {f"LASWRR_NATS_PASSWORD_{role.upper()}": f"pw-{role}" for role in ROLES}  # compose requires them
 
 
 @pytest.fixture(scope="module")
 def services() -> dict[str, Any]:
-    return dict(load_compose(ROOT / "compose.yaml", {})["services"])
+    return dict(load_compose(ROOT / "compose.yaml", PASSWORDS)["services"])
 
 
 def mounted(spec: dict[str, Any], target: str) -> Path:
