@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from laswrr.bench.report import PolicyRun, print_table, scenario_summary
 from laswrr.bench.scenarios import SCENARIOS, TEST_SCENARIOS, Scenario, get_scenario
-from laswrr.bench.trace import TraceWindow, arrival_bursts, load_workload, trace_format
+from laswrr.bench.trace import arrival_bursts, load_workload, trace_format
 from laswrr.bench.workload import RequestSpec, generate
 from laswrr.scheduler.policies import POLICIES, canonical_policy
 from laswrr.services import settings

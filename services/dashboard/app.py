@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError

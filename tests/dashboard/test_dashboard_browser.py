@@ -6,7 +6,6 @@ Skipped, saying so, only where no chromium is installed (.ci/run installs Debian
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from collections.abc import AsyncIterator

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import aiohttp
-import pytest
 from nats.aio.client import Client
 
 from laswrr.schemas import subjects as sj

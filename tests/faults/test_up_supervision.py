@@ -31,7 +31,7 @@ from laswrr.schemas import subjects as sj
 from laswrr.services.children import ChildProcesses, RestartPolicy
 from laswrr.services.natsbus import connect
 from laswrr.services.operator import publish_and_wait
-from tests.up_process import Load, UpStderr, finish, no_leftover_stack, start_up
+from tests.up_process import Load, UpStderr, no_leftover_stack, start_up
 
 no_leftover_stack = pytest.fixture(autouse=True)(no_leftover_stack)
 pytestmark = pytest.mark.timeout(240)
