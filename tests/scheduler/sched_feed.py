@@ -163,3 +163,13 @@ def warm_pool(*names: str, capacity: int = 10, config: SchedulerConfig | None = 
         feed.register(name, capacity)
     feed.tick(30)
     return feed
+
+
+def idle_pool(*names: str) -> Feed:
+    """``warm_pool`` with one idle engine and NPU sample per node, ticked once."""
+    feed = warm_pool(*names)
+    for name in names:
+        feed.engine(name, running=0, waiting=0, kv=0.0)
+        feed.npu(name, "OK", util=0.0)
+    feed.tick()
+    return feed

@@ -11,7 +11,7 @@ import math
 
 from hypothesis import given
 from hypothesis import strategies as st
-from sched_feed import Feed, rejections, warm_pool
+from sched_feed import Feed, idle_pool, rejections, warm_pool
 
 from laswrr.scheduler import weights
 from laswrr.scheduler.config import SchedulerConfig, with_changes
@@ -24,17 +24,8 @@ def _load(feed: Feed, node: str) -> dict:  # type: ignore[type-arg]
     return feed.view(node)["load"]
 
 
-def _idle_pool(*names: str) -> Feed:
-    feed = warm_pool(*names)
-    for name in names:
-        feed.engine(name, running=0, waiting=0, kv=0.0)
-        feed.npu(name, "OK", util=0.0)
-    feed.tick()
-    return feed
-
-
 def test_fresh_idle_samples_give_the_full_capacity() -> None:
-    feed = _idle_pool("n1", "n2")
+    feed = idle_pool("n1", "n2")
     load = _load(feed, "n1")
     assert (load["queue"], load["running"], load["kv"], load["npu"], load["load"], load["stale"]) == \
         (0.0, 0.0, 0.0, 0.0, 0.0, False)
@@ -42,7 +33,7 @@ def test_fresh_idle_samples_give_the_full_capacity() -> None:
 
 
 def test_stale_samples_decay_toward_unknown_not_idle() -> None:
-    feed = _idle_pool("n1", "n2")
+    feed = idle_pool("n1", "n2")
     loads, targets = [], []
     for _ in range(12):  # 12 s with no new samples
         feed.tick(period_ms=1000)
@@ -66,7 +57,7 @@ def test_halfway_through_the_ageing_window_a_sample_is_half_unknown() -> None:
 
 
 def test_npu_samples_age_on_their_own_clock() -> None:
-    feed = _idle_pool("n1", "n2")
+    feed = idle_pool("n1", "n2")
     for _ in range(12):  # engine samples keep coming, npu-smi went quiet
         feed.engine("n1")
         feed.tick(period_ms=1000)
@@ -76,7 +67,7 @@ def test_npu_samples_age_on_their_own_clock() -> None:
 
 
 def test_a_node_with_a_queue_gets_a_lower_target() -> None:
-    feed = _idle_pool("n1", "n2")
+    feed = idle_pool("n1", "n2")
     feed.engine("n1", running=10, waiting=10, kv=0.6)
     feed.engine("n2", running=2, waiting=0, kv=0.1)
     feed.tick()
@@ -95,7 +86,7 @@ def test_a_node_with_a_queue_gets_a_lower_target() -> None:
 def test_an_engine_that_queues_below_its_registered_capacity_is_saturated() -> None:
     # Silent slowdown: registered with 10 slots, the engine now runs only 2 and queues 3.
     # Without looking at the engine's own queue, 5 of 10 would read as half-idle.
-    feed = _idle_pool("n1", "n2")
+    feed = idle_pool("n1", "n2")
     feed.engine("n1", running=2, waiting=3, kv=0.1)
     feed.engine("n2", running=5, waiting=0, kv=0.1)
     feed.tick()
@@ -108,7 +99,7 @@ def test_an_engine_that_queues_below_its_registered_capacity_is_saturated() -> N
 
 
 def test_inflight_from_request_events_is_dead_reckoned_over_the_last_sample() -> None:
-    feed = _idle_pool("n1", "n2")
+    feed = idle_pool("n1", "n2")
     for _ in range(8):
         feed.start("n1")  # the engine sample (running 0) predates these
     feed.tick()
@@ -122,7 +113,7 @@ def test_inflight_from_request_events_is_dead_reckoned_over_the_last_sample() ->
 
 
 def test_latency_signal_is_relative_to_the_pools_best() -> None:
-    feed = _idle_pool("n1", "n2", "n3")
+    feed = idle_pool("n1", "n2", "n3")
     feed.engine("n1", ttft_ms=100.0)
     feed.engine("n2", ttft_ms=400.0)
     feed.tick()
@@ -150,7 +141,7 @@ def test_the_floor_keeps_a_saturated_node_observed() -> None:
 
 
 def test_config_event_takes_effect() -> None:
-    feed = _idle_pool("n1", "n2")
+    feed = idle_pool("n1", "n2")
     feed.engine("n1", ttft_ms=100.0)
     feed.engine("n2", ttft_ms=400.0)
     feed.tick()
@@ -199,7 +190,7 @@ def _slots(feed: Feed, node: str) -> float | None:
 
 
 def test_a_queue_beside_free_slots_twice_in_a_row_sets_the_believed_slots() -> None:
-    feed = _idle_pool("n1", "n2")
+    feed = idle_pool("n1", "n2")
     feed.engine("n1", running=2, waiting=3, kv=0.1, dt_ms=500)
     feed.tick()
     assert _slots(feed, "n1") is None  # once could be a request waiting for the next step
@@ -217,7 +208,7 @@ def test_a_queue_beside_free_slots_twice_in_a_row_sets_the_believed_slots() -> N
 
 
 def test_the_belief_climbs_back_to_the_capacity_over_slots_regain_ms() -> None:
-    feed = _idle_pool("n1", "n2")
+    feed = idle_pool("n1", "n2")
     feed.engine("n1", running=2, waiting=3)
     feed.engine("n1", running=2, waiting=3)
     believed = []
@@ -232,7 +223,7 @@ def test_the_belief_climbs_back_to_the_capacity_over_slots_regain_ms() -> None:
 
 
 def test_single_or_interleaved_queue_samples_are_not_evidence() -> None:
-    feed = _idle_pool("n1", "n2")
+    feed = idle_pool("n1", "n2")
     for running, waiting in ((3, 1), (3, 0), (2, 1), (4, 0), (10, 5), (10, 5)):
         feed.engine("n1", running=running, waiting=waiting)
         feed.tick()
@@ -240,7 +231,7 @@ def test_single_or_interleaved_queue_samples_are_not_evidence() -> None:
 
 
 def test_running_above_the_belief_raises_it_and_an_announced_capacity_replaces_it() -> None:
-    feed = _idle_pool("n1", "n2")
+    feed = idle_pool("n1", "n2")
     feed.engine("n1", running=2, waiting=3)
     feed.engine("n1", running=2, waiting=3)
     feed.tick()
@@ -260,7 +251,7 @@ def test_running_above_the_belief_raises_it_and_an_announced_capacity_replaces_i
 
 
 def test_identical_nodes_with_a_little_load_noise_get_identical_targets() -> None:
-    feed = _idle_pool("n1", "n2", "n3")
+    feed = idle_pool("n1", "n2", "n3")
     feed.engine("n1", running=1, kv=0.02, ttft_ms=100.0)
     feed.engine("n2", running=2, kv=0.03, ttft_ms=120.0)
     feed.engine("n3", running=1, kv=0.01, ttft_ms=110.0)
@@ -290,7 +281,7 @@ def test_shrink_moves_each_load_at_most_band_toward_the_mean_and_keeps_the_order
 
 
 def test_the_belief_is_held_while_the_node_answers_much_slower_than_the_pool() -> None:
-    feed = _idle_pool("n1", "n2")
+    feed = idle_pool("n1", "n2")
     feed.engine("n2", ttft_ms=100.0)
     feed.engine("n1", running=2, waiting=3, ttft_ms=400.0)  # latency 1 − 100/400 = 0.75
     feed.engine("n1", running=2, waiting=3, ttft_ms=400.0)

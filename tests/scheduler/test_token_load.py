@@ -4,24 +4,15 @@ requests exactly as before (old logs replay byte for byte)."""
 
 from __future__ import annotations
 
-from sched_feed import Feed, rejections, warm_pool
+from sched_feed import idle_pool, rejections
 
 from laswrr.schemas import subjects as sj
-
-
-def _idle_pool(*names: str) -> Feed:
-    feed = warm_pool(*names)
-    for name in names:
-        feed.engine(name, running=0, waiting=0, kv=0.0)
-        feed.npu(name, "OK", util=0.0)
-    feed.tick()
-    return feed
 
 
 def test_one_long_prompt_weighs_its_tokens_not_one_request() -> None:
     # n1: one request of 100k + 900 tokens; n2: four of 100 + 900. Pool mean = 104 900 / 5 = 20 980,
     # so n1 holds 100 900 / 20 980 = 4.81 requests' worth, n2 4 000 / 20 980 = 0.19.
-    feed = _idle_pool("n1", "n2")
+    feed = idle_pool("n1", "n2")
     feed.start("n1", prompt_tokens=100_000, max_tokens=900)
     for _ in range(4):
         feed.start("n2", prompt_tokens=100, max_tokens=900)
@@ -33,7 +24,7 @@ def test_one_long_prompt_weighs_its_tokens_not_one_request() -> None:
 
 
 def test_equal_sizes_count_as_requests() -> None:
-    sized, plain = _idle_pool("n1", "n2"), _idle_pool("n1", "n2")
+    sized, plain = idle_pool("n1", "n2"), idle_pool("n1", "n2")
     for _ in range(3):
         sized.start("n1", prompt_tokens=500, max_tokens=100)
         plain.start("n1")
@@ -45,7 +36,7 @@ def test_equal_sizes_count_as_requests() -> None:
 
 
 def test_finish_and_proxy_expiry_release_the_tokens() -> None:
-    feed = _idle_pool("n1", "n2")
+    feed = idle_pool("n1", "n2")
     rid = feed.start("n1", prompt_tokens=1000)
     feed.start("n1", proxy="p2", prompt_tokens=3000, max_tokens=10)
     feed.start("n2", prompt_tokens=50)
@@ -58,7 +49,7 @@ def test_finish_and_proxy_expiry_release_the_tokens() -> None:
 
 def test_unsized_and_sized_requests_mix() -> None:
     # n1: two unsized (one each) + one of 300 tokens against a pool mean of (300 + 100) / 2 = 200
-    feed = _idle_pool("n1", "n2")
+    feed = idle_pool("n1", "n2")
     feed.start("n1")
     feed.start("n1")
     feed.start("n1", prompt_tokens=300)
@@ -69,6 +60,6 @@ def test_unsized_and_sized_requests_mix() -> None:
 
 
 def test_bad_sizes_are_rejected() -> None:
-    feed = _idle_pool("n1")
+    feed = idle_pool("n1")
     outputs = feed.send(sj.req_started("n1"), {"request_id": "x", "proxy": "p1", "prompt_tokens": -5})
     assert rejections(outputs) and feed.node("n1").inflight == 0
