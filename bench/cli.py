@@ -4,6 +4,9 @@
                [--out bench-out] [--duration-scale 1.0]
   laswrr bench --scenario all        every scenario in turn (not the tiny test ones)
   laswrr bench --list                the scenarios
+  laswrr bench --scenario heterogeneous --proxies 4
+                                     through 4 proxy replicas on one bus, the requests
+                                     alternating among them (as behind an L4 balancer)
   laswrr bench --scenario trace-mooncake [--affinity none]      a real trace (bench/traces/)
   laswrr bench --trace FILE [--speed X] [--start-s S] [--window-s W]
                                      a full trace file: Mooncake .jsonl (trace-mooncake's pool)
@@ -79,6 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                              "default: the proxy's, 1)")
     parser.add_argument("--affinity", default=None, metavar="MODE",
                         help="proxy prefix affinity for every run: prefix (the proxy's default) or none")
+    parser.add_argument("--proxies", type=int, default=1, metavar="N",
+                        help="proxy replicas on the one bus, the requests alternating among them as behind an L4 "
+                             "balancer (default 1; a peer router runs alone)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     settings.add_logging(parser, default="warning")
@@ -172,9 +178,11 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
                          scale: float = 1.0, plots: bool = True, util: float | None = None,
                          scheduler_config: dict[str, Any] | None = None,
                          proxy_args: Sequence[str] = (),
-                         alongside: dict[str, Alongside] | None = None) -> tuple[dict[str, Any], list[Path]]:
+                         alongside: dict[str, Alongside] | None = None,
+                         proxies: int = 1) -> tuple[dict[str, Any], list[Path]]:
     """Run every policy on the same workload; write results.json (and plots); return the summary.
-    ``alongside``: per policy, a task on its running stack (``runner.run_policy``)."""
+    ``alongside``: per policy, a task on its running stack (``runner.run_policy``); ``proxies``:
+    proxy replicas the load alternates among."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from laswrr.bench.runner import run_policy
@@ -193,9 +201,10 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
             task = progress.add_task(f"{scenario.name} · {policy:<13}", total=len(workload))
             runs.append(await run_policy(scenario, policy, workload, out_dir / "runs" / policy.replace(":", "-"),
                                          on_result=lambda _r, t=task: progress.advance(t), proxy_args=proxy_args,
-                                         alongside=(alongside or {}).get(policy)))
+                                         alongside=(alongside or {}).get(policy), proxies=proxies))
     summary = scenario_summary(scenario, runs, seed, scale)
     summary["proxy_args"] = list(proxy_args)
+    summary["proxies"] = proxies
     if scenario.trace is not None:
         summary["trace_arrivals"] = arrival_bursts([r.offset_s for r in workload], scenario.duration_s)
     (out_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -221,6 +230,8 @@ def main(args: argparse.Namespace) -> int:
             names = scenario_names(args.scenario or "announced-drop")
         if args.duration_scale <= 0:
             raise ValueError("--duration-scale must be > 0")
+        if args.proxies < 1:
+            raise ValueError("--proxies must be >= 1")
         if args.util is not None and not 0 < args.util <= 2:
             raise ValueError("--util must be within (0, 2]")
         scheduler_config = read_scheduler_config(args.scheduler_config)
@@ -251,7 +262,7 @@ def main(args: argparse.Namespace) -> int:
             summary, paths = asyncio.run(bench_scenario(scenario, policies, args.seed, out_dir,
                                                         args.duration_scale, plots=not args.no_plots,
                                                         util=args.util, scheduler_config=scheduler_config,
-                                                        proxy_args=proxy_args))
+                                                        proxy_args=proxy_args, proxies=args.proxies))
         except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
             print(f"bench: {scenario.name}: {exc}", file=sys.stderr)
             return 1

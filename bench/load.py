@@ -176,10 +176,16 @@ def make_session(timeout_s: float = 600.0) -> aiohttp.ClientSession:
                                  auto_decompress=False)
 
 
-async def run_load(base_url: str, workload: Sequence[RequestSpec], t0: float, *, model: str | None = None,
-                   on_done: OnDone | None = None, session: aiohttp.ClientSession | None = None) -> LoadRun:
-    """Send ``workload`` to ``base_url`` (a proxy or an engine), each at ``t0 + offset``."""
-    url = base_url.rstrip("/") + "/v1/chat/completions"
+async def run_load(base_url: str | Sequence[str], workload: Sequence[RequestSpec], t0: float, *,
+                   model: str | None = None, on_done: OnDone | None = None,
+                   session: aiohttp.ClientSession | None = None) -> LoadRun:
+    """Send ``workload`` to ``base_url`` (a proxy or an engine), each at ``t0 + offset``. Several
+    URLs (proxy replicas): the requests alternate among them in arrival order, as an L4 balancer's
+    round robin would spread them."""
+    bases = [base_url] if isinstance(base_url, str) else list(base_url)
+    if not bases:
+        raise ValueError("run_load needs at least one URL")
+    urls = [base.rstrip("/") + "/v1/chat/completions" for base in bases]
     run = LoadRun()
     own_session = session is None
     session = session or make_session()
@@ -191,11 +197,11 @@ async def run_load(base_url: str, workload: Sequence[RequestSpec], t0: float, *,
             on_done(task.result())
 
     try:
-        for spec in workload:
+        for i, spec in enumerate(workload):
             delay = t0 + spec.offset_s - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(send_one(session, url, spec, t0, model))
+            task = asyncio.create_task(send_one(session, urls[i % len(urls)], spec, t0, model))
             task.add_done_callback(finished)
             tasks.append(task)
             run.launched += 1

@@ -208,7 +208,9 @@ def print_table(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{summary['scenario']}: {summary['description']}\n"
+    replicas = summary.get("proxies", 1)
+    through = f" (through {replicas} proxy replicas)" if replicas > 1 else ""
+    table = Table(title=f"{summary['scenario']}: {summary['description']}{through}\n"
                         "E2E latency in seconds; CoV, max/mean, Jain of in-flight per unit of true capacity",
                   title_justify="left")
     for i, name in enumerate(table_header(summary)):

@@ -3,7 +3,8 @@
 Theory of operation, per policy (a fresh stack each time: no state leaks between policies):
 
 1. start the stack (``bench.stack_adapter`` over ``services.up.Stack``: embedded NATS, scheduler,
-   recorder, simulated engines at the scenario's speed, collector, proxy with ``--policy``) under
+   recorder, simulated engines at the scenario's speed, collector, proxy with ``--policy``; with
+   ``proxies`` > 1 that many proxy replicas, the load alternating among them) under
    ``<out>/runs/<policy>``;
 2. subscribe to ``lb.out.snapshot.>`` (weights over time, straight from the bus) and wait until
    every node is routable at its full weight;
@@ -191,11 +192,11 @@ Alongside = Callable[[stack_adapter.RunningStack, float], Awaitable[None]]
 
 async def run_policy(scenario: Scenario, policy: str, workload: Sequence[RequestSpec], run_dir: Path,
                      on_result: OnResult | None = None, proxy_args: Sequence[str] = (),
-                     alongside: Alongside | None = None) -> PolicyRun:
+                     alongside: Alongside | None = None, proxies: int = 1) -> PolicyRun:
     started = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
     stack = await stack_adapter.start(scenario, policy, run_dir, write_scheduler_config(scenario, run_dir),
-                                      proxy_args)
+                                      proxy_args, proxies=proxies)
     log.info("%s/%s: stack up in %.1fs", scenario.name, policy, time.monotonic() - started)
     watch = SnapshotWatch()
     notes: list[str] = []
@@ -209,7 +210,7 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
             t0 = loop.time() + 0.2
             timeline = asyncio.create_task(run_timeline(scenario.actions, t0, stack.engine_urls, http, watch))
             beside = asyncio.create_task(alongside(stack, t0)) if alongside is not None else None
-            load = await run_load(stack.proxy_url, workload, t0, model=stack_adapter.request_model(policy),
+            load = await run_load(stack.proxy_urls, workload, t0, model=stack_adapter.request_model(policy),
                                   on_done=on_result, session=http)
             applied = await timeline
             if beside is not None:

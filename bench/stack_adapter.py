@@ -5,7 +5,9 @@ nats-server, ``laswrr scheduler`` (with the scenario's ``--config`` file, if any
 recorder`` writing ``<run_dir>/data/events.duckdb``, one ``laswrr sim-engine`` per node (the
 scenario's chips, capacities and ``--speed``; ``--node-id`` = node), registration by publishing
 ``lb.admin.node.<id>`` (as an operator would), ``laswrr collector`` polling every engine, and one
-``laswrr proxy --policy P`` on a free port. Logs: ``<run_dir>/data/logs/<name>.log``.
+``laswrr proxy --policy P`` on a free port (``proxies`` > 1: that many replicas, each on its own
+port with its own ``--proxy-id`` ``proxy``, ``proxy-2``, ..., all on the one bus; the load
+alternates among them). Logs: ``<run_dir>/data/logs/<name>.log``.
 
 The collector also samples every engine's simulated ``npu-smi info`` (AICore %, HBM, Health: the
 Ascend signals LA-SWRR reads) at its default 2 s interval, with ``curl`` of the engine's GET
@@ -82,6 +84,10 @@ class RunningStack:
     engine_urls: dict[str, str]
     db_path: Path
     peers: list[asyncio.subprocess.Process] = field(default_factory=list)
+    proxy_urls: list[str] = field(default_factory=list)  # every replica's (the first is ``proxy_url``)
+
+    def __post_init__(self) -> None:
+        self.proxy_urls = self.proxy_urls or [self.proxy_url]
 
     @property
     def nats_url(self) -> str:
@@ -89,7 +95,7 @@ class RunningStack:
 
 
 async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Path | None,
-                proxy_args: Sequence[str] = ()) -> RunningStack:
+                proxy_args: Sequence[str] = (), proxies: int = 1) -> RunningStack:
     data_dir = run_dir / "data"
     stack = Stack(data_dir, proxy_port=0, config=str(config_path) if config_path else None)
     peers: list[asyncio.subprocess.Process] = []
@@ -102,15 +108,19 @@ async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Pat
         stack.write_nodes_file(nodes)
         await stack.start_collector()
         peer = peer_of(policy)
-        if peer is not None:
-            proxy_url = await start_peer(*peer, nodes, stack.log_dir, peers)
+        if peer is not None:  # one peer router: it has no replicas that could share a view
+            urls = [await start_peer(*peer, nodes, stack.log_dir, peers)]
         else:
-            proxy_url = await stack.start_proxy(port=0, extra_args=("--policy", policy, *proxy_args), name="proxy")
+            urls = list(await asyncio.gather(*(
+                stack.start_proxy(port=0, extra_args=("--policy", policy, *proxy_args),
+                                  name="proxy" if k == 0 else f"proxy-{k + 1}")
+                for k in range(proxies))))
     except BaseException:
         await _stop_peers(peers)
         await stack.stop()
         raise
-    return RunningStack(stack, proxy_url, {n.id: n.url for n in nodes}, stack.data_dir / "events.duckdb", peers)
+    return RunningStack(stack, urls[0], {n.id: n.url for n in nodes}, stack.data_dir / "events.duckdb", peers,
+                        proxy_urls=urls)
 
 
 async def start_peer(router: str, router_policy: str, nodes: list[Node], log_dir: Path,

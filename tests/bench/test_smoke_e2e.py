@@ -54,3 +54,19 @@ async def test_smoke_trace_replays_the_mooncake_slice(tmp_path: Path) -> None:
     assert set(caches) == {"n1", "n2"} and sum(c["queried_tokens"] for c in caches.values()) > 0
     assert 0 < s["prefix_cache_hit_rate"] < 1
     assert summary["trace"]["path"] == "mooncake_conversation_first300s.jsonl" and summary["workload"] is None
+
+
+async def test_smoke_through_two_proxy_replicas(tmp_path: Path) -> None:
+    from laswrr.replay import store
+
+    summary, _ = await bench_scenario(SMOKE, ["la-swrr"], seed=3, out_dir=tmp_path, plots=False, proxies=2)
+    s = summary["policies"]["la-swrr"]
+    assert summary["proxies"] == 2
+    assert s["interrupted"] == 0 and s["errors"] == 0 and s["replay"]["ok"], s["replay"]
+    db = tmp_path / "runs" / "la-swrr" / "data" / store.DB_FILE
+    with store.open_read(db) as con:
+        per_proxy = dict(con.execute("SELECT j->>'proxy', count(*) FROM input_events WHERE family = "
+                                     "'lb.req.started' GROUP BY 1").fetchall())
+    # the requests alternate between the replicas: each started about half of them
+    assert set(per_proxy) == {"proxy", "proxy-2"}, per_proxy
+    assert abs(per_proxy["proxy"] - per_proxy["proxy-2"]) <= 1 + s["overall"]["requests"] // 10, per_proxy
