@@ -18,13 +18,22 @@ deepest matched key and the node name (rendezvous hashing), so replicas that hol
 entries rank them the same way. A prefix every eligible node holds (one system prompt for all)
 tells nothing and prefers nobody: the pick is then exactly LA-SWRR's.
 
+**The work measure** (``Affinity``, built by the proxy for a request whose size it knows).
+Tokens in flight count what makes a request wait for its first token: a node's *load* is its
+prefill backlog (the prompt tokens, less the prefix the index says it holds, of the requests
+admitted to it that have not sent their first byte yet) plus ``M`` for each request in flight,
+``M`` being the mean prompt of the pool's sized requests so far (one request in flight weighs one
+average prompt: decode slots and KV are taken while the prefill backlog is gone). A request's
+*cost* on a node is its uncached prompt there plus ``M``: a node holding the prefix is cheaper.
+LA-SWRR's referee then compares work instead of request counts (``LaSwrr.pick``).
+
 **The guard** (``LaSwrr.pick`` applies it, ``guard_allows`` states it): the preferred node A
-takes the request only if, before taking it, its tokens in flight per unit of weight are below
-those of the lightest eligible node C after C took it:
+takes the request only if, before taking it, its load per unit of weight is below that of the
+lightest eligible node C after C took it:
 
-    T_A · w_C  <  (T_C + t) · w_A          T: tokens in flight, t: the request's tokens, w: weight
+    T_A · w_C  <  (T_C + t) · w_A          T: load, t: the request's cost on C, w: weight
 
-the referee's rule (challenger after the pick against the leader now) with tokens for requests.
+the referee's rule (challenger after the pick against the leader now) with work for requests.
 So an affinity pick can put a node at most one request (t / w_C) ahead of the lightest node per
 unit of weight, and a node that is ahead gets no affinity pick until the others catch up: every
 prompt sharing one long prefix still spreads over the pool, and no node runs away with a
@@ -38,7 +47,7 @@ from __future__ import annotations
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 BLOCK_CHARS = 512
 MAX_PROMPT_BLOCKS = 256  # 128 KiB of prompt text
@@ -68,11 +77,18 @@ def guard_allows(tokens_a: int, weight_a: int, tokens_c: int, weight_c: int, cos
 
 @dataclass(frozen=True, slots=True)
 class Affinity:
-    """What a pick needs to prefer nodes: the preference order, tokens in flight, the request's tokens."""
+    """What a work-aware pick needs: the preference order, each node's load, the request's cost.
+
+    ``costs`` holds the request's cost on the nodes where it differs from ``cost`` (those holding
+    part of its prefix)."""
 
     preferred: Sequence[str]
-    tokens: Mapping[str, int]
+    load: Mapping[str, int]
     cost: int
+    costs: Mapping[str, int] = field(default_factory=dict)
+
+    def cost_on(self, node: str) -> int:
+        return self.costs.get(node, self.cost)
 
 
 class PrefixIndex:
@@ -119,21 +135,30 @@ class PrefixIndex:
 
     def preferred(self, keys: Sequence[int], eligible: Sequence[str]) -> list[str]:
         """Eligible nodes holding more of the prefix than the least-holding one, best first."""
+        return self.match(keys, eligible)[0]
+
+    def match(self, keys: Sequence[int], eligible: Sequence[str]) -> tuple[list[str], dict[str, int], int]:
+        """From one walk of the index: ``preferred(keys, eligible)``, the depth (leading keys
+        held) of each of those nodes, and the floor: the depth every eligible node reaches."""
         if not keys or not eligible:
-            return []
+            return [], {}, 0
         everyone = set(eligible)
         levels = self._levels(keys, everyone)
-        floor = 0  # the depth every eligible node reaches
+        floor = 0
         while floor < len(levels) and len(levels[floor]) == len(everyone):
             floor += 1
         ranked: list[str] = []
-        placed: set[str] = set()
-        for depth in range(len(levels), floor, -1):  # deepest first; ties by rendezvous on that key
-            fresh = levels[depth - 1] - placed
-            key = keys[depth - 1]
-            ranked += sorted(fresh, key=lambda n: (-rendezvous(key, n), n))
-            placed |= fresh
-        return ranked
+        depth: dict[str, int] = {}
+        for level in range(len(levels), floor, -1):
+            fresh = [n for n in levels[level - 1] if n not in depth]
+            if not fresh:
+                continue
+            key = keys[level - 1]
+            fresh.sort(key=lambda n: (-rendezvous(key, n), n))
+            ranked += fresh
+            for n in fresh:
+                depth[n] = level
+        return ranked, depth, floor
 
     def record(self, node: str, keys: Sequence[int]) -> None:
         """``node`` was sent a prompt with these keys: it holds them now (most recently)."""

@@ -22,9 +22,18 @@ leader was passed over, its credit above one full round (total) is forfeited to 
 a node that stays busy cannot hoard credit and burst when it frees up. A seed-dependent number
 of warm-up passes at the first snapshot desynchronises replicas (Envoy's createWithPicks).
 
-**Affinity** (optional, ``policies.affinity``): after the referee, the first preferred node that
-is eligible and passes the token guard (``guard_allows`` against the eligible node lightest in
-tokens per weight after taking the request) takes the request instead. It is charged like any
+**Work** (optional: ``affinity``, an ``policies.affinity.Affinity``, given when the proxy knows the
+request's size and affinity is on). The referee then weighs work instead of requests: each node's
+load L (prefill backlog plus one mean prompt per request in flight) and the request's cost k on
+it (its uncached prompt there plus one mean prompt), both after taking the request:
+
+    choose C  iff  (L_L + k_L) / w_L  >  (L_C + k_C) / w_C      C: least (L + k) / w
+
+A node holding the prompt's prefix costs less, so the referee itself is cache-aware; the leader
+keeps ties, and a leader with no load at all keeps the request (the SWRR rotation). With equal
+costs and no backlog this is the rule above in other units (equal weights: exactly). Then the first preferred node that
+is eligible and passes the guard (``guard_allows`` against the eligible node lightest in
+work per weight after taking the request) takes the request instead. It is charged like any
 chosen node (Σ cw = 0, the leader's excess forfeited), so affinity picks count against the
 node's SWRR share; a node's debt is capped at one round (cw >= -total, the excess taken from the
 leader), so a run of affinity picks cannot starve it of its turns later (the cap applies to
@@ -64,20 +73,8 @@ class LaSwrr:
         lead, total, active = swrr.add_step(exclude)
         if lead < 0:
             return None
-        nodes, weights, cw = swrr.nodes, swrr.weights, swrr.cw
-        lead_inflight = inflight.get(nodes[lead], 0)
-        chosen = lead
-        if lead_inflight:
-            best = -1
-            best_after = best_weight = 0
-            for i in active:
-                after = inflight.get(nodes[i], 0) + 1
-                # after / weights[i] < best_after / best_weight, or equal with a higher accumulator
-                lhs, rhs = after * best_weight, best_after * weights[i]
-                if best < 0 or lhs < rhs or (lhs == rhs and cw[i] > cw[best]):
-                    best, best_after, best_weight = i, after, weights[i]
-            if best != lead and lead_inflight * best_weight >= best_after * weights[lead]:
-                chosen = best
+        nodes, cw = swrr.nodes, swrr.cw
+        chosen = self._referee(inflight, lead, active) if affinity is None else self._weigh(affinity, lead, active)
         refereed = chosen
         if affinity is not None and affinity.preferred:
             chosen = self._prefer(affinity, active, chosen)
@@ -90,20 +87,62 @@ class LaSwrr:
             cw[chosen] = -total
         return nodes[chosen]
 
+    def _referee(self, inflight: Mapping[str, int], lead: int, active: list[int]) -> int:
+        """The request referee: the leader, or the node lightest after taking the request if the
+        leader is at least as loaded now."""
+        swrr = self.swrr
+        nodes, weights, cw = swrr.nodes, swrr.weights, swrr.cw
+        lead_inflight = inflight.get(nodes[lead], 0)
+        if not lead_inflight:
+            return lead
+        best = -1
+        best_after = best_weight = 0
+        for i in active:
+            after = inflight.get(nodes[i], 0) + 1
+            # after / weights[i] < best_after / best_weight, or equal with a higher accumulator
+            lhs, rhs = after * best_weight, best_after * weights[i]
+            if best < 0 or lhs < rhs or (lhs == rhs and cw[i] > cw[best]):
+                best, best_after, best_weight = i, after, weights[i]
+        if best != lead and lead_inflight * best_weight >= best_after * weights[lead]:
+            return best
+        return lead
+
+    def _weigh(self, affinity: Affinity, lead: int, active: list[int]) -> int:
+        """The work referee: the leader, or the node lightest after taking the request if the
+        leader would be heavier after taking it."""
+        swrr = self.swrr
+        nodes, weights, cw = swrr.nodes, swrr.weights, swrr.cw
+        load, cost_on = affinity.load, affinity.cost_on
+        lead_load = load.get(nodes[lead], 0)
+        if not lead_load:
+            return lead
+        best = -1
+        best_after = best_weight = 0
+        for i in active:  # least (load + cost) / w; ties: higher accumulator, then list order
+            after = load.get(nodes[i], 0) + cost_on(nodes[i])
+            lhs, rhs = after * best_weight, best_after * weights[i]
+            if best < 0 or lhs < rhs or (lhs == rhs and cw[i] > cw[best]):
+                best, best_after, best_weight = i, after, weights[i]
+        if best != lead and (lead_load + cost_on(nodes[lead])) * best_weight > best_after * weights[lead]:
+            return best
+        return lead
+
     def _prefer(self, affinity: Affinity, active: list[int], chosen: int) -> int:
-        """The first preferred eligible node the token guard allows, else ``chosen``."""
+        """The first preferred eligible node the guard allows, else ``chosen``."""
         swrr = self.swrr
         nodes, weights, index = swrr.nodes, swrr.weights, swrr.index
-        tokens, cost = affinity.tokens, affinity.cost
+        load, cost_on = affinity.load, affinity.cost_on
         light = -1
-        light_after = light_weight = 0
-        for i in active:  # least (tokens + cost) / w; ties: earliest
-            after = tokens.get(nodes[i], 0) + cost
+        light_after = light_weight = light_cost = 0
+        for i in active:  # least (load + cost) / w; ties: earliest
+            cost = cost_on(nodes[i])
+            after = load.get(nodes[i], 0) + cost
             if light < 0 or after * light_weight < light_after * weights[i]:
-                light, light_after, light_weight = i, after, weights[i]
+                light, light_after, light_weight, light_cost = i, after, weights[i], cost
         eligible = set(active)
         for node in affinity.preferred:
             i = index.get(node, -1)
-            if i in eligible and guard_allows(tokens.get(node, 0), weights[i], light_after - cost, light_weight, cost):
+            if i in eligible and guard_allows(load.get(node, 0), weights[i], light_after - light_cost, light_weight,
+                                              light_cost):
                 return i
         return chosen

@@ -23,10 +23,15 @@ Rules:
   ``PrefixIndex`` of the prompt prefixes this proxy sent each node; ``admit`` given the prompt's
   text prefers the nodes holding more of it, and LA-SWRR's pick lets one of them take the request
   only under the token guard (``scheduler.policies.affinity``). A node that leaves the snapshot
-  or is ejected is dropped from the index at once. The proxy counts tokens in flight per node
-  (the prompt estimate plus ``max_tokens`` of each admitted request) for the guard. Without a
-  prompt, or with none of its prefix held by one node more than another, the pick is exactly
-  LA-SWRR's.
+  or is ejected is dropped from the index at once.
+* **Work** (with affinity, for a request whose size is known): the pick weighs work, not
+  requests (``scheduler.policies.affinity``, "The work measure"). The proxy keeps, per node, the
+  *prefill backlog*: the uncached prompt estimate of each admitted request that has not sent its
+  first byte yet (``prefilled`` takes it off when the engine's first byte arrives, ``release`` at
+  the latest), and the mean prompt ``M`` of the sized requests admitted so far. A node's load is
+  its backlog plus ``M`` per request in flight; the request's cost on a node is its prompt less
+  the prefix the index says the node holds, plus ``M``. Without a prompt, or with
+  ``affinity="none"``, the pick is exactly LA-SWRR's on request counts.
 * **Seeds.** Each pool's policy is seeded from the proxy's seed and the pool name, so replicas
   (different proxy ids) start their SWRR/P2C sequences at different points (docs/algorithm.md
   §5, "Seeded warm-up").
@@ -45,12 +50,12 @@ from laswrr.scheduler.policies import Candidate, Policy, canonical_policy, make_
 from laswrr.scheduler.policies.affinity import BLOCKS_PER_NODE, Affinity, PrefixIndex
 from laswrr.scheduler.policies.la_swrr import LaSwrr
 from laswrr.schemas.outputs import NodeView, WeightSnapshot
-from laswrr.services.proxy.prompt import RequestSize
+from laswrr.services.proxy.prompt import CHARS_PER_TOKEN, RequestSize
 
 DEFAULT_POOL = "default"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class Admission:
     """A request bound to one node: everything the forwarder needs, fixed at admission."""
 
@@ -59,6 +64,7 @@ class Admission:
     url: str
     snapshot_seq: int
     size: RequestSize | None = None  # counted in the node's tokens in flight until release
+    backlog: int = 0  # its uncached prompt estimate, in the node's prefill backlog until prefilled
 
     @property
     def tokens(self) -> int:
@@ -98,6 +104,9 @@ class Router:
         self.pools: dict[str, PoolRoute] = {}
         self.inflight: dict[str, int] = {}
         self.inflight_tokens: dict[str, int] = {}
+        self.backlog: dict[str, int] = {}  # node -> prefill backlog (tokens) of its admitted requests
+        self.sized = 0  # sized requests admitted, and their prompt tokens: the mean prompt M
+        self.sized_prompt_tokens = 0
         self.total_inflight = 0
 
     # -- snapshots ----------------------------------------------------------------------------
@@ -149,31 +158,60 @@ class Router:
         if self.cap_factor is not None:
             exclude.update(n for n, view in route.targets.items() if self.at_cap(view))
         index = route.index
-        keys = index.keys(prompt) if index is not None and prompt else []
-        if keys:
-            assert index is not None and isinstance(route.policy, LaSwrr)
-            preferred = index.preferred(keys, [n for n in route.targets if n not in exclude])
-            tokens = 0 if size is None else size.tokens
-            affinity = Affinity(preferred, self.inflight_tokens, tokens) if preferred else None
+        backlog = 0
+        if index is not None and prompt and size is not None:
+            assert isinstance(route.policy, LaSwrr)
+            keys = index.keys(prompt)
+            affinity = self._work(index, keys, size, [n for n in route.targets if n not in exclude])
             node = route.policy.pick(self.inflight, exclude, affinity)
             if node is not None:
                 index.record(node, keys)
+                backlog = affinity.cost_on(node) - self.mean_prompt
         else:
             node = route.policy.pick(self.inflight, exclude)
         if node is None:
             return None
         self.inflight[node] = self.inflight.get(node, 0) + 1
         admission = Admission(pool=pool, node=node, url=route.targets[node].url,
-                              snapshot_seq=route.snapshot.as_of_seq, size=size)
+                              snapshot_seq=route.snapshot.as_of_seq, size=size, backlog=backlog)
         self.inflight_tokens[node] = self.inflight_tokens.get(node, 0) + admission.tokens
+        if backlog:
+            self.backlog[node] = self.backlog.get(node, 0) + backlog
         self.total_inflight += 1
         return admission
+
+    @property
+    def mean_prompt(self) -> int:
+        return self.sized_prompt_tokens // self.sized if self.sized else 0
+
+    def _work(self, index: PrefixIndex, keys: list[int], size: RequestSize, eligible: list[str]) -> Affinity:
+        """The request's cost on each eligible node and each node's load (see the module docstring)."""
+        self.sized += 1
+        self.sized_prompt_tokens += size.prompt_tokens
+        mean = self.mean_prompt
+        preferred, depth, floor = index.match(keys, eligible)
+        block = index.block_chars // CHARS_PER_TOKEN
+        prompt = size.prompt_tokens
+        costs = {n: max(0, prompt - d * block) + mean for n, d in depth.items()}
+        load = {n: self.backlog.get(n, 0) + mean * count for n, count in self.inflight.items()}
+        return Affinity(preferred, load, max(0, prompt - floor * block) + mean, costs)
+
+    def prefilled(self, admission: Admission) -> None:
+        """The engine sent the admission's first byte: its prompt has left the node's prefill backlog."""
+        if admission.backlog:
+            left = self.backlog[admission.node] - admission.backlog
+            if left:
+                self.backlog[admission.node] = left
+            else:
+                del self.backlog[admission.node]
+            admission.backlog = 0
 
     def at_cap(self, view: NodeView) -> bool:
         assert self.cap_factor is not None
         return self.inflight.get(view.node, 0) >= math.ceil(self.cap_factor * view.capacity)
 
     def release(self, admission: Admission) -> None:
+        self.prefilled(admission)
         node = admission.node
         count = self.inflight[node] - 1
         self.total_inflight -= 1

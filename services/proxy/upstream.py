@@ -339,6 +339,7 @@ class Forwarder:
             first = await engine_response.content.readany()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             return Failed(reason=describe(exc), status=engine_response.status)
+        self.router.prefilled(admission)  # the engine's first token: the prompt is no longer its backlog
         received = time.perf_counter()
         status = engine_response.status
         try:

@@ -172,3 +172,18 @@ def test_one_shared_prefix_spreads_over_the_pool() -> None:
             tokens[old] -= 1000
         assert max(tokens.values()) - min(tokens.get(n, 0) for n in nodes) <= 2000
     assert min(counts.values()) >= 90, counts
+
+
+def test_the_worked_example_of_the_algorithm_doc() -> None:
+    """docs/algorithm.md §5a: a (weight 2) holds the prefix, b (weight 1) is idle, M = 1000."""
+    costs = {"a": 952 + 1000}
+    for running, by_work, by_guard in ((2, "a", "a"), (4, "a", "a"), (6, "b", "a"), (7, "b", "b")):
+        load = {"a": 1000 + running * 1000, "b": 0}
+        for lead in ("a", "b"):
+            referee = by_work if lead == "a" else "b"  # an idle leader keeps the request
+            p = policy({"a": 2000, "b": 1000})
+            if lead == "b":
+                p.swrr.cw[:] = [-1000, 1000]  # b leads the next SWRR step
+            plain = copy.deepcopy(p)
+            assert plain.pick({}, affinity=Affinity([], load, 4000, costs)) == referee, (running, lead)
+            assert p.pick({}, affinity=Affinity(["a"], load, 4000, costs)) == by_guard, (running, lead)
