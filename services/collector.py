@@ -40,7 +40,7 @@ from laswrr.collectors.poller import Collector, RateLimitedLog, Settings, Stats,
 from laswrr.collectors.registrations import RegisteredNodes
 from laswrr.schemas import subjects as sj
 from laswrr.services import settings as common
-from laswrr.services.natsbus import NatsAuth, connect, ensure_streams, redact_url
+from laswrr.services.natsbus import NatsAuth, StreamLimits, connect, ensure_streams, redact_url
 from laswrr.services.service_metrics import serve_metrics
 
 log = logging.getLogger("laswrr.collector")
@@ -103,8 +103,10 @@ async def follow_registrations(js: JetStreamContext, collector: Collector, file_
 
 
 async def serve(nats_url: str, nodes: list[Node], settings: Settings,
-                stop: asyncio.Event | None = None, auth: NatsAuth | None = None) -> Stats:
-    """Connect, collect until ``stop`` (or SIGINT/SIGTERM), drain; returns the counters."""
+                stop: asyncio.Event | None = None, auth: NatsAuth | None = None,
+                limits: StreamLimits | None = None) -> Stats:
+    """Connect, collect until ``stop`` (or SIGINT/SIGTERM), drain; returns the counters.
+    ``limits``: of the streams it creates where missing (``--stream-replicas``)."""
     stop = common.stop_event(stop)
     nc = await _until_stopped(_connect(nats_url, settings.connect_timeout_s, stop, auth), stop)
     if nc is None:
@@ -112,7 +114,7 @@ async def serve(nats_url: str, nodes: list[Node], settings: Settings,
     runner = None
     collector = Collector(nodes, nc.jetstream(), settings)
     try:
-        await ensure_streams(collector.js)
+        await ensure_streams(collector.js, limits)
         await follow_registrations(collector.js, collector, nodes)
         if settings.metrics_port is not None:
             runner = await serve_metrics(settings.metrics_port, collector.stats.render, service="collector")
@@ -149,6 +151,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="log totals this often (default %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=Settings.metrics_port,
                         help="serve the collector's counters here")
+    common.add_stream_replicas(parser)
     common.add_logging(parser)
     parser.set_defaults(func=run)
 
@@ -183,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
     if not nodes:
         log.warning("%s has no [[node]] tables: nothing to collect until stopped", args.nodes)
     try:
-        asyncio.run(serve(args.nats_url, nodes, settings, auth=common.nats_auth(args)))
+        asyncio.run(serve(args.nats_url, nodes, settings, auth=common.nats_auth(args),
+                          limits=StreamLimits(replicas=args.stream_replicas)))
     except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
         print(f"laswrr collector: NATS at {redact_url(args.nats_url)}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -4,7 +4,10 @@ One module owns stream/bucket setup (style.md): LB_EVENTS holds every input subj
 (``lb.>`` except ``lb.out.>``), LB_OUT every output, KV bucket LB_WEIGHTS the latest snapshot of
 each pool, KV bucket LB_CHECKPOINT the scheduler's checkpoint. Setup is idempotent (create what
 is missing; an existing stream's limits are the operator's and only warned about) so every
-service may call it at start-up. The de-duplication window
+service may call it at start-up. On a NATS cluster (``NatsCluster``: several embedded servers
+joined by routes, or an operator's own) streams and buckets are created with
+``StreamLimits.replicas`` copies, and ``--nats-url`` may list every server, comma-separated:
+``connect`` hands them all to nats-py, which fails over between them. The de-duplication window
 makes ``Nats-Msg-Id`` (``MSG_ID``) publishes safe to repeat: two scheduler replicas yield one tick
 per period and one copy of each output. ``connect`` is the only way any command reaches the bus.
 """
@@ -13,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
+import secrets
 import shutil
 import socket
 import ssl
@@ -24,6 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import nats
 from nats.aio.client import Client
@@ -47,12 +53,16 @@ class StreamLimits:
     max_msgs: int = -1
     duplicate_window_s: float = 120.0
     storage: StorageType = StorageType.FILE
+    replicas: int = 1  # copies of each stream and bucket on a cluster (JetStream allows 1..5)
+
+
+MAX_REPLICAS = 5
 
 
 def stream_configs(limits: StreamLimits) -> list[StreamConfig]:
     common = dict(retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD, storage=limits.storage,
                   max_age=limits.max_age_s, max_bytes=limits.max_bytes, max_msgs=limits.max_msgs,
-                  duplicate_window=limits.duplicate_window_s)
+                  duplicate_window=limits.duplicate_window_s, num_replicas=limits.replicas)
     return [
         StreamConfig(name=sj.EVENTS_STREAM, subjects=list(sj.EVENTS_SUBJECTS), **common),
         StreamConfig(name=sj.OUT_STREAM, subjects=list(sj.OUT_SUBJECTS), **common),
@@ -89,22 +99,47 @@ async def ensure_streams(js: JetStreamContext, limits: StreamLimits | None = Non
         if missing:
             log.warning("stream %s lacks subjects %s: adding them (its limits unchanged)", config.name, missing)
             await js.update_stream(replace(existing, subjects=[*(existing.subjects or []), *missing]))
-    try:
-        await js.key_value(sj.WEIGHTS_BUCKET)
-    except (NotFoundError, BadRequestError):
-        with contextlib.suppress(BadRequestError):
-            await js.create_key_value(KeyValueConfig(bucket=sj.WEIGHTS_BUCKET, history=1, storage=limits.storage))
+    await _ensure_bucket(js, KeyValueConfig(bucket=sj.WEIGHTS_BUCKET, history=1, storage=limits.storage,
+                                            replicas=limits.replicas))
 
 
-async def ensure_checkpoint_bucket(js: JetStreamContext) -> KeyValue:
-    """The scheduler's KV LB_CHECKPOINT (created on first use: only the scheduler writes it)."""
+async def _ensure_bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
+    """The bucket ``config`` names, created if missing; an existing one's replicas only warned about."""
     try:
-        return await js.key_value(sj.CHECKPOINT_BUCKET)
+        kv = await js.key_value(config.bucket)
     except (NotFoundError, BadRequestError):
         with contextlib.suppress(BadRequestError):  # a replica created it meanwhile
-            await js.create_key_value(KeyValueConfig(bucket=sj.CHECKPOINT_BUCKET, history=1,
-                                                     storage=StorageType.FILE, max_value_size=-1))
-        return await js.key_value(sj.CHECKPOINT_BUCKET)
+            await js.create_key_value(config)
+        return await js.key_value(config.bucket)
+    have = (await js.stream_info(f"KV_{config.bucket}")).config.num_replicas
+    if have is not None and have != config.replicas:
+        log.warning("bucket %s has num_replicas = %s where this service would create %s: left as it is",
+                    config.bucket, have, config.replicas)
+    return kv
+
+
+async def ensure_checkpoint_bucket(js: JetStreamContext, replicas: int = 1) -> KeyValue:
+    """The scheduler's KV LB_CHECKPOINT (created on first use: only the scheduler writes it)."""
+    return await _ensure_bucket(js, KeyValueConfig(bucket=sj.CHECKPOINT_BUCKET, history=1, storage=StorageType.FILE,
+                                                   max_value_size=-1, replicas=replicas))
+
+
+async def wait_jetstream(nc: Client, timeout_s: float = 30.0) -> float:
+    """Block until JetStream answers API calls (on a cluster: its meta leader is elected, which
+    takes a few seconds after the servers start); the seconds it took. TimeoutError after
+    ``timeout_s``."""
+    started = time.monotonic()
+    last: object = None
+    while time.monotonic() - started < timeout_s:
+        try:
+            reply = json.loads((await nc.request("$JS.API.INFO", b"", timeout=1.0)).data)
+            if "error" not in reply:
+                return time.monotonic() - started
+            last = reply["error"].get("description")
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, ValueError) as exc:
+            last = exc or type(exc).__name__
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"JetStream not available after {timeout_s:g} s ({last})")
 
 
 class Throttled:
@@ -230,16 +265,44 @@ class NatsAuth:
         return options
 
 
+def split_urls(url: str) -> list[str]:
+    """A ``--nats-url`` value: one URL, or several comma-separated (the servers of a cluster)."""
+    return [part.strip() for part in url.split(",") if part.strip()]
+
+
+def server_pool(url: str) -> tuple[list[str], dict[str, str]]:
+    """``url``'s servers for nats-py's pool, and the credentials they share as connect options.
+
+    nats-py sends a URL's ``user:password@`` (or ``token@``) only to that URL's server, and the
+    servers a cluster advertises (which nats-py adds to its pool on its own) carry none; so when
+    every URL carries the same credentials they become the ``user``/``password`` (``token``)
+    options, good for every server, and the URLs lose them. URLs with differing credentials
+    stay as they are."""
+    urls = split_urls(url) or [url]
+    parts = [urlsplit(u if "://" in u else f"nats://{u}") for u in urls]
+    userinfo = {p.netloc.rpartition("@")[0] if "@" in p.netloc else None for p in parts}
+    if len(userinfo) != 1 or None in userinfo:
+        return urls, {}
+    user, password = parts[0].username, parts[0].password
+    options = {"user": unquote(user or ""), "password": unquote(password)} if password is not None \
+        else {"token": unquote(user or "")}
+    bare = [urlunsplit(p._replace(netloc=p.netloc.rpartition("@")[2])) for p in parts]
+    return bare, options
+
+
 async def connect(url: str, name: str, auth: NatsAuth | None = None, **options: object) -> Client:
     """The one way to the bus: connect with reconnects forever (services must outlive a NATS
-    restart). ``url`` may carry ``user:password@`` or ``token@``; ``auth`` adds creds, nkey and
-    TLS files (default: from the environment, ``NatsAuth.from_env``)."""
+    restart). ``url`` may carry ``user:password@`` or ``token@`` and may list several servers,
+    comma-separated (a cluster: nats-py fails over between them and the servers they advertise,
+    ``server_pool``); ``auth`` adds creds, nkey and TLS files (default: from the environment,
+    ``NatsAuth.from_env``)."""
     auth = NatsAuth.from_env() if auth is None else auth
+    servers, credentials = server_pool(url)
     defaults: dict[str, object] = dict(name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                       connect_timeout=5, allow_reconnect=True)
+                                       connect_timeout=5, allow_reconnect=True, **credentials)
     defaults.update(auth.connect_options())
     defaults.update(options)
-    return await nats.connect(url, **defaults)  # type: ignore[arg-type]
+    return await nats.connect(servers, **defaults)  # type: ignore[arg-type]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -299,11 +362,12 @@ class EmbeddedNats:
 
     def _config_args(self) -> list[str]:
         """``-c FILE``: ``config_file``, with the ``config`` text after it when both are given
-        (in one file beside ``config_file``, as private as it)."""
+        (in one file, ``<data_dir>/nats-server.conf``, mode 0600: it may hold passwords)."""
         if not self.config:
             return ["-c", str(self.config_file)] if self.config_file else []
         base = Path(self.config_file).read_text() if self.config_file else ""
-        conf = Path(self.config_file).with_suffix(".extra.conf") if self.config_file else self.data_dir / "nats-server.conf"
+        conf = self.data_dir / "nats-server.conf"
+        conf.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as sink:
             sink.write(base + "\n" + self.config + "\n")
@@ -333,6 +397,99 @@ class EmbeddedNats:
             self.process.wait()
 
     def __enter__(self) -> "EmbeddedNats":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+CLUSTER_NAME = "laswrr"
+ROUTE_USER = "route"
+
+
+class NatsCluster:
+    """``size`` embedded nats-servers (``EmbeddedNats``) on loopback joined by routes into one
+    cluster named ``name``, JetStream on each with its own store (``<data_dir>/nats-<i>/``),
+    server names ``nats-1`` .. ``nats-<size>``. Every node reads the same ``config_file`` (users
+    and permissions, services/accounts.py) plus its own cluster block: its cluster listener on a
+    free port, routes to every node, and route authentication with a random password (a local
+    process cannot join the cluster as a route and so bypass the users' permissions). Each
+    node's configuration is ``<data_dir>/nats-<i>/nats-server.conf``, mode 0600.
+
+    ``start`` returns once every node listens; JetStream answers only once the cluster has
+    elected its meta leader (``wait_jetstream``). A node stopped or killed is started again with
+    ``restart(i)``: same ports, same store, so it rejoins and catches up."""
+
+    def __init__(self, data_dir: str | os.PathLike[str], size: int = 3, host: str = "127.0.0.1",
+                 log_dir: str | os.PathLike[str] | None = None, config_file: str | os.PathLike[str] | None = None,
+                 name: str = CLUSTER_NAME) -> None:
+        if size < 1:
+            raise ValueError("a cluster has at least one node")
+        self.data_dir, self.host, self.name = Path(data_dir), host, name
+        ports: list[int] = []
+        while len(ports) < 2 * size:  # distinct: free_port may hand out a port twice in a row
+            port = free_port(host)
+            if port not in ports:
+                ports.append(port)
+        client_ports, self.cluster_ports = ports[:size], ports[size:]
+        password = secrets.token_urlsafe(24)
+        routes = ", ".join(json.dumps(f"nats-route://{ROUTE_USER}:{password}@{host}:{port}")
+                           for port in self.cluster_ports)
+        self.nodes = [
+            EmbeddedNats(self.data_dir / f"nats-{i + 1}", port=client_ports[i], host=host, config_file=config_file,
+                         log_file=str(Path(log_dir) / f"nats-{i + 1}.log") if log_dir else None,
+                         config="\n".join([
+                             f"server_name: {json.dumps(f'nats-{i + 1}')}",
+                             "cluster {",
+                             f"  name: {json.dumps(name)}",
+                             f"  listen: {json.dumps(f'{host}:{self.cluster_ports[i]}')}",
+                             f"  authorization {{ user: {json.dumps(ROUTE_USER)}, password: {json.dumps(password)} }}",
+                             f"  routes: [{routes}]",
+                             "}"]))
+            for i in range(size)]
+
+    @property
+    def urls(self) -> list[str]:
+        return [node.url for node in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """Every node's address, comma-separated (what ``--nats-url`` takes), no credentials."""
+        return ",".join(self.urls)
+
+    def spawn(self) -> None:
+        """Start every node (from a thread that outlives them: ``EmbeddedNats.spawn``)."""
+        for node in self.nodes:
+            node.spawn()
+
+    def wait_ready(self, timeout: float = 15.0) -> "NatsCluster":
+        try:
+            for node in self.nodes:
+                node.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start(self, timeout: float = 15.0) -> "NatsCluster":
+        self.spawn()
+        return self.wait_ready(timeout)
+
+    def restart(self, index: int, timeout: float = 15.0) -> EmbeddedNats:
+        """Node ``index`` (0-based) again, after it stopped or was killed: same ports and store."""
+        node = self.nodes[index]
+        node.stop()
+        node.spawn()
+        return node.wait_ready(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for node in self.nodes:  # SIGTERM to all first: they leave the cluster together
+            if node.process is not None and node.process.poll() is None:
+                node.process.terminate()
+        for node in self.nodes:
+            node.stop(timeout)
+
+    def __enter__(self) -> "NatsCluster":
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

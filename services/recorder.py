@@ -56,7 +56,7 @@ from laswrr.replay import store
 from laswrr.schemas import subjects as sj
 from laswrr.services import settings
 from laswrr.services.jsreader import PullReader, ack_all_consumer, get_envelope, parse_ack_subject
-from laswrr.services.natsbus import NatsAuth, connect, ensure_streams, redact_url
+from laswrr.services.natsbus import NatsAuth, StreamLimits, connect, ensure_streams, redact_url
 from laswrr.services.service_metrics import BATCH_BUCKETS, Buckets, Metric, lag, render, serve_metrics
 
 log = logging.getLogger("laswrr.recorder")
@@ -67,6 +67,7 @@ class RecorderOptions:
     batch: int = 5000
     flush_ms: int = 200
     durable: str = "recorder"
+    stream_replicas: int = StreamLimits.replicas  # of the streams it creates where missing (a cluster)
 
     @property
     def db_path(self) -> Path:
@@ -103,7 +104,7 @@ class Recorder:
     async def run(self, stop: asyncio.Event) -> None:
         self.con = await asyncio.to_thread(store.open_writer, self.options.db_path)
         try:
-            await ensure_streams(self.js)
+            await ensure_streams(self.js, StreamLimits(replicas=self.options.stream_replicas))
             for stream in self.stats:
                 first = (await self.js.stream_info(stream)).state.first_seq
                 recorded = await self._db(store.max_seq, self.con, stream)
@@ -418,6 +419,7 @@ def register(subparsers: Any) -> None:
                         help="longest wait for a batch to fill before committing (default %(default)s)")
     parser.add_argument("--durable", default=RecorderOptions.durable, metavar="NAME",
                         help="consumer name prefix (default %(default)s: NAME-events, NAME-out)")
+    settings.add_stream_replicas(parser)
     settings.add_metrics_port(parser)
     settings.add_logging(parser)
     parser.set_defaults(func=run_command)
@@ -429,7 +431,7 @@ def run_command(args: argparse.Namespace) -> int:
         print("laswrr recorder: --batch and --flush-ms must be >= 1", file=sys.stderr)
         return 2
     options = RecorderOptions(data_dir=Path(args.data_dir), batch=args.batch, flush_ms=args.flush_ms,
-                              durable=args.durable)
+                              durable=args.durable, stream_replicas=args.stream_replicas)
     return asyncio.run(serve(args.nats_url, options, args.metrics_port, settings.nats_auth(args)))
 
 

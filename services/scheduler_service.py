@@ -72,7 +72,7 @@ from laswrr.schemas.codec import Envelope, Output, encode, publishable
 from laswrr.schemas.outputs import Rejected
 from laswrr.services import settings
 from laswrr.services.jsreader import ConsumerGone, InOrder, PullReader, ack_all_consumer
-from laswrr.services.natsbus import (MSG_ID, NatsAuth, Throttled, connect, ensure_checkpoint_bucket, ensure_streams,
+from laswrr.services.natsbus import (MSG_ID, NatsAuth, StreamLimits, Throttled, connect, ensure_checkpoint_bucket, ensure_streams,
                                      redact_url)
 from laswrr.services.output_writer import OutputWriter, highest_published_seq
 from laswrr.services.service_metrics import (BATCH_BUCKETS, Buckets, Metric, counter, gauge, histogram, lag,
@@ -114,6 +114,7 @@ class SchedulerOptions:
     checkpoint_every: int = 10_000  # events between checkpoints; 0 disables checkpoints
     use_checkpoint: bool = True
     allow_upstream: tuple[str, ...] | None = None  # --allow-upstream: replaces the config's allow_upstream
+    stream_replicas: int = StreamLimits.replicas  # of the streams and buckets it creates (a cluster)
 
 
 HEADER_MARGIN_BYTES = 1024  # room for the headers (Nats-Msg-Id) within the connection's max payload
@@ -165,9 +166,9 @@ class SchedulerService:
 
     async def run(self, stop: asyncio.Event) -> None:
         self._stopping = stop
-        await ensure_streams(self.js)
+        await ensure_streams(self.js, StreamLimits(replicas=self.options.stream_replicas))
         await self._writer.open()
-        self._checkpoints = await ensure_checkpoint_bucket(self.js)
+        self._checkpoints = await ensure_checkpoint_bucket(self.js, self.options.stream_replicas)
         await self._restore()
         self.publish_floor = await highest_published_seq(self.js)
         target = (await self.js.stream_info(sj.EVENTS_STREAM)).state.last_seq
@@ -431,6 +432,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=SchedulerOptions.checkpoint_every,
                         help=f"events between checkpoints in KV {sj.CHECKPOINT_BUCKET} (0 = none; default %(default)s)")
     parser.add_argument("--no-checkpoint", action="store_true", help="rebuild from the first retained event")
+    settings.add_stream_replicas(parser)
     settings.add_metrics_port(parser)
     parser.add_argument("--allow-upstream", action="append", default=None, metavar="PATTERN",
                         help="a host, host:port or CIDR block that lb.admin.node URLs may name (repeatable; "
@@ -449,7 +451,7 @@ def run_command(args: argparse.Namespace) -> int:
         options = SchedulerOptions(config_file=args.config, tick_ms=args.tick_ms, batch=args.batch,
                                    checkpoint_every=args.checkpoint_every, use_checkpoint=not args.no_checkpoint,
                                    replica_id=args.replica_id or default_replica_id(),
-                                   allow_upstream=_patterns(args.allow_upstream))
+                                   allow_upstream=_patterns(args.allow_upstream), stream_replicas=args.stream_replicas)
         if options.config_file:
             config_mod.load_file(options.config_file)
     except (OSError, ValueError) as exc:

@@ -3,8 +3,9 @@
 Rules:
 
 * **NATS.** Every command that talks to NATS takes ``--nats-url`` (default: the ``NATS_URL``
-  environment variable, else ``nats://127.0.0.1:4222``) through ``add_nats_options``; the
-  connection itself is ``natsbus.connect``, the only door to the bus.
+  environment variable, else ``nats://127.0.0.1:4222``; a cluster's servers comma-separated)
+  through ``add_nats_options``; the connection itself is ``natsbus.connect``, the only door to
+  the bus. A service that creates missing streams takes ``--stream-replicas`` (``add_stream_replicas``).
 * **Logging.** Every command takes ``--log-level LEVEL`` (any case: ``debug``, ``INFO``,
   ``Warning``, ...; ``-v`` is a deprecated alias for ``debug``) and ``--log-format text|json``
   through ``add_logging`` and calls ``configure_logging(args, service)`` once, first thing:
@@ -36,7 +37,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from laswrr.services.natsbus import AUTH_ENV, NatsAuth
+from laswrr.services.natsbus import AUTH_ENV, MAX_REPLICAS, NatsAuth, StreamLimits
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_DATA_DIR = ".laswrr"
@@ -61,11 +62,12 @@ def add_nats_options(parser: argparse.ArgumentParser, embedded: bool = False) ->
     group = parser.add_argument_group("NATS connection")
     if embedded:
         group.add_argument("--nats-url", default=None, metavar="URL",
-                           help="use this NATS server (default: start an embedded one)")
+                           help="use this NATS server, or a cluster's servers comma-separated (default: start "
+                                "an embedded one)")
     else:
         group.add_argument("--nats-url", default=default_nats_url(), metavar="URL",
-                           help=f"NATS server, may hold user:password@ or token@ (default: $NATS_URL or "
-                                f"{DEFAULT_NATS_URL})")
+                           help=f"NATS server, or a cluster's servers comma-separated (failover); may hold "
+                                f"user:password@ or token@ (default: $NATS_URL or {DEFAULT_NATS_URL})")
     for field, var in AUTH_ENV.items():
         flag = "--nats-" + field.replace("_", "-")
         group.add_argument(flag, dest=f"nats_{field}", default=os.environ.get(var) or None, metavar="FILE",
@@ -80,6 +82,26 @@ _AUTH_HELP = {"creds": "NATS decentralised-auth credentials (.creds)", "nkey": "
 def nats_auth(args: argparse.Namespace) -> NatsAuth:
     """The credential files given by ``add_nats_options``' flags (or their environment variables)."""
     return NatsAuth(**{field: getattr(args, f"nats_{field}", None) for field in AUTH_ENV})
+
+
+def replicas(text: str) -> int:
+    """argparse type: a JetStream replica count, 1..5."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of replicas: {text!r}") from None
+    if not 1 <= count <= MAX_REPLICAS:
+        raise argparse.ArgumentTypeError(f"replicas must be in 1..{MAX_REPLICAS}, got {count}")
+    return count
+
+
+def add_stream_replicas(parser: argparse.ArgumentParser, default: int | None = StreamLimits.replicas,
+                        help: str | None = None) -> None:
+    """``--stream-replicas N``: the copies of each stream and bucket a service creates where
+    missing (on a NATS cluster); one that exists keeps its own, with a warning."""
+    parser.add_argument("--stream-replicas", type=replicas, default=default, metavar="N", help=help or (
+        f"copies of LB_EVENTS, LB_OUT and the buckets when this service creates them, on a NATS cluster "
+        f"(1..{MAX_REPLICAS}; default %(default)s; an existing stream keeps its own, with a warning)"))
 
 
 def port_number(text: str) -> int:

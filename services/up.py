@@ -23,16 +23,29 @@ exit status; meanwhile the proxies keep routing on the last snapshot in LB_WEIGH
 restarted scheduler resumes from its checkpoint and the recorder from its database. The rule
 for giving up: a child that dies more than ``--max-restarts`` times (default 5) within 60 s
 keeps dying; ``laswrr up`` then stops the rest in order and exits 1. Otherwise it exits only on
-SIGINT or SIGTERM (exit 0). ``--max-restarts 0``: the first death stops the stack. The embedded
-nats-server is not restarted (every service reconnects to it on its own).
+SIGINT or SIGTERM (exit 0). ``--max-restarts 0``: the first death stops the stack. A single
+embedded nats-server is not restarted (every service reconnects to it on its own).
+
+A NATS cluster (``--nats-cluster N``, N >= 2): N embedded nats-servers (``natsbus.NatsCluster``)
+on loopback, joined by routes with their own random password, each with JetStream and its own
+store (``<data_dir>/nats-<i>/jetstream``, logs ``<data_dir>/logs/nats-<i>.log``), all with the
+same users and permissions. ``up`` waits until the cluster has a JetStream meta leader, then
+creates the streams and buckets with ``--stream-replicas`` copies (default: N, at most 5), and
+hands every child the URLs of all N servers (``NATS_URL=nats://role:pw@host:p1,...,nats://...@host:pN``),
+so each fails over to another server when its own dies. A node that dies is started again (same
+ports and store: it rejoins and catches up) after the same backoff as any child, never given up
+on: the cluster works on while a majority of it runs. ``--stream-replicas N`` with
+``--nats-url`` does the same on an external cluster (the operator's servers, listed comma-separated).
 
 Library API (for benchmarks and the demo)::
 
     stack = Stack(data_dir, nats_url=None, proxy_port=8000, config=None, tick_ms=100, secure=True,
-                  allow_upstream=(), proxy_args=(), nats_auth=None)
+                  allow_upstream=(), proxy_args=(), nats_auth=None, nats_cluster=1, stream_replicas=None)
     await stack.start(nodes=None)   # everything above; nodes: None (sim engines),
                                     # a nodes.toml path, or a list of Node
-    stack.nats_url                  # the operator's URL (with its password when secure)
+    stack.nats_url                  # the operator's URL (with its password when secure; a cluster:
+                                    # every server's, comma-separated)
+    stack.cluster                   # the NatsCluster (--nats-cluster >= 2), else None
     stack.role_url("proxy")         # any role's; children get theirs in $NATS_URL, never in argv
     stack.proxy_url, stack.nodes, stack.nodes_file, stack.children
     # or piece by piece:
@@ -76,7 +89,8 @@ from laswrr.schemas import subjects as sj
 from laswrr.services import accounts, settings
 from laswrr.services.dashboard.app import DEFAULT_PORT as DASHBOARD_PORT
 from laswrr.services.children import Child, ChildProcesses, RestartPolicy, StackError
-from laswrr.services.natsbus import AUTH_ENV, EmbeddedNats, NatsAuth, connect, ensure_streams, redact_url
+from laswrr.services.natsbus import (AUTH_ENV, MAX_REPLICAS, EmbeddedNats, NatsAuth, NatsCluster, StreamLimits,
+                                     connect, ensure_streams, redact_url, wait_jetstream)
 
 log = logging.getLogger("laswrr.up")
 
@@ -153,7 +167,19 @@ class Stack:
                  config: str | None = None, tick_ms: int = settings.DEFAULT_TICK_MS,
                  scheduler_args: Sequence[str] = (), python: str = sys.executable,
                  restart: RestartPolicy | None = None, secure: bool = True, allow_upstream: Sequence[str] = (),
-                 proxy_args: Sequence[str] = (), nats_auth: NatsAuth | None = None) -> None:
+                 proxy_args: Sequence[str] = (), nats_auth: NatsAuth | None = None, nats_cluster: int = 1,
+                 stream_replicas: int | None = None) -> None:
+        if not 1 <= nats_cluster <= MAX_REPLICAS:
+            raise StackError(f"--nats-cluster must be in 1..{MAX_REPLICAS}, got {nats_cluster}")
+        if nats_cluster > 1 and nats_url is not None:
+            raise StackError("--nats-cluster starts embedded servers: it cannot be combined with --nats-url")
+        replicas = stream_replicas if stream_replicas is not None else nats_cluster
+        servers = MAX_REPLICAS if nats_url is not None else nats_cluster  # an external cluster's size is its own
+        if not 1 <= replicas <= servers:
+            raise StackError(f"--stream-replicas {replicas} needs at least as many NATS servers "
+                             f"(--nats-cluster {nats_cluster})")
+        self.nats_cluster = nats_cluster
+        self.stream_replicas = replicas
         self.data_dir = Path(data_dir).resolve()
         self.log_dir = self.data_dir / "logs"
         self.secrets_dir = self.data_dir / "secrets"
@@ -174,6 +200,9 @@ class Stack:
         self.proxy_url: str | None = None
         self.dashboard_url: str | None = None
         self.embedded: EmbeddedNats | None = None
+        self.cluster: NatsCluster | None = None
+        self._cluster_watch: asyncio.Task[None] | None = None
+        self._restart = restart
         self._nats_url = nats_url
         self._nc: Client | None = None
 
@@ -231,31 +260,87 @@ class Stack:
             if passwords:
                 config = accounts.write_private(self.secrets_dir / "nats-server.conf", accounts.server_config(
                     passwords, header="# Generated by `laswrr up`: one user per role (services/accounts.py)."))
-            self.embedded = EmbeddedNats(self.data_dir, log_file=str(self.log_dir / "nats.log"), config_file=config)
-            self.embedded.spawn()  # from the loop's thread: PDEATHSIG follows the spawning thread
-            await asyncio.to_thread(self.embedded.wait_ready)
-            self._nats_url = self.embedded.url
-            self._role_urls = {role: accounts.role_url(role, password, self.embedded.host, self.embedded.port)
+            if self.nats_cluster > 1:
+                self.cluster = NatsCluster(self.data_dir, self.nats_cluster, log_dir=self.log_dir, config_file=config)
+                self.cluster.spawn()  # from the loop's thread: PDEATHSIG follows the spawning thread
+                await asyncio.to_thread(self.cluster.wait_ready)
+                servers = self.cluster.nodes
+                self._nats_url = self.cluster.url
+                self._cluster_watch = asyncio.create_task(self._supervise_cluster(), name="nats-cluster")
+            else:
+                self.embedded = EmbeddedNats(self.data_dir, log_file=str(self.log_dir / "nats.log"), config_file=config)
+                self.embedded.spawn()
+                await asyncio.to_thread(self.embedded.wait_ready)
+                servers = [self.embedded]
+                self._nats_url = self.embedded.url
+            self._role_urls = {role: ",".join(accounts.role_url(role, password, s.host, s.port) for s in servers)
                                for role, password in passwords.items()}
             accounts.write_secrets(self.secrets_dir, self._role_urls)
         try:
             async with contextlib.AsyncExitStack() as scope:  # streams and buckets are the scheduler's to set up
                 setup = await connect(self.role_url("scheduler"), "laswrr-up-setup", self.nats_auth)
                 scope.push_async_callback(setup.close)
-                await ensure_streams(setup.jetstream())
+                await self._setup_streams(setup)
             self._nc = await connect(self.nats_url, "laswrr-up", self.nats_auth)
         except Exception as exc:
             raise StackError(f"cannot connect to NATS at {redact_url(self.nats_url)}: {exc}") from None
         return self.nats_url
 
+    async def _setup_streams(self, nc: Client, timeout_s: float = 30.0) -> None:
+        """Streams and buckets with ``stream_replicas`` copies, once JetStream answers (a cluster:
+        its meta leader elected; a replicated stream also needs enough peers known to it)."""
+        waited = await wait_jetstream(nc, timeout_s)
+        if self.cluster is not None:
+            log.info("NATS cluster of %d: JetStream meta leader elected after %.2f s", self.nats_cluster, waited)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await ensure_streams(nc.jetstream(), StreamLimits(replicas=self.stream_replicas))
+                return
+            except Exception as exc:  # noqa: BLE001 - e.g. "insufficient resources" while peers join
+                if time.monotonic() > deadline:
+                    raise
+                log.debug("creating the streams: %r; retrying", exc)
+                await asyncio.sleep(0.2)
+
+    async def _supervise_cluster(self) -> None:
+        """Start a cluster node again when it dies (module doc); logged like any child."""
+        assert self.cluster is not None
+        policy = self._restart or RestartPolicy()
+        deaths: dict[int, list[float]] = {}
+        while True:
+            await asyncio.sleep(0.2)
+            for index, node in enumerate(self.cluster.nodes):
+                process = node.process
+                if process is None or process.poll() is None:
+                    continue
+                now = time.monotonic()
+                recent = deaths[index] = [t for t in deaths.get(index, []) if now - t <= policy.window_s] + [now]
+                backoff = policy.backoff_s(len(recent))
+                log.error("nats-%d (pid %d) exited unexpectedly with %s; restarting it in %g s", index + 1,
+                          process.pid, process.returncode, backoff)
+                await asyncio.sleep(backoff)
+                node.spawn()  # this task runs in the loop's thread: PDEATHSIG follows it
+                try:
+                    await asyncio.to_thread(node.wait_ready)
+                except (RuntimeError, TimeoutError) as exc:
+                    log.error("restarting nats-%d failed: %s", index + 1, exc)
+                    continue
+                assert node.process is not None
+                log.info("started nats-%d (pid %d) at %s", index + 1, node.process.pid, node.url)
+
     async def start_core(self) -> None:
         args = ["--tick-ms", str(self.tick_ms), *(f"--allow-upstream={p}" for p in self.allow_upstream),
-                *self.scheduler_args]
+                *self.scheduler_args, *self._replicas_args()]
         if self.config:
             args += ["--config", self.config]
         await self.spawn("scheduler", "scheduler", *args, role="scheduler")
-        await self.spawn("recorder", "recorder", "--data-dir", str(self.data_dir),
+        await self.spawn("recorder", "recorder", "--data-dir", str(self.data_dir), *self._replicas_args(),
                          role="recorder")
+
+    def _replicas_args(self) -> tuple[str, ...]:
+        """``--stream-replicas`` for a child that creates missing streams (none when 1, the default)."""
+        return ("--stream-replicas", str(self.stream_replicas)) if self.stream_replicas != 1 else ()
 
     async def start_sim_engines(self, sims: Sequence[tuple[str, str, int]] = DEFAULT_SIMS, speed: float = 1.0,
                                 pool: str = "default", npu_smi: bool = True,
@@ -317,7 +402,7 @@ class Stack:
         path = nodes_file or self.nodes_file
         if path is None:
             return None
-        return await self.spawn("collector", "collector", "--nodes", str(path),
+        return await self.spawn("collector", "collector", "--nodes", str(path), *self._replicas_args(),
                                 role="collector")
 
     async def start_dashboard(self, port: int = 0) -> str:
@@ -340,7 +425,7 @@ class Stack:
         name = name or ("proxy" if replicas == 0 else f"proxy-{replicas + 1}")
         port = self.proxy_port if port is None else port
         child = await self.spawn(name, "proxy", "--host", self.proxy_host, "--port", str(port), "--proxy-id", name,
-                                 *self.proxy_args, *extra_args, role="proxy",
+                                 *self._replicas_args(), *self.proxy_args, *extra_args, role="proxy",
                                  wait_listening=True)
         assert child.url is not None
         await self._wait_routing(child)
@@ -394,12 +479,19 @@ class Stack:
     async def stop(self) -> None:
         """Ordered shutdown: proxies, collector, engines, scheduler, recorder, then NATS (idempotent)."""
         await self.processes.stop(STOP_ORDER)
+        if self._cluster_watch is not None:
+            self._cluster_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._cluster_watch
+            self._cluster_watch = None
         if self._nc is not None:
             with contextlib.suppress(Exception):
                 await self._nc.close()
             self._nc = None
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.stop)
+        if self.cluster is not None:
+            await asyncio.to_thread(self.cluster.stop)
 
 
 # -- laswrr up ------------------------------------------------------------------------------------------
@@ -407,6 +499,11 @@ class Stack:
 
 def banner(stack: Stack, out: IO[str]) -> None:
     where = f"embedded, JetStream store in {stack.data_dir / 'jetstream'}" if stack.embedded else "external"
+    if stack.cluster is not None:
+        where = (f"embedded cluster of {len(stack.cluster.nodes)}, streams with {stack.stream_replicas} replicas, "
+                 f"stores in {stack.data_dir}/nats-<i>/jetstream")
+    elif stack.stream_replicas > 1:
+        where += f", streams with {stack.stream_replicas} replicas"
     print(f"laswrr up: running (data dir {stack.data_dir}, logs in {stack.log_dir})", file=out)
     operator_env = stack.secrets_dir / "operator.env"
     if stack.secure:
@@ -422,6 +519,9 @@ def banner(stack: Stack, out: IO[str]) -> None:
           file=out)
     if stack.dashboard_url:
         print(f"  dashboard: {stack.dashboard_url}", file=out)
+    for index, server in enumerate(stack.cluster.nodes if stack.cluster else []):
+        pid = server.process.pid if server.process else None
+        print(f"  {'nats':<10} {f'nats-{index + 1}':<12} pid {pid}  {server.url}", file=out)
     for child in stack.children:
         print(f"  {child.role:<10} {child.name:<12} pid {child.pid}{'  ' + child.url if child.url else ''}", file=out)
     for node in stack.nodes:
@@ -449,9 +549,15 @@ async def run_up(args: argparse.Namespace) -> int:
     stop = settings.stop_event()
     restart = RestartPolicy(max_restarts=args.max_restarts) if args.max_restarts > 0 else None
     proxy_args = ("--api-keys", str(Path(args.api_keys).resolve())) if args.api_keys else ()
-    stack = Stack(args.data_dir, nats_url=args.nats_url, proxy_port=args.proxy_port, proxy_host=args.proxy_host,
-                  config=args.config, tick_ms=args.tick_ms, restart=restart, secure=not args.insecure,
-                  allow_upstream=args.allow_upstream or (), proxy_args=proxy_args, nats_auth=settings.nats_auth(args))
+    try:
+        stack = Stack(args.data_dir, nats_url=args.nats_url, proxy_port=args.proxy_port, proxy_host=args.proxy_host,
+                      config=args.config, tick_ms=args.tick_ms, restart=restart, secure=not args.insecure,
+                      allow_upstream=args.allow_upstream or (), proxy_args=proxy_args,
+                      nats_auth=settings.nats_auth(args), nats_cluster=args.nats_cluster,
+                      stream_replicas=args.stream_replicas)
+    except StackError as exc:
+        _say(f"laswrr up: {exc}", sys.stderr)
+        return 2
     try:
         return await _run_stack(stack, args, stop)
     finally:  # whatever happened (even a closed stdout), nothing is left running
@@ -508,6 +614,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--nodes", metavar="nodes.toml", default=None,
                         help="[[node]] tables (id, url, pool, chip, capacity); default: four simulated engines")
     settings.add_nats_options(parser, embedded=True)
+    parser.add_argument("--nats-cluster", type=settings.replicas, default=1, metavar="N",
+                        help=f"start N embedded nats-servers as one cluster on loopback (1..{MAX_REPLICAS}; default "
+                             "%(default)s: a single server); the streams get N replicas unless --stream-replicas says")
+    settings.add_stream_replicas(parser, default=None, help=(
+        f"copies of LB_EVENTS, LB_OUT and the buckets where they are created (1..{MAX_REPLICAS}; default: the "
+        "--nats-cluster size; with --nats-url, on the operator's cluster); an existing stream keeps its own"))
     parser.add_argument("--data-dir", default=settings.DEFAULT_DATA_DIR, metavar="DIR",
                         help=f"JetStream store, recorded events, logs (default ./{settings.DEFAULT_DATA_DIR})")
     parser.add_argument("--proxy-host", default=DEFAULT_PROXY_HOST, metavar="ADDR",

@@ -50,6 +50,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from laswrr.services.natsbus import StreamLimits
 from laswrr.services.proxy.bus import BusLink
 from laswrr.services.proxy.config import ProxyConfig
 from laswrr.services.proxy.events import EventPublisher
@@ -351,7 +352,7 @@ def init_app(config: ProxyConfig) -> web.Application:
     keys = ApiKeys.load(config.api_keys_file, config.key_max_inflight) if config.api_keys_file else None
     state = ProxyState(config=config, router=router, events=events, metrics=ProxyMetrics(config.proxy_id, keys),
                        bus=BusLink(config.nats_url, f"laswrr-proxy-{config.proxy_id}", router, events,
-                                   auth=config.nats_auth),
+                                   auth=config.nats_auth, limits=StreamLimits(replicas=config.stream_replicas)),
                        keys=keys, upstream_auth=UpstreamAuth(config.forward_authorization, config.upstream_api_key))
     state.idle.set()
     app = web.Application(client_max_size=config.max_body_bytes)

@@ -51,7 +51,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.outputs import WeightSnapshot
-from laswrr.services.natsbus import NatsAuth, connect, ensure_streams, redact_url
+from laswrr.services.natsbus import NatsAuth, StreamLimits, connect, ensure_streams, redact_url
 from laswrr.services.proxy.events import EventPublisher
 from laswrr.services.proxy.routing import Router
 from laswrr.services.proxy.tasks import bounded, stop_task
@@ -65,8 +65,10 @@ WEIGHTS_STREAM = f"KV_{sj.WEIGHTS_BUCKET}"
 class BusLink:
     def __init__(self, url: str, name: str, router: Router, publisher: EventPublisher,
                  rewatch_s: float = 10.0, retry_s: float = 0.5, max_retry_s: float = 5.0,
-                 stream_check_s: float = 1.0, auth: NatsAuth | None = None) -> None:
+                 stream_check_s: float = 1.0, auth: NatsAuth | None = None,
+                 limits: StreamLimits | None = None) -> None:
         self.url = url
+        self.limits = limits
         self.auth = auth
         self.name = name
         self.router = router
@@ -135,7 +137,7 @@ class BusLink:
         delay = self.retry_s
         while not self.closing:
             try:
-                await self._prepare(js)
+                await self._prepare(js, self.limits)
                 return
             except asyncio.CancelledError:
                 raise
@@ -145,14 +147,14 @@ class BusLink:
                 delay = min(self.max_retry_s, delay * 2)
 
     @staticmethod
-    async def _prepare(js: JetStreamContext) -> None:
+    async def _prepare(js: JetStreamContext, limits: StreamLimits | None = None) -> None:
         """Create LB_EVENTS/LB_OUT/LB_WEIGHTS if any is missing (first service up on a fresh server)."""
         try:
             await js.stream_info(sj.EVENTS_STREAM)
             await js.stream_info(sj.OUT_STREAM)
             await js.stream_info(WEIGHTS_STREAM)
         except NotFoundError:
-            await ensure_streams(js)
+            await ensure_streams(js, limits)
 
     async def _watch(self, js: JetStreamContext) -> None:
         kv = await js.key_value(sj.WEIGHTS_BUCKET)

@@ -53,6 +53,7 @@ def _policy(text: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     settings.add_nats_options(parser)
+    settings.add_stream_replicas(parser, default=_DEFAULTS.stream_replicas)
     parser.add_argument("--host", default=_DEFAULTS.host, help="listen address (default %(default)s)")
     parser.add_argument("--port", type=int, default=_DEFAULTS.port,
                         help="listen port; 0 picks a free one (default %(default)s)")
@@ -127,7 +128,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         nats_auth=settings.nats_auth(args),
         api_keys_file=args.api_keys, key_max_inflight=args.key_max_inflight,
         forward_authorization=args.forward_authorization, upstream_api_key=args.upstream_api_key,
-        admin_port=args.admin_port,
+        admin_port=args.admin_port, stream_replicas=args.stream_replicas,
     ).validate()
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from laswrr.schemas import subjects as sj
 from laswrr.scheduler.policies import canonical_policy
 from laswrr.scheduler.policies.affinity import BLOCKS_PER_NODE
-from laswrr.services.natsbus import NatsAuth
+from laswrr.services.natsbus import NatsAuth, StreamLimits
 from laswrr.services.settings import DEFAULT_NATS_URL, DEFAULT_PROXY_PORT
 
 AFFINITY_MODES = ("prefix", "none")
@@ -64,6 +64,7 @@ class ProxyConfig:
     forward_authorization: bool = False  # pass the client's Authorization header to the engines
     upstream_api_key: str | None = field(default=None, repr=False)  # Authorization: Bearer <it> to engines
     admin_port: int | None = None  # /metrics and the probes on this port instead of ``port``
+    stream_replicas: int = StreamLimits.replicas  # of the streams it creates where missing (a cluster)
 
     def validate(self) -> "ProxyConfig":
         sj.check_token(self.proxy_id, "proxy name")
