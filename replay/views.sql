@@ -5,14 +5,37 @@
 -- payload was not UTF-8: then `raw` holds its exact bytes and `data` only a readable
 -- rendering, and the scheduler rejected it) and never fails on a bad row. Times are integer nanoseconds (`ts_ns`, the JetStream timestamp the scheduler
 -- used); durations are milliseconds. Node, pool and proxy names are the subject's last token.
+-- Batches: a proxy's `lb.req.batch.<proxy>` message holds its request events and heartbeats
+-- in order (docs/design.md §6, "Batched request events"); `input_events` unnests them, so a
+-- batched event is a row as it would be alone (its own subject, family, key and payload) at
+-- the batch's seq and ts_ns, with `event_index` its position in the batch (0 for a message
+-- holding one event). Order events by (seq, event_index): several share a seq.
 
-CREATE OR REPLACE VIEW input_events AS
+CREATE OR REPLACE VIEW input_messages AS
 SELECT seq, ts_ns, subject,
        regexp_extract(subject, '^(.*)\.[^.]+$', 1) AS family,
        split_part(subject, '.', -1) AS key,
        CASE WHEN raw IS NULL AND json_valid(data) THEN data::JSON END AS j,
        data, raw
 FROM events WHERE stream = 'LB_EVENTS';
+
+CREATE OR REPLACE VIEW input_events AS
+SELECT seq, ts_ns, subject, family, key, j, data, raw, 0 AS event_index, NULL::VARCHAR AS batch_subject
+FROM input_messages WHERE family IS DISTINCT FROM 'lb.req.batch'
+UNION ALL
+SELECT seq, ts_ns, 'lb.' || kind || '.' || key AS subject, 'lb.' || kind AS family, key, j, j::VARCHAR AS data,
+       NULL::BLOB AS raw, event_index, batch_subject
+FROM (
+    SELECT seq, ts_ns, batch_subject, e->>0 AS kind, e->2 AS j, event_index,
+           CASE WHEN e->>0 IN ('proxy.heartbeat', 'proxy.stopped') THEN proxy ELSE e->>1 END AS key
+    FROM (
+        SELECT seq, ts_ns, subject AS batch_subject, key AS proxy,
+               unnest(CAST(j->'events' AS JSON[])) AS e,
+               generate_subscripts(CAST(j->'events' AS JSON[]), 1) - 1 AS event_index
+        FROM input_messages
+        WHERE family = 'lb.req.batch' AND json_type(j->'events') = 'ARRAY')
+    WHERE json_type(e) = 'ARRAY')
+WHERE kind IN ('req.started', 'req.finished', 'proxy.heartbeat', 'proxy.stopped') AND key IS NOT NULL;
 
 CREATE OR REPLACE VIEW output_events AS
 SELECT seq, ts_ns, subject,
@@ -59,18 +82,20 @@ QUALIFY row_number() OVER (PARTITION BY j->>'as_of_seq', j->>'node', j->>'to' OR
 -- outcome is NULL while the attempt is open (never finished). next_attempt names the attempt
 -- that continued (outcome `continued`) or retried this one; logs from before that field have
 -- it NULL.
+-- started_index / finished_index: the events' positions in their batches (0 when unbatched).
 CREATE OR REPLACE VIEW attempts AS
 WITH started AS (
     SELECT j->>'request_id' AS attempt_id, key AS node, coalesce(j->>'pool', 'default') AS pool,
-           j->>'proxy' AS proxy, seq, ts_ns, TRY_CAST(j->>'snapshot_seq' AS BIGINT) AS snapshot_seq
+           j->>'proxy' AS proxy, seq, ts_ns, TRY_CAST(j->>'snapshot_seq' AS BIGINT) AS snapshot_seq, event_index
     FROM input_events
     WHERE family = 'lb.req.started' AND j->>'request_id' IS NOT NULL
-    QUALIFY row_number() OVER (PARTITION BY j->>'request_id' ORDER BY seq) = 1
+    QUALIFY row_number() OVER (PARTITION BY j->>'request_id' ORDER BY seq, event_index) = 1
 ), finished AS (
     SELECT j->>'request_id' AS attempt_id, seq, ts_ns, j->>'outcome' AS outcome, j->>'error' AS error,
            TRY_CAST(j->>'ttft_ms' AS DOUBLE) AS ttft_ms, TRY_CAST(j->>'duration_ms' AS DOUBLE) AS duration_ms,
            TRY_CAST(j->>'prompt_tokens' AS BIGINT) AS prompt_tokens,
-           TRY_CAST(j->>'completion_tokens' AS BIGINT) AS completion_tokens, j->>'next_attempt' AS next_attempt
+           TRY_CAST(j->>'completion_tokens' AS BIGINT) AS completion_tokens, j->>'next_attempt' AS next_attempt,
+           event_index
     FROM input_events
     WHERE family = 'lb.req.finished' AND j->>'request_id' IS NOT NULL
 )
@@ -78,10 +103,11 @@ SELECT split_part(s.attempt_id, '.', 1) AS request_id, s.attempt_id, s.node, s.p
        s.seq AS started_seq, s.ts_ns AS started_ts_ns,
        f.seq AS finished_seq, f.ts_ns AS finished_ts_ns,
        f.outcome, f.ttft_ms, f.duration_ms, s.snapshot_seq, f.error,
-       f.prompt_tokens, f.completion_tokens, f.next_attempt
+       f.prompt_tokens, f.completion_tokens, f.next_attempt,
+       s.event_index AS started_index, f.event_index AS finished_index
 FROM started s
-LEFT JOIN finished f ON f.attempt_id = s.attempt_id AND f.seq > s.seq
-QUALIFY row_number() OVER (PARTITION BY s.attempt_id ORDER BY f.seq NULLS LAST) = 1;
+LEFT JOIN finished f ON f.attempt_id = s.attempt_id AND (f.seq, f.event_index) > (s.seq, s.event_index)
+QUALIFY row_number() OVER (PARTITION BY s.attempt_id ORDER BY f.seq NULLS LAST, f.event_index) = 1;
 
 -- One row per client request: started when its first attempt started; node, outcome, finish,
 -- duration_ms (counted by the proxy from the request's arrival) and snapshot_seq are those of
@@ -96,11 +122,11 @@ WITH first_start AS (
     FROM attempts GROUP BY request_id
 ), last_attempt AS (
     SELECT * FROM attempts
-    QUALIFY row_number() OVER (PARTITION BY request_id ORDER BY started_seq DESC) = 1
+    QUALIFY row_number() OVER (PARTITION BY request_id ORDER BY started_seq DESC, started_index DESC) = 1
 )
 SELECT l.request_id, l.node, l.pool, l.proxy, f.started_seq, f.started_ts_ns,
        l.finished_seq, l.finished_ts_ns, l.outcome, f.ttft_ms, l.duration_ms, l.snapshot_seq,
-       f.attempts, l.started_seq AS last_attempt_seq, f.continued
+       f.attempts, l.started_seq AS last_attempt_seq, f.continued, l.started_index AS last_attempt_index
 FROM first_start f JOIN last_attempt l USING (request_id);
 
 -- Continued and retried attempts: one row per attempt that another attempt took over, with the
@@ -114,7 +140,7 @@ FROM first_start f JOIN last_attempt l USING (request_id);
 CREATE OR REPLACE VIEW continuations AS
 WITH numbered AS (
     SELECT *, sum(coalesce(completion_tokens, 0)) OVER (
-               PARTITION BY request_id ORDER BY started_seq ROWS UNBOUNDED PRECEDING) AS tokens_so_far,
+               PARTITION BY request_id ORDER BY started_seq, started_index ROWS UNBOUNDED PRECEDING) AS tokens_so_far,
            CASE WHEN attempt_id = request_id THEN 0
                 ELSE TRY_CAST(split_part(attempt_id, '.', 2) AS BIGINT) END AS attempt_no
     FROM attempts
@@ -141,13 +167,15 @@ FROM taken_over t LEFT JOIN attempts n ON n.attempt_id = t.next_id;
 -- announced a stop (it died with them in flight). Requests open at the end of a log that did
 -- not end cleanly are not here: their fate is unknown (see `open_requests`).
 CREATE OR REPLACE VIEW proxy_stops AS
-SELECT key AS proxy, seq, ts_ns FROM input_events WHERE family = 'lb.proxy.stopped';
+SELECT key AS proxy, seq, ts_ns, event_index FROM input_events WHERE family = 'lb.proxy.stopped';
 
 CREATE OR REPLACE VIEW clean_end AS
-SELECT max(seq) AS last_stop_seq FROM proxy_stops
-HAVING max(seq) IS NOT NULL AND NOT EXISTS (
-    SELECT 1 FROM input_events
-    WHERE family IN ('lb.req.started', 'lb.req.finished', 'lb.proxy.heartbeat') AND seq > max(proxy_stops.seq));
+WITH last_stop AS (SELECT seq, event_index FROM proxy_stops ORDER BY seq DESC, event_index DESC LIMIT 1)
+SELECT l.seq AS last_stop_seq FROM last_stop l
+WHERE NOT EXISTS (
+    SELECT 1 FROM input_events e
+    WHERE e.family IN ('lb.req.started', 'lb.req.finished', 'lb.proxy.heartbeat')
+      AND (e.seq, e.event_index) > (l.seq, l.event_index));
 
 CREATE OR REPLACE VIEW interruptions AS
 SELECT r.*, 'router_aborted' AS reason, NULL::BIGINT AS proxy_stopped_seq
@@ -157,14 +185,16 @@ SELECT r.*, 'engine_cut' AS reason, NULL::BIGINT AS proxy_stopped_seq
 FROM requests r WHERE r.outcome = 'upstream_error' AND r.ttft_ms IS NOT NULL
 UNION ALL
 SELECT r.*, 'open_at_proxy_stop' AS reason, min(p.seq) AS proxy_stopped_seq
-FROM requests r JOIN proxy_stops p ON p.proxy = r.proxy AND p.seq > r.last_attempt_seq
+FROM requests r JOIN proxy_stops p
+  ON p.proxy = r.proxy AND (p.seq, p.event_index) > (r.last_attempt_seq, r.last_attempt_index)
 WHERE r.outcome IS NULL
 GROUP BY ALL
 UNION ALL
 SELECT r.*, 'open_at_end' AS reason, NULL::BIGINT AS proxy_stopped_seq
 FROM requests r, clean_end
 WHERE r.outcome IS NULL
-  AND NOT EXISTS (SELECT 1 FROM proxy_stops p WHERE p.proxy = r.proxy AND p.seq > r.last_attempt_seq);
+  AND NOT EXISTS (SELECT 1 FROM proxy_stops p
+                  WHERE p.proxy = r.proxy AND (p.seq, p.event_index) > (r.last_attempt_seq, r.last_attempt_index));
 
 CREATE OR REPLACE VIEW open_requests AS
 SELECT r.* FROM requests r
@@ -200,7 +230,7 @@ WITH from_snapshots AS (
     SELECT out_seq, as_of_seq, node, pool, to_phase, reason FROM from_snapshots
     WHERE before IS DISTINCT FROM to_phase
 )
-SELECT m.*, e.ts_ns FROM marks m JOIN input_events e ON e.seq = m.as_of_seq
+SELECT m.*, e.ts_ns FROM marks m JOIN input_messages e ON e.seq = m.as_of_seq
 QUALIFY row_number() OVER (PARTITION BY m.node, m.as_of_seq, m.to_phase ORDER BY m.out_seq) = 1;
 
 -- Drains: from a node entering `draining` to its next phase change, when that is `drained`.

@@ -45,7 +45,7 @@ from laswrr.scheduler.upstreams import upstream_patterns, upstream_rejection
 from laswrr.scheduler.weights import MS, round_milli
 from laswrr.schemas import events
 from laswrr.schemas import subjects
-from laswrr.schemas.codec import Envelope, Output, SchemaError, decode_event, encode
+from laswrr.schemas.codec import Envelope, Output, SchemaError, decode_event, encode, unbatch
 from laswrr.schemas.outputs import NodeView, PhaseChanged, Rejected, WeightSnapshot, clip
 from laswrr.schemas.words import DrainCause, EjectCause, RequestOutcome
 
@@ -82,10 +82,12 @@ def apply_guarded(scheduler: Scheduler, envelope: Envelope) -> tuple[list[Output
 
     The log position still moves to ``envelope.seq`` (whatever state the handler left is kept:
     the core is deterministic, so every replica and every replay fold the same). No logging
-    here: the caller reports ``exc`` when it is not None.
+    here: the caller reports ``exc`` when it is not None. In a batch the core catches such an
+    exception per event (that event's rejection, the others still apply) and keeps the first
+    in ``Scheduler.fault``, returned here.
     """
     try:
-        return scheduler.apply(envelope), None
+        return scheduler.apply(envelope), scheduler.fault
     except Exception as exc:  # noqa: BLE001 - a broken invariant, recorded as a rejection
         scheduler.state.last_seq = max(scheduler.state.last_seq, envelope.seq)
         return [poisoned(envelope, exc)], exc
@@ -98,6 +100,7 @@ class Scheduler:
         self._touched: set[str] = set()
         self._rephased: set[str] = set()
         self._seq = 0
+        self.fault: Exception | None = None  # the first broken invariant in the last batch applied
         self._handlers: dict[type[events.Event], Callable[[Any, Any], None]] = {
             events.NodeRegistered: self._on_registered,
             events.NodeRemoveRequested: self._on_remove,
@@ -127,11 +130,15 @@ class Scheduler:
         self._outputs = []
         self._touched = set()
         self._rephased = set()
+        self.fault = None
         state.last_seq = envelope.seq
         state.now_ns = max(state.now_ns, envelope.ts_ns)
         try:
             key, event = decode_event(envelope.subject, envelope.data)
-            self._handlers[type(event)](key, event)
+            if type(event) is events.RequestBatch:
+                self._apply_batch(envelope, key or "", event)
+            else:
+                self._handlers[type(event)](key, event)
         except (SchemaError, Rejection, PhaseError) as exc:
             return [self._output(subjects.OUT_REJECTED, rejected(envelope, str(exc)))]
         for pool in sorted(self._rephased):
@@ -140,6 +147,41 @@ class Scheduler:
         for pool in sorted(self._touched):
             self._outputs.append(self._output(subjects.out_snapshot(pool), self.snapshot(pool)))
         return self._outputs
+
+    def _apply_batch(self, envelope: Envelope, proxy: str, batch: events.RequestBatch) -> None:
+        """Each event of the batch in order, exactly as if it had arrived alone at this seq and
+        time: the same handler, its pools re-targeted after it, a bad event rejected alone (its
+        own outputs dropped, as a single rejected input's are). Only the snapshots differ: one
+        per pool any event touched, after the whole batch, so a snapshot's ``as_of_seq`` always
+        means the state after that whole input (docs/design.md §6, "Batched request events")."""
+        touched: set[str] = set()
+        for item in unbatch(proxy, batch):
+            self._touched, self._rephased = set(), set()
+            mark = len(self._outputs)
+            try:
+                if item.error is not None:
+                    raise item.error
+                self._handlers[type(item.event)](item.key, item.event)
+            except (SchemaError, Rejection, PhaseError) as exc:
+                reason = str(exc) if item.error is not None else f"event {item.index} ({item.subject}): {exc}"
+                self._reject_item(envelope, item.index, mark, reason)
+                continue
+            except Exception as exc:  # noqa: BLE001 - a broken invariant: this event's rejection (apply_guarded)
+                self.fault = self.fault or exc
+                self._reject_item(envelope, item.index, mark, f"event {item.index} ({item.subject}): internal error "
+                                                              f"while applying: {type(exc).__name__}: {exc}")
+                continue
+            for pool in sorted(self._rephased):
+                if pool in self._pool_names():
+                    self._reweigh(pool, ease=False)
+            touched |= self._touched
+        self._touched, self._rephased = touched, set()
+
+    def _reject_item(self, envelope: Envelope, index: int, mark: int, reason: str) -> None:
+        del self._outputs[mark:]
+        self._outputs.append(self._output(subjects.OUT_REJECTED, Rejected(
+            seq=envelope.seq, subject=clip(envelope.subject), reason=clip(reason), as_of_seq=envelope.seq,
+            event_index=index)))
 
     def snapshot(self, pool: str) -> WeightSnapshot:
         state = self.state

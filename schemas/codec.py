@@ -4,12 +4,18 @@
 token (node id or proxy name, None for subject-wide events). Anything that cannot be applied
 (not JSON, wrong type, value out of range, missing field, unknown subject) raises
 ``SchemaError`` whose message is the rejection reason recorded on ``lb.out.rejected``.
+
+A batch (``lb.req.batch.<proxy>``, ``events.RequestBatch``) decodes to its events still raw;
+``unbatch`` then decodes each one exactly as ``decode_event`` would have decoded it alone on its
+own subject, and returns a ``SchemaError`` in place of each event that does not decode, naming
+its index, so the others still apply. ``batch_item`` and ``batch_payload`` write the wire form
+(docs/design.md §6, "Batched request events").
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -65,6 +71,7 @@ _BY_PREFIX: dict[str, type[ev.Event]] = {
     sj.REQ_FINISHED: ev.RequestFinished,
     sj.PROXY_HEARTBEAT: ev.ProxyHeartbeat,
     sj.PROXY_STOPPED: ev.ProxyStopped,
+    sj.REQ_BATCH: ev.RequestBatch,
 }
 _WHOLE_SUBJECT: dict[str, type[ev.Event]] = {
     sj.CLOCK_TICK: ev.ClockTicked,
@@ -97,12 +104,89 @@ def decode_event(subject: str, data: bytes) -> tuple[str | None, ev.Event]:
         raise SchemaError(f"payload of {len(data)} bytes exceeds the {MAX_PAYLOAD_BYTES}-byte limit")
     if not data.strip():
         data = b"{}"
+    return key, _decode_as(cls, data)
+
+
+def _decode_as(cls: type[ev.Event], data: bytes | msgspec.Raw) -> Any:
     try:
-        return key, _DECODERS[cls].decode(data)
+        return _DECODERS[cls].decode(data)
     except msgspec.ValidationError as exc:
         raise SchemaError(f"invalid {cls.KIND} payload: {exc}") from None
     except msgspec.DecodeError as exc:
         raise SchemaError(f"payload is not valid JSON: {exc}") from None
+
+
+# -- batches -----------------------------------------------------------------------------------------
+
+# The kinds a batch may hold, with the subject prefix each has alone; a request event's key is
+# its node, a proxy event's key is the batch's proxy (the item carries null).
+BATCHABLE: dict[str, tuple[type[ev.Event], str]] = {
+    ev.RequestStarted.KIND: (ev.RequestStarted, sj.REQ_STARTED),
+    ev.RequestFinished.KIND: (ev.RequestFinished, sj.REQ_FINISHED),
+    ev.ProxyHeartbeat.KIND: (ev.ProxyHeartbeat, sj.PROXY_HEARTBEAT),
+    ev.ProxyStopped.KIND: (ev.ProxyStopped, sj.PROXY_STOPPED),
+}
+_PROXY_KINDS = frozenset((ev.ProxyHeartbeat.KIND, ev.ProxyStopped.KIND))
+_ITEM = msgspec.json.Decoder(ev.BatchedEvent)
+
+
+class Unbatched(NamedTuple):
+    """One event of a batch: the subject and key it would have alone, and the event, or the
+    ``SchemaError`` saying why it does not decode (``subject`` None when the item names no
+    batchable kind and key)."""
+
+    index: int
+    subject: str | None
+    key: str | None
+    event: ev.Event | None
+    error: SchemaError | None
+
+
+def unbatch(proxy: str, batch: ev.RequestBatch) -> list[Unbatched]:
+    """The events of ``batch`` (published on ``lb.req.batch.<proxy>``), in order."""
+    return [_unbatch_one(proxy, index, raw) for index, raw in enumerate(batch.events)]
+
+
+def _unbatch_one(proxy: str, index: int, raw: msgspec.Raw) -> Unbatched:
+    try:
+        item = _ITEM.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return Unbatched(index, None, None, None, SchemaError(
+            f"event {index}: not a [kind, key, event] array: {exc}"))
+    found = BATCHABLE.get(item.kind)
+    if found is None:
+        return Unbatched(index, None, None, None, SchemaError(
+            f"event {index}: kind {item.kind!r} cannot be batched (one of {', '.join(BATCHABLE)})"))
+    cls, prefix = found
+    key = item.key
+    try:
+        if item.kind in _PROXY_KINDS:
+            if key is not None:
+                raise SchemaError(f"a {item.kind} event names no key (its proxy is the batch's), got {key!r}")
+            key = proxy
+        elif key is None:
+            raise SchemaError(f"a {item.kind} event needs its node as key")
+        else:
+            sj.check_token(key)
+        subject = f"{prefix}.{key}"
+    except (SchemaError, sj.SubjectError) as exc:
+        return Unbatched(index, None, None, None, SchemaError(f"event {index} ({item.kind}): {exc}"))
+    try:
+        return Unbatched(index, subject, key, _decode_as(cls, item.event), None)
+    except SchemaError as exc:
+        return Unbatched(index, subject, key, None, SchemaError(f"event {index} ({subject}): {exc}"))
+
+
+def batch_item(kind: str, key: str | None, data: bytes) -> bytes:
+    """One event of a batch on the wire: ``[kind, key, <data>]``, ``data`` the event's own
+    payload (``encode(event)``) kept byte for byte."""
+    return b"[" + _ENCODER.encode(kind) + b"," + _ENCODER.encode(key) + b"," + data + b"]"
+
+
+def batch_payload(boot_id: str | None, batch: int | None, items: list[bytes]) -> bytes:
+    """A ``RequestBatch`` payload from ``batch_item`` bytes: ``{"boot_id", "batch", "events"}``."""
+    return (b'{"boot_id":' + _ENCODER.encode(boot_id) + b',"batch":' + _ENCODER.encode(batch)
+            + b',"events":[' + b",".join(items) + b"]}")
 
 
 UNPUBLISHABLE = "unpublishable output"
@@ -118,7 +202,7 @@ def publishable(outputs: list[Output], input_subject: str, limit: int) -> list[O
     if all(len(output.data) <= limit for output in outputs):
         return outputs
     kept: list[Output] = []
-    rejections = 0
+    rejections = sum(1 for output in outputs if output.subject == sj.OUT_REJECTED)  # a batch's own (their indexes)
     for output in outputs:
         if len(output.data) <= limit:
             kept.append(output)

@@ -184,6 +184,33 @@ class ProxyStopped(Event, frozen=True, kw_only=True):
     boot_id: Name | None = None
 
 
+MAX_BATCH_EVENTS = 10_000  # events in one lb.req.batch message (its bytes are bounded by the payload limit too)
+
+
+class BatchedEvent(msgspec.Struct, frozen=True, array_like=True):
+    """One event of a ``RequestBatch``, on the wire ``[kind, key, event]``: ``kind`` the event's
+    ``KIND`` (``req.started``, ``req.finished``, ``proxy.heartbeat`` or ``proxy.stopped``),
+    ``key`` the last token its own subject would have (the node of a request event; null for
+    the proxy events, whose proxy is the batch's), ``event`` the event's own payload, unchanged."""
+
+    kind: str
+    key: str | None
+    event: msgspec.Raw
+
+
+class RequestBatch(Event, frozen=True, kw_only=True):
+    """``lb.req.batch.<proxy>``: a proxy's request events and heartbeats, in the order it made
+    them, as one message (docs/design.md §6, "Batched request events"). ``events`` are kept
+    raw here and decoded one by one (``schemas.codec.unbatch``), so one bad event rejects only
+    itself. ``boot_id`` and ``batch`` (the proxy's batch counter, as in its ``Nats-Msg-Id``
+    ``<proxy>:<boot_id>:<batch>``) are for readers of the log; the core does not use them."""
+
+    KIND: ClassVar[str] = "req.batch"
+    boot_id: Name | None = None
+    batch: NonNegInt | None = None
+    events: Annotated[list[msgspec.Raw], Meta(min_length=1, max_length=MAX_BATCH_EVENTS)]
+
+
 class ClockTicked(Event, frozen=True, kw_only=True):
     """``lb.clock.tick``: time passes (one per period, de-duplicated by the stream)."""
 

@@ -67,16 +67,22 @@ class WeightSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     nodes: list[NodeView]
 
 
-class Rejected(msgspec.Struct, frozen=True, kw_only=True):
+class Rejected(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One input the core did not apply. ``seq`` and ``as_of_seq`` are both the input's sequence
     number: ``as_of_seq`` names the cause as every other output does; ``seq`` stays for older
-    readers. A rejection recorded before ``as_of_seq`` was added decodes with it None."""
+    readers. A rejection recorded before ``as_of_seq`` was added decodes with it None.
+
+    One event of a batch (``lb.req.batch.<proxy>``) is rejected alone: ``subject`` is the
+    batch's, ``event_index`` the event's position in it (absent for any other input, so a
+    rejection of a single input keeps its bytes), and ``reason`` starts ``event <index> (<the
+    subject it would have alone>)``."""
 
     KIND: ClassVar[str] = "out.rejected"
     seq: int
     subject: str
     reason: str
     as_of_seq: int | None = None
+    event_index: int | None = None
 
 
 class RejectedBeforeAsOfSeq(msgspec.Struct, frozen=True, kw_only=True):

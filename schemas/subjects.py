@@ -29,6 +29,7 @@ METRICS_NPU = "lb.metrics.npu"
 HEALTH = "lb.health"
 REQ_STARTED = "lb.req.started"
 REQ_FINISHED = "lb.req.finished"
+REQ_BATCH = "lb.req.batch"  # one message holding a proxy's request events (and heartbeats) in order
 PROXY_HEARTBEAT = "lb.proxy.heartbeat"
 PROXY_STOPPED = "lb.proxy.stopped"
 CLOCK_TICK = "lb.clock.tick"
@@ -95,6 +96,10 @@ def req_started(node: str) -> str:
 
 def req_finished(node: str) -> str:
     return _join(REQ_FINISHED, node, "node id")
+
+
+def req_batch(proxy: str) -> str:
+    return _join(REQ_BATCH, proxy, "proxy name")
 
 
 def proxy_heartbeat(proxy: str) -> str:

@@ -4,7 +4,7 @@ Theory of operation. A ``Board`` (board.py) holds what the page shows. Its sourc
 
 * **live** (``--nats-url``): ordered JetStream consumers, from ``--keep-s`` ago, on LB_OUT
   (``lb.out.>``: snapshots, phase changes, rejections) and on LB_EVENTS (``lb.admin.>``,
-  ``lb.req.finished.>``, ``lb.metrics.npu.>``); every message goes through ``Board.apply`` and
+  ``lb.req.finished.>``, ``lb.req.batch.>``, ``lb.metrics.npu.>``); every message goes through ``Board.apply`` and
   what it returns is pushed to every connected page over Server-Sent Events
   (``GET /api/events``: ``snapshot`` and ``mark`` events, a ``requests`` event per pool each
   second, ``hello`` on connect so a page that reconnects refetches the history it missed). A
@@ -54,7 +54,8 @@ DEFAULT_PORT = 8090
 LISTEN_PREFIX = "dashboard listening on "
 CLIENT_QUEUE = 2000  # pushes waiting for one page before it is dropped
 LIVE_SUBJECTS = ((sj.OUT_STREAM, "lb.out.>"), (sj.EVENTS_STREAM, sj.ADMIN_ALL),
-                 (sj.EVENTS_STREAM, f"{sj.REQ_FINISHED}.>"), (sj.EVENTS_STREAM, f"{sj.METRICS_NPU}.>"))
+                 (sj.EVENTS_STREAM, f"{sj.REQ_FINISHED}.>"), (sj.EVENTS_STREAM, f"{sj.REQ_BATCH}.>"),
+                 (sj.EVENTS_STREAM, f"{sj.METRICS_NPU}.>"))
 
 
 @dataclass
@@ -246,7 +247,7 @@ async def _quiet(exc: Exception) -> None:
 RECORDED_SQL = f"""
 SELECT ts_ns, subject, {store.PAYLOAD_SQL} AS payload FROM events
 WHERE subject LIKE 'lb.out.%' OR subject LIKE 'lb.admin.%' OR subject LIKE 'lb.req.finished.%'
-   OR subject LIKE 'lb.metrics.npu.%'
+   OR subject LIKE 'lb.req.batch.%' OR subject LIKE 'lb.metrics.npu.%'
 ORDER BY ts_ns, stream, seq
 """
 

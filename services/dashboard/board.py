@@ -9,7 +9,9 @@ per pool, in time order:
 * marks on the time axis: capacity changes and other admin actions (``lb.admin.*``), phase
   changes (``lb.out.phase.*``: drains, ejections, slow start, ...) and rejections
   (``lb.out.rejected``, in the pool of the node its subject names, else every pool);
-* request outcomes (``lb.req.finished.<node>``: outcome, TTFT, duration);
+* request outcomes (``lb.req.finished.<node>``: outcome, TTFT, duration, alone or inside a
+  proxy's ``lb.req.batch.<proxy>``, at the batch's time; an event of a batch that does not
+  decode is counted as undecodable, its neighbours still count);
 * per node, npu-smi health (the worst chip of ``lb.metrics.npu.<node>``) whenever it changes.
 
 Queries take the moment ``at_ns`` (now, or the scrubber's position over a recorded log):
@@ -32,8 +34,8 @@ from typing import Any
 import msgspec
 
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.codec import SchemaError, decode_event
-from laswrr.schemas.events import CapacitySet, NodeRegistered, NpuSampled, RequestFinished
+from laswrr.schemas.codec import SchemaError, decode_event, unbatch
+from laswrr.schemas.events import CapacitySet, NodeRegistered, NpuSampled, RequestBatch, RequestFinished
 from laswrr.schemas.outputs import PhaseChanged, Rejected, WeightSnapshot
 
 MS = 1_000_000
@@ -122,6 +124,8 @@ class Board:
                 return self._rejected(ts_ns, _REJECTED.decode(data))
             if subject.startswith(("lb.admin.", sj.REQ_FINISHED + ".", sj.METRICS_NPU + ".")):
                 return self._input(subject, ts_ns, data)
+            if subject.startswith(sj.REQ_BATCH + "."):
+                return self._batch(subject, ts_ns, data)
         except (msgspec.DecodeError, msgspec.ValidationError, SchemaError):
             self.undecodable += 1
         return []
@@ -161,15 +165,28 @@ class Board:
         _, node = sj.split(rejected.subject)
         return self._mark(ts_ns, node, "rejected", f"{rejected.subject} rejected: {rejected.reason}")
 
+    def _finished(self, ts_ns: int, event: RequestFinished) -> None:
+        pool = self._pool(event.pool)
+        entry = (ts_ns, event.outcome, event.ttft_ms, event.duration_ms)
+        if pool.requests and pool.requests[-1][0] > ts_ns:
+            insort(pool.requests, entry, key=_ts)
+        else:
+            pool.requests.append(entry)
+
+    def _batch(self, subject: str, ts_ns: int, data: bytes) -> list[Push]:
+        proxy, batch = decode_event(subject, data)
+        assert isinstance(batch, RequestBatch)
+        for item in unbatch(proxy or "", batch):
+            if item.error is not None:
+                self.undecodable += 1
+            elif isinstance(item.event, RequestFinished):
+                self._finished(ts_ns, item.event)
+        return []
+
     def _input(self, subject: str, ts_ns: int, data: bytes) -> list[Push]:
         node, event = decode_event(subject, data)
         if isinstance(event, RequestFinished):
-            pool = self._pool(event.pool)
-            entry = (ts_ns, event.outcome, event.ttft_ms, event.duration_ms)
-            if pool.requests and pool.requests[-1][0] > ts_ns:
-                insort(pool.requests, entry, key=_ts)
-            else:
-                pool.requests.append(entry)
+            self._finished(ts_ns, event)
             return []
         if isinstance(event, NpuSampled):
             worst = max((c.health or "UNKNOWN" for c in event.chips), key=lambda h: SEVERITY.get(h, 4), default="UNKNOWN")

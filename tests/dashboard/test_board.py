@@ -7,7 +7,7 @@ from typing import Any
 
 from laswrr.scheduler.core import Scheduler
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.codec import Envelope
+from laswrr.schemas.codec import Envelope, batch_item, batch_payload
 from laswrr.services.dashboard.board import MS, S, Board, percentile
 
 T0 = 1_800_000_000 * S
@@ -88,6 +88,25 @@ def test_request_statistics_over_the_sliding_window() -> None:
     assert later["count"] == 0 and later["ttft_ms"]["p50"] is None  # slid out of the window
     bins = log.board.rate_bins("default", T0, log.ts_ns)
     assert sum(ok for _, ok, _ in bins) == 100 and sum(bad for _, _, bad in bins) == 1
+
+
+def test_batched_request_events_count_as_they_would_alone() -> None:
+    alone, batched = pool_log(), pool_log()
+    for i in range(1, 41):
+        started = {"request_id": f"r{i}", "proxy": "p"}
+        finished = {"request_id": f"r{i}", "proxy": "p", "outcome": "completed" if i % 4 else "upstream_error",
+                    "ttft_ms": float(i), "duration_ms": float(10 * i)}
+        alone.send(sj.req_started("n1"), started, dt_ms=10)
+        alone.send(sj.req_finished("n1"), finished)
+        items = [batch_item("req.started", "n1", json.dumps(started).encode()),
+                 batch_item("req.finished", "n1", json.dumps(finished).encode())]
+        if i == 7:
+            items.insert(1, batch_item("req.finished", "n1", b'{"request_id": "x", "outcome": "lost"}'))
+        batched.send(sj.req_batch("p"), batch_payload("b", i, items), dt_ms=10)
+    assert batched.board.state(batched.ts_ns) == alone.board.state(alone.ts_ns)
+    assert batched.board.state(batched.ts_ns)["pools"]["default"]["requests"]["count"] == 40
+    assert batched.board.rate_bins("default", T0, batched.ts_ns) == alone.board.rate_bins("default", T0, alone.ts_ns)
+    assert batched.board.undecodable == 1  # the bad event only; its neighbours in the batch counted
 
 
 def test_npu_health_bad_payloads_and_trimming() -> None:

@@ -110,13 +110,14 @@ def test_every_event_struct_has_a_unique_stable_kind_and_a_subject() -> None:
     assert sorted(kinds) == sorted([
         "admin.node_registered", "admin.node_remove_requested", "admin.capacity_set", "admin.drain_requested",
         "admin.undrain_requested", "admin.config_changed", "metrics.engine_sampled", "metrics.npu_sampled",
-        "health.probed", "req.started", "req.finished", "proxy.heartbeat", "proxy.stopped", "clock.ticked"])
+        "health.probed", "req.started", "req.finished", "req.batch", "proxy.heartbeat", "proxy.stopped",
+        "clock.ticked"])
     subjects = {
         ev.NodeRegistered: sj.admin_node("x"), ev.NodeRemoveRequested: sj.admin_remove("x"),
         ev.CapacitySet: sj.admin_capacity("x"), ev.DrainRequested: sj.admin_drain("x"),
         ev.UndrainRequested: sj.admin_undrain("x"), ev.ConfigChanged: sj.ADMIN_CONFIG,
         ev.EngineSampled: sj.metrics_engine("x"), ev.NpuSampled: sj.metrics_npu("x"), ev.HealthProbed: sj.health("x"),
-        ev.RequestStarted: sj.req_started("x"), ev.RequestFinished: sj.req_finished("x"),
+        ev.RequestStarted: sj.req_started("x"), ev.RequestFinished: sj.req_finished("x"), ev.RequestBatch: sj.req_batch("x"),
         ev.ProxyHeartbeat: sj.proxy_heartbeat("x"), ev.ProxyStopped: sj.proxy_stopped("x"), ev.ClockTicked: sj.CLOCK_TICK,
     }
     assert set(subjects) == set(structs)
