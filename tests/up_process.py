@@ -5,7 +5,9 @@ process and the banner's ``name: value`` lines (``banner["pid scheduler"]`` and 
 is printed; ``up_stderr`` keeps reading its stderr afterwards (a full pipe would block it).
 ``no_leftover_stack`` (use it as an autouse fixture) stops every `laswrr up` a failed test left
 behind, by its own pid. ``Load`` runs ``workers`` clients that post chat completions to a proxy
-until stopped, counting what was served and what failed (with the first reasons).
+until stopped, counting what was served and what failed (with the first reasons); with
+``stream=True`` each reads an SSE stream to its ``data: [DONE]``, and a stream that began (200)
+but ended without it counts as ``cut`` too.
 """
 
 from __future__ import annotations
@@ -102,8 +104,11 @@ class Load:
     url: str
     model: str = "default"
     workers: int = 8
+    stream: bool = False
+    max_tokens: int = 8
     served: int = 0
     failed: int = 0
+    cut: int = 0  # of the failed: streams that began and did not end with [DONE]
     reasons: list[str] = field(default_factory=list)
     failed_at: list[float] = field(default_factory=list)
 
@@ -116,16 +121,21 @@ class Load:
         await asyncio.gather(*self._tasks)
 
     async def _worker(self) -> None:
-        body = {"model": self.model, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+        body = {"model": self.model, "max_tokens": self.max_tokens, "stream": self.stream,
+                "messages": [{"role": "user", "content": "hi"}]}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             while self._running:
+                began = False
                 try:
                     async with http.post(f"{self.url}/v1/chat/completions", json=body) as response:
-                        await response.read()
-                        ok = response.status == 200
-                        reason = f"HTTP {response.status}"
+                        began = response.status == 200
+                        data = await response.read()
+                        ok = response.status == 200 and (not self.stream or data.rstrip().endswith(b"data: [DONE]"))
+                        reason = f"HTTP {response.status}" if response.status != 200 else "stream without [DONE]"
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     ok, reason = False, f"{type(exc).__name__}: {exc}"
+                if not ok and began:
+                    self.cut += 1
                 if ok:
                     self.served += 1
                 else:
