@@ -8,6 +8,8 @@
                                      through 4 proxy replicas on one bus, the requests
                                      alternating among them (as behind an L4 balancer)
   laswrr bench --scenario trace-mooncake [--affinity none]      a real trace (bench/traces/)
+  laswrr bench --scenario trace-mooncake --virtual              the same in virtual time (seconds,
+                                     deterministic: routing alone, with an oracle row)
   laswrr bench --trace FILE [--speed X] [--start-s S] [--window-s W]
                                      a full trace file: Mooncake .jsonl (trace-mooncake's pool)
                                      or Azure .csv (trace-azure-code's pool)
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from laswrr.bench.report import PolicyRun, print_table, scenario_summary
 from laswrr.bench.scenarios import SCENARIOS, TEST_SCENARIOS, Scenario, get_scenario
 from laswrr.bench.trace import arrival_bursts, load_workload, trace_format
+from laswrr.bench.virtual import bench_virtual
 from laswrr.bench.workload import RequestSpec, generate
 from laswrr.scheduler.policies import POLICIES, canonical_policy
 from laswrr.services import settings
@@ -85,6 +88,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--proxies", type=int, default=1, metavar="N",
                         help="proxy replicas on the one bus, the requests alternating among them as behind an L4 "
                              "balancer (default 1; a peer router runs alone)")
+    parser.add_argument("--virtual", action="store_true",
+                        help="trace scenarios: replay in virtual time through the proxy's routing table and the "
+                             "engines' physics (no processes; deterministic, seconds), plus an oracle row "
+                             "(bench/virtual.py)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     settings.add_logging(parser, default="warning")
@@ -251,6 +258,13 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
+    if args.virtual:
+        try:
+            own = [p for p in policies if ":" not in p]  # peer routers are processes: not in virtual time
+            return bench_virtual(scenarios, own, args.affinity, args.seed, args.out)
+        except ValueError as exc:
+            print(f"bench: {exc}", file=sys.stderr)
+            return 2
     if not args.no_plots and (missing := plots_missing()):
         print(f"bench: {missing} (or --no-plots)", file=sys.stderr)
         return 2

@@ -325,6 +325,20 @@ class EngineSim:
         return TokenEvent(req.req_id, req.generated - 1, t, finished)
 
     # -- observation -------------------------------------------------------------------
+    def first_token_eta(self, prompt_tokens: int, prompt_text: str, now: float) -> float:
+        """When a request submitted ``now`` would get its first token, if it were admitted at the
+        next step boundary together with every request waiting (an estimate: it ignores the KV
+        check, and a full batch waits one decode step per request over the capacity). For a
+        reference router that reads the engine's exact state (``bench.virtual``)."""
+        block = self.params.kv_block_tokens
+        cache = self.prefix_cache
+        prefill = prompt_tokens - cache.match(block_keys(prompt_text, block, prompt_tokens // block)) * block
+        prefill += sum(r.prompt_tokens - cache.match(r.block_keys) * block for r in self._waiting)
+        batch = len(self._running) + len(self._waiting) + 1
+        start = max(now + self.params.frontend_s / self.speed, self._step.end if self._step else now)
+        step = self._scale(self.decode_step_s(batch))
+        return start + step * max(0, batch - self._capacity) + step + self._scale(self.prefill_s(prefill))
+
     def kv_tokens_used(self) -> int:
         block = self.params.kv_block_tokens
         return sum(

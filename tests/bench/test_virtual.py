@@ -1,0 +1,59 @@
+"""`laswrr bench --virtual`: a trace in virtual time through the proxy's routing table (pure, fast)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from laswrr.bench.scenarios import get_scenario
+from laswrr.bench.virtual import ORACLE, rows_for, run_virtual
+from laswrr.services.sim_engine.physics import EngineSim
+from laswrr.services.sim_engine.profiles import get_profile
+
+
+def test_a_virtual_run_is_deterministic_and_serves_every_request() -> None:
+    scenario = get_scenario("smoke-trace")
+    first, again = run_virtual(scenario, "la-swrr"), run_virtual(scenario, "la-swrr")
+    assert first == again
+    assert first.requests > 0 and sum(first.per_node.values()) == first.requests
+    assert 0 < first.ttft_s["p50"] <= first.ttft_s["p99"] <= first.e2e_s["p99"]
+
+
+def test_prefix_affinity_raises_the_hit_rate_on_the_mooncake_slice() -> None:
+    """The slice's conversations share prefixes: affinity must find them (not a speed goal)."""
+    mooncake = get_scenario("trace-mooncake")
+    assert mooncake.trace is not None
+    scenario = replace(mooncake, trace=replace(mooncake.trace, window_s=90.0))
+    on, off = run_virtual(scenario, "la-swrr", "prefix"), run_virtual(scenario, "la-swrr", "none")
+    assert (on.affinity, off.affinity) == ("prefix", "none")
+    assert on.prefix_hit_rate > off.prefix_hit_rate
+
+
+def test_rows_run_la_swrr_both_ways_and_add_the_oracle() -> None:
+    assert rows_for(["la-swrr", "rr"], None) == [("la-swrr", "prefix"), ("la-swrr", "none"), ("rr", "prefix"),
+                                                 (ORACLE, "-")]
+    assert rows_for(["la-swrr"], "none") == [("la-swrr", "none"), (ORACLE, "-")]
+
+
+def test_first_token_eta_counts_the_queue_and_the_cached_prefix() -> None:
+    engine = EngineSim(get_profile("910B"), 4, speed=1.0)
+    alone = engine.first_token_eta(4000, "a" * 16000, now=0.0)
+    # frontend, one decode step of a batch of one, 4000 tokens of prefill at 4000 tokens/s
+    assert abs(alone - (0.15 + 0.032 + 1.0)) < 1e-9
+    engine.submit(4000, 10, 0.0, prompt_text="b" * 16000)
+    assert engine.first_token_eta(4000, "a" * 16000, now=0.0) > alone + 0.9  # the waiting prompt first
+
+
+def test_the_command_writes_its_rows_and_refuses_a_non_trace_scenario(tmp_path: Path) -> None:
+    run = [sys.executable, "-m", "laswrr", "bench", "--virtual", "--out", str(tmp_path)]
+    done = subprocess.run([*run, "--scenario", "smoke-trace", "--policies", "la-swrr"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "oracle" in done.stdout and "virtual time" in done.stdout
+    rows = json.loads((tmp_path / "smoke-trace" / "virtual.json").read_text())
+    assert [(r["policy"], r["affinity"]) for r in rows] == [("la-swrr", "prefix"), ("la-swrr", "none"), (ORACLE, "-")]
+    refused = subprocess.run([*run, "--scenario", "smoke"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "not a trace scenario" in refused.stderr
