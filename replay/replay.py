@@ -12,7 +12,10 @@ interleave on LB_OUT, so each recorded output is keyed by ``(as_of_seq, subject)
 with the core's outputs for that input, in core order. A rejection recorded before rejections
 carried ``as_of_seq`` is keyed by its ``seq`` and compared with the core's rejection in that
 older form (``legacy_rejection``: the same bytes without the last field), so such logs still
-replay exactly. The
+replay exactly. Likewise a snapshot recorded without ``proxy_inflight`` (before snapshots
+carried each proxy's share of the in-flight counts) is compared with the core's snapshot
+without it (``legacy_snapshot``); that form still holds every node's ``inflight``, so a change
+of the inputs still shows. The
 service publishes with ``Nats-Msg-Id = "<as_of_seq>:<subject>[:<index>]"`` (``Output.msg_id``), so
 two outputs of one input on one subject (a node that goes draining -> drained at once) are both
 kept. A byte-identical republish of one output is counted once. An output the service found
@@ -49,7 +52,7 @@ from laswrr.scheduler import config as config_mod
 from laswrr.scheduler.core import Scheduler, apply_guarded
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope, Output, encode, publishable, unpublishable_limit
-from laswrr.schemas.outputs import Rejected, RejectedBeforeAsOfSeq
+from laswrr.schemas.outputs import Rejected, RejectedBeforeAsOfSeq, WeightSnapshot
 
 FETCH_ROWS = 50_000
 CORE_OUT_FILTER = ("(subject LIKE 'lb.out.snapshot.%' OR subject LIKE 'lb.out.phase.%' "
@@ -97,6 +100,7 @@ class ReplayResult:
     duplicates: int = 0
     foreign_outputs: int = 0  # LB_OUT rows on subjects the core never publishes
     legacy_rejections: int = 0  # compared in the form recorded before rejections had as_of_seq
+    legacy_snapshots: int = 0  # compared in the form recorded before snapshots had proxy_inflight
     divergences: int = 0
     found: list[Divergence] = field(default_factory=list)  # the first KEEP found (any order)
 
@@ -147,6 +151,8 @@ class ReplayResult:
             notes.append(f"{self.duplicates} byte-identical republished output(s) counted once")
         if self.legacy_rejections:
             notes.append(f"{self.legacy_rejections} rejection(s) recorded before as_of_seq, compared in that form")
+        if self.legacy_snapshots:
+            notes.append(f"{self.legacy_snapshots} snapshot(s) recorded before proxy_inflight, compared in that form")
         if self.foreign_outputs:
             notes.append(f"{self.foreign_outputs} LB_OUT row(s) on subjects the core does not publish, ignored")
         lines.extend(f"note: {n}" for n in notes)
@@ -201,6 +207,17 @@ def legacy_rejection(data: bytes) -> bytes:
     return encode(RejectedBeforeAsOfSeq(seq=rejected.seq, subject=rejected.subject, reason=rejected.reason))
 
 
+_SNAPSHOT = msgspec.json.Decoder(WeightSnapshot)
+PROXY_INFLIGHT = b'"proxy_inflight":{'  # the field's key (a node or proxy named so is followed by "," or ":<digit>")
+
+
+def legacy_snapshot(data: bytes) -> bytes:
+    """A snapshot's bytes as the core encoded them before ``proxy_inflight`` was added."""
+    if PROXY_INFLIGHT not in data:
+        return data
+    return encode(msgspec.structs.replace(_SNAPSHOT.decode(data), proxy_inflight={}))
+
+
 def compare(seq: int, actual: list[Output], recorded: list[tuple[int, int, str, bytes]],
             result: ReplayResult) -> Divergence | None:
     """Diff one input's outputs (core order) with its recorded ones (see the module header)."""
@@ -218,6 +235,10 @@ def compare(seq: int, actual: list[Output], recorded: list[tuple[int, int, str, 
         if legacy and output.subject == sj.OUT_REJECTED:
             data = legacy_rejection(data)
             result.legacy_rejections += 1
+        elif PROXY_INFLIGHT in data and output.subject.startswith(sj.OUT_SNAPSHOT + ".") and any(
+                PROXY_INFLIGHT not in old for old in found.get(output.subject, ())):
+            data = legacy_snapshot(data)
+            result.legacy_snapshots += 1
         produced.setdefault(output.subject, []).append(data)
     divergence = None
     for subject, datas in produced.items():

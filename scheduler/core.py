@@ -189,8 +189,19 @@ class Scheduler:
         panic = reweigh.in_panic(members, self.config)
         return WeightSnapshot(
             pool=pool, as_of_seq=state.last_seq, tick=state.tick, ts_ns=state.now_ns, panic=panic,
-            nodes=[self._view(n, panic) for n in members],
+            nodes=[self._view(n, panic) for n in members], proxy_inflight=self._proxy_inflight(members),
         )
+
+    def _proxy_inflight(self, members: list[NodeState]) -> dict[str, dict[str, int]]:
+        """Per proxy, its open requests on each of ``members`` (sorted; schemas.outputs.WeightSnapshot):
+        the split of every member's ``inflight`` by the proxy that started the request."""
+        names = {n.node for n in members}
+        counts: dict[str, dict[str, int]] = {}
+        for request in self.state.open_requests.values():
+            if request.node in names:
+                per_node = counts.setdefault(request.proxy, {})
+                per_node[request.node] = per_node.get(request.node, 0) + 1
+        return {proxy: dict(sorted(counts[proxy].items())) for proxy in sorted(counts)}
 
     def pools(self) -> list[str]:
         return sorted(self._pool_names())

@@ -57,7 +57,17 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     phase_reason: str = ""
 
 
-class WeightSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+class WeightSnapshot(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One pool's routing state as of input ``as_of_seq``.
+
+    ``proxy_inflight`` is, per proxy id, its requests the scheduler holds open on each node of
+    the pool (``{proxy: {node: count}}``, proxies and nodes sorted, zero counts left out): what
+    ``NodeView.inflight`` is made of. A proxy routes on ``inflight - proxy_inflight[itself] + its
+    own live count`` (the pool-wide view, services/proxy/routing.py). Omitted when the pool has
+    no request open, so a snapshot of such a state is byte for byte what the core emitted before
+    the field existed (old logs replay exactly: replay.replay compares a snapshot recorded
+    without it in that form)."""
+
     KIND: ClassVar[str] = "out.weight_snapshot"
     pool: str
     as_of_seq: int
@@ -65,6 +75,7 @@ class WeightSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     ts_ns: int
     panic: bool
     nodes: list[NodeView]
+    proxy_inflight: dict[str, dict[str, int]] = {}
 
 
 class Rejected(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
