@@ -3,8 +3,9 @@
 Each pick runs one nginx SWRR add step over the eligible nodes; the node with the highest
 accumulator is the leader L. The challenger C is the eligible node that would be lightest per
 unit of weight after taking the request (least ``(inflight + 1) / w``; ties: higher accumulator,
-then list order). In-flight counts are the proxy's own and never stale; snapshot weights may be
-100 ms old. The referee:
+then list order). In-flight counts are the proxy's pool-wide estimate (services/proxy/routing.py):
+its own requests live, never stale, plus the other replicas' as of the snapshot; snapshot
+weights (and those other replicas' counts) may be a tick (100 ms) old. The referee:
 
     choose C  iff  inflight_L / w_L  >=  (inflight_C + 1) / w_C      (cross-multiplied, integers)
 

@@ -305,7 +305,7 @@ def health_report(state: ProxyState) -> dict[str, object]:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    state.metrics.refresh(state.router, state.events, state.bus.connected)
+    state.metrics.refresh(state.router, state.events, state.bus.connected, state.bus.view_lag)
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -347,7 +347,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
 def init_app(config: ProxyConfig) -> web.Application:
     config.validate()
     router = Router(config.policy, config.seed, config.inflight_cap_per_capacity, config.affinity,
-                    config.affinity_blocks)
+                    config.affinity_blocks, proxy_id=config.proxy_id)
     events = EventPublisher(config.proxy_id, capacity=config.event_buffer)
     keys = ApiKeys.load(config.api_keys_file, config.key_max_inflight) if config.api_keys_file else None
     state = ProxyState(config=config, router=router, events=events, metrics=ProxyMetrics(config.proxy_id, keys),

@@ -52,6 +52,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.outputs import WeightSnapshot
 from laswrr.services.natsbus import NatsAuth, StreamLimits, connect, ensure_streams, redact_url
+from laswrr.services.service_metrics import Buckets
 from laswrr.services.proxy.events import EventPublisher
 from laswrr.services.proxy.routing import Router
 from laswrr.services.proxy.tasks import bounded, stop_task
@@ -60,6 +61,7 @@ log = logging.getLogger("laswrr.proxy.bus")
 
 _SNAPSHOT = msgspec.json.Decoder(WeightSnapshot)
 WEIGHTS_STREAM = f"KV_{sj.WEIGHTS_BUCKET}"
+VIEW_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
 class BusLink:
@@ -84,6 +86,9 @@ class BusLink:
         self.closing = False
         self._task: asyncio.Task[None] | None = None
         self.last_update = 0.0
+        # wall clock now - event time of each snapshot installed: how old the other replicas'
+        # in-flight counts are when routing starts on them (routing.py, "One load view")
+        self.view_lag = Buckets(VIEW_LAG_BUCKETS)
 
     @property
     def connected(self) -> bool:
@@ -218,6 +223,7 @@ class BusLink:
         if not self.router.offer(snapshot, time.monotonic()):
             self.refused = snapshot
             return True
+        self.view_lag.observe(max(0.0, (time.time_ns() - snapshot.ts_ns) / 1e9))
         return False
 
     async def close(self, drain_timeout_s: float = 5.0) -> None:

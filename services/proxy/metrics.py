@@ -13,8 +13,13 @@ event loop) and turned into metric families by ``_RequestCollector`` only when /
 scraped. So are the routing decisions of the snapshots in force, per ``{pool, node}``:
 ``laswrr_node_effective_weight``, ``laswrr_node_target_weight``, ``laswrr_node_routable`` (0/1),
 ``laswrr_node_phase{phase}`` (1 for the current phase, 0 for the others) and
-``laswrr_node_inflight`` (this proxy's own live count, the router's), and the event publisher's counters
+``laswrr_node_inflight`` (this proxy's own live count, the router's), ``laswrr_node_inflight_estimate``
+(the pool-wide estimate the pick uses: the other replicas' requests as of the snapshot plus this
+proxy's own, services/proxy/routing.py), and the event publisher's counters
 (``laswrr_proxy_events_published_total``, ``laswrr_proxy_events_dropped_total``).
+``laswrr_proxy_view_lag_seconds`` is a histogram of how old each snapshot was (wall clock minus
+its event time) when this proxy installed it: the staleness of the other replicas' counts at
+the first pick on it (they age by one tick more until the next snapshot).
 """
 
 from __future__ import annotations
@@ -71,6 +76,11 @@ class _RequestCollector(Collector):
                                       value=m.publisher.dropped)
         if m.router is not None:
             yield from _routing_families(m.router)
+        if m.view_lag is not None:
+            lag = HistogramMetricFamily("laswrr_proxy_view_lag_seconds",
+                                        "Age of each snapshot (now - its event time) when installed")
+            lag.add_metric([], m.view_lag.exposition(), m.view_lag.total)
+            yield lag
         if m.keys is not None:  # names only, never a key (services/proxy/keys.py)
             per_key = CounterMetricFamily("laswrr_proxy_api_key_requests", "Requests admitted per API key name",
                                           labels=["key"])
@@ -96,6 +106,8 @@ def _routing_families(router: Router) -> Iterator[Metric]:
                               labels=[*labels, "phase"])
     inflight = GaugeMetricFamily("laswrr_node_inflight", "This proxy's live in-flight requests on the node",
                                  labels=labels)
+    estimate = GaugeMetricFamily("laswrr_node_inflight_estimate", "Pool-wide in-flight estimate the pick uses: "
+                                 "other replicas' as of the snapshot plus this proxy's own", labels=labels)
     for pool, route in sorted(router.pools.items()):
         for view in route.snapshot.nodes:
             key = [pool, view.node]
@@ -103,9 +115,10 @@ def _routing_families(router: Router) -> Iterator[Metric]:
             target.add_metric(key, view.target_weight)
             routable.add_metric(key, 1.0 if view.routable else 0.0)
             inflight.add_metric(key, router.inflight.get(view.node, 0))
+            estimate.add_metric(key, router.load.get(view.node, 0))
             for name in PHASES:
                 phase.add_metric([*key, name], 1.0 if view.phase == name else 0.0)
-    yield from (effective, target, routable, phase, inflight)
+    yield from (effective, target, routable, phase, inflight, estimate)
 
 
 class ProxyMetrics:
@@ -120,6 +133,7 @@ class ProxyMetrics:
         self.responses: dict[int, int] = {}
         self.router: Router | None = None  # set by refresh, read when /metrics is rendered
         self.publisher: EventPublisher | None = None
+        self.view_lag: Buckets | None = None
         registry.register(_RequestCollector(self))
         self.rejected = Counter("laswrr_proxy_rejected", "Requests answered by the proxy itself, by reason",
                                 ["reason"], registry=registry)
@@ -159,14 +173,15 @@ class ProxyMetrics:
             series = self.duration[pool] = Buckets(LATENCY_BUCKETS)
         series.observe(duration_s)
 
-    def refresh(self, router: Router, publisher: EventPublisher, nats_connected: bool) -> None:
+    def refresh(self, router: Router, publisher: EventPublisher, nats_connected: bool,
+                view_lag: Buckets | None = None) -> None:
         now_ns = time.time_ns()
         for pool, route in router.pools.items():
             self.snapshot_age.labels(pool=pool).set(max(0.0, (now_ns - route.snapshot.ts_ns) / 1e9))
             self.snapshot_seq.labels(pool=pool).set(route.snapshot.as_of_seq)
         self.nats_connected.set(1 if nats_connected else 0)
         self.events_buffered.set(publisher.buffered)
-        self.router, self.publisher = router, publisher
+        self.router, self.publisher, self.view_lag = router, publisher, view_lag
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

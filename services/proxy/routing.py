@@ -13,9 +13,22 @@ Rules:
   ``effective_weight`` > 0 (the core already folded phase and the panic rail into ``routable``).
   Each new snapshot goes to the pool's policy with ``set_candidates``; policy state (SWRR
   accumulators) carries across snapshots.
-* **Admission binds.** ``admit`` picks with the policy on this proxy's own live in-flight counts,
-  excluding the nodes already tried for the request (nginx's per-request ``tried`` set) and, with
-  a cap, the nodes whose in-flight reached ``ceil(F x capacity)``; it returns the node's URL from
+* **One load view across replicas.** The policy picks on an estimate of each node's *pool-wide*
+  in-flight count, not this proxy's alone (``load``): the other replicas' requests as the
+  snapshot counts them, plus this proxy's own live count,
+
+      load[n] = others[n] + own[n],   others[n] = snapshot.inflight[n] - snapshot.proxy_inflight[me][n]
+
+  ``snapshot.proxy_inflight[me]`` is what the scheduler had seen of *this* proxy at
+  ``as_of_seq`` (schemas.outputs.WeightSnapshot), so this proxy's own requests are counted once,
+  live, whatever its events' lag; only the other replicas' part is as old as the snapshot (its
+  staleness: docs/design.md, "Proxy replicas and workers"). ``me`` is ``proxy_id``. A snapshot
+  without ``proxy_inflight`` (no request open in the pool, or a scheduler from before the field)
+  gives ``others = 0``: the pick is then exactly the one on own counts, as it is whenever this
+  proxy is the pool's only one (others are 0 by construction).
+* **Admission binds.** ``admit`` picks with the policy on ``load``, excluding the nodes already
+  tried for the request (nginx's per-request ``tried`` set) and, with a cap, the nodes whose
+  estimated in-flight reached ``ceil(F x capacity)``; it returns the node's URL from
   the snapshot in force *at admission* and counts the request in flight. Later snapshots
   (weight change, drain, capacity 0, removal) never touch an admitted request: it holds its own
   ``Admission``; only ``release`` ends it.
@@ -31,7 +44,9 @@ Rules:
   the latest), and the mean prompt ``M`` of the sized requests admitted so far. A node's load is
   its backlog plus ``M`` per request in flight; the request's cost on a node is its prompt less
   the prefix the index says the node holds, plus ``M``. Without a prompt, or with
-  ``affinity="none"``, the pick is exactly LA-SWRR's on request counts.
+  ``affinity="none"``, the pick is exactly LA-SWRR's on request counts. The index and the
+  backlog are this proxy's own (another replica's prefixes are not known here); the requests in
+  flight are the pool-wide ``load``, another replica's counting ``M`` each.
 * **Seeds.** Each pool's policy is seeded from the proxy's seed and the pool name, so replicas
   (different proxy ids) start their SWRR/P2C sequences at different points (docs/algorithm.md
   §5, "Seeded warm-up").
@@ -79,9 +94,11 @@ class PoolRoute:
     targets: dict[str, NodeView] = field(default_factory=dict)
     superseded: bool = False  # from a stream that no longer exists: any next snapshot replaces it
     index: PrefixIndex | None = None  # prefix affinity (la-swrr only)
+    others: dict[str, int] = field(default_factory=dict)  # node -> the other replicas' in-flight (> 0 only)
 
-    def install(self, snapshot: WeightSnapshot, now: float) -> None:
+    def install(self, snapshot: WeightSnapshot, now: float, proxy_id: str | None = None) -> None:
         self.snapshot, self.received_at, self.superseded = snapshot, now, False
+        self.others = others_inflight(snapshot, proxy_id)
         self.targets = {n.node: n for n in snapshot.nodes if n.routable and n.effective_weight > 0}
         self.policy.set_candidates([Candidate.from_weight(n.node, n.effective_weight) for n in self.targets.values()])
         if self.index is not None:
@@ -91,10 +108,26 @@ class PoolRoute:
                     self.index.drop(node)
 
 
+def others_inflight(snapshot: WeightSnapshot, proxy_id: str | None) -> dict[str, int]:
+    """Per node, the requests other proxies have open on it as of the snapshot (module doc); only
+    the nodes with some. Empty when the snapshot carries no ``proxy_inflight``."""
+    if not snapshot.proxy_inflight:
+        return {}
+    mine = snapshot.proxy_inflight.get(proxy_id or "", {})
+    others = {}
+    for view in snapshot.nodes:
+        count = view.inflight - mine.get(view.node, 0)
+        if count > 0:
+            others[view.node] = count
+    return others
+
+
 class Router:
     def __init__(self, policy: str, seed: int, inflight_cap_per_capacity: float | None = None,
-                 affinity: str = "prefix", affinity_blocks: int = BLOCKS_PER_NODE) -> None:
+                 affinity: str = "prefix", affinity_blocks: int = BLOCKS_PER_NODE,
+                 proxy_id: str | None = None) -> None:
         make_policy(policy, seed)  # fail fast on an unknown name
+        self.proxy_id = proxy_id  # whose share of the snapshot's in-flight is this proxy's own
         self.policy_name = policy
         self.seed = seed
         self.cap_factor = inflight_cap_per_capacity
@@ -102,7 +135,8 @@ class Router:
         self.affinity_blocks = affinity_blocks if affinity == "prefix" and la_swrr else 0
         self.affinity_mode = "prefix" if self.affinity_blocks else "none"
         self.pools: dict[str, PoolRoute] = {}
-        self.inflight: dict[str, int] = {}
+        self.inflight: dict[str, int] = {}  # node -> this proxy's own live in-flight (> 0 only)
+        self.load: dict[str, int] = {}  # node -> others + own: what the policy picks on (> 0 only)
         self.inflight_tokens: dict[str, int] = {}
         self.backlog: dict[str, int] = {}  # node -> prefill backlog (tokens) of its admitted requests
         self.sized = 0  # sized requests admitted, and their prompt tokens: the mean prompt M
@@ -122,8 +156,20 @@ class Router:
             self.pools[snapshot.pool] = route
         elif snapshot.as_of_seq <= route.snapshot.as_of_seq and not route.superseded:
             return False
-        route.install(snapshot, now)
+        before = route.others
+        route.install(snapshot, now, self.proxy_id)
+        if before or route.others:
+            self._reload(before.keys() | route.others.keys())
         return True
+
+    def _reload(self, nodes: Iterable[str]) -> None:
+        """``load`` of ``nodes`` again from the own counts and every pool's others."""
+        for node in nodes:
+            count = self.inflight.get(node, 0) + sum(r.others.get(node, 0) for r in self.pools.values())
+            if count > 0:
+                self.load[node] = count
+            else:
+                self.load.pop(node, None)
 
     def new_stream(self) -> None:
         """LB_WEIGHTS was recreated: its ``as_of_seq`` restart; each pool takes the next snapshot offered."""
@@ -132,7 +178,9 @@ class Router:
 
     def forget(self, pool: str) -> None:
         """The pool's key was deleted from the bucket: the scheduler no longer knows it."""
-        self.pools.pop(pool, None)
+        route = self.pools.pop(pool, None)
+        if route is not None and route.others:
+            self._reload(route.others)
 
     def resolve_pool(self, model: str | None, model_pools: dict[str, str] | None = None) -> str | None:
         """The pool named by ``model``; else the pool whose engines serve it; else ``default``."""
@@ -163,15 +211,16 @@ class Router:
             assert isinstance(route.policy, LaSwrr)
             keys = index.keys(prompt)
             affinity = self._work(index, keys, size, [n for n in route.targets if n not in exclude])
-            node = route.policy.pick(self.inflight, exclude, affinity)
+            node = route.policy.pick(self.load, exclude, affinity)
             if node is not None:
                 index.record(node, keys)
                 backlog = affinity.cost_on(node) - self.mean_prompt
         else:
-            node = route.policy.pick(self.inflight, exclude)
+            node = route.policy.pick(self.load, exclude)
         if node is None:
             return None
         self.inflight[node] = self.inflight.get(node, 0) + 1
+        self.load[node] = self.load.get(node, 0) + 1
         admission = Admission(pool=pool, node=node, url=route.targets[node].url,
                               snapshot_seq=route.snapshot.as_of_seq, size=size, backlog=backlog)
         self.inflight_tokens[node] = self.inflight_tokens.get(node, 0) + admission.tokens
@@ -193,7 +242,7 @@ class Router:
         block = index.block_chars // CHARS_PER_TOKEN
         prompt = size.prompt_tokens
         costs = {n: max(0, prompt - d * block) + mean for n, d in depth.items()}
-        load = {n: self.backlog.get(n, 0) + mean * count for n, count in self.inflight.items()}
+        load = {n: self.backlog.get(n, 0) + mean * count for n, count in self.load.items()}
         return Affinity(preferred, load, max(0, prompt - floor * block) + mean, costs)
 
     def prefilled(self, admission: Admission) -> None:
@@ -208,13 +257,18 @@ class Router:
 
     def at_cap(self, view: NodeView) -> bool:
         assert self.cap_factor is not None
-        return self.inflight.get(view.node, 0) >= math.ceil(self.cap_factor * view.capacity)
+        return self.load.get(view.node, 0) >= math.ceil(self.cap_factor * view.capacity)
 
     def release(self, admission: Admission) -> None:
         self.prefilled(admission)
         node = admission.node
         count = self.inflight[node] - 1
         self.total_inflight -= 1
+        load = self.load[node] - 1
+        if load > 0:
+            self.load[node] = load
+        else:
+            del self.load[node]
         if count > 0:
             self.inflight[node] = count
             self.inflight_tokens[node] -= admission.tokens
