@@ -12,7 +12,9 @@ services/accounts.py, written to ``<data_dir>/secrets/<role>.env`` as ``NATS_URL
 0600; ``secure=False`` keeps an open server) -> streams -> scheduler, recorder -> simulated engines (when no nodes file is given:
 one 910C, two 910B, one 910, all in pool ``default`` serving one model id, ``SIM_MODEL``; their nodes file is written to ``<data_dir>/nodes.toml``) ->
 registration of every node by publishing ``lb.admin.node.<id>`` (plain JSON, as ``nats pub``
-would), waiting until LB_WEIGHTS shows them -> collector -> proxy.
+would), waiting until LB_WEIGHTS shows them -> collector -> proxy (``proxy_workers`` N > 1:
+``laswrr proxy --workers N``, N processes on the proxy port, proxy ids ``proxy-0`` ..
+``proxy-<N-1>``, supervised by that one child: services/proxy/workers.py).
 Stop order: proxies (they finish in-flight requests), collector, engines, scheduler, recorder
 last (so everything published is recorded), then NATS.
 
@@ -91,6 +93,7 @@ from laswrr.services.dashboard.app import DEFAULT_PORT as DASHBOARD_PORT
 from laswrr.services.children import Child, ChildProcesses, RestartPolicy, StackError
 from laswrr.services.natsbus import (AUTH_ENV, MAX_REPLICAS, EmbeddedNats, NatsAuth, NatsCluster, StreamLimits,
                                      connect, ensure_streams, redact_url, wait_jetstream)
+from laswrr.services.proxy.config import ProxyConfig
 
 log = logging.getLogger("laswrr.up")
 
@@ -168,7 +171,7 @@ class Stack:
                  scheduler_args: Sequence[str] = (), python: str = sys.executable,
                  restart: RestartPolicy | None = None, secure: bool = True, allow_upstream: Sequence[str] = (),
                  proxy_args: Sequence[str] = (), nats_auth: NatsAuth | None = None, nats_cluster: int = 1,
-                 stream_replicas: int | None = None) -> None:
+                 stream_replicas: int | None = None, proxy_workers: int = 1) -> None:
         if not 1 <= nats_cluster <= MAX_REPLICAS:
             raise StackError(f"--nats-cluster must be in 1..{MAX_REPLICAS}, got {nats_cluster}")
         if nats_cluster > 1 and nats_url is not None:
@@ -186,6 +189,7 @@ class Stack:
         self.secure = secure and nats_url is None  # users are generated for the embedded server only
         self.allow_upstream = list(allow_upstream)
         self.proxy_args = tuple(proxy_args)
+        self.proxy_workers = proxy_workers
         self.nats_auth = nats_auth or NatsAuth()  # files for an external server (handed on by environment)
         self._role_urls: dict[str, str] = {}
         self.proxy_port = proxy_port
@@ -424,8 +428,9 @@ class Stack:
         replicas = sum(1 for c in self.children if c.role == "proxy")
         name = name or ("proxy" if replicas == 0 else f"proxy-{replicas + 1}")
         port = self.proxy_port if port is None else port
+        workers = ("--workers", str(self.proxy_workers)) if self.proxy_workers > 1 else ()
         child = await self.spawn(name, "proxy", "--host", self.proxy_host, "--port", str(port), "--proxy-id", name,
-                                 *self._replicas_args(), *self.proxy_args, *extra_args, role="proxy",
+                                 *self._replicas_args(), *workers, *self.proxy_args, *extra_args, role="proxy",
                                  wait_listening=True)
         assert child.url is not None
         await self._wait_routing(child)
@@ -515,8 +520,9 @@ def banner(stack: Stack, out: IO[str]) -> None:
               file=out)
     api = ("  (OpenAI API: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, ...; "
            "\"model\": a pool name, e.g. \"default\", or its engines' model id)")
-    print(f"  proxy URL: {stack.proxy_url or 'none (laswrr proxy not available)'}" + (api if stack.proxy_url else ""),
-          file=out)
+    workers = f" ({stack.proxy_workers} workers)" if stack.proxy_workers > 1 and stack.proxy_url else ""
+    print(f"  proxy URL: {stack.proxy_url or 'none (laswrr proxy not available)'}{workers}"
+          + (api if stack.proxy_url else ""), file=out)
     if stack.dashboard_url:
         print(f"  dashboard: {stack.dashboard_url}", file=out)
     for index, server in enumerate(stack.cluster.nodes if stack.cluster else []):
@@ -554,7 +560,7 @@ async def run_up(args: argparse.Namespace) -> int:
                       config=args.config, tick_ms=args.tick_ms, restart=restart, secure=not args.insecure,
                       allow_upstream=args.allow_upstream or (), proxy_args=proxy_args,
                       nats_auth=settings.nats_auth(args), nats_cluster=args.nats_cluster,
-                      stream_replicas=args.stream_replicas)
+                      stream_replicas=args.stream_replicas, proxy_workers=args.proxy_workers)
     except StackError as exc:
         _say(f"laswrr up: {exc}", sys.stderr)
         return 2
@@ -627,6 +633,9 @@ def register(subparsers: Any) -> None:
                              "0.0.0.0 for every interface)")
     parser.add_argument("--proxy-port", type=int, default=settings.DEFAULT_PROXY_PORT,
                         help=f"proxy listen port (default {settings.DEFAULT_PROXY_PORT}; 0 picks a free one)")
+    parser.add_argument("--proxy-workers", type=int, default=ProxyConfig().workers, metavar="N",
+                        help="proxy processes on --proxy-port (laswrr proxy --workers N; proxy ids proxy-0 .. "
+                             "proxy-<N-1>; default %(default)s: one, proxy id proxy)")
     parser.add_argument("--dashboard-port", type=settings.port_number, default=DASHBOARD_PORT,
                         help="the dashboard page's port (default %(default)s; 0 picks a free one)")
     parser.add_argument("--config", metavar="FILE.toml", default=None, help="scheduler configuration file")
@@ -648,6 +657,9 @@ def register(subparsers: Any) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     settings.configure_logging(args, "up")
+    if args.proxy_workers < 1:
+        print("laswrr up: --proxy-workers must be >= 1", file=sys.stderr)
+        return 2
     if args.nodes is not None:
         try:
             load_nodes(args.nodes)

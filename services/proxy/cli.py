@@ -4,7 +4,10 @@ Prints ``proxy listening on http://HOST:PORT`` as its first stdout line (flushed
 can read the port chosen for --port 0), then serves until SIGINT/SIGTERM: the listening socket
 closes at once, in-flight requests get --grace-s to finish, events are flushed,
 ``lb.proxy.stopped.<proxy-id>`` is published, and the process exits 0. Several replicas may run
-side by side (distinct --proxy-id; --reuse-port lets them share one port).
+side by side (distinct --proxy-id; --reuse-port lets them share one port). --workers N runs N
+such processes on one port under a supervising parent, worker k with the proxy id
+<proxy-id>-<k> (services/proxy/workers.py); with --admin-port P, worker k serves /metrics and the
+probes on P+k.
 Runnable without the dispatcher too: ``python -m laswrr.services.proxy.cli``.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib.util
 import logging
 import os
 import sys
@@ -84,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stall-timeout-s", type=settings.duration("s"), default=DEFAULTS.stall_timeout_s,
                         help="a continuable stream silent this long has broken (default %(default)s)")
     parser.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT: replicas may share --port")
+    parser.add_argument("--workers", type=int, default=_DEFAULTS.workers, metavar="N",
+                        help="N proxy processes on one port (SO_REUSEPORT), supervised; worker k is proxy "
+                             "<proxy-id>-<k> with its own in-flight counts; with --admin-port P, its /metrics on "
+                             "P+k (default %(default)s: this process serves, as <proxy-id>)")
     parser.add_argument("--affinity", default=_DEFAULTS.affinity, choices=list(AFFINITY_MODES),
                         help="la-swrr: send a prompt to the node that holds its prefix while the load guard "
                              "allows (prefix, the default), or never (none)")
@@ -129,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         api_keys_file=args.api_keys, key_max_inflight=args.key_max_inflight,
         forward_authorization=args.forward_authorization, upstream_api_key=args.upstream_api_key,
         admin_port=args.admin_port, stream_replicas=args.stream_replicas,
+        workers=args.workers,
     ).validate()
 
 
@@ -169,8 +178,20 @@ def run_proxy(args: argparse.Namespace) -> int:
         except KeysFileError as exc:
             print(f"proxy: {exc}", file=sys.stderr)
             return 2
+    if config.workers > 1:
+        if args.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+            print("proxy: --loop uvloop needs the uvloop package (pip install uvloop)", file=sys.stderr)
+            return 2
+        from laswrr.services.proxy.workers import run_group
+
+        return run_group(config, args.loop, args.log_level, args.log_format)
+    return serve_config(config, args.loop)
+
+
+def serve_config(config: ProxyConfig, loop: str) -> int:
+    """Serve one proxy on ``config`` until SIGINT/SIGTERM; the exit status."""
     try:
-        _run(serve(config), args.loop)
+        _run(serve(config), loop)
     except ImportError:
         print("proxy: --loop uvloop needs the uvloop package (pip install uvloop)", file=sys.stderr)
         return 2

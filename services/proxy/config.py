@@ -65,6 +65,7 @@ class ProxyConfig:
     upstream_api_key: str | None = field(default=None, repr=False)  # Authorization: Bearer <it> to engines
     admin_port: int | None = None  # /metrics and the probes on this port instead of ``port``
     stream_replicas: int = StreamLimits.replicas  # of the streams it creates where missing (a cluster)
+    workers: int = 1  # processes on ``port`` (services/proxy/workers.py); each worker's own config says 1
 
     def validate(self) -> "ProxyConfig":
         sj.check_token(self.proxy_id, "proxy name")
@@ -86,6 +87,7 @@ class ProxyConfig:
             (self.admin_port is None or 0 <= self.admin_port < 65536, "--admin-port must be 0..65535"),
             (self.key_max_inflight is None or self.key_max_inflight > 0, "--key-max-inflight must be > 0"),
             (self.key_max_inflight is None or self.api_keys_file is not None, "--key-max-inflight needs --api-keys"),
+            (self.workers >= 1, "--workers must be >= 1"),
         ]
         checks += [(path.startswith("/") and " " not in path, f"--extra-routes: {path!r} is not a path like /v1/x")
                    for path in self.extra_routes]

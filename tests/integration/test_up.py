@@ -124,3 +124,26 @@ async def test_stack_library_with_a_simulated_engine(tmp_path: Path) -> None:
     assert {c.role for c in stack.children} >= {"scheduler", "sim-engine"}
     assert stack.embedded is not None and stack.embedded.process is not None
     assert stack.embedded.process.poll() is not None
+
+
+async def test_up_runs_proxy_workers_on_the_proxy_port(tmp_path: Path) -> None:
+    import aiohttp
+
+    (tmp_path / "nodes.toml").write_text(NODES)
+    proc, banner = await start_up("--nodes", str(tmp_path / "nodes.toml"), "--data-dir", str(tmp_path / "data"),
+                                  "--proxy-port", "0", "--dashboard-port", "0", "--proxy-workers", "2")
+    url, _, rest = banner["proxy URL"].partition(" ")
+    assert rest.startswith("(2 workers)")
+    seen: set[str] = set()
+    connector = aiohttp.TCPConnector(force_close=True)  # a new connection each time: the kernel picks a worker
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10)) as http:
+        for _ in range(60):
+            async with http.get(f"{url}/healthz") as response:
+                seen.add((await response.json())["proxy"])
+            if len(seen) == 2:
+                break
+    assert seen == {"proxy-0", "proxy-1"}
+    proc.send_signal(signal.SIGINT)
+    code, out, err = await finish(proc)
+    assert code == 0, err[-2000:]
+    assert "exited unexpectedly" not in err and "killed" not in err
