@@ -277,8 +277,13 @@ def server_pool(url: str) -> tuple[list[str], dict[str, str]]:
     servers a cluster advertises (which nats-py adds to its pool on its own) carry none; so when
     every URL carries the same credentials they become the ``user``/``password`` (``token``)
     options, good for every server, and the URLs lose them. URLs with differing credentials
-    stay as they are."""
+    stay as they are. A bare ``host:port`` after the first URL takes that URL's scheme and
+    credentials (``nats://role:pw@nats-a:4222,nats-b:4222,nats-c:4222``: what compose's
+    ``NATS_URL=nats://role:pw@${NATS_ADDRESS}`` becomes with a list of addresses)."""
     urls = split_urls(url) or [url]
+    head = urlsplit(urls[0] if "://" in urls[0] else f"nats://{urls[0]}")
+    prefix = f"{head.scheme}://" + (head.netloc.rpartition("@")[0] + "@" if "@" in head.netloc else "")
+    urls = [urls[0], *(u if "://" in u else prefix + u for u in urls[1:])]
     parts = [urlsplit(u if "://" in u else f"nats://{u}") for u in urls]
     userinfo = {p.netloc.rpartition("@")[0] if "@" in p.netloc else None for p in parts}
     if len(userinfo) != 1 or None in userinfo:

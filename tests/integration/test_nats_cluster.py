@@ -28,6 +28,8 @@ def test_shared_credentials_become_options_good_for_every_server() -> None:
     assert options == {"user": "proxy", "password": "s3cr@t"}
     assert server_pool("nats://tok@h:1,nats://tok@h:2") == (["nats://h:1", "nats://h:2"], {"token": "tok"})
     assert server_pool("nats://h:1,nats://h:2") == (["nats://h:1", "nats://h:2"], {})
+    # compose's NATS_URL=nats://role:pw@${NATS_ADDRESS} with NATS_ADDRESS=a:4222,b:4222: the bare ones inherit
+    assert server_pool("tls://r:pw@a:4222,b:4222") == (["tls://a:4222", "tls://b:4222"], {"user": "r", "password": "pw"})
     mixed = "nats://a:x@h:1,nats://b:y@h:2"  # differing credentials: each URL keeps its own
     assert server_pool(mixed) == (mixed.split(","), {})
     assert redact_url("nats://a:x@h:1,nats://b:y@h:2,nats://h:3") == "nats://a:***@h:1,nats://b:***@h:2,nats://h:3"
