@@ -79,13 +79,18 @@ def guard_allows(tokens_a: int, weight_a: int, tokens_c: int, weight_c: int, cos
 class Affinity:
     """What a work-aware pick needs: the preference order, each node's load, the request's cost.
 
-    ``costs`` holds the request's cost on the nodes where it differs from ``cost`` (those holding
-    part of its prefix)."""
+    A node's load is ``backlog[n] + mean * counts[n]``; the request's cost on it ``costs[n]``,
+    or ``cost`` where it holds no more of the prefix than every node does."""
 
     preferred: Sequence[str]
-    load: Mapping[str, int]
+    backlog: Mapping[str, int]
     cost: int
     costs: Mapping[str, int] = field(default_factory=dict)
+    counts: Mapping[str, int] = field(default_factory=dict)
+    mean: int = 0
+
+    def load(self, node: str) -> int:
+        return self.backlog.get(node, 0) + self.mean * self.counts.get(node, 0)
 
     def cost_on(self, node: str) -> int:
         return self.costs.get(node, self.cost)

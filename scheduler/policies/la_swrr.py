@@ -75,10 +75,10 @@ class LaSwrr:
         if lead < 0:
             return None
         nodes, cw = swrr.nodes, swrr.cw
-        chosen = self._referee(inflight, lead, active) if affinity is None else self._weigh(affinity, lead, active)
-        refereed = chosen
-        if affinity is not None and affinity.preferred:
-            chosen = self._prefer(affinity, active, chosen)
+        if affinity is None:
+            chosen = refereed = self._referee(inflight, lead, active)
+        else:
+            chosen, refereed = self._weigh(affinity, lead, active)
         cw[chosen] -= total
         if chosen != lead and cw[lead] > total:
             cw[chosen] += cw[lead] - total
@@ -108,42 +108,30 @@ class LaSwrr:
             return best
         return lead
 
-    def _weigh(self, affinity: Affinity, lead: int, active: list[int]) -> int:
-        """The work referee: the leader, or the node lightest after taking the request if the
-        leader would be heavier after taking it."""
+    def _weigh(self, affinity: Affinity, lead: int, active: list[int]) -> tuple[int, int]:
+        """(the pick, the work referee's pick): the referee, then the guarded preference."""
         swrr = self.swrr
         nodes, weights, cw = swrr.nodes, swrr.weights, swrr.cw
-        load, cost_on = affinity.load, affinity.cost_on
-        lead_load = load.get(nodes[lead], 0)
-        if not lead_load:
-            return lead
+        backlog, counts, mean = affinity.backlog, affinity.counts, affinity.mean
+        costs, base = affinity.costs, affinity.cost
         best = -1
-        best_after = best_weight = 0
+        best_load = best_after = best_weight = lead_after = 0
         for i in active:  # least (load + cost) / w; ties: higher accumulator, then list order
-            after = load.get(nodes[i], 0) + cost_on(nodes[i])
+            node = nodes[i]
+            load = backlog.get(node, 0) + mean * counts.get(node, 0)
+            after = load + costs.get(node, base)
+            if i == lead:
+                lead_after = after
             lhs, rhs = after * best_weight, best_after * weights[i]
             if best < 0 or lhs < rhs or (lhs == rhs and cw[i] > cw[best]):
-                best, best_after, best_weight = i, after, weights[i]
-        if best != lead and (lead_load + cost_on(nodes[lead])) * best_weight > best_after * weights[lead]:
-            return best
-        return lead
-
-    def _prefer(self, affinity: Affinity, active: list[int], chosen: int) -> int:
-        """The first preferred eligible node the guard allows, else ``chosen``."""
-        swrr = self.swrr
-        nodes, weights, index = swrr.nodes, swrr.weights, swrr.index
-        load, cost_on = affinity.load, affinity.cost_on
-        light = -1
-        light_after = light_weight = light_cost = 0
-        for i in active:  # least (load + cost) / w; ties: earliest
-            cost = cost_on(nodes[i])
-            after = load.get(nodes[i], 0) + cost
-            if light < 0 or after * light_weight < light_after * weights[i]:
-                light, light_after, light_weight, light_cost = i, after, weights[i], cost
-        eligible = set(active)
-        for node in affinity.preferred:
-            i = index.get(node, -1)
-            if i in eligible and guard_allows(load.get(node, 0), weights[i], light_after - light_cost, light_weight,
-                                              light_cost):
-                return i
-        return chosen
+                best, best_load, best_after, best_weight = i, load, after, weights[i]
+        lead_idle = lead_after == costs.get(nodes[lead], base)  # no load on the leader: it keeps the request
+        chosen = best if not lead_idle and lead_after * best_weight > best_after * weights[lead] else lead
+        if affinity.preferred:
+            index, eligible = swrr.index, set(active)
+            for node in affinity.preferred:
+                i = index.get(node, -1)
+                if i in eligible and guard_allows(backlog.get(node, 0) + mean * counts.get(node, 0), weights[i],
+                                                  best_load, best_weight, best_after - best_load):
+                    return i, chosen
+        return chosen, chosen

@@ -78,12 +78,8 @@ class Admission:
     node: str
     url: str
     snapshot_seq: int
-    size: RequestSize | None = None  # counted in the node's tokens in flight until release
+    size: RequestSize | None = None  # the request's tokens, as the proxy estimates them
     backlog: int = 0  # its uncached prompt estimate, in the node's prefill backlog until prefilled
-
-    @property
-    def tokens(self) -> int:
-        return 0 if self.size is None else self.size.tokens
 
 
 @dataclass(slots=True)
@@ -137,7 +133,6 @@ class Router:
         self.pools: dict[str, PoolRoute] = {}
         self.inflight: dict[str, int] = {}  # node -> this proxy's own live in-flight (> 0 only)
         self.load: dict[str, int] = {}  # node -> others + own: what the policy picks on (> 0 only)
-        self.inflight_tokens: dict[str, int] = {}
         self.backlog: dict[str, int] = {}  # node -> prefill backlog (tokens) of its admitted requests
         self.sized = 0  # sized requests admitted, and their prompt tokens: the mean prompt M
         self.sized_prompt_tokens = 0
@@ -223,7 +218,6 @@ class Router:
         self.load[node] = self.load.get(node, 0) + 1
         admission = Admission(pool=pool, node=node, url=route.targets[node].url,
                               snapshot_seq=route.snapshot.as_of_seq, size=size, backlog=backlog)
-        self.inflight_tokens[node] = self.inflight_tokens.get(node, 0) + admission.tokens
         if backlog:
             self.backlog[node] = self.backlog.get(node, 0) + backlog
         self.total_inflight += 1
@@ -242,8 +236,7 @@ class Router:
         block = index.block_chars // CHARS_PER_TOKEN
         prompt = size.prompt_tokens
         costs = {n: max(0, prompt - d * block) + mean for n, d in depth.items()}
-        load = {n: self.backlog.get(n, 0) + mean * count for n, count in self.load.items()}
-        return Affinity(preferred, load, max(0, prompt - floor * block) + mean, costs)
+        return Affinity(preferred, self.backlog, max(0, prompt - floor * block) + mean, costs, self.load, mean)
 
     def prefilled(self, admission: Admission) -> None:
         """The engine sent the admission's first byte: its prompt has left the node's prefill backlog."""
@@ -271,7 +264,5 @@ class Router:
             del self.load[node]
         if count > 0:
             self.inflight[node] = count
-            self.inflight_tokens[node] -= admission.tokens
         else:
             del self.inflight[node]
-            self.inflight_tokens.pop(node, None)
