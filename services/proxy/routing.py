@@ -22,7 +22,8 @@ Rules:
   ``snapshot.proxy_inflight[me]`` is what the scheduler had seen of *this* proxy at
   ``as_of_seq`` (schemas.outputs.WeightSnapshot), so this proxy's own requests are counted once,
   live, whatever its events' lag; only the other replicas' part is as old as the snapshot (its
-  staleness: docs/design.md, "Proxy replicas and workers"). ``me`` is ``proxy_id``. A snapshot
+  staleness: docs/design.md, "Proxy replicas and workers"). ``me`` is ``proxy_id`` (a router
+  built without one routes on its own counts alone). A snapshot
   without ``proxy_inflight`` (no request open in the pool, or a scheduler from before the field)
   gives ``others = 0``: the pick is then exactly the one on own counts, as it is whenever this
   proxy is the pool's only one (others are 0 by construction).
@@ -106,10 +107,11 @@ class PoolRoute:
 
 def others_inflight(snapshot: WeightSnapshot, proxy_id: str | None) -> dict[str, int]:
     """Per node, the requests other proxies have open on it as of the snapshot (module doc); only
-    the nodes with some. Empty when the snapshot carries no ``proxy_inflight``."""
-    if not snapshot.proxy_inflight:
+    the nodes with some. Empty when the snapshot carries no ``proxy_inflight``, or without a
+    ``proxy_id`` (a router that does not know which share is its own cannot subtract it)."""
+    if not snapshot.proxy_inflight or proxy_id is None:
         return {}
-    mine = snapshot.proxy_inflight.get(proxy_id or "", {})
+    mine = snapshot.proxy_inflight.get(proxy_id, {})
     others = {}
     for view in snapshot.nodes:
         count = view.inflight - mine.get(view.node, 0)

@@ -41,6 +41,7 @@ def test_others_are_the_snapshot_count_less_this_proxys_share() -> None:
     assert others_inflight(s, "new") == {"a": 5, "b": 2}  # a replica the scheduler has not seen yet
     # no split (nothing open, or a scheduler from before the field): own counts alone
     assert others_inflight(snap(1, [view("a", 4, inflight=5)]), "me") == {}
+    assert others_inflight(s, None) == {}  # a router that does not know its own share
 
 
 def test_the_estimate_is_others_plus_own_live_count() -> None:
