@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from laswrr.services.proxy.prompt import RequestSize, prompt_text, request_size
+from laswrr.services.proxy.prompt import RequestSize, request_size
 from laswrr.services.proxy.routing import Router
 from tests.proxy.test_proxy_routing import node, snap
 
