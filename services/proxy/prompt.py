@@ -46,11 +46,6 @@ class RequestSize:
     prompt_tokens: int
     max_tokens: int | None = None
 
-    @property
-    def tokens(self) -> int:
-        """Prompt plus the output reservation, for the tokens-in-flight guard."""
-        return self.prompt_tokens + (self.max_tokens or 0)
-
 
 def request_size(text: bytes, max_tokens: Any, max_completion_tokens: Any) -> RequestSize:
     """``text``'s estimate (4 characters a token) and the body's ``max_completion_tokens`` or

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from laswrr.services.proxy.prompt import RequestSize, request_size
+from laswrr.services.proxy.prompt import RequestSize, prompt_text, request_size
 from laswrr.services.proxy.routing import Router
 from tests.proxy.test_proxy_routing import node, snap
 
@@ -103,3 +103,22 @@ def test_ejected_and_removed_nodes_are_dropped_from_the_index() -> None:
     assert index.nodes() == ["b"]
     router.offer(snap(4, node("c", 4)), now=3)  # b removed
     assert index.nodes() == []
+
+
+def test_other_policies_have_no_affinity() -> None:
+    router = Router("p2c", seed=1)
+    router.offer(snap(1, node("a", 4), node("b", 4)), now=0)
+    assert router.pools["default"].index is None and router.affinity_mode == "none"
+    assert router.admit("default", prompt=b"z" * 4096, size=RequestSize(10)) is not None
+
+
+def test_prompt_text_and_tokens_of_bodies() -> None:
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert prompt_text(chat, None) == b"system\nbe brief\nuser\nhi\n"
+    assert prompt_text(None, "once upon") == b"once upon" and prompt_text(None, ["x"]) == b"x"
+    assert prompt_text(None, [1, 2, 3]) == b"" and prompt_text("bad", None) == b""
+    assert prompt_text([{"role": "user", "content": None}, 5], None) == b"user\n\n"
+    assert request_size(b"a" * 400, 50, None) == RequestSize(100, 50)
+    assert request_size(b"a" * 400, 50, 20) == RequestSize(100, 20)
+    assert request_size(b"a" * 400, True, None) == RequestSize(100)
+    assert request_size(b"", "x", -1) == RequestSize(0, None)
