@@ -261,7 +261,7 @@ def main(args: argparse.Namespace) -> int:
     if args.virtual:
         try:
             own = [p for p in policies if ":" not in p]  # peer routers are processes: not in virtual time
-            return bench_virtual(scenarios, own, args.affinity, args.seed, args.out)
+            return bench_virtual(scenarios, own, args.affinity, args.seed, args.out, args.proxies)
         except ValueError as exc:
             print(f"bench: {exc}", file=sys.stderr)
             return 2

@@ -1,4 +1,4 @@
-"""What prefix affinity and the token guard read from a request body: its prompt text and size.
+"""What prefix affinity and the work referee read from a request body: its prompt text and size.
 
 The body is decoded once (``app.RequestPeek``); this module turns the decoded ``messages`` (chat)
 or ``prompt`` (completions) into the bytes the prefix index hashes, and estimates the request's

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from laswrr.bench.scenarios import get_scenario
-from laswrr.bench.virtual import ORACLE, rows_for, run_virtual
+from laswrr.bench.virtual import ORACLE, Continuations, rows_for, run_virtual
 from laswrr.services.sim_engine.physics import EngineSim
 from laswrr.services.sim_engine.profiles import get_profile
 
@@ -30,6 +30,18 @@ def test_prefix_affinity_raises_the_hit_rate_on_the_mooncake_slice() -> None:
     on, off = run_virtual(scenario, "la-swrr", "prefix"), run_virtual(scenario, "la-swrr", "none")
     assert (on.affinity, off.affinity) == ("prefix", "none")
     assert on.prefix_hit_rate > off.prefix_hit_rate
+    assert on.kept_on_node is not None and off.kept_on_node is not None and on.kept_on_node > off.kept_on_node
+    two = run_virtual(scenario, "la-swrr", "prefix", proxies=2)
+    assert two.proxies == 2 and two.requests == on.requests and two.kept_on_node is not None
+
+
+def test_continuations_count_a_request_kept_only_where_its_prefix_went() -> None:
+    seen = Continuations()
+    seen.served((1, 2, 3), "a")  # the first of its conversation: continues nothing
+    seen.served((1, 9), "b")  # shares one block only: not a continuation
+    seen.served((1, 2, 3, 4), "a")  # continues (1, 2, 3) on its node
+    seen.served((1, 2, 5), "b")  # continues (1, 2), last served on a: moved
+    assert (seen.continuing, seen.kept, seen.share) == (2, 1, 0.5)
 
 
 def test_rows_run_la_swrr_both_ways_and_add_the_oracle() -> None:
