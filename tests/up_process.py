@@ -106,6 +106,7 @@ class Load:
     workers: int = 8
     stream: bool = False
     max_tokens: int = 8
+    headers: dict[str, str] = field(default_factory=dict)
     served: int = 0
     failed: int = 0
     cut: int = 0  # of the failed: streams that began and did not end with [DONE]
@@ -123,7 +124,7 @@ class Load:
     async def _worker(self) -> None:
         body = {"model": self.model, "max_tokens": self.max_tokens, "stream": self.stream,
                 "messages": [{"role": "user", "content": "hi"}]}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), headers=self.headers) as http:
             while self._running:
                 began = False
                 try:

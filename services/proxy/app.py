@@ -12,10 +12,20 @@ otherwise); ``GET /metrics`` is Prometheus text. Any other path answers 404 and 
 with the wrong method 405 with ``Allow``, both as OpenAI-style JSON errors (``not_found``, a
 catch-all route: no middleware on the request path).
 
-Handlers hold no policy: they validate input (400 invalid JSON, 413 body over
-``max_body_bytes``, 404 unknown model, 503 no snapshot yet or no routable node, all
-OpenAI-style ``{"error": {message, type, code}}``), pick the pool, ask the router for an
-admission and hand over to ``upstream.Forwarder``.
+Handlers hold no policy: they validate input (400 invalid JSON, a body that is not UTF-8
+included, 413 body over ``max_body_bytes``, 408 a body not received within ``body_timeout_s``,
+404 unknown model, 503 no snapshot yet or no routable node, all OpenAI-style
+``{"error": {message, type, code}}``), pick the pool, ask the router for an admission and hand
+over to ``upstream.Forwarder``.
+
+Hostile clients. A connection that has not sent a complete request head for ``idle_timeout_s``
+(idle between requests, or a slowloris trickling its headers byte by byte) is closed (aiohttp's
+keep-alive timer, which also runs from the connection's start); a request line or header that
+aiohttp's parser refuses (bytes not allowed in a path or a header name, a line over 8190 bytes,
+more than 128 headers) gets its 400, and is logged as one throttled warning line
+(``quiet_parser_errors``), not a traceback per request. Header values are passed through to the
+engine as they came (HTTP allows any byte there); the one the proxy reads itself,
+``Authorization`` with ``--api-keys``, is a 401 when it is not a key.
 
 API keys (``--api-keys``, services/proxy/keys.py): every forwarded route and ``/v1/models``
 first check ``Authorization: Bearer <key>`` (401 ``invalid_api_key``) and the key's requests in
@@ -49,8 +59,9 @@ from typing import Any
 import aiohttp
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from laswrr.services.natsbus import StreamLimits
+from laswrr.services.natsbus import StreamLimits, Throttled
 from laswrr.services.proxy.bus import BusLink
 from laswrr.services.proxy.config import ProxyConfig
 from laswrr.services.proxy.events import EventPublisher
@@ -210,9 +221,40 @@ async def _read_body(request: web.Request, state: ProxyState) -> bytes | web.Res
     if request.content_length is not None and request.content_length > limit:
         return _too_large(state, limit)
     try:
-        return await request.read()
+        body = await asyncio.wait_for(request.read(), state.config.body_timeout_s)
     except web.HTTPRequestEntityTooLarge:
         return _too_large(state, limit)
+    except asyncio.TimeoutError:
+        state.metrics.rejected.labels(reason="body_timeout").inc()
+        return error_response(408, f"request body not received within {state.config.body_timeout_s:g} s",
+                              "invalid_request_error", "request_timeout", headers={"Connection": "close"})
+    if not body.isascii():  # JSON is UTF-8 (RFC 8259): a field the peek skips must be too
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            state.metrics.rejected.labels(reason="bad_json").inc()
+            return error_response(400, f"invalid JSON body: not UTF-8 at byte {exc.start}", "invalid_request_error",
+                                  "invalid_json")
+    return body
+
+
+class quiet_parser_errors(logging.Filter):
+    """On aiohttp's server logger: a request its HTTP parser refused (answered 400 by aiohttp)
+    becomes one throttled warning line instead of an ERROR with a traceback per request, so
+    a client sending garbage cannot flood the log. Everything else passes unchanged."""
+
+    throttled = Throttled(logging.getLogger("laswrr.proxy.http"))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        reason = " ".join(str(exc.message).split())[:200]
+        self.throttled.failed("refused malformed HTTP requests (400), e.g. %s", reason)
+        return False
+
+
+_QUIET = quiet_parser_errors()
 
 
 def with_model(body: bytes, model: str) -> bytes:
@@ -442,7 +484,11 @@ class RunningProxy:
 
 async def start(config: ProxyConfig) -> RunningProxy:
     app = init_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+                           keepalive_timeout=config.idle_timeout_s)
+    server_log = logging.getLogger("aiohttp.server")
+    if _QUIET not in server_log.filters:
+        server_log.addFilter(_QUIET)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port or None)
     await site.start()

@@ -87,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s)")
     parser.add_argument("--stall-timeout-s", type=settings.duration("s"), default=DEFAULTS.stall_timeout_s,
                         help="a continuable stream silent this long has broken (default %(default)s)")
+    parser.add_argument("--idle-timeout-s", type=settings.duration("s"), default=_DEFAULTS.idle_timeout_s,
+                        help="close a client connection that has not sent a complete request head for this long "
+                             "(idle between requests, or its headers trickling in) (default %(default)s)")
+    parser.add_argument("--body-timeout-s", type=settings.duration("s"), default=_DEFAULTS.body_timeout_s,
+                        help="answer 408 to a request whose body has not arrived within this (default %(default)s)")
     parser.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT: replicas may share --port")
     parser.add_argument("--workers", type=int, default=_DEFAULTS.workers, metavar="N",
                         help="N proxy processes on one port (SO_REUSEPORT), supervised; worker k is proxy "
@@ -136,7 +141,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         nats_auth=settings.nats_auth(args),
         api_keys_file=args.api_keys, key_max_inflight=args.key_max_inflight,
         forward_authorization=args.forward_authorization, upstream_api_key=args.upstream_api_key,
-        admin_port=args.admin_port, stream_replicas=args.stream_replicas,
+        admin_port=args.admin_port, stream_replicas=args.stream_replicas, idle_timeout_s=args.idle_timeout_s,
+        body_timeout_s=args.body_timeout_s,
         workers=args.workers,
     ).validate()
 

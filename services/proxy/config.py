@@ -65,6 +65,8 @@ class ProxyConfig:
     upstream_api_key: str | None = field(default=None, repr=False)  # Authorization: Bearer <it> to engines
     admin_port: int | None = None  # /metrics and the probes on this port instead of ``port``
     stream_replicas: int = StreamLimits.replicas  # of the streams it creates where missing (a cluster)
+    idle_timeout_s: float = 60.0  # a connection without a complete request head this long is closed
+    body_timeout_s: float = 60.0  # a request body not received within this: 408
     workers: int = 1  # processes on ``port`` (services/proxy/workers.py); each worker's own config says 1
 
     def validate(self) -> "ProxyConfig":
@@ -82,6 +84,8 @@ class ProxyConfig:
             (0 <= self.port < 65536, "--port must be 0..65535"),
             (self.continue_limit >= 0, "--continue-limit must be >= 0"),
             (self.stall_timeout_s > 0, "--stall-timeout-s must be > 0"),
+            (self.idle_timeout_s > 0, "--idle-timeout-s must be > 0"),
+            (self.body_timeout_s > 0, "--body-timeout-s must be > 0"),
             (self.affinity in AFFINITY_MODES, f"--affinity must be one of {', '.join(AFFINITY_MODES)}"),
             (self.affinity_blocks >= 1, "--affinity-blocks must be >= 1"),
             (self.admin_port is None or 0 <= self.admin_port < 65536, "--admin-port must be 0..65535"),

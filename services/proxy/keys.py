@@ -79,7 +79,10 @@ class ApiKeys:
         """The name of the key in ``Authorization: Bearer <key>``, or None."""
         if not authorization or not authorization[:len(BEARER)].lower() == BEARER:
             return None
-        presented = _digest(authorization[len(BEARER):].strip())
+        try:
+            presented = _digest(authorization[len(BEARER):].strip())
+        except UnicodeEncodeError:  # bytes that are not UTF-8 (kept as surrogates): no key is such
+            return None
         found = None
         for name, digest in self.entries:  # every entry, match or not (module header)
             if hmac.compare_digest(presented, digest):
