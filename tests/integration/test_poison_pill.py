@@ -24,6 +24,7 @@ import pytest
 
 from laswrr.replay import store
 from laswrr.replay.replay import replay_db
+from tests.replay_cli import replay_exact
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import UNPUBLISHABLE
 from laswrr.schemas.outputs import TEXT_MAX_CHARS
@@ -140,6 +141,7 @@ async def test_a_megabyte_of_health_error_text_freezes_nothing(nats_url: str, tm
     with store.open_read(tmp_path / store.DB_FILE) as con:
         result = replay_db(con)
         assert result.identical, result.first and result.first.describe()
+    replay_exact(tmp_path / store.DB_FILE)  # and as an operator runs it
 
 
 async def test_an_output_over_the_max_payload_becomes_a_rejection_of_its_input(tmp_path: Path) -> None:
@@ -162,3 +164,4 @@ async def test_an_output_over_the_max_payload_becomes_a_rejection_of_its_input(t
             result = replay_db(con)
             assert result.identical, result.first and result.first.describe()
             assert result.outputs_compared > 200
+        replay_exact(tmp_path / store.DB_FILE)

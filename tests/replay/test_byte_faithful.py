@@ -23,6 +23,7 @@ from laswrr.replay import store
 from laswrr.replay.portable import input_line, read_events
 from laswrr.replay.replay import replay_db
 from laswrr.replay.synthetic import LogBuilder
+from tests.replay_cli import replay_exact
 from laswrr.schemas import subjects as sj
 
 BIG = b'{"capacity": 3, "note": "' + b"x" * 1_000_000 + b'"}'
@@ -69,6 +70,7 @@ async def test_odd_payloads_are_recorded_exactly_and_replay_exactly(nats_url: st
         assert result.verified_through == max(published) and result.outputs_compared > 0
 
         lines = [input_line(*row) for row in rows]
+    replay_exact(tmp_path / store.DB_FILE)  # `laswrr replay --db`, as an operator runs it
     assert [e.data for e in read_events(lines)] == [payload for *_, payload in rows]  # type: ignore[union-attr]
 
 
@@ -101,3 +103,4 @@ def test_a_log_recorded_before_the_raw_column_still_replays(tmp_path: Path) -> N
     with store.open_read(path) as con:
         assert ("raw",) in con.execute("SELECT column_name FROM (DESCRIBE events)").fetchall()
         assert replay_db(con).identical
+    replay_exact(path)
