@@ -180,7 +180,12 @@ def _unbatch_one(proxy: str, index: int, raw: msgspec.Raw) -> Unbatched:
 def batch_item(kind: str, key: str | None, data: bytes) -> bytes:
     """One event of a batch on the wire: ``[kind, key, <data>]``, ``data`` the event's own
     payload (``encode(event)``) kept byte for byte."""
-    return b"[" + _ENCODER.encode(kind) + b"," + _ENCODER.encode(key) + b"," + data + b"]"
+    return batch_item_head(kind, key) + data + b"]"
+
+
+def batch_item_head(kind: str, key: str | None) -> bytes:
+    """What precedes an event's payload in ``batch_item`` (a producer may keep it per kind and key)."""
+    return b"[" + _ENCODER.encode(kind) + b"," + _ENCODER.encode(key) + b","
 
 
 def batch_payload(boot_id: str | None, batch: int | None, items: list[bytes]) -> bytes:

@@ -555,6 +555,7 @@ async def run_up(args: argparse.Namespace) -> int:
     stop = settings.stop_event()
     restart = RestartPolicy(max_restarts=args.max_restarts) if args.max_restarts > 0 else None
     proxy_args = ("--api-keys", str(Path(args.api_keys).resolve())) if args.api_keys else ()
+    proxy_args += ("--event-flush-ms", str(args.event_flush_ms), "--event-batch-max", str(args.event_batch_max))
     try:
         stack = Stack(args.data_dir, nats_url=args.nats_url, proxy_port=args.proxy_port, proxy_host=args.proxy_host,
                       config=args.config, tick_ms=args.tick_ms, restart=restart, secure=not args.insecure,
@@ -651,6 +652,12 @@ def register(subparsers: Any) -> None:
                         help="upstream hosts the scheduler accepts besides the nodes' own (repeatable)")
     parser.add_argument("--api-keys", default=os.environ.get("LASWRR_API_KEYS_FILE") or None, metavar="FILE",
                         help="the proxy's API keys, one per line, optionally name:key (default $LASWRR_API_KEYS_FILE)")
+    parser.add_argument("--event-flush-ms", type=settings.duration("ms"), default=ProxyConfig().event_flush_ms,
+                        help="publish a batch of request events this long after its first event at the latest "
+                             "(default %(default)s)")
+    parser.add_argument("--event-batch-max", type=int, default=ProxyConfig().event_batch_max, metavar="N",
+                        help="publish a batch of request events as soon as N wait, before --event-flush-ms (default "
+                             "%(default)s)")
     settings.add_logging(parser)
     parser.set_defaults(func=run_command)
 

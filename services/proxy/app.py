@@ -390,7 +390,8 @@ def init_app(config: ProxyConfig) -> web.Application:
     config.validate()
     router = Router(config.policy, config.seed, config.inflight_cap_per_capacity, config.affinity,
                     config.affinity_blocks, proxy_id=config.proxy_id)
-    events = EventPublisher(config.proxy_id, capacity=config.event_buffer)
+    events = EventPublisher(config.proxy_id, capacity=config.event_buffer, batch_max=config.event_batch_max,
+                            flush_s=config.event_flush_ms / 1000)
     keys = ApiKeys.load(config.api_keys_file, config.key_max_inflight) if config.api_keys_file else None
     state = ProxyState(config=config, router=router, events=events, metrics=ProxyMetrics(config.proxy_id, keys),
                        bus=BusLink(config.nats_url, f"laswrr-proxy-{config.proxy_id}", router, events,

@@ -79,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="F", help="a node's in-flight may not exceed ceil(F x capacity); off by default")
     parser.add_argument("--event-buffer", type=int, default=_DEFAULTS.event_buffer,
                         help="events held while NATS is slow or away; the oldest drop beyond (default %(default)s)")
+    parser.add_argument("--event-flush-ms", type=settings.duration("ms"), default=_DEFAULTS.event_flush_ms,
+                        help="publish a batch of request events this long after its first event at the latest "
+                             "(default %(default)s)")
+    parser.add_argument("--event-batch-max", type=int, default=_DEFAULTS.event_batch_max, metavar="N",
+                        help="publish a batch of request events as soon as N wait, before --event-flush-ms (default "
+                             "%(default)s)")
     parser.add_argument("--extra-routes", type=_paths, default=_DEFAULTS.extra_routes, metavar="PATH[,PATH...]",
                         help="more POST paths to route by the body's model, beside the OpenAI ones "
                              "(e.g. /v1/classify,/pooling)")
@@ -135,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         policy=args.policy, max_retries=args.max_retries, max_body_bytes=args.max_body_bytes, grace_s=args.grace_s,
         upstream_timeout_s=args.upstream_timeout_s, connect_timeout_s=args.connect_timeout_s,
         inflight_cap_per_capacity=args.inflight_cap_per_capacity, event_buffer=args.event_buffer,
+        event_flush_ms=args.event_flush_ms, event_batch_max=args.event_batch_max,
         reuse_port=args.reuse_port, extra_routes=args.extra_routes, continue_limit=args.continue_limit,
         stall_timeout_s=args.stall_timeout_s,
         affinity=args.affinity, affinity_blocks=args.affinity_blocks,

@@ -14,6 +14,7 @@ import socket
 from dataclasses import dataclass, field
 
 from laswrr.schemas import subjects as sj
+from laswrr.schemas.events import MAX_BATCH_EVENTS
 from laswrr.scheduler.policies import canonical_policy
 from laswrr.scheduler.policies.affinity import BLOCKS_PER_NODE
 from laswrr.services.natsbus import NatsAuth, StreamLimits
@@ -49,6 +50,8 @@ class ProxyConfig:
     connect_timeout_s: float = 3.0
     inflight_cap_per_capacity: float | None = None  # None: no per-node cap
     event_buffer: int = 100_000  # events held while NATS is slow or away; oldest dropped beyond
+    event_flush_ms: int = 5  # a batch of events goes out this long after its first event at the latest
+    event_batch_max: int = 512  # ... or as soon as this many events wait
     heartbeat_s: float = 2.0
     stale_after_s: float = 10.0  # snapshot older than this (or NATS down) -> /healthz says "stale"
     models_ttl_s: float = 5.0
@@ -81,6 +84,8 @@ class ProxyConfig:
             (self.inflight_cap_per_capacity is None or self.inflight_cap_per_capacity > 0,
              "--inflight-cap-per-capacity must be > 0"),
             (self.event_buffer > 0, "--event-buffer must be > 0"),
+            (self.event_flush_ms >= 0, "--event-flush-ms must be >= 0"),
+            (1 <= self.event_batch_max <= MAX_BATCH_EVENTS, f"--event-batch-max must be 1..{MAX_BATCH_EVENTS}"),
             (0 <= self.port < 65536, "--port must be 0..65535"),
             (self.continue_limit >= 0, "--continue-limit must be >= 0"),
             (self.stall_timeout_s > 0, "--stall-timeout-s must be > 0"),

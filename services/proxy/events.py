@@ -2,17 +2,28 @@
 
 Theory of operation. Handlers call ``started``/``finished`` (plain synchronous appends to an
 in-memory buffer, a few microseconds); one background task, ``run``, drains the buffer into
-JetStream: it lets events gather for ``linger_s`` (a few ms), takes up to ``batch_max`` of them,
-publishes them all with ``publish_async`` and awaits their acks together (one socket write and
-one burst of acks per batch instead of one per event). Every event carries a ``Nats-Msg-Id`` (``<proxy>:<request_id>:started``
-and so on), so re-sending after a lost ack is harmless (the stream's de-duplication window
-keeps one copy). On a failure the batch is re-sent from its first unacknowledged event on, in
-order, after a short back-off; while NATS is disconnected nothing is sent and events wait.
+JetStream as batches: one ``lb.req.batch.<proxy>`` message holds up to ``batch_max`` events in
+the order they were made (docs/design.md §6, "Batched request events"). A batch is cut when
+``batch_max`` events wait or ``flush_s`` after the first of them, whichever comes first, and
+never over the connection's payload limit. Each batch has the ``Nats-Msg-Id``
+``<proxy>:<boot_id>:<batch seq>``; the batches waiting (up to ``IN_FLIGHT_BATCHES``) are
+published with ``publish_async`` and their acks awaited together (one burst of writes and acks
+per round). A batch is the unit of delivery: once cut it keeps its number, so re-sending it
+after a lost ack is harmless (the stream's de-duplication window keeps one copy). On a failure
+the batches are re-sent from the first unacknowledged one on, in order, after a short
+back-off, before any newer event is cut into a batch; while NATS is disconnected nothing is
+sent and events wait.
 
-The buffer is bounded (``capacity``): when full, the *oldest* event is dropped, counted
-(``dropped``, exported in /metrics) and logged. A dropped ``finished`` leaves a phantom
-in-flight in the scheduler until this proxy stops or goes silent (docs/design.md §1, "Hazards designed for"); that is the price
-of never blocking a request on the bus.
+The buffer is bounded (``capacity`` events, cut into batches or not): when full, the *oldest*
+event is dropped (from the oldest unacknowledged batch first), counted (``dropped``, exported
+in /metrics) and logged. A dropped ``finished`` leaves a phantom in-flight in the scheduler
+until this proxy stops or goes silent (docs/design.md §1, "Hazards designed for"); that is the
+price of never blocking a request on the bus. (An event dropped from a batch whose ack was lost
+after JetStream stored it was in fact delivered: the re-sent batch, shorter, is de-duplicated.)
+An event too large to fit in any batch is dropped and counted the same way.
+
+The sizes of the batches acknowledged are a histogram (``batch_sizes``, exported as
+``laswrr_proxy_event_batch_size``).
 
 Event semantics (what analysts count):
 
@@ -38,8 +49,9 @@ Event semantics (what analysts count):
   ``lb.proxy.stopped.<proxy>`` at clean shutdown, after the last request finished.
 * Every event carries ``boot_id``, random per process (``new_boot_id``): a proxy restarted
   with the same ``--proxy-id`` is a new process to the scheduler, which voids what the old one
-  left open. Heartbeats go through the same ordered buffer as request events, so a heartbeat's
-  in-flight count agrees with the events before it (the scheduler trusts it where it is lower).
+  left open. Heartbeats (and the stop) go through the same ordered buffer, into the same
+  batches, as request events, so a heartbeat's in-flight count agrees with the events before it
+  (the scheduler trusts it where it is lower).
 """
 
 from __future__ import annotations
@@ -57,17 +69,15 @@ from nats.js import JetStreamContext
 
 from laswrr.schemas import events as ev
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.codec import encode
+from laswrr.schemas.codec import MAX_PAYLOAD_BYTES, batch_item, batch_item_head, batch_payload, encode
 from laswrr.schemas.words import RequestOutcome
 from laswrr.services.natsbus import publish_acked
+from laswrr.services.service_metrics import Buckets
 from laswrr.services.proxy.prompt import RequestSize
 
 log = logging.getLogger("laswrr.proxy.events")
 
 RETRIED_PREFIX = "retried: "
-
-
-Pending = tuple[str, bytes, str]  # (subject, data, msg_id): what ``publish_acked`` takes, built once
 
 
 @dataclass(slots=True)
@@ -93,28 +103,58 @@ def new_boot_id() -> str:
     return secrets.token_hex(8)
 
 
+BATCH_SIZE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0)
+IN_FLIGHT_BATCHES = 64  # batches published per round, their acks awaited together
+HEADER_MARGIN_BYTES = 1024  # room for the Nats-Msg-Id header within the connection's max payload
+_BATCH_OVERHEAD = 160  # bytes of a batch payload besides its events (boot id, number, brackets)
+
+
+@dataclass(slots=True)
+class Batch:
+    """Events cut into one message: its number and id stay the same on every re-send."""
+
+    seq: int
+    msg_id: str
+    items: list[bytes]
+    size: int  # bytes of the items, commas included
+    sends: int = 0
+
+    def drop_oldest(self) -> None:
+        self.size -= len(self.items.pop(0)) + 1
+
+
 class EventPublisher:
     def __init__(self, proxy_id: str, capacity: int = 100_000, batch_max: int = 512,
-                 ack_timeout_s: float = 2.0, retry_backoff_s: float = 0.25, linger_s: float = 0.005,
+                 ack_timeout_s: float = 2.0, retry_backoff_s: float = 0.25, flush_s: float = 0.005,
                  boot_id: str | None = None) -> None:
         self.proxy_id = proxy_id
         self.boot_id = boot_id or new_boot_id()
         self.capacity = capacity
         self.batch_max = batch_max
-        self.linger_s = linger_s
+        self.flush_s = flush_s
         self.ack_timeout_s = ack_timeout_s
         self.retry_backoff_s = retry_backoff_s
-        self.buffer: deque[Pending] = deque()
+        self.subject = sj.req_batch(proxy_id)
+        self.buffer: deque[bytes] = deque()  # events not yet cut into a batch (``batch_item`` bytes)
+        self.unacked: deque[Batch] = deque()  # batches cut, not yet acknowledged, oldest first
+        self._unacked_events = 0
+        self.batch_seq = 0
+        self.batch_sizes = Buckets(BATCH_SIZE_BUCKETS)
         self.dropped = 0
-        self.published = 0
+        self.published = 0  # events acknowledged
+        self.batches_published = 0
+        self.resent = 0  # publishes of a batch after its first (lost or late acks)
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self._wakeup = asyncio.Event()
+        self._full = asyncio.Event()
+        self._since = 0.0  # monotonic time the oldest event not yet cut into a batch was buffered
+        self._urgent = False  # flushing (shutdown): cut and send without waiting
         self._idle = asyncio.Event()
         self._idle.set()
-        self._heartbeats = 0
         self._last_drop_log = 0.0
-        self._subjects: dict[str, tuple[str, str]] = {}  # node -> (started, finished) subjects
+        self._heads: dict[str, tuple[bytes, bytes]] = {}  # node -> (started, finished) item heads
+        self._heartbeat_head = batch_item_head(ev.ProxyHeartbeat.KIND, None)
 
     # -- producers (synchronous, never block) ------------------------------------------------
 
@@ -124,7 +164,7 @@ class EventPublisher:
                                   snapshot_seq=snapshot_seq, ts_ns=time.time_ns(), boot_id=self.boot_id,
                                   prompt_tokens=None if size is None else size.prompt_tokens,
                                   max_tokens=None if size is None else size.max_tokens, key_name=key_name)
-        self._put(self._subjects_of(node)[0], encode(event), f"{self.proxy_id}:{request_id}:started")
+        self._put(self._heads_of(node)[0] + encode(event) + b"]")
 
     def finished(self, request_id: str, node: str, pool: str, attempt: Attempt) -> None:
         event = ev.RequestFinished(
@@ -132,45 +172,62 @@ class EventPublisher:
             ttft_ms=attempt.ttft_ms, duration_ms=attempt.duration_ms, prompt_tokens=attempt.prompt_tokens,
             completion_tokens=attempt.completion_tokens, status=attempt.status, error=attempt.error,
             ts_ns=time.time_ns(), next_attempt=attempt.next_attempt, boot_id=self.boot_id)
-        self._put(self._subjects_of(node)[1], encode(event), f"{self.proxy_id}:{request_id}:finished")
+        self._put(self._heads_of(node)[1] + encode(event) + b"]")
 
-    def _subjects_of(self, node: str) -> tuple[str, str]:
-        subjects = self._subjects.get(node)
-        if subjects is None:
-            if len(self._subjects) > 10_000:
-                self._subjects.clear()
-            subjects = self._subjects[node] = (sj.req_started(node), sj.req_finished(node))
-        return subjects
+    def _heads_of(self, node: str) -> tuple[bytes, bytes]:
+        heads = self._heads.get(node)
+        if heads is None:
+            if len(self._heads) > 10_000:
+                self._heads.clear()
+            sj.check_token(node)
+            heads = self._heads[node] = (batch_item_head(ev.RequestStarted.KIND, node),
+                                         batch_item_head(ev.RequestFinished.KIND, node))
+        return heads
 
     def heartbeat(self, inflight: int) -> None:
-        self._heartbeats += 1
         event = ev.ProxyHeartbeat(inflight=inflight, ts_ns=time.time_ns(), boot_id=self.boot_id)
-        self._put(sj.proxy_heartbeat(self.proxy_id), encode(event), f"{self.proxy_id}:hb:{self._heartbeats}:{time.time_ns()}")
+        self._put(self._heartbeat_head + encode(event) + b"]")
 
     def stopped(self) -> None:
         event = ev.ProxyStopped(ts_ns=time.time_ns(), boot_id=self.boot_id)
-        self._put(sj.proxy_stopped(self.proxy_id), encode(event), f"{self.proxy_id}:stopped:{time.time_ns()}")
+        self._put(batch_item(ev.ProxyStopped.KIND, None, encode(event)))
 
-    def _put(self, subject: str, data: bytes, msg_id: str) -> None:
-        self.buffer.append((subject, data, msg_id))
-        if len(self.buffer) > self.capacity:
+    def _put(self, item: bytes) -> None:
+        buffer = self.buffer
+        if not buffer:
+            self._since = time.monotonic()
+        buffer.append(item)
+        if len(buffer) + self._unacked_events > self.capacity:
             self._enforce_bound()
         if not self._wakeup.is_set():
             self._wakeup.set()
+        if len(buffer) >= self.batch_max and not self._full.is_set():
+            self._full.set()
         self._idle.clear()
 
     def _enforce_bound(self) -> None:
-        excess = len(self.buffer) - self.capacity
+        excess = len(self.buffer) + self._unacked_events - self.capacity
         if excess <= 0:
             return
         for _ in range(excess):
-            lost = self.buffer.popleft()
+            if self.unacked:
+                oldest = self.unacked[0]
+                lost = oldest.items[0]
+                oldest.drop_oldest()
+                self._unacked_events -= 1
+                if not oldest.items:
+                    self.unacked.popleft()
+            else:
+                lost = self.buffer.popleft()
             self.dropped += 1
+        self._log_drop("event buffer full (%d): dropped the oldest event (%s); %d dropped so far",
+                       self.capacity, _kind_of(lost), self.dropped)
+
+    def _log_drop(self, message: str, *args: object) -> None:
         now = time.monotonic()
         if now - self._last_drop_log >= 5.0:  # log the first drop and then at most every 5 s
             self._last_drop_log = now
-            log.warning("event buffer full (%d): dropped the oldest event (%s); %d dropped so far",
-                        self.capacity, lost[0], self.dropped)
+            log.warning(message, *args)
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -184,13 +241,14 @@ class EventPublisher:
 
     @property
     def buffered(self) -> int:
-        return len(self.buffer)
+        """Events not yet acknowledged (cut into batches or not)."""
+        return len(self.buffer) + self._unacked_events
 
     # -- the drain loop -----------------------------------------------------------------------
 
     async def run(self) -> None:
         while True:
-            if not self.buffer:
+            if not self.buffer and not self.unacked:
                 self._idle.set()
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -198,18 +256,76 @@ class EventPublisher:
             if not self.connected or self.js is None:
                 await asyncio.sleep(self.retry_backoff_s)
                 continue
-            if self.linger_s and len(self.buffer) < self.batch_max:
-                await asyncio.sleep(self.linger_s)  # let a batch gather: one write, one burst of acks
-            batch = [self.buffer.popleft() for _ in range(min(self.batch_max, len(self.buffer)))]
-            acked = await publish_acked(self.js, batch, self.ack_timeout_s)  # publish in order, count acked prefix
-            self.published += acked
-            if acked < len(batch):
-                self.buffer.extendleft(reversed(batch[acked:]))
-                self._enforce_bound()
-                await asyncio.sleep(self.retry_backoff_s)
+            if not self.unacked:  # nothing to re-send: let a batch gather, then cut
+                wait = self._since + self.flush_s - time.monotonic()
+                if wait > 0 and not self._urgent and len(self.buffer) < self.batch_max:
+                    self._full.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._full.wait(), wait)
+                self._cut(whole_only=not self._urgent and time.monotonic() < self._since + self.flush_s)
+                if not self.unacked:
+                    continue
+            await self._publish()
+
+    def _cut(self, whole_only: bool) -> None:
+        """Cut up to ``IN_FLIGHT_BATCHES`` batches from the buffer, oldest events first; with
+        ``whole_only`` (the oldest event has waited less than ``flush_s``), only batches of
+        ``batch_max`` events (or of the most bytes a message takes), the rest waits."""
+        assert self.nc is not None
+        limit = min(self.nc.max_payload, MAX_PAYLOAD_BYTES) - HEADER_MARGIN_BYTES - _BATCH_OVERHEAD
+        buffer = self.buffer
+        while buffer and len(self.unacked) < IN_FLIGHT_BATCHES:
+            if whole_only and len(buffer) < self.batch_max and sum(map(len, buffer)) + len(buffer) <= limit:
+                return
+            items: list[bytes] = []
+            size = 0
+            while buffer and len(items) < self.batch_max:
+                if len(buffer[0]) + 1 > limit:
+                    self.dropped += 1
+                    lost = buffer.popleft()
+                    self._log_drop("an event of %d bytes does not fit in a batch of at most %d bytes: dropped "
+                                   "(%s); %d dropped so far", len(lost), limit, _kind_of(lost), self.dropped)
+                    continue
+                if size + len(buffer[0]) + 1 > limit:
+                    break
+                item = buffer.popleft()
+                items.append(item)
+                size += len(item) + 1
+            if not items:
+                continue
+            self.batch_seq += 1
+            self.unacked.append(Batch(self.batch_seq, f"{self.proxy_id}:{self.boot_id}:{self.batch_seq}", items, size))
+            self._unacked_events += len(items)
+
+    async def _publish(self) -> None:
+        """Publish the unacknowledged batches in order; drop the acknowledged prefix."""
+        assert self.js is not None
+        batches = list(self.unacked)
+        messages = [(self.subject, batch_payload(self.boot_id, b.seq, b.items), b.msg_id) for b in batches]
+        for batch in batches:
+            self.resent += batch.sends > 0
+            batch.sends += 1
+        acked = await publish_acked(self.js, messages, self.ack_timeout_s)  # in order, count the acked prefix
+        for batch in batches[:acked]:
+            if self.unacked and self.unacked[0] is batch:  # not dropped meanwhile by a full buffer
+                self.unacked.popleft()
+                self._unacked_events -= len(batch.items)
+            self.published += len(batch.items)
+            self.batches_published += 1
+            self.batch_sizes.observe(len(batch.items))
+        if acked < len(batches):
+            await asyncio.sleep(self.retry_backoff_s)
 
     async def flush(self, timeout: float) -> bool:
-        """Wait until every buffered event is acknowledged; False on timeout."""
+        """Send what waits at once and wait until every buffered event is acknowledged; False
+        on timeout."""
+        self._urgent = True
+        self._full.set()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout)
-        return not self.buffer and self._idle.is_set()
+        return not self.buffer and not self.unacked and self._idle.is_set()
+
+
+def _kind_of(item: bytes) -> str:
+    """The kind of a ``batch_item`` (for log lines)."""
+    return item[2:item.find(b'"', 2)].decode("ascii", "replace")

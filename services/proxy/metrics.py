@@ -16,7 +16,10 @@ scraped. So are the routing decisions of the snapshots in force, per ``{pool, no
 ``laswrr_node_inflight`` (this proxy's own live count, the router's), ``laswrr_node_inflight_estimate``
 (the pool-wide estimate the pick uses: the other replicas' requests as of the snapshot plus this
 proxy's own, services/proxy/routing.py), and the event publisher's counters
-(``laswrr_proxy_events_published_total``, ``laswrr_proxy_events_dropped_total``).
+(``laswrr_proxy_events_published_total``, ``laswrr_proxy_events_dropped_total``,
+``laswrr_proxy_event_batches_published_total``, ``laswrr_proxy_event_batches_resent_total``) and its
+batch sizes (the histogram ``laswrr_proxy_event_batch_size``: events per acknowledged
+``lb.req.batch`` message).
 ``laswrr_proxy_view_lag_seconds`` is a histogram of how old each snapshot was (wall clock minus
 its event time) when this proxy installed it: the staleness of the other replicas' counts at
 the first pick on it (they age by one tick more until the next snapshot).
@@ -74,6 +77,15 @@ class _RequestCollector(Collector):
                                       value=m.publisher.published)
             yield CounterMetricFamily("laswrr_proxy_events_dropped", "Events dropped because the buffer was full",
                                       value=m.publisher.dropped)
+            yield CounterMetricFamily("laswrr_proxy_event_batches_published",
+                                      "Batches of events (lb.req.batch) acknowledged by JetStream",
+                                      value=m.publisher.batches_published)
+            yield CounterMetricFamily("laswrr_proxy_event_batches_resent",
+                                      "Batches published again under the same Nats-Msg-Id (an ack lost or late)",
+                                      value=m.publisher.resent)
+            sizes = HistogramMetricFamily("laswrr_proxy_event_batch_size", "Events per acknowledged batch")
+            sizes.add_metric([], m.publisher.batch_sizes.exposition(), m.publisher.batch_sizes.total)
+            yield sizes
         if m.router is not None:
             yield from _routing_families(m.router)
         if m.view_lag is not None:

@@ -128,9 +128,17 @@ async def test_the_operator_cannot_forge_weights_requests_or_streams(bus: Secure
         assert (await js.stream_info(sj.EVENTS_STREAM)).state.messages == 0
 
 
+async def test_the_proxy_publishes_its_batches(bus: SecureBus) -> None:
+    await set_up_streams(bus)
+    async with as_role(bus, "proxy") as nc:
+        ack = await nc.jetstream().publish(sj.req_batch("p1"), b'{"events": [["proxy.heartbeat", null, {}]]}')
+    assert ack.stream == sj.EVENTS_STREAM and await events_in_log(bus) == 1
+
+
 @pytest.mark.parametrize(("role", "subject"), [
     ("collector", sj.admin_node("n1")), ("proxy", "lb.out.snapshot.default"), ("recorder", sj.req_started("n1")),
     ("collector", f"$KV.{sj.WEIGHTS_BUCKET}.default"), ("proxy", f"$KV.{sj.CHECKPOINT_BUCKET}.scheduler"),
+    ("collector", sj.req_batch("p1")), ("operator", sj.req_batch("p1")),
 ])
 async def test_services_publish_only_their_own_subjects(bus: SecureBus, role: str, subject: str) -> None:
     errors = Errors()

@@ -103,7 +103,7 @@ async def test_secure_stack_keys_limits_and_no_credential_leaks(tmp_path: Path) 
 
     with store.open_read(stack.data_dir / "events.duckdb") as con:
         started = [json.loads(row[0]) for row in con.execute(
-            "SELECT data FROM events WHERE subject LIKE 'lb.req.started.%' ORDER BY seq").fetchall()]
+            "SELECT data FROM input_events WHERE family = 'lb.req.started' ORDER BY seq, event_index").fetchall()]
     assert [s["key_name"] for s in started] == ["alice", "alice", "key-4", "alice", "alice"]
     leaks = {}
     for path in stack.log_dir.iterdir():

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from laswrr.scheduler.core import Scheduler
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.codec import Envelope
+from laswrr.schemas.codec import Envelope, decode_event, encode, unbatch
 from laswrr.services.proxy.app import RunningProxy
 
 
@@ -185,15 +185,25 @@ async def wait_seq(proxy: RunningProxy, pool: str, seq: int) -> None:
 
 
 class EventTap:
-    """Every message on LB_EVENTS under ``lb.req.>``/``lb.proxy.>``, decoded, in stream order."""
+    """Every event on LB_EVENTS, decoded, in stream order; a proxy's ``lb.req.batch.<proxy>``
+    message is unpacked (``schemas.codec.unbatch``) into its events, each under the subject it
+    would have alone, and kept whole in ``batches``."""
 
     def __init__(self) -> None:
         self.messages: list[tuple[str, dict[str, Any]]] = []
+        self.batches: list[tuple[str, dict[str, Any]]] = []
         self.sub: Any = None
 
     async def start(self, js: Any) -> "EventTap":
         async def on_msg(msg: Any) -> None:
-            self.messages.append((msg.subject, json.loads(msg.data)))
+            if not msg.subject.startswith(sj.REQ_BATCH + "."):
+                self.messages.append((msg.subject, json.loads(msg.data)))
+                return
+            self.batches.append((msg.subject, json.loads(msg.data)))
+            proxy, batch = decode_event(msg.subject, msg.data)
+            for item in unbatch(proxy or "", batch):  # type: ignore[arg-type]
+                assert item.error is None and item.subject is not None, item.error
+                self.messages.append((item.subject, json.loads(encode(item.event))))
         self.sub = await js.subscribe("lb.>", stream=sj.EVENTS_STREAM, cb=on_msg, ordered_consumer=True)
         return self
 
@@ -207,3 +217,17 @@ class EventTap:
         return None
 
 
+async def stored_batches(js: Any) -> list[tuple[int, str, dict[str, Any]]]:
+    """Every ``lb.req.batch.>`` message stored in LB_EVENTS: ``(seq, Nats-Msg-Id, payload)``."""
+    info = await js.stream_info(sj.EVENTS_STREAM)
+    found = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        msg = await js.get_msg(sj.EVENTS_STREAM, seq)
+        if msg.subject.startswith(sj.REQ_BATCH + "."):
+            found.append((seq, (msg.headers or {}).get("Nats-Msg-Id", ""), json.loads(msg.data)))
+    return found
+
+
+def batch_events(batches: list[tuple[int, str, dict[str, Any]]]) -> list[tuple[str, str | None, dict[str, Any]]]:
+    """The events of ``stored_batches`` in stream order: ``(kind, key, event)``."""
+    return [(kind, key, event) for _, _, payload in batches for kind, key, event in payload["events"]]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import aiohttp
 
-from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
+from proxy_support import CoreDriver, EventTap, StartProxy, batch_events, stored_batches, wait_for, wait_seq
 from laswrr.schemas import subjects as sj
 from laswrr.services.natsbus import EmbeddedNats
 
@@ -130,10 +130,57 @@ async def test_nats_outage_keeps_routing_and_buffers_events(engines, core: CoreD
     nats_server.start()  # same port and store: the proxy reconnects and publishes what waited
     await wait_for(lambda: proxy.state.events.buffered == 0, timeout=15, what="buffered events published")
     js = proxy.state.bus.nc.jetstream()  # type: ignore[union-attr]
-    info = await js.stream_info(sj.EVENTS_STREAM)
+    batches = await stored_batches(js)
     log = Path(nats_server.log_file or "").read_text(errors="replace")[-3000:] if nats_server.log_file else ""
-    assert info.state.messages >= 10, (info.state, proxy.state.events.published, log)
+    events = batch_events(batches)
+    assert len(events) >= 10, (batches, proxy.state.events.published, log)
     assert proxy.state.events.dropped == 0
+    _assert_each_attempt_once_in_order(events, attempts=5)
+    boot = proxy.state.events.boot_id
+    assert [msg_id for _, msg_id, _ in batches] == [f"test-proxy:{boot}:{n}" for n in range(1, len(batches) + 1)]
+    assert [payload["batch"] for _, _, payload in batches] == list(range(1, len(batches) + 1))
+
+
+def _assert_each_attempt_once_in_order(events: list[tuple[str, str | None, dict]], attempts: int) -> None:
+    """Every attempt's started and finished exactly once, started first (de-duplicated, in order)."""
+    started = [e["request_id"] for kind, _, e in events if kind == "req.started"]
+    finished = [e["request_id"] for kind, _, e in events if kind == "req.finished"]
+    assert len(started) == len(set(started)) == len(finished) == len(set(finished)) == attempts, events
+    position = {(kind, e.get("request_id")): i for i, (kind, _, e) in enumerate(events)}
+    assert all(position[("req.started", rid)] < position[("req.finished", rid)] for rid in started)
+
+
+async def test_a_batch_re_sent_after_a_lost_ack_is_stored_once(engines, core: CoreDriver, start_proxy: StartProxy,
+                                                               http: aiohttp.ClientSession,
+                                                               nats_server: EmbeddedNats) -> None:
+    """NATS frozen (SIGSTOP by its pid) while a batch is out: its ack never comes in time, the
+    proxy publishes it again under the same Nats-Msg-Id, and JetStream, once thawed, stores the
+    first copy and de-duplicates the others."""
+    engine = await engines("a")
+    proxy = await start_proxy(heartbeat_s=60)
+    await wait_seq(proxy, "default", await core.register("a", engine.url))
+    await wait_for(lambda: proxy.state.bus.connected)
+    events = proxy.state.events
+    await wait_for(lambda: events.buffered == 0, what="the first heartbeat published")
+    events.ack_timeout_s = 0.3
+    assert nats_server.process is not None
+    pid = nats_server.process.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for _ in range(3):
+            _, data = await _stream(http, proxy.url, chunks=2, delay=0)
+            assert data.endswith(b"[DONE]\n\n")
+        await wait_for(lambda: events.resent >= 2, timeout=10, what="the batch published again")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await wait_for(lambda: events.buffered == 0, timeout=15, what="the batch acknowledged")
+    batches = await stored_batches(proxy.state.bus.nc.jetstream())  # type: ignore[union-attr]
+    ids = [msg_id for _, msg_id, _ in batches]
+    assert len(ids) == len(set(ids)) == events.batches_published  # every batch stored once
+    _assert_each_attempt_once_in_order(batch_events(batches), attempts=3)
+    assert events.dropped == 0
+    metrics = await (await http.get(proxy.url + "/metrics")).text()
+    assert f"laswrr_proxy_event_batches_resent_total {float(events.resent)}" in metrics
 
 
 async def test_event_buffer_drops_oldest_when_full(engines, core: CoreDriver, start_proxy: StartProxy,

@@ -126,3 +126,13 @@ async def test_recorded_run_replays_exactly_and_report_counts_match_the_clients(
     assert report["continued_streams"] >= 1 and report["interrupted_engine_cut"] == 0, report
     drains = [(d["node"], d["reason"], d["by"]) for d in report["drains"]]
     assert (other, "capacity set to 0", "inflight") in drains, drains  # its streams ran to completion
+
+    with store.open_read(db) as con:  # the proxy's events came in batches; the views unnest them
+        singles = con.execute("SELECT count(*) FROM events WHERE subject LIKE 'lb.req.started.%' "
+                              "OR subject LIKE 'lb.req.finished.%' OR subject LIKE 'lb.proxy.%'").fetchone()
+        sizes = con.execute("SELECT json_array_length(data::JSON->'events') FROM events "
+                            "WHERE subject = 'lb.req.batch.proxy'").fetchall()
+        rows = con.execute("SELECT count(*), count(*) FILTER (WHERE outcome IS NOT NULL AND finished_ts_ns >= "
+                           "started_ts_ns) FROM requests").fetchone()
+    assert singles == (0,) and len(sizes) > 1 and max(n for (n,) in sizes) > 1, sizes
+    assert rows == (counts.total, counts.total)
