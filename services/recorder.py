@@ -29,8 +29,13 @@ Theory of operation.
   LB_EVENTS up to the stream's last seq at the time of the request (so every recorded output has its input),
   copies the database into ``to`` with DuckDB's ``COPY FROM DATABASE`` and replies ``{"path": to}`` (or ``{"error": ...}``).
   A recorder that does not own ``db`` stays silent.
-* **Stop.** SIGINT/SIGTERM: finish the pull in flight, commit, ack, drain the connection, close
-  the database, exit 0.
+* **Stop.** SIGINT/SIGTERM: the stop's target is each stream's last seq at that moment
+  (``STREAM.INFO``); the recorder keeps pulling, committing and acking (recreating a consumer that
+  is gone, e.g. seconds after a leader election) until it has recorded through both targets or
+  ``stop_catch_up_s`` has passed, whichever comes first. Hitting the bound logs one warning line
+  per stream still short, with the seqs not recorded (the stream keeps them; the next start
+  records them). Then it drains the connection, closes the database and exits 0. So the file a
+  stopped recorder leaves holds everything the streams held when it was told to stop.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class RecorderOptions:
     flush_ms: int = 200
     durable: str = "recorder"
     stream_replicas: int = StreamLimits.replicas  # of the streams it creates where missing (a cluster)
+    stop_catch_up_s: float = 10.0  # on SIGTERM/SIGINT: longest time to record up to the streams' last seqs
 
     @property
     def db_path(self) -> Path:
@@ -98,6 +104,8 @@ class Recorder:
         self._out_gate = asyncio.Event()  # cleared while a snapshot copy waits for LB_EVENTS
         self._out_gate.set()
         self._snapshots: list[tuple[int, Path, asyncio.Future[dict[str, str]]]] = []
+        self._stop_targets: dict[str, int] = {}  # stream -> its last seq when the stop came
+        self._stop_deadline = 0.0  # monotonic time the catch-up on stop gives up
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -120,7 +128,14 @@ class Recorder:
             log.info("recording %s into %s (batch %d, flush %d ms)", ", ".join(self.stats),
                      self.options.db_path, self.options.batch, self.options.flush_ms)
             self.ready.set()
-            await asyncio.gather(*(self._record(reader, stop) for reader in readers))
+            stopping = asyncio.create_task(self._plan_stop(stop))
+            try:
+                await asyncio.gather(*(self._record(reader, stop) for reader in readers))
+                with contextlib.suppress(Exception):  # the targets, for the log line (bounded)
+                    await asyncio.wait_for(stopping, 2.0)
+            finally:
+                stopping.cancel()
+            self._log_short()
         finally:
             for _, _, future in self._snapshots:
                 if not future.done():
@@ -141,10 +156,10 @@ class Recorder:
         while True:
             msgs = await (pending or reader.fetch(flush_s))
             pending = None
-            if not stop.is_set():
+            if self._keep_reading(stream, stop):
                 pending = asyncio.create_task(reader.fetch(flush_s))
             if not msgs and reader.gone is not None:
-                await self._recover(reader)
+                await self._recover(reader, stop)
             if msgs:
                 if stream == sj.OUT_STREAM:
                     await self._out_gate.wait()
@@ -157,6 +172,54 @@ class Recorder:
             if pending is None:
                 return
 
+    # -- stopping -------------------------------------------------------------------------------
+
+    async def _plan_stop(self, stop: asyncio.Event) -> None:
+        """Once the stop comes: each stream's last seq then is the target to record up to (asked
+        until the bound, at least once, so that a stop without catch-up can still say what it left)."""
+        await stop.wait()
+        self._begin_stop()
+        for stream in self.stats:
+            while stream not in self._stop_targets:
+                try:
+                    info = await asyncio.wait_for(self.js.stream_info(stream), max(1.0, self._left()))
+                    self._stop_targets[stream] = info.state.last_seq
+                except Exception as exc:  # noqa: BLE001 - NATS trouble: ask again until the bound
+                    log.debug("%s: stream info on stop failed: %s", stream, exc)
+                    if self._left() <= 0:
+                        break
+                    await asyncio.sleep(min(0.5, self._left()))
+
+    def _begin_stop(self) -> None:
+        if not self._stop_deadline:
+            self._stop_deadline = time.monotonic() + self.options.stop_catch_up_s
+
+    def _left(self) -> float:
+        return self._stop_deadline - time.monotonic()
+
+    def _keep_reading(self, stream: str, stop: asyncio.Event) -> bool:
+        """Pull again: always while running; after a stop, until the stream's target is recorded
+        (or while it is not yet known), within the catch-up bound."""
+        if not stop.is_set():
+            return True
+        self._begin_stop()
+        if self._left() <= 0:
+            return False
+        target = self._stop_targets.get(stream)
+        return target is None or self.recorded_through[stream] < target
+
+    def _log_short(self) -> None:
+        """One line per stream the stop left short of its target (module header, "Stop")."""
+        for stream in self.stats:
+            target, done = self._stop_targets.get(stream), self.recorded_through[stream]
+            if target is None:
+                log.warning("stopping: %s's last seq could not be read (NATS trouble); recorded through seq %d",
+                            stream, done)
+            elif target is not None and done < target:
+                log.warning("stopping after --stop-catch-up-s %g with %s seqs %d..%d not recorded (%d messages; "
+                            "the stream keeps them, the next start records them)", self.options.stop_catch_up_s,
+                            stream, done + 1, target, target - done)
+
     async def _open(self, reader: PullReader) -> None:
         """(Re)create the stream's durable consumer at the database's position: the file, not the
         consumer's ack state, decides where recording resumes (messages delivered to a killed
@@ -165,14 +228,17 @@ class Recorder:
         await reader.open(ack_all_consumer(self.recorded_through[reader.stream] + 1, max_deliver=-1,
                                            durable_name=f"{self.options.durable}-{suffix}"))
 
-    async def _recover(self, reader: PullReader) -> None:
+    async def _recover(self, reader: PullReader, stop: asyncio.Event) -> None:
         """The consumer is gone or unusable (deleted by hand, leadership change): recreate it
-        from the database's position, slowly, until that works."""
+        from the database's position, slowly, until that works (after a stop, within its bound)."""
         log.warning("%s: pull failed (%s); recreating consumer %s from seq %d", reader.stream, reader.gone,
                     reader.consumer, self.recorded_through[reader.stream] + 1)
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(min(1.0, max(0.0, self._left())) if stop.is_set() else 1.0)
         try:
-            await self._open(reader)
+            if stop.is_set():
+                await asyncio.wait_for(self._open(reader), max(0.1, self._left()))
+            else:
+                await self._open(reader)
         except Exception as exc:  # noqa: BLE001 - NATS trouble: try again after the next pull
             log.warning("%s: could not recreate the consumer: %s", reader.stream, exc)
 
@@ -419,6 +485,10 @@ def register(subparsers: Any) -> None:
                         help="longest wait for a batch to fill before committing (default %(default)s)")
     parser.add_argument("--durable", default=RecorderOptions.durable, metavar="NAME",
                         help="consumer name prefix (default %(default)s: NAME-events, NAME-out)")
+    parser.add_argument("--stop-catch-up-s", type=settings.duration("s"), default=RecorderOptions.stop_catch_up_s,
+                        metavar="S", help="on SIGTERM/SIGINT, keep recording up to the streams' last seqs as of "
+                                          "the stop for at most S, then log what is left (default %(default)s; "
+                                          "0: stop at once)")
     settings.add_stream_replicas(parser)
     settings.add_metrics_port(parser)
     settings.add_logging(parser)
@@ -431,7 +501,8 @@ def run_command(args: argparse.Namespace) -> int:
         print("laswrr recorder: --batch and --flush-ms must be >= 1", file=sys.stderr)
         return 2
     options = RecorderOptions(data_dir=Path(args.data_dir), batch=args.batch, flush_ms=args.flush_ms,
-                              durable=args.durable, stream_replicas=args.stream_replicas)
+                              durable=args.durable, stream_replicas=args.stream_replicas,
+                              stop_catch_up_s=args.stop_catch_up_s)
     return asyncio.run(serve(args.nats_url, options, args.metrics_port, settings.nats_auth(args)))
 
 

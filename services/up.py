@@ -16,7 +16,9 @@ would), waiting until LB_WEIGHTS shows them -> collector -> proxy (``proxy_worke
 ``laswrr proxy --workers N``, N processes on the proxy port, proxy ids ``proxy-0`` ..
 ``proxy-<N-1>``, supervised by that one child: services/proxy/workers.py).
 Stop order: proxies (they finish in-flight requests), collector, engines, scheduler, recorder
-last (so everything published is recorded), then NATS.
+last (so everything published is recorded: on SIGTERM it records up to the streams' last seqs
+as of the stop, for at most its ``--stop-catch-up-s``, e.g. while it recreates consumers after
+a NATS leader election), then NATS.
 
 Supervision (``laswrr up``; a library ``Stack`` given ``restart=RestartPolicy()``): a child that
 dies on its own (scheduler, recorder, collector, proxy, a simulated engine) is restarted with
@@ -99,7 +101,9 @@ log = logging.getLogger("laswrr.up")
 
 DEFAULT_PROXY_HOST = "127.0.0.1"  # `laswrr up` is a local stack: its proxy is not exposed unless asked
 STOP_ORDER = ("proxy", "collector", "sim-engine", "other", "scheduler", "recorder")
-STOP_TIMEOUT_S = {"proxy": 35.0, "recorder": 30.0}  # others: children.DEFAULT_STOP_TIMEOUT_S
+# others: children.DEFAULT_STOP_TIMEOUT_S; the recorder's is its --stop-catch-up-s default (10 s)
+# plus room for the last commits and the drain
+STOP_TIMEOUT_S = {"proxy": 35.0, "recorder": 30.0}
 
 
 # Simulated engines of the default stack: (node id, chip, capacity). Engines of one pool serve one

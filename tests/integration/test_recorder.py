@@ -4,6 +4,7 @@ graceful stop, malformed payloads, hole repair, and live reads while it holds th
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -230,3 +231,72 @@ async def test_a_deleted_consumer_is_recreated_from_the_database(nats_url: str, 
     assert [r[0] for r in rows(tmp_path / "events.duckdb", sj.EVENTS_STREAM)] == list(range(1, 11))
     assert b"recreating consumer recorder-events from seq 6" in proc.log_file.read_bytes()  # type: ignore[attr-defined]
     await nc.close()
+
+
+async def publish_while_stopped(nats_url: str, proc: subprocess.Popen[bytes], count: int,
+                                delete_consumer: bool = False) -> None:
+    """SIGSTOP the recorder, publish ``count`` events (and one snapshot per 100) it cannot read
+    yet, optionally delete its consumer meanwhile (as a leader election loses it), then SIGCONT
+    and SIGTERM at once: the stop finds it ``count`` messages behind."""
+    nc = await connect(nats_url, "test")
+    js = nc.jetstream()
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        for i in range(count):
+            await nc.publish(sj.req_started(f"n{i % 3}"), b'{"request_id":"r%d","proxy":"p1"}' % i)
+            if i % 100 == 0:
+                await nc.publish(sj.out_snapshot("default"), b'{"pool":"default","as_of_seq":%d}' % i)
+        await nc.flush()
+        deadline = time.monotonic() + 20
+        while (await js.stream_info(sj.EVENTS_STREAM)).state.last_seq < count:  # stored (asynchronously)
+            assert time.monotonic() < deadline, "the stream did not store the events"
+            await asyncio.sleep(0.02)
+        if delete_consumer:
+            await js.delete_consumer(sj.EVENTS_STREAM, "recorder-events")
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.send_signal(signal.SIGTERM)
+    await nc.close()
+
+
+def wait_exit(proc: subprocess.Popen[bytes]) -> int:
+    try:
+        return proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("delete_consumer", [False, True], ids=["lagging", "consumer-lost"])
+async def test_a_stop_records_up_to_the_streams_end(nats_url: str, tmp_path: Path, delete_consumer: bool) -> None:
+    """Stopped while 2000 events behind (20 of its batches; before the catch-up on stop it
+    recorded at most the batch in flight), it records all of them before it exits."""
+    nc = await connect(nats_url, "test")
+    await ensure_streams(nc.jetstream())
+    await nc.close()
+    proc = start_recorder(nats_url, tmp_path, "--batch", "100")
+    total = 2000
+    await publish_while_stopped(nats_url, proc, total, delete_consumer)
+    assert wait_exit(proc) == 0, proc.log_file.read_text()  # type: ignore[attr-defined]
+    log_text = proc.log_file.read_text()  # type: ignore[attr-defined]
+    assert [r[0] for r in rows(tmp_path / "events.duckdb", sj.EVENTS_STREAM)] == list(range(1, total + 1)), log_text
+    assert [r[0] for r in rows(tmp_path / "events.duckdb", sj.OUT_STREAM)] == list(range(1, total // 100 + 1))
+    assert "not recorded" not in log_text
+    assert ("recreating consumer recorder-events" in log_text) == delete_consumer
+
+
+async def test_a_stop_past_its_bound_logs_the_seqs_left(nats_url: str, tmp_path: Path) -> None:
+    """--stop-catch-up-s 0: the stop records only what is in flight and names the rest, exactly."""
+    nc = await connect(nats_url, "test")
+    await ensure_streams(nc.jetstream())
+    await nc.close()
+    proc = start_recorder(nats_url, tmp_path, "--batch", "100", "--stop-catch-up-s", "0")
+    total = 2000
+    await publish_while_stopped(nats_url, proc, total)
+    assert wait_exit(proc) == 0
+    log_text = proc.log_file.read_text()  # type: ignore[attr-defined]
+    recorded = [r[0] for r in rows(tmp_path / "events.duckdb", sj.EVENTS_STREAM)]
+    assert recorded == list(range(1, len(recorded) + 1)) and len(recorded) < total
+    left = total - len(recorded)
+    assert (f"--stop-catch-up-s 0 with LB_EVENTS seqs {len(recorded) + 1}..{total} not recorded ({left} messages"
+            in log_text), log_text
