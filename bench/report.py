@@ -57,6 +57,7 @@ class PolicyRun:
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     prefix_cache: dict[str, dict[str, float]] = field(default_factory=dict)  # node -> queried/hit tokens
+    view_lag: dict[str, Any] | None = None  # the proxies' laswrr_proxy_view_lag_seconds, merged (runner)
 
 
 def hit_rate(prefix_cache: dict[str, dict[str, float]]) -> float | None:
@@ -96,6 +97,7 @@ def policy_summary(scenario: Scenario, run: PolicyRun) -> dict[str, Any]:
         "admitted_to_draining_client": admitted_to_draining_from_snapshots(run.results, run.snapshots),
         "wall_s": round(run.wall_s, 1),
         "notes": list(run.notes),
+        "view_lag": run.view_lag,
     }
     report = run.report or {}
     summary["report"] = report or None

@@ -185,6 +185,42 @@ def counter_deltas(before: dict[str, tuple[float, float]], after: dict[str, tupl
                    "hit_tokens": h - before.get(node, (0.0, 0.0))[1]} for node, (q, h) in after.items()}
 
 
+async def view_lags(http: aiohttp.ClientSession, proxy_urls: Sequence[str]) -> dict[str, Any] | None:
+    """The proxies' ``laswrr_proxy_view_lag_seconds`` (each snapshot's age when installed: how old
+    the other replicas' in-flight counts are at the first pick on it), merged over the replicas:
+    count, mean and the bucket bounds holding the median and the 99th percentile."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets: dict[float, float] = {}
+    total = count = 0.0
+    for url in proxy_urls:
+        try:
+            async with http.get(f"{url}/metrics") as resp:
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("%s/metrics: %s", url, exc)
+            continue
+        for family in text_string_to_metric_families(text):
+            if family.name != "laswrr_proxy_view_lag_seconds":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    bound = float(sample.labels["le"])
+                    buckets[bound] = buckets.get(bound, 0.0) + sample.value
+                elif sample.name.endswith("_sum"):
+                    total += sample.value
+                elif sample.name.endswith("_count"):
+                    count += sample.value
+    if not count:
+        return None
+
+    def quantile(q: float) -> float:
+        return next(bound for bound, n in sorted(buckets.items()) if n >= q * count)
+
+    return {"snapshots": int(count), "mean_s": round(total / count, 4), "p50_le_s": quantile(0.5),
+            "p99_le_s": quantile(0.99)}
+
+
 # Something to do on the running stack beside the load (the demo's dashboard screenshot): it gets
 # the stack and t0 (loop time); its failure is logged, never fails the run.
 Alongside = Callable[[stack_adapter.RunningStack, float], Awaitable[None]]
@@ -220,6 +256,7 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
                     notes.append(f"{getattr(alongside, '__name__', 'alongside')} failed: {exc}")
                     log.warning("%s/%s: %s", scenario.name, policy, notes[-1])
             prefix_cache = counter_deltas(before, await prefix_counters(http, stack.engine_urls))
+            view_lag = None if stack_adapter.is_peer(policy) else await view_lags(http, stack.proxy_urls)
         notes += [f"action at {t:.2f}s: {label}" for t, label in applied]
         await asyncio.sleep(SETTLE_S)
         snapshots = watch.points(t0)
@@ -227,7 +264,7 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
         await watch.stop()
         await stack_adapter.stop(stack)
     log.info("%s/%s: stack down at %.1fs", scenario.name, policy, time.monotonic() - started)
-    run = PolicyRun(policy, load.results, snapshots, notes=notes, prefix_cache=prefix_cache)
+    run = PolicyRun(policy, load.results, snapshots, notes=notes, prefix_cache=prefix_cache, view_lag=view_lag)
     # a peer router publishes no request events: the analyst report would count nothing
     run.report = None if stack_adapter.is_peer(policy) else analyst_report(stack.db_path)
     run.replay = exact_replay(stack.db_path)

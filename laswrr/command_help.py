@@ -22,12 +22,14 @@ HELP: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "proxy": (
         "Run one OpenAI-compatible proxy replica: every OpenAI POST route is routed by the body's model "
-        "to a node of its pool (LA-SWRR by default), on the snapshots in KV LB_WEIGHTS and its own "
-        "in-flight counts; /health, /readiness and /metrics beside. The first stdout line is "
-        "'proxy listening on URL'; SIGTERM lets in-flight requests finish (--grace-s) before it exits.",
+        "to a node of its pool (LA-SWRR by default), on the snapshots in KV LB_WEIGHTS (which count the "
+        "other replicas' requests in flight) and its own in-flight counts; /health, /readiness and "
+        "/metrics beside. The first stdout line is 'proxy listening on URL'; SIGTERM lets in-flight "
+        "requests finish (--grace-s) before it exits. --workers N: N such processes on one port.",
         ("laswrr proxy --port 8000 --proxy-id proxy-a",
          "laswrr proxy --policy round_robin --log-level warning --log-format json",
-         "laswrr proxy --port 8000 --reuse-port --grace-s 10s"),
+         "laswrr proxy --port 8000 --reuse-port --grace-s 10s",
+         "laswrr proxy --port 8000 --proxy-id edge --workers 4 --admin-port 9200"),
     ),
     "scheduler": (
         "Run a scheduler replica: applies every event of LB_EVENTS, in order, to the pure LA-SWRR core and "
@@ -124,7 +126,8 @@ HELP: dict[str, tuple[str, tuple[str, ...]]] = {
         "Run a scenario for several policies on the identical workload against the real stack (or replay "
         "a trace), and write a table, results.json and plots under --out.",
         ("laswrr bench --scenario announced-drop --policies la-swrr,rr,least-request,p2c",
-         "laswrr bench --list", "laswrr bench --trace trace.jsonl --policies la-swrr,round_robin --no-plots"),
+         "laswrr bench --list", "laswrr bench --trace trace.jsonl --policies la-swrr,round_robin --no-plots",
+         "laswrr bench --scenario heterogeneous --policies la-swrr --proxies 4"),
     ),
     "demo": (
         "The showcase (what `make demo` runs): the announced capacity drop, LA-SWRR against round robin "
