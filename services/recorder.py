@@ -106,6 +106,7 @@ class Recorder:
         self._snapshots: list[tuple[int, Path, asyncio.Future[dict[str, str]]]] = []
         self._stop_targets: dict[str, int] = {}  # stream -> its last seq when the stop came
         self._stop_deadline = 0.0  # monotonic time the catch-up on stop gives up
+        self._stop_targets_read = asyncio.Event()  # _plan_stop has read them (or given up)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -160,6 +161,8 @@ class Recorder:
                 pending = asyncio.create_task(reader.fetch(flush_s))
             if not msgs and reader.gone is not None:
                 await self._recover(reader, stop)
+            if msgs and stream == sj.OUT_STREAM and stop.is_set():
+                msgs = await self._up_to_stop_target(msgs)
             if msgs:
                 if stream == sj.OUT_STREAM:
                     await self._out_gate.wait()
@@ -176,19 +179,33 @@ class Recorder:
 
     async def _plan_stop(self, stop: asyncio.Event) -> None:
         """Once the stop comes: each stream's last seq then is the target to record up to (asked
-        until the bound, at least once, so that a stop without catch-up can still say what it left)."""
+        until the bound, at least once, so that a stop without catch-up can still say what it
+        left). LB_OUT's is read first, so every output up to its target has its input up to
+        LB_EVENTS' target (a replay of the file finds no output beyond its inputs)."""
         await stop.wait()
         self._begin_stop()
-        for stream in self.stats:
-            while stream not in self._stop_targets:
-                try:
-                    info = await asyncio.wait_for(self.js.stream_info(stream), max(1.0, self._left()))
-                    self._stop_targets[stream] = info.state.last_seq
-                except Exception as exc:  # noqa: BLE001 - NATS trouble: ask again until the bound
-                    log.debug("%s: stream info on stop failed: %s", stream, exc)
-                    if self._left() <= 0:
-                        break
-                    await asyncio.sleep(min(0.5, self._left()))
+        try:
+            for stream in (sj.OUT_STREAM, sj.EVENTS_STREAM):
+                while stream not in self._stop_targets:
+                    try:
+                        info = await asyncio.wait_for(self.js.stream_info(stream), max(1.0, self._left()))
+                        self._stop_targets[stream] = info.state.last_seq
+                    except Exception as exc:  # noqa: BLE001 - NATS trouble: ask again until the bound
+                        log.debug("%s: stream info on stop failed: %s", stream, exc)
+                        if self._left() <= 0:
+                            break
+                        await asyncio.sleep(min(0.5, self._left()))
+        finally:
+            self._stop_targets_read.set()
+
+    async def _up_to_stop_target(self, msgs: list[Msg]) -> list[Msg]:
+        """After a stop, LB_OUT only up to its target (``_plan_stop``); the rest is neither
+        committed nor acked: the stream keeps it for the next start."""
+        await self._stop_targets_read.wait()
+        target = self._stop_targets.get(sj.OUT_STREAM)
+        if target is None:
+            return msgs
+        return [msg for msg in msgs if parse_ack_subject(msg.reply).stream_seq <= target]
 
     def _begin_stop(self) -> None:
         if not self._stop_deadline:

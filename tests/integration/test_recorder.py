@@ -4,6 +4,7 @@ graceful stop, malformed payloads, hole repair, and live reads while it holds th
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -300,3 +301,39 @@ async def test_a_stop_past_its_bound_logs_the_seqs_left(nats_url: str, tmp_path:
     left = total - len(recorded)
     assert (f"--stop-catch-up-s 0 with LB_EVENTS seqs {len(recorded) + 1}..{total} not recorded ({left} messages"
             in log_text), log_text
+
+
+async def test_a_stop_records_no_output_beyond_its_inputs(nats_url: str, tmp_path: Path) -> None:
+    """While the stopping recorder catches up, a publisher goes on storing an input and then an
+    output naming it, pair after pair: every output in the file has its input there too (what
+    ``laswrr replay`` needs: no output beyond the recorded inputs)."""
+    nc = await connect(nats_url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js)
+    proc = start_recorder(nats_url, tmp_path, "--batch", "50", "--flush-ms", "20")
+    running = True
+
+    async def pairs() -> int:
+        k = 0
+        while running:
+            k += 1
+            await js.publish(sj.req_started("n1"), b'{"request_id":"r%d","proxy":"p1"}' % k)
+            await js.publish(sj.out_snapshot("default"), b'{"pool":"default","as_of":%d}' % k)
+        return k
+
+    publisher = asyncio.create_task(pairs())
+    await asyncio.sleep(0.3)
+    os.kill(proc.pid, signal.SIGSTOP)
+    await asyncio.sleep(0.5)
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.send_signal(signal.SIGTERM)
+    code = await asyncio.to_thread(wait_exit, proc)
+    running = False
+    published = await publisher
+    assert code == 0
+    db = tmp_path / "events.duckdb"
+    inputs = {json.loads(r[3])["request_id"] for r in rows(db, sj.EVENTS_STREAM)}
+    outputs = [f"r{json.loads(r[3])['as_of']}" for r in rows(db, sj.OUT_STREAM)]
+    assert outputs and len(outputs) < published
+    assert [k for k in outputs if k not in inputs] == []
+    await nc.close()
