@@ -34,8 +34,10 @@ Theory of operation.
   is gone, e.g. seconds after a leader election) until it has recorded through both targets or
   ``stop_catch_up_s`` has passed, whichever comes first. Hitting the bound logs one warning line
   per stream still short, with the seqs not recorded (the stream keeps them; the next start
-  records them). Then it drains the connection, closes the database and exits 0. So the file a
-  stopped recorder leaves holds everything the streams held when it was told to stop.
+  records them). LB_OUT's target is read first and LB_OUT is committed only up to it, so every
+  output in the file has its input there (a replay finds no output beyond its inputs). Then it
+  drains the connection, closes the database and exits 0. So the file a stopped recorder leaves
+  holds everything the streams held when it was told to stop.
 """
 
 from __future__ import annotations
