@@ -14,7 +14,9 @@ Theory of operation.
   not (replay/store.py says how ``data`` and ``raw`` hold them) — inserted
   in one transaction with ``ON CONFLICT DO NOTHING``; only then is the batch's highest message
   acked, which (AckAll) acknowledges everything before it. A crash before the ack means
-  redelivery, and redelivered rows are skipped: none lost, none duplicated.
+  redelivery, and redelivered rows are skipped: none lost, none duplicated. A proxy's
+  ``lb.req.batch.<proxy>`` message is one row like any other, its bytes as received; the
+  analyst views unnest its events (replay/views.sql).
 * **No silent holes.** Acking seq S also acknowledges every earlier message, including one that
   was delivered but lost on the way (a reconnect). So before acking, any seq missing between the
   last recorded one and S is fetched directly from the stream (``STREAM.MSG.GET``); a seq the

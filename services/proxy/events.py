@@ -116,11 +116,7 @@ class Batch:
     seq: int
     msg_id: str
     items: list[bytes]
-    size: int  # bytes of the items, commas included
-    sends: int = 0
-
-    def drop_oldest(self) -> None:
-        self.size -= len(self.items.pop(0)) + 1
+    sends: int = 0  # publishes so far
 
 
 class EventPublisher:
@@ -212,8 +208,7 @@ class EventPublisher:
         for _ in range(excess):
             if self.unacked:
                 oldest = self.unacked[0]
-                lost = oldest.items[0]
-                oldest.drop_oldest()
+                lost = oldest.items.pop(0)
                 self._unacked_events -= 1
                 if not oldest.items:
                     self.unacked.popleft()
@@ -294,7 +289,7 @@ class EventPublisher:
             if not items:
                 continue
             self.batch_seq += 1
-            self.unacked.append(Batch(self.batch_seq, f"{self.proxy_id}:{self.boot_id}:{self.batch_seq}", items, size))
+            self.unacked.append(Batch(self.batch_seq, f"{self.proxy_id}:{self.boot_id}:{self.batch_seq}", items))
             self._unacked_events += len(items)
 
     async def _publish(self) -> None:
@@ -310,9 +305,10 @@ class EventPublisher:
             if self.unacked and self.unacked[0] is batch:  # not dropped meanwhile by a full buffer
                 self.unacked.popleft()
                 self._unacked_events -= len(batch.items)
-            self.published += len(batch.items)
-            self.batches_published += 1
-            self.batch_sizes.observe(len(batch.items))
+            if batch.items:  # (a batch the full buffer emptied meanwhile was delivered, counted dropped)
+                self.published += len(batch.items)
+                self.batches_published += 1
+                self.batch_sizes.observe(len(batch.items))
         if acked < len(batches):
             await asyncio.sleep(self.retry_backoff_s)
 

@@ -197,6 +197,43 @@ async def test_event_buffer_drops_oldest_when_full(engines, core: CoreDriver, st
     assert "laswrr_proxy_events_dropped_total 6.0" in metrics
 
 
+async def test_a_full_buffer_drops_the_oldest_events_even_from_a_batch_in_flight(
+        engines, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession,
+        nats_server: EmbeddedNats) -> None:
+    """NATS frozen with a batch out and re-sent: new events pile up behind it, and past
+    ``--event-buffer`` the oldest go, first from that batch. Once NATS thaws every event is in
+    the stream at most once, in order, the newest all kept, and whatever is missing was counted
+    dropped (an event dropped from a batch whose first copy NATS had already read is delivered
+    all the same: the re-sent, shorter copy is de-duplicated)."""
+    engine = await engines("a")
+    proxy = await start_proxy(event_buffer=6, event_flush_ms=0, heartbeat_s=600)
+    await wait_seq(proxy, "default", await core.register("a", engine.url))
+    await wait_for(lambda: proxy.state.bus.connected)
+    events = proxy.state.events
+    await wait_for(lambda: events.buffered == 0)
+    events.ack_timeout_s = 0.3
+    assert nats_server.process is not None
+    pid = nats_server.process.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await _stream(http, proxy.url, chunks=1, delay=0)
+        await wait_for(lambda: events.resent >= 1, what="the first batch re-sent")
+        for _ in range(7):  # 16 events in all, one request after the other, behind a capacity of 6
+            _, data = await _stream(http, proxy.url, chunks=1, delay=0)
+            assert data.endswith(b"[DONE]\n\n")
+        assert events.buffered == 6 and events.dropped + events.buffered + events.published == 16
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await wait_for(lambda: events.buffered == 0, timeout=15, what="the rest acknowledged")
+    boot = events.boot_id
+    produced = [(kind, f"test-proxy-{boot}-{n}") for n in range(1, 9) for kind in ("req.started", "req.finished")]
+    batches = await stored_batches(proxy.state.bus.nc.jetstream())  # type: ignore[union-attr]
+    stored = [(kind, event["request_id"]) for kind, _, event in batch_events(batches)]
+    assert stored == [event for event in produced if event in stored]  # each at most once, in order
+    assert stored[-6:] == produced[-6:]  # the newest six all kept
+    assert len(stored) + events.dropped >= len(produced) > len(stored)  # what is missing was counted
+
+
 async def test_cli_sigterm_drains_and_exits_zero(engines, core: CoreDriver, nats_url: str, tap: EventTap,
                                                  http: aiohttp.ClientSession) -> None:
     engine = await engines("a")
