@@ -1,36 +1,48 @@
-"""Proxy overhead benchmark: requests/s and added latency, direct vs our stack vs vllm-router.
+"""Proxy overhead benchmark: requests/s, added latency at half the saturating rate, events
+dropped, CPU per request per process and an exact replay, direct vs our stack vs vllm-router.
 
-    python -m laswrr.bench.proxy_bench [--duration 8] [--connections 64] [--rounds 2] [--out bench-out/proxy_bench.json]
+    python -m laswrr.bench.proxy_bench [--duration 6] [--connections 64] [--rounds 2] [--out bench-out/proxy_bench.json]
 
 One run starts, as separate processes on this machine: an embedded nats-server, two instant
-engines (below), the real stack (``laswrr scheduler``, ``laswrr recorder``, ``laswrr proxy``;
-nodes registered with ``lb.admin.node.<id>`` as an operator would) and, when installed,
+engines (below), the real stack (``laswrr scheduler``, ``laswrr recorder``, and two proxies on
+the same engines: ``laswrr proxy --workers 1`` and ``laswrr proxy --workers 2``; nodes
+registered with ``lb.admin.node.<id>`` as an operator would) and, when installed,
 ``vllm-router`` (PyPI ``vllm-router``, the project's optional ``peers`` extra) on the same two
-engines. Then, for each target:
+engines. Then, for each target, in this order:
 
-* **latency**: one connection, sequential requests for ``--latency-duration`` s; the median
-  and P99 of the client-measured time. Added latency = target median - direct median.
-* **throughput**: ``--connections`` keep-alive connections for ``--duration`` s; requests/s.
+* **saturating throughput**: ``--connections`` keep-alive connections for ``--duration`` s; its
+  requests/s is the target's saturating rate R, and the CPU time each process spent on them
+  (for the stack until the scheduler and the recorder caught up) divided by the requests
+  served is the CPU per request.
+* **half the saturating rate**: requests paced at R/2 for ``--latency-duration`` s (each of
+  enough connections waits a fixed pause after every answer; a 1 s calibration run first sets
+  the count; the achieved rate is reported). Its P50 and P99, and those of the direct engine
+  paced at R/4 (the rate each of the two engines sees behind a router at R/2), give the added
+  latency: target - direct, per percentile. The proxies' ``laswrr_proxy_events_dropped_total``
+  before and after gives the events dropped at that rate, and the CPU per request there too.
+* **streamed**: the saturating run again with ``"stream": true`` (SSE); requests/s.
 
-Targets: ``direct`` (one engine, no router: the floor), ``laswrr`` (proxy + event publishing to
-JetStream + scheduler + recorder, all running), ``laswrr-proxy-only`` (the same proxy, still
-publishing every event to JetStream, with scheduler and recorder paused by SIGSTOP: what the
-proxy alone costs), ``vllm-router`` (``--policy round_robin``). Non-streamed requests, plus a
-streamed (SSE) throughput run per target. Targets run interleaved for ``--rounds`` rounds (the
-machine may be shared; the best round is kept), each after the stack went idle.
+Targets: ``direct`` (one engine, no router: the floor), ``laswrr-w1`` and ``laswrr-w2`` (the
+proxy with ``--workers 1`` / ``--workers 2``, publishing every event to JetStream, with the
+scheduler and the recorder running: the whole stack), ``laswrr-w1-proxy-only`` (``--workers
+1`` with scheduler and recorder paused by SIGSTOP: what the proxy alone costs), ``vllm-router``
+(``--policy round_robin``). Targets run interleaved for ``--rounds`` rounds (the machine may be
+shared; the best round is kept: highest req/s, latency from the round with the lowest added
+P50), each after the stack went idle. Last, the stack stops in ``laswrr up``'s order (proxies,
+scheduler, recorder) and ``laswrr replay --db`` runs on the recorded log: ``replay_exact``.
 
-CPU per request: the utime+stime each process spent during the throughput run (for ``laswrr``
-until the scheduler and recorder caught up) divided by the requests served. Unlike requests/s,
-this does not depend on what else runs on the machine, and shows where the time goes. When the
-machine's cores are the bottleneck (as on a 2-core box), requests/s of a target tends to
-cores / its total CPU per request, so ``cpu_bound_ratio_vs_vllm_router`` (vllm-router's total
-CPU per request over ours, engines included in both, the load generator in neither) is the
-ratio the measured one approaches on a busy machine.
+CPU per request: utime+stime from /proc (a proxy with workers: the parent and its workers).
+Unlike requests/s, it does not depend on what else runs on the machine, and shows where the time
+goes. When the machine's cores are the bottleneck (as on a 2-core box), requests/s of a target
+tends to cores / its total CPU per request, so ``cpu_bound_ratio_vs_vllm_router`` (vllm-router's
+total CPU per request over ours, engines included in both, the load generator in neither) is
+the ratio the measured one approaches on a busy machine.
 
-The load generator is ``wrk`` (C, one thread) when installed (``apt-get install wrk``), else a
-lean asyncio client in its own process (``python -m laswrr.bench.proxy_bench load``). The engine is a
-raw asyncio HTTP/1.1 server answering at once with a fixed completion (JSON, or SSE when the
-body asks for ``"stream": true``), so neither is the bottleneck.
+The load generator is ``wrk`` (C, one thread): when it is missing, the bench installs it
+(``apt-get install -y wrk``, when running as root where apt exists), else it says so and uses a
+lean asyncio client in its own process (``python -m laswrr.bench.proxy_bench load``). The
+engine is a raw asyncio HTTP/1.1 server answering at once with a fixed completion (JSON, or SSE
+when the body asks for ``"stream": true``), so neither is the bottleneck.
 """
 
 from __future__ import annotations
@@ -167,7 +179,7 @@ async def _read_response(reader: asyncio.StreamReader) -> int:
 
 
 async def _connection(host: str, port: int, request: bytes, deadline: float, latencies: list[float],
-                      errors: list[int]) -> None:
+                      errors: list[int], pause_s: float) -> None:
     reader, writer = await asyncio.open_connection(host, port)
     try:
         while time.perf_counter() < deadline:
@@ -177,16 +189,18 @@ async def _connection(host: str, port: int, request: bytes, deadline: float, lat
             latencies.append(time.perf_counter() - t0)
             if status >= 400:
                 errors.append(status)
+            if pause_s:
+                await asyncio.sleep(pause_s)
     finally:
         writer.close()
 
 
-async def python_load(url: str, body: bytes, connections: int, duration: float) -> dict[str, Any]:
+async def python_load(url: str, body: bytes, connections: int, duration: float, pause_ms: int = 0) -> dict[str, Any]:
     host, port, request = _request_bytes(url, body)
     latencies: list[float] = []
     errors: list[int] = []
     start = time.perf_counter()
-    await asyncio.gather(*(_connection(host, port, request, start + duration, latencies, errors)
+    await asyncio.gather(*(_connection(host, port, request, start + duration, latencies, errors, pause_ms / 1000)
                            for _ in range(connections)))
     elapsed = time.perf_counter() - start
     return _summary(len(latencies), elapsed, len(errors), sorted(latencies))
@@ -195,8 +209,9 @@ async def python_load(url: str, body: bytes, connections: int, duration: float) 
 def _summary(requests: int, elapsed: float, errors: int, ordered: list[float]) -> dict[str, Any]:
     def pct(p: float) -> float:
         return ordered[min(len(ordered) - 1, int(p * len(ordered)))] * 1000 if ordered else float("nan")
+    mean = sum(ordered) / len(ordered) * 1000 if ordered else float("nan")
     return {"requests": requests, "rps": requests / elapsed, "errors": errors,
-            "p50_ms": pct(0.5), "p90_ms": pct(0.9), "p99_ms": pct(0.99)}
+            "p50_ms": pct(0.5), "p90_ms": pct(0.9), "p99_ms": pct(0.99), "mean_ms": mean}
 
 
 # -- wrk ------------------------------------------------------------------------------------------
@@ -205,35 +220,78 @@ WRK_SCRIPT = """
 wrk.method = "POST"
 wrk.body = %s
 wrk.headers["Content-Type"] = "application/json"
+local pause = %d
+if pause > 0 then
+  delay = function() return pause end
+end
 done = function(summary, latency, requests)
   local e = summary.errors
   io.write(string.format("WRKJSON {\\"requests\\": %%d, \\"duration_us\\": %%d, \\"errors\\": %%d, \\"non2xx\\": %%d, " ..
-    "\\"p50_us\\": %%d, \\"p90_us\\": %%d, \\"p99_us\\": %%d}\\n", summary.requests, summary.duration,
+    "\\"p50_us\\": %%d, \\"p90_us\\": %%d, \\"p99_us\\": %%d, \\"mean_us\\": %%f}\\n", summary.requests, summary.duration,
     e.connect + e.read + e.write + e.timeout, e.status, latency:percentile(50), latency:percentile(90),
-    latency:percentile(99)))
+    latency:percentile(99), latency.mean))
 end
 """
 
 
-def wrk_load(url: str, body: bytes, connections: int, duration: float, workdir: Path) -> dict[str, Any]:
-    script = workdir / f"wrk-{abs(hash(body))}.lua"
-    script.write_text(WRK_SCRIPT % json.dumps(body.decode()))
+def wrk_load(url: str, body: bytes, connections: int, duration: float, workdir: Path, pause_ms: int = 0) -> dict[str, Any]:
+    script = workdir / f"wrk-{abs(hash(body))}-{pause_ms}.lua"
+    script.write_text(WRK_SCRIPT % (json.dumps(body.decode()), pause_ms))
     out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration))}s", "--timeout", "10s",
                           "-s", str(script), url], capture_output=True, text=True, check=True).stdout
     line = next(line for line in out.splitlines() if line.startswith("WRKJSON "))
     data = json.loads(line[len("WRKJSON "):])
     seconds = data["duration_us"] / 1e6
     return {"requests": data["requests"], "rps": data["requests"] / seconds, "errors": data["errors"] + data["non2xx"],
-            "p50_ms": data["p50_us"] / 1000, "p90_ms": data["p90_us"] / 1000, "p99_ms": data["p99_us"] / 1000}
+            "p50_ms": data["p50_us"] / 1000, "p90_ms": data["p90_us"] / 1000, "p99_ms": data["p99_us"] / 1000,
+            "mean_ms": data["mean_us"] / 1000}
 
 
-def load(url: str, body: dict[str, Any], connections: int, duration: float, workdir: Path) -> dict[str, Any]:
+def load(url: str, body: dict[str, Any], connections: int, duration: float, workdir: Path,
+         pause_ms: int = 0) -> dict[str, Any]:
+    """``connections`` keep-alive connections for ``duration`` s, each pausing ``pause_ms`` after
+    every answer (0: none, saturating); requests/s, errors, P50/P90/P99 and mean in ms."""
     payload = json.dumps(body).encode()
     if shutil.which("wrk"):
-        return wrk_load(url, payload, connections, duration, workdir)
+        return wrk_load(url, payload, connections, duration, workdir, pause_ms)
     out = subprocess.run([sys.executable, "-m", "laswrr.bench.proxy_bench", "load", "--url", url, "--body", payload.decode(),
-                          "-c", str(connections), "-d", str(duration)], capture_output=True, text=True, check=True)
+                          "-c", str(connections), "-d", str(duration), "--pause-ms", str(pause_ms)],
+                         capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+PAUSE_MS = 10  # the paced runs' pause after each answer (wrk's delay() counts whole ms)
+
+
+def paced_load(url: str, rate: float, duration: float, workdir: Path) -> dict[str, Any]:
+    """Requests at about ``rate``/s: N connections, each pausing PAUSE_MS after every answer, so
+    the rate is N / (pause + latency); a 1 s run measures the latency, then N is set from it."""
+    def connections(latency_ms: float) -> int:
+        return max(1, round(rate * (PAUSE_MS + latency_ms) / 1000))
+
+    calibration = load(url, CHAT_BODY, connections(1.0), 1.0, workdir, PAUSE_MS)
+    count = connections(calibration["mean_ms"])
+    result = load(url, CHAT_BODY, count, duration, workdir, PAUSE_MS)
+    return {**result, "connections": count, "asked_rps": rate}
+
+
+def ensure_wrk() -> str:
+    """wrk, installed when missing (Debian's package, as root where apt exists); else the reason
+    the Python generator is used."""
+    if shutil.which("wrk"):
+        return "wrk"
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get"):
+        print("proxy benchmark: installing wrk (apt-get install -y wrk)", flush=True)
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "-q", "wrk"]
+        if subprocess.run(install, capture_output=True, env=env).returncode != 0:
+            subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env)
+            subprocess.run(install, capture_output=True, env=env)
+        if shutil.which("wrk"):
+            return "wrk"
+    print("proxy benchmark: note: wrk is not installed and could not be installed here (it needs root and apt-get); "
+          "using the Python load generator, whose own CPU competes with the targets", flush=True)
+    return "python"
 
 
 # -- the stack ------------------------------------------------------------------------------------
@@ -241,13 +299,21 @@ def load(url: str, body: dict[str, Any], connections: int, duration: float, work
 @dataclass
 class Result:
     target: str
-    latency_p50_ms: float
-    latency_p99_ms: float
-    added_p50_ms: float
-    rps: float
+    rps: float  # saturating
     rps_stream: float
+    # at half the saturating rate (None for ``direct``, the floor itself: each router's floor is
+    # the direct engine paced at the rate each engine sees behind it)
+    half_rps: float | None  # achieved
+    p50_ms: float | None
+    p99_ms: float | None
+    direct_p50_ms: float | None
+    direct_p99_ms: float | None
+    added_p50_ms: float | None
+    added_p99_ms: float | None
+    events_dropped: int | None  # during the paced run (None: no proxy)
     errors: int
-    cpu_us_per_request: dict[str, float] = field(default_factory=dict)
+    cpu_us_per_request: dict[str, float] = field(default_factory=dict)  # saturating
+    cpu_us_per_request_half: dict[str, float] = field(default_factory=dict)
 
 
 class Stack:
@@ -280,26 +346,46 @@ class Stack:
             if name in names and proc.poll() is None:
                 proc.send_signal(sig)
 
-    def stop(self) -> None:
+    def stop(self, order: tuple[tuple[str, ...], ...] = ()) -> None:
+        """SIGTERM the processes named in each group of ``order`` and wait for them, group after
+        group (as ``laswrr up`` stops its stack); then the rest."""
         self.signal(tuple(name for name, _ in self.processes), signal.SIGCONT)
-        for name, proc in reversed(self.processes):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for name, proc in reversed(self.processes):
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        named = {name for group in order for name in group}
+        for group in (*order, tuple(name for name, _ in self.processes if name not in named)):
+            procs = [proc for name, proc in self.processes if name in group]
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in procs:
+                try:
+                    proc.wait(timeout=40)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (Linux /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            with contextlib.suppress(OSError, ValueError):
+                todo.extend(int(child) for child in task.read_text().split())
+    return found
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (Linux /proc), 0 when unavailable."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """utime + stime of a process and its descendants (Linux /proc), 0 when unavailable."""
+    total = 0.0
+    for member in tree(pid):
+        try:
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def quiesce(pids: dict[str, int], timeout: float = 30.0) -> None:
@@ -321,6 +407,17 @@ def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 2.0
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as resp:
         return json.loads(resp.read())
+
+
+def events_dropped(metrics_urls: list[str]) -> int:
+    """``laswrr_proxy_events_dropped_total`` summed over the proxies' /metrics."""
+    total = 0.0
+    for url in metrics_urls:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("laswrr_proxy_events_dropped_total"):
+                    total += float(line.rsplit(" ", 1)[1])
+    return int(total)
 
 
 def wait_until(check: Any, what: str, timeout: float = 60.0) -> None:
@@ -365,127 +462,221 @@ class Target:
     url: str
     cpu_of: dict[str, int]  # processes whose CPU time this target's requests cost
     paused: tuple[str, ...] = ()  # processes stopped (SIGSTOP) while this target runs
+    metrics: list[str] = field(default_factory=list)  # the proxies' /metrics (events dropped)
 
 
-def measure(target: Target, stack: Stack, args: argparse.Namespace, direct_p50: float | None) -> Result:
+def cpu_per_request(before: dict[str, float], after: dict[str, float], requests: int) -> dict[str, float]:
+    return {name: round(1e6 * (after[name] - before[name]) / max(1, requests), 1) for name in before}
+
+
+def measure(target: Target, stack: Stack, args: argparse.Namespace, direct_url: str) -> Result:
     url, workdir = target.url + "/v1/chat/completions", stack.workdir
+    direct = direct_url + "/v1/chat/completions"
     stack.signal(target.paused, signal.SIGSTOP)
     try:
         load(url, CHAT_BODY, args.connections, 1.0, workdir)  # warm-up: connections, caches
-        latency = load(url, CHAT_BODY, 1, args.latency_duration, workdir)
         before = {name: cpu_seconds(pid) for name, pid in target.cpu_of.items()}
         throughput = load(url, CHAT_BODY, args.connections, args.duration, workdir)
         if not target.paused:
             quiesce(target.cpu_of)  # the consumers' work for these requests counts too
         after = {name: cpu_seconds(pid) for name, pid in target.cpu_of.items()}
+        paced: dict[str, Any] = {}
+        if url != direct:
+            dropped_before = events_dropped(target.metrics) if target.metrics else None
+            half_before = {name: cpu_seconds(pid) for name, pid in target.cpu_of.items()}
+            half = paced_load(url, throughput["rps"] / 2, args.latency_duration, workdir)
+            if not target.paused:
+                quiesce(target.cpu_of)
+            half_after = {name: cpu_seconds(pid) for name, pid in target.cpu_of.items()}
+            dropped = events_dropped(target.metrics) - dropped_before if dropped_before is not None else None
+            floor = paced_load(direct, half["rps"] / 2, args.latency_duration, workdir)
+            paced = {"half_rps": round(half["rps"], 1), "p50_ms": round(half["p50_ms"], 3),
+                     "p99_ms": round(half["p99_ms"], 3), "direct_p50_ms": round(floor["p50_ms"], 3),
+                     "direct_p99_ms": round(floor["p99_ms"], 3), "added_p50_ms": round(half["p50_ms"] - floor["p50_ms"], 3),
+                     "added_p99_ms": round(half["p99_ms"] - floor["p99_ms"], 3), "events_dropped": dropped,
+                     "cpu_us_per_request_half": cpu_per_request(half_before, half_after, half["requests"])}
         streamed = load(url, STREAM_BODY, args.connections, args.duration, workdir)
     finally:
         stack.signal(target.paused, signal.SIGCONT)
-    cpu = {name: round(1e6 * (after[name] - before[name]) / max(1, throughput["requests"]), 1) for name in before}
-    added = latency["p50_ms"] - direct_p50 if direct_p50 is not None else 0.0
-    return Result(target=target.name, latency_p50_ms=round(latency["p50_ms"], 3),
-                  latency_p99_ms=round(latency["p99_ms"], 3), added_p50_ms=round(added, 3),
-                  rps=round(throughput["rps"], 1), rps_stream=round(streamed["rps"], 1),
-                  errors=latency["errors"] + throughput["errors"] + streamed["errors"], cpu_us_per_request=cpu)
+    return Result(target=target.name, rps=round(throughput["rps"], 1), rps_stream=round(streamed["rps"], 1),
+                  errors=throughput["errors"] + streamed["errors"] + (half["errors"] if paced else 0),
+                  cpu_us_per_request=cpu_per_request(before, after, throughput["requests"]),
+                  **({key: None for key in PACED} | paced))
+
+
+PACED = ("half_rps", "p50_ms", "p99_ms", "direct_p50_ms", "direct_p99_ms", "added_p50_ms", "added_p99_ms",
+         "events_dropped")
 
 
 def best(runs: list[Result]) -> Result:
-    """Of several rounds, the least disturbed: highest req/s; latency from the round with the lowest P50."""
+    """Of several rounds, the least disturbed: req/s and CPU from the round with the highest
+    req/s; latency (and its floor, dropped events, CPU at half rate) from the lowest added P50."""
     top = max(runs, key=lambda r: r.rps)
-    quiet = min(runs, key=lambda r: r.latency_p50_ms)
-    return Result(target=top.target, latency_p50_ms=quiet.latency_p50_ms, latency_p99_ms=quiet.latency_p99_ms,
-                  added_p50_ms=quiet.added_p50_ms, rps=top.rps, rps_stream=max(r.rps_stream for r in runs),
-                  errors=sum(r.errors for r in runs), cpu_us_per_request=top.cpu_us_per_request)
+    quiet = min(runs, key=lambda r: r.added_p50_ms or 0.0)
+    paced = {key: getattr(quiet, key) for key in PACED}
+    if quiet.events_dropped is not None:
+        paced["events_dropped"] = sum(r.events_dropped or 0 for r in runs)
+    return Result(target=top.target, rps=top.rps, rps_stream=max(r.rps_stream for r in runs),
+                  errors=sum(r.errors for r in runs), cpu_us_per_request=top.cpu_us_per_request,
+                  cpu_us_per_request_half=quiet.cpu_us_per_request_half, **paced)
 
 
 def show(result: Result) -> None:
     cpu = " ".join(f"{k}={v:.0f}" for k, v in result.cpu_us_per_request.items())
-    print(f"  {result.target:<17} p50 {result.latency_p50_ms:7.3f} ms  p99 {result.latency_p99_ms:7.3f} ms  "
-          f"added {result.added_p50_ms:6.3f} ms  {result.rps:8.1f} req/s  {result.rps_stream:8.1f} req/s SSE  "
-          f"errors {result.errors}  cpu us/req: {cpu}", flush=True)
+    dropped = "-" if result.events_dropped is None else str(result.events_dropped)
+    half = f"{'(the floor)':<98}" if result.half_rps is None else (
+        f"at {result.half_rps:7.1f} req/s: p50 {result.p50_ms:6.3f} p99 {result.p99_ms:6.3f} ms, added p50 "
+        f"{result.added_p50_ms:6.3f} p99 {result.added_p99_ms:6.3f} ms, dropped {dropped}")
+    print(f"  {result.target:<20} {result.rps:8.1f} req/s {result.rps_stream:8.1f} SSE | {half} | "
+          f"errors {result.errors} | cpu us/req: {cpu}", flush=True)
 
 
-def start_stack(stack: Stack, nats_url: str, policy: str) -> tuple[dict[str, str], str]:
+PROXIES = ("proxy-w1", "proxy-w2")
+
+
+def start_stack(stack: Stack, nats_url: str, policy: str) -> tuple[dict[str, str], dict[str, str], dict[str, list[str]]]:
+    """Engines, scheduler, recorder, and the two proxies: their URLs and /metrics URLs."""
     engines = {f"e{i}": stack.spawn(f"engine-{i}", [sys.executable, "-m", "laswrr.bench.proxy_bench", "engine"], LISTEN)
                for i in (1, 2)}
     stack.spawn("scheduler", laswrr("scheduler", "--nats-url", nats_url))
     stack.spawn("recorder", laswrr("recorder", "--nats-url", nats_url, "--data-dir", str(stack.workdir / "data")))
     asyncio.run(register_nodes(nats_url, engines))
-    proxy = stack.spawn("proxy", laswrr("proxy", "--nats-url", nats_url, "--host", "127.0.0.1", "--port", "0",
-                                        "--proxy-id", "bench", "--policy", policy), LISTEN)
-    wait_until(lambda: len(http_json(proxy + "/healthz")["pools"]["default"]["routable"]) == 2, "proxy routes")
-    return engines, proxy
+    proxies: dict[str, str] = {}
+    metrics: dict[str, list[str]] = {}
+    for name, workers in zip(PROXIES, (1, 2)):
+        admin = admin_ports(workers)
+        proxies[name] = stack.spawn(name, laswrr("proxy", "--nats-url", nats_url, "--host", "127.0.0.1", "--port", "0",
+                                                 "--proxy-id", f"bench-{name}", "--policy", policy,
+                                                 "--workers", str(workers), "--admin-port", str(admin)), LISTEN)
+        metrics[name] = [f"http://127.0.0.1:{admin + k}/metrics" for k in range(workers)]
+        for url in metrics[name]:
+            wait_until(lambda: len(http_json(url.replace("/metrics", "/healthz"))["pools"]["default"]["routable"]) == 2,
+                       f"{name} routes")
+    return engines, proxies, metrics
+
+
+def admin_ports(count: int) -> int:
+    """A first port P with P..P+count-1 free (each worker k of a proxy serves /metrics on P+k)."""
+    import socket
+
+    from laswrr.services.natsbus import free_port
+    for _ in range(100):
+        first = free_port()
+        try:
+            with contextlib.ExitStack() as held:
+                for k in range(count):
+                    sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind(("127.0.0.1", first + k))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def replay_exact(db: Path) -> dict[str, Any]:
+    """``laswrr replay --db`` on the recorded log, as an operator runs it (NATS_URL at a closed
+    port: the stack is stopped, the file is not locked)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NATS_", "LASWRR_"))}
+    env["NATS_URL"] = "nats://127.0.0.1:1"
+    started = time.monotonic()
+    proc = subprocess.run(laswrr("replay", "--db", str(db)), capture_output=True, text=True, env=env)
+    lines = proc.stdout.splitlines()
+    return {"exit": proc.returncode, "exact": proc.returncode == 0 and IDENTICAL in proc.stdout,
+            "summary": lines[0] if lines else proc.stderr.strip()[-500:], "seconds": round(time.monotonic() - started, 1)}
+
+
+IDENTICAL = "identical: every recorded output was reproduced byte for byte"
 
 
 def run(args: argparse.Namespace) -> int:
     from laswrr.services.natsbus import EmbeddedNats
+    generator = ensure_wrk()
     workdir = Path(tempfile.mkdtemp(prefix="proxy-bench-"))
     stack = Stack(workdir)
     nats = EmbeddedNats(workdir / "nats").start()
     results: list[Result] = []
-    notes: dict[str, Any] = {"load_generator": "wrk" if shutil.which("wrk") else "python", "cpus": os.cpu_count(),
-                             "connections": args.connections, "duration_s": args.duration, "rounds": args.rounds,
-                             "workdir": str(workdir)}
+    notes: dict[str, Any] = {"load_generator": generator, "cpus": os.cpu_count(), "connections": args.connections,
+                             "duration_s": args.duration, "latency_duration_s": args.latency_duration,
+                             "rounds": args.rounds, "workdir": str(workdir), "load_average_start": os.getloadavg()}
+    started = time.monotonic()
     try:
-        engines, proxy = start_stack(stack, nats.url, args.policy)
-        router_url, router_status = start_vllm_router(stack, list(engines.values()))
+        engines, proxies, metrics = start_stack(stack, nats.url, args.policy)
+        router_url, router_status = start_vllm_router(stack, list(engine for engine in engines.values()))
         notes["vllm_router"] = router_status
         engine_pids = stack.pids("engine-1", "engine-2")
-        stack_pids = {**stack.pids("proxy", "scheduler", "recorder"), "nats": nats.process.pid}  # type: ignore[union-attr]
-        targets = [Target("direct", engines["e1"], stack.pids("engine-1")),
-                   Target("laswrr", proxy, {**stack_pids, **engine_pids}),
-                   Target("laswrr-proxy-only", proxy, {**stack_pids, **engine_pids}, paused=("scheduler", "recorder"))]
+        bus_pids = {**stack.pids("scheduler", "recorder"), "nats": nats.process.pid}  # type: ignore[union-attr]
+        stack_pids = {**stack.pids(*PROXIES), **bus_pids}
+        targets = [Target("direct", engines["e1"], stack.pids("engine-1"))]
+        for name, label in zip(PROXIES, ("laswrr-w1", "laswrr-w2")):
+            cpu_of = {"proxy": stack.pids(name)[name], **bus_pids, **engine_pids}
+            targets.append(Target(label, proxies[name], cpu_of, metrics=metrics[name]))
+        targets.append(Target("laswrr-w1-proxy-only", proxies["proxy-w1"], targets[1].cpu_of,
+                              paused=("scheduler", "recorder"), metrics=metrics["proxy-w1"]))
         if router_url is not None:
             targets.append(Target("vllm-router", router_url, {**stack.pids("vllm-router"), **engine_pids}))
         else:
             print(f"  vllm-router skipped: {router_status}")
-        print(f"proxy benchmark ({notes['load_generator']}, {args.connections} connections, {args.duration:g} s "
-              f"per run, {args.rounds} rounds, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f})", flush=True)
+        print(f"proxy benchmark ({generator}, {args.connections} connections, {args.duration:g} s per saturating run, "
+              f"{args.latency_duration:g} s at half rate, {args.rounds} rounds, {os.cpu_count()} CPUs, load average "
+              f"{os.getloadavg()[0]:.2f})", flush=True)
         runs: dict[str, list[Result]] = {t.name: [] for t in targets}
-        direct_p50: float | None = None
         for round_no in range(args.rounds):
             for target in targets:  # interleaved, so a burst of outside load hits every target alike
                 quiesce(stack_pids)
-                result = measure(target, stack, args, direct_p50 if target.name != "direct" else None)
-                if target.name == "direct":
-                    direct_p50 = min(direct_p50 or result.latency_p50_ms, result.latency_p50_ms)
+                result = measure(target, stack, args, engines["e1"])
                 runs[target.name].append(result)
                 print(f"round {round_no + 1}:", end="")
                 show(result)
         results = [best(r) for r in runs.values()]
-        notes["proxy_health"] = http_json(proxy + "/healthz")
+        notes["proxy_health"] = http_json(metrics["proxy-w1"][0].replace("/metrics", "/healthz"))
     finally:
-        stack.stop()
+        notes["load_average_end"] = os.getloadavg()
+        stack.stop(order=(("vllm-router", *PROXIES), ("scheduler",), ("recorder",)))
         nats.stop()
+    notes["replay"] = replay_exact(workdir / "data" / "events.duckdb")
+    notes["wall_s"] = round(time.monotonic() - started, 1)
     print("best of rounds:")
     for result in results:
         show(result)
     report = summarize(results)
+    replay = notes["replay"]
+    print(f"  replay of the benchmark's log: {'exact' if replay['exact'] else 'NOT EXACT'} ({replay['summary']}; "
+          f"{replay['seconds']:g} s)")
+    print(f"  wall time {notes['wall_s']:g} s, load average {notes['load_average_start'][0]:.2f} -> "
+          f"{notes['load_average_end'][0]:.2f}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"results": [asdict(r) for r in results], **report, "notes": notes}, indent=2))
         print(f"wrote {args.out}")
-    return 0
+    return 0 if replay["exact"] else 1
+
+
+ADDED_P50_GOAL_MS, ADDED_P99_GOAL_MS = 0.5, 2.0
 
 
 def summarize(results: list[Result]) -> dict[str, Any]:
     by = {r.target: r for r in results}
     report: dict[str, Any] = {}
-    if "laswrr" in by:
-        ours = by["laswrr"]
-        report["added_latency_p50_ms"] = ours.added_p50_ms
-        report["goal_added_latency_le_2ms"] = ours.added_p50_ms <= 2.0
+    for name in ("laswrr-w1", "laswrr-w2"):
+        if name not in by:
+            continue
+        ours = by[name]
+        report[f"{name}_added_p50_ms"] = ours.added_p50_ms
+        report[f"{name}_added_p99_ms"] = ours.added_p99_ms
+        report[f"{name}_goal_added_p50_le_0.5ms_p99_le_2ms"] = (ours.added_p50_ms <= ADDED_P50_GOAL_MS
+                                                                 and ours.added_p99_ms <= ADDED_P99_GOAL_MS)
+        report[f"{name}_cpu_us_per_request"] = round(sum(ours.cpu_us_per_request.values()), 1)
         if "vllm-router" in by:
             peer = by["vllm-router"]
-            report["rps_ratio_vs_vllm_router"] = round(ours.rps / peer.rps, 3)
-            report["rps_ratio_vs_vllm_router_sse"] = round(ours.rps_stream / peer.rps_stream, 3)
-            report["rps_ratio_proxy_only_vs_vllm_router"] = round(by["laswrr-proxy-only"].rps / peer.rps, 3)
-            report["goal_rps_ge_0.6x_vllm_router"] = ours.rps / peer.rps >= 0.6
+            report[f"{name}_rps_ratio_vs_vllm_router"] = round(ours.rps / peer.rps, 3)
+            report[f"{name}_rps_ratio_vs_vllm_router_sse"] = round(ours.rps_stream / peer.rps_stream, 3)
             ours_cpu, peer_cpu = sum(ours.cpu_us_per_request.values()), sum(peer.cpu_us_per_request.values())
-            report["cpu_us_per_request_laswrr"] = round(ours_cpu, 1)
-            report["cpu_us_per_request_vllm_router"] = round(peer_cpu, 1)
             if ours_cpu > 0:
-                report["cpu_bound_ratio_vs_vllm_router"] = round(peer_cpu / ours_cpu, 3)
+                report[f"{name}_cpu_bound_ratio_vs_vllm_router"] = round(peer_cpu / ours_cpu, 3)
+    if "vllm-router" in by:
+        report["vllm_router_cpu_us_per_request"] = round(sum(by["vllm-router"].cpu_us_per_request.values()), 1)
+        if "laswrr-w1-proxy-only" in by:
+            report["rps_ratio_proxy_only_vs_vllm_router"] = round(by["laswrr-w1-proxy-only"].rps / by["vllm-router"].rps, 3)
     for key, value in report.items():
         print(f"  {key}: {value}")
     return report
@@ -503,8 +694,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--body", required=True)
     gen.add_argument("-c", "--connections", type=int, default=64)
     gen.add_argument("-d", "--duration", type=float, default=5.0)
-    parser.add_argument("--duration", type=float, default=8.0, help="seconds per throughput run (default 8)")
-    parser.add_argument("--latency-duration", type=float, default=4.0, help="seconds of the latency run (default 4)")
+    gen.add_argument("--pause-ms", type=int, default=0, help="each connection's pause after every answer")
+    parser.add_argument("--duration", type=float, default=6.0, help="seconds per saturating run (default 6)")
+    parser.add_argument("--latency-duration", type=float, default=4.0,
+                        help="seconds of the run at half the saturating rate (default 4)")
     parser.add_argument("--connections", type=int, default=64, help="concurrent connections (default 64)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the best is kept (default 2)")
     parser.add_argument("--policy", default="la-swrr", help="the proxy's pick policy (default la-swrr)")
@@ -514,7 +707,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve_engine(args.host, args.port))
         return 0
     if args.command == "load":
-        print(json.dumps(asyncio.run(python_load(args.url, args.body.encode(), args.connections, args.duration))))
+        print(json.dumps(asyncio.run(python_load(args.url, args.body.encode(), args.connections, args.duration,
+                                                 args.pause_ms))))
         return 0
     return run(args)
 
