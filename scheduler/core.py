@@ -100,6 +100,9 @@ class Scheduler:
         self._touched: set[str] = set()
         self._rephased: set[str] = set()
         self._seq = 0
+        # node -> proxy -> open requests: ``state.open_requests`` counted (derived, never in a
+        # checkpoint; rebuilt from the state here), so a snapshot's proxy_inflight costs no scan
+        self._split = self._split_rebuilt()
         self.fault: Exception | None = None  # the first broken invariant in the last batch applied
         self._handlers: dict[type[events.Event], Callable[[Any, Any], None]] = {
             events.NodeRegistered: self._on_registered,
@@ -193,15 +196,35 @@ class Scheduler:
         )
 
     def _proxy_inflight(self, members: list[NodeState]) -> dict[str, dict[str, int]]:
-        """Per proxy, its open requests on each of ``members`` (sorted; schemas.outputs.WeightSnapshot):
-        the split of every member's ``inflight`` by the proxy that started the request."""
-        names = {n.node for n in members}
+        """Per proxy, its open requests on each of ``members`` (sorted by name, as ``members`` is;
+        schemas.outputs.WeightSnapshot): the split of every member's ``inflight`` by the proxy
+        that started the request. O(members x proxies), from ``_split``."""
         counts: dict[str, dict[str, int]] = {}
+        for node in members:
+            for proxy, n in self._split.get(node.node, {}).items():
+                counts.setdefault(proxy, {})[node.node] = n
+        return {proxy: counts[proxy] for proxy in sorted(counts)}
+
+    def _split_rebuilt(self) -> dict[str, dict[str, int]]:
+        split: dict[str, dict[str, int]] = {}
         for request in self.state.open_requests.values():
-            if request.node in names:
-                per_node = counts.setdefault(request.proxy, {})
-                per_node[request.node] = per_node.get(request.node, 0) + 1
-        return {proxy: dict(sorted(counts[proxy].items())) for proxy in sorted(counts)}
+            per_proxy = split.setdefault(request.node, {})
+            per_proxy[request.proxy] = per_proxy.get(request.proxy, 0) + 1
+        return split
+
+    def _opened(self, request: OpenRequest) -> None:
+        per_proxy = self._split.setdefault(request.node, {})
+        per_proxy[request.proxy] = per_proxy.get(request.proxy, 0) + 1
+
+    def _closed(self, request: OpenRequest) -> None:
+        per_proxy = self._split[request.node]
+        count = per_proxy[request.proxy] - 1
+        if count:
+            per_proxy[request.proxy] = count
+        else:
+            del per_proxy[request.proxy]
+            if not per_proxy:
+                del self._split[request.node]
 
     def pools(self) -> list[str]:
         return sorted(self._pool_names())
@@ -263,6 +286,7 @@ class Scheduler:
         open_requests = self.state.open_requests
         for request_id in [rid for rid, req in open_requests.items() if req.node == node.node]:
             del open_requests[request_id]
+        self._split.pop(node.node, None)
 
     def _start_slow_start(self, node: NodeState, floor: float) -> None:
         cfg = self.config
@@ -449,8 +473,9 @@ class Scheduler:
             raise Rejection(f"duplicate request_id {event.request_id!r}: already in flight")
         self._proxy_epoch(event.proxy, event.boot_id)
         tokens = None if event.prompt_tokens is None else event.prompt_tokens + (event.max_tokens or 0)
-        self.state.open_requests[event.request_id] = OpenRequest(node=key, proxy=event.proxy, boot=event.boot_id,
-                                                                 tokens=tokens)
+        request = OpenRequest(node=key, proxy=event.proxy, boot=event.boot_id, tokens=tokens)
+        self.state.open_requests[event.request_id] = request
+        self._opened(request)
         self.state.proxies[event.proxy] = self.state.now_ns
         node.inflight += 1
         if tokens is not None:
@@ -464,6 +489,7 @@ class Scheduler:
         request = self.state.open_requests.pop(event.request_id, None)
         if request is None:  # voided just now: its proxy process was replaced
             return
+        self._closed(request)
         self.state.proxies[event.proxy] = self.state.now_ns
         node = self.state.nodes.get(request.node)
         if node is None:
@@ -539,6 +565,7 @@ class Scheduler:
         open_requests = self.state.open_requests
         for request_id in request_ids:
             request = open_requests.pop(request_id)
+            self._closed(request)
             node = self.state.nodes.get(request.node)
             if node is not None:
                 _end_request(node, request)

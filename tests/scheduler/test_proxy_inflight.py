@@ -98,3 +98,16 @@ def test_the_legacy_form_is_the_snapshot_without_the_field() -> None:
     legacy = legacy_snapshot(with_split)
     assert json.loads(legacy) == {k: v for k, v in json.loads(with_split).items() if k != "proxy_inflight"}
     assert legacy_snapshot(before) == before
+
+
+def test_a_scheduler_restored_from_a_checkpoint_carries_the_same_split() -> None:
+    from laswrr.scheduler.core import Scheduler
+
+    feed = warm_pool("a", "b")
+    ids = [feed.start("a", proxy="p1"), feed.start("b", proxy="p2"), feed.start("a", proxy="p2")]
+    restored = Feed(scheduler=Scheduler.restore(feed.checkpoint()))
+    restored.seq, restored.ts_ns = feed.seq, feed.ts_ns
+    assert split(restored) == split(feed) == {"p1": {"a": 1}, "p2": {"a": 1, "b": 1}}
+    restored.finish("a", ids[0], proxy="p1")  # the derived counts follow the restored state
+    assert split(restored) == {"p2": {"a": 1, "b": 1}}
+    assert_adds_up(restored)
