@@ -96,14 +96,16 @@ from laswrr.services.children import Child, ChildProcesses, RestartPolicy, Stack
 from laswrr.services.natsbus import (AUTH_ENV, MAX_REPLICAS, EmbeddedNats, NatsAuth, NatsCluster, StreamLimits,
                                      connect, ensure_streams, redact_url, wait_jetstream)
 from laswrr.services.proxy.config import ProxyConfig
+from laswrr.services.proxy.workers import STOP_MARGIN_S
 
 log = logging.getLogger("laswrr.up")
 
 DEFAULT_PROXY_HOST = "127.0.0.1"  # `laswrr up` is a local stack: its proxy is not exposed unless asked
 STOP_ORDER = ("proxy", "collector", "sim-engine", "other", "scheduler", "recorder")
-# others: children.DEFAULT_STOP_TIMEOUT_S; the recorder's is its --stop-catch-up-s default (10 s)
-# plus room for the last commits and the drain
-STOP_TIMEOUT_S = {"proxy": 35.0, "recorder": 30.0}
+# others: children.DEFAULT_STOP_TIMEOUT_S; the proxy's is its --grace-s default plus what a worker
+# parent allows its workers beyond it, plus 5 s; the recorder's is its --stop-catch-up-s default
+# (10 s) plus room for the last commits and the drain
+STOP_TIMEOUT_S = {"proxy": ProxyConfig().grace_s + STOP_MARGIN_S + 5.0, "recorder": 30.0}
 
 
 # Simulated engines of the default stack: (node id, chip, capacity). Engines of one pool serve one
