@@ -38,11 +38,18 @@ their ``/v1/models``; else the pool ``default`` if it exists; else 404. A reques
 pool (``"model": "default"``) is forwarded with the model id that pool's engines serve, so the
 pool name works as an alias with engines that only know their own model id.
 
-Lifecycle. ``init_app`` builds the app; its ``cleanup_ctx`` owns the client session, the NATS
-link (background connect + LB_WEIGHTS watch), the event publisher and the heartbeat. ``start``
-/ ``RunningProxy.stop`` run it: stop closes the listening socket first, lets in-flight requests
-finish within ``grace_s`` (requests still running then are cancelled: ``router_aborted``),
-then publishes ``lb.proxy.stopped.<proxy>``, flushes the event buffer and drains NATS.
+Server. aiohttp's low-level server (``web.Server``) with one handler, ``Dispatch``: a dict from
+(method, path) to the handler, which is what the application router did here (exact paths,
+HEAD with every GET, a catch-all for the rest) without resolving a route, building match info
+or running the application's machinery per request; the request is aiohttp's ``BaseRequest``
+(its C parser, ``client_max_size`` = ``max_body_bytes``).
+
+Lifecycle. ``build_state`` makes the proxy's state; ``_resources`` owns the client session, the
+NATS link (background connect + LB_WEIGHTS watch), the event publisher and the heartbeat.
+``start`` / ``RunningProxy.stop`` run them: stop closes the listening socket first, lets
+in-flight requests finish within ``grace_s`` (requests still running then are cancelled:
+``router_aborted``), then publishes ``lb.proxy.stopped.<proxy>``, flushes the event buffer and
+drains NATS.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
@@ -120,15 +127,13 @@ class ProxyState:
         return f"{self.config.proxy_id}-{self.events.boot_id}-{next(self.ids)}"
 
 
-STATE = web.AppKey("proxy_state", ProxyState)
-ROUTES = web.AppKey("proxy_routes", dict[str, tuple[str, ...]])  # path -> methods, for 405's Allow
+Handler = Callable[[web.BaseRequest, ProxyState], Awaitable[web.StreamResponse]]
 
 
 # -- handlers ----------------------------------------------------------------------------------
 
-async def forward_by_model(request: web.Request) -> web.StreamResponse:
+async def forward_by_model(request: web.BaseRequest, state: ProxyState) -> web.StreamResponse:
     """Every OpenAI POST route: the body's ``model`` picks the pool; then admission and forwarding."""
-    state = request.app[STATE]
     arrived = time.perf_counter()
     if state.stopping:
         state.metrics.rejected.labels(reason="stopping").inc()
@@ -174,7 +179,7 @@ def _refuse_key(state: ProxyState, keys: ApiKeys, key_name: str | None) -> web.R
     return None
 
 
-async def _forward(request: web.Request, state: ProxyState, arrived: float,
+async def _forward(request: web.BaseRequest, state: ProxyState, arrived: float,
                    key_name: str | None = None) -> web.StreamResponse:
     body_or_error = await _read_body(request, state)
     if isinstance(body_or_error, web.Response):
@@ -216,7 +221,7 @@ async def _forward(request: web.Request, state: ProxyState, arrived: float,
     return await state.forwarder.forward(request, exchange, admission)
 
 
-async def _read_body(request: web.Request, state: ProxyState) -> bytes | web.Response:
+async def _read_body(request: web.BaseRequest, state: ProxyState) -> bytes | web.Response:
     limit = state.config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         return _too_large(state, limit)
@@ -279,8 +284,7 @@ def _unknown_model(model: str | None, router: Router) -> web.Response:
                                         "code": "model_not_found"}}, status=404)
 
 
-async def list_models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+async def list_models(request: web.BaseRequest, state: ProxyState) -> web.Response:
     if state.keys is not None:
         key_name = state.keys.identify(request.headers.get("Authorization"))
         if key_name is None:
@@ -291,16 +295,14 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response(await state.catalog.listing())
 
 
-async def healthz(request: web.Request) -> web.Response:
+async def healthz(request: web.BaseRequest, state: ProxyState) -> web.Response:
     """Liveness (``/health``, ``/healthz``): 200 while the process serves, 503 while it stops."""
-    state = request.app[STATE]
     body = health_report(state)
     return web.json_response(body, status=503 if state.stopping else 200)
 
 
-async def readiness(request: web.Request) -> web.Response:
+async def readiness(request: web.BaseRequest, state: ProxyState) -> web.Response:
     """Readiness: 200 only with a snapshot held and a routable node in some pool; else 503 and why."""
-    state = request.app[STATE]
     reason = not_ready_reason(state)
     if reason is None:
         return web.json_response({"status": "ready", "proxy": state.config.proxy_id})
@@ -318,9 +320,9 @@ def not_ready_reason(state: ProxyState) -> str | None:
     return None
 
 
-async def not_found(request: web.Request) -> web.Response:
-    """The catch-all route: 405 with ``Allow`` on a known path, else 404; OpenAI-style JSON."""
-    allowed = request.app[ROUTES].get(request.path)
+async def not_found(request: web.BaseRequest, allowed_by_path: dict[str, tuple[str, ...]]) -> web.Response:
+    """The catch-all: 405 with ``Allow`` on a known path, else 404; OpenAI-style JSON."""
+    allowed = allowed_by_path.get(request.path)
     if allowed:
         return error_response(405, f"method {request.method} not allowed on {request.path} (allowed: "
                               f"{', '.join(allowed)})", "invalid_request_error", "method_not_allowed",
@@ -346,8 +348,7 @@ def health_report(state: ProxyState) -> dict[str, object]:
             "events_buffered": state.events.buffered, "events_dropped": state.events.dropped, "pools": pools}
 
 
-async def metrics(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+async def metrics(request: web.BaseRequest, state: ProxyState) -> web.Response:
     state.metrics.refresh(state.router, state.events, state.bus.connected, state.bus.view_lag)
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
@@ -360,8 +361,8 @@ async def _heartbeats(state: ProxyState) -> None:
         state.events.heartbeat(state.router.total_inflight)
 
 
-async def _resources(app: web.Application) -> AsyncIterator[None]:
-    state = app[STATE]
+@contextlib.asynccontextmanager
+async def _resources(state: ProxyState) -> AsyncIterator[None]:
     config = state.config
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
@@ -387,7 +388,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         await session.close()
 
 
-def init_app(config: ProxyConfig) -> web.Application:
+def build_state(config: ProxyConfig) -> ProxyState:
     config.validate()
     router = Router(config.policy, config.seed, config.inflight_cap_per_capacity, config.affinity,
                     config.affinity_blocks, proxy_id=config.proxy_id)
@@ -399,49 +400,64 @@ def init_app(config: ProxyConfig) -> web.Application:
                                    auth=config.nats_auth, limits=StreamLimits(replicas=config.stream_replicas)),
                        keys=keys, upstream_auth=UpstreamAuth(config.forward_authorization, config.upstream_api_key))
     state.idle.set()
-    app = web.Application(client_max_size=config.max_body_bytes)
-    app[STATE] = state
-    app.cleanup_ctx.append(_resources)
-    app[ROUTES] = add_routes(app, config.extra_routes, probes=config.admin_port is None)
-    return app
+    return state
 
 
-ADMIN_GETS = {"/health": healthz, "/healthz": healthz, "/readiness": readiness, "/metrics": metrics}
+ADMIN_GETS: dict[str, Handler] = {"/health": healthz, "/healthz": healthz, "/readiness": readiness, "/metrics": metrics}
 
 
-def init_admin_app(state: ProxyState) -> web.Application:
-    """``--admin-port``: the probes and /metrics alone, on the state of the main app."""
-    admin = web.Application()
-    admin[STATE] = state
-    for path, handler in ADMIN_GETS.items():
-        admin.router.add_get(path, handler)
-    return admin
+class Dispatch:
+    """The low-level server's handler (module header): POST ``posts`` -> ``forward_by_model``,
+    GET and HEAD ``gets``, anything else ``not_found`` (405 with ``Allow`` on a known path)."""
+
+    def __init__(self, state: ProxyState, posts: tuple[str, ...], gets: dict[str, Handler]) -> None:
+        self.state = state
+        self.routes: dict[tuple[str, str], Handler] = {}
+        self.allowed: dict[str, tuple[str, ...]] = {}
+        for path in posts:
+            self.routes["POST", path] = forward_by_model
+            self.allowed[path] = ("POST",)
+        for path, handler in gets.items():
+            self.routes["GET", path] = self.routes["HEAD", path] = handler
+            self.allowed[path] = self.allowed.get(path, ()) + ("GET", "HEAD")
+
+    def __call__(self, request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
+        # a plain function returning the handler's coroutine: one coroutine frame less per request
+        handler = self.routes.get((request.method, request.rel_url.path_safe))  # the path aiohttp's router matched
+        if handler is None:
+            return not_found(request, self.allowed)
+        return handler(request, self.state)
 
 
-def add_routes(app: web.Application, extra_posts: tuple[str, ...], probes: bool = True) -> dict[str, tuple[str, ...]]:
-    gets = {"/v1/models": list_models, **(ADMIN_GETS if probes else {})}
-    posts = dict.fromkeys(OPENAI_POST_ROUTES + tuple(p for p in extra_posts if p not in OPENAI_POST_ROUTES))
-    for path in posts:
-        app.router.add_post(path, forward_by_model)
-    for path, handler in gets.items():
-        app.router.add_get(path, handler)
-    app.router.add_route("*", "/{tail:.*}", not_found)  # last: only what no route above matched
-    allowed = {path: ("POST",) for path in posts}
-    for path in gets:
-        allowed[path] = allowed.get(path, ()) + ("GET", "HEAD")
-    return allowed
+def proxy_dispatch(state: ProxyState, probes: bool = True) -> Dispatch:
+    """The main listener's routes: every OpenAI POST route (plus ``--extra-routes``), ``GET
+    /v1/models``, and the probes and /metrics unless ``--admin-port`` moved them."""
+    extra = state.config.extra_routes
+    posts = tuple(dict.fromkeys(OPENAI_POST_ROUTES + tuple(p for p in extra if p not in OPENAI_POST_ROUTES)))
+    return Dispatch(state, posts, {"/v1/models": list_models, **(ADMIN_GETS if probes else {})})
+
+
+def web_server(dispatch: Dispatch, max_body_bytes: int, **kwargs: Any) -> web.Server:
+    """aiohttp's low-level server on ``dispatch``, requests allowed bodies up to ``max_body_bytes``."""
+    loop = asyncio.get_running_loop()
+
+    def make_request(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
+        return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=max_body_bytes)
+
+    return web.Server(dispatch, request_factory=make_request, access_log=None, **kwargs)
 
 
 # -- running -----------------------------------------------------------------------------------
 
 @dataclass
 class RunningProxy:
-    app: web.Application
-    runner: web.AppRunner
+    state: ProxyState
+    runner: web.ServerRunner
     site: web.TCPSite
     host: str
     port: int
-    admin_runner: web.AppRunner | None = None
+    resources: contextlib.AbstractAsyncContextManager[None]
+    admin_runner: web.ServerRunner | None = None
     admin_port: int | None = None
 
     @property
@@ -457,17 +473,13 @@ class RunningProxy:
     def _host(self) -> str:
         return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
 
-    @property
-    def state(self) -> ProxyState:
-        return self.app[STATE]
-
     async def stop(self) -> None:
         """Graceful stop: close the socket, let in-flight requests finish (grace), flush, stopped."""
         state = self.state
         state.stopping = True
         await self.site.stop()
         server = self.runner.server
-        if server is not None and hasattr(server, "pre_shutdown"):
+        if server is not None:
             server.pre_shutdown()  # idle keep-alive connections close; busy ones after their response
         if state.active:
             log.info("stopping: waiting up to %.1f s for %d request(s) in flight", state.config.grace_s, state.active)
@@ -479,15 +491,28 @@ class RunningProxy:
             for task in list(state.handlers):
                 task.cancel()
             await asyncio.gather(*state.handlers, return_exceptions=True)  # their finished events first
-        await self.runner.cleanup()  # then: stopped event, flush, NATS drain (cleanup_ctx)
+        await self.runner.cleanup()
+        await self.resources.__aexit__(None, None, None)  # then: stopped event, flush, NATS drain
         if self.admin_runner is not None:
             await self.admin_runner.cleanup()
 
 
 async def start(config: ProxyConfig) -> RunningProxy:
-    app = init_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
-                           keepalive_timeout=config.idle_timeout_s)
+    state = build_state(config)
+    resources = _resources(state)
+    await resources.__aenter__()
+    try:
+        return await _listen(config, state, resources)
+    except BaseException:
+        await resources.__aexit__(None, None, None)
+        raise
+
+
+async def _listen(config: ProxyConfig, state: ProxyState,
+                  resources: contextlib.AbstractAsyncContextManager[None]) -> RunningProxy:
+    server = web_server(proxy_dispatch(state, probes=config.admin_port is None), config.max_body_bytes,
+                        handler_cancellation=True, keepalive_timeout=config.idle_timeout_s)
+    runner = web.ServerRunner(server, shutdown_timeout=1.0)
     server_log = logging.getLogger("aiohttp.server")
     if _QUIET not in server_log.filters:
         server_log.addFilter(_QUIET)
@@ -496,10 +521,11 @@ async def start(config: ProxyConfig) -> RunningProxy:
     await site.start()
     port = _bound_port(site, config.port)
     log.info("proxy %s listening on %s:%d (policy %s%s)", config.proxy_id, config.host, port, config.policy,
-             ", API keys required" if app[STATE].keys is not None else "")
-    proxy = RunningProxy(app=app, runner=runner, site=site, host=config.host, port=port)
+             ", API keys required" if state.keys is not None else "")
+    proxy = RunningProxy(state=state, runner=runner, site=site, host=config.host, port=port, resources=resources)
     if config.admin_port is not None:
-        proxy.admin_runner = web.AppRunner(init_admin_app(app[STATE]), access_log=None, shutdown_timeout=1.0)
+        admin = web_server(Dispatch(state, (), ADMIN_GETS), 1 << 20)
+        proxy.admin_runner = web.ServerRunner(admin, shutdown_timeout=1.0)
         await proxy.admin_runner.setup()
         admin_site = web.TCPSite(proxy.admin_runner, config.host, config.admin_port)
         await admin_site.start()

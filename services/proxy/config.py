@@ -1,4 +1,4 @@
-"""The proxy's configuration: one frozen value built by the CLI (or a test) and handed to ``init_app``.
+"""The proxy's configuration: one frozen value built by the CLI (or a test) and handed to ``app.start``.
 
 Defaults are what an operator gets from a bare ``laswrr proxy``. ``proxy_id`` names this replica
 on the bus (``lb.proxy.heartbeat.<proxy_id>``, ``RequestStarted.proxy``) and seeds its pick policy,
