@@ -26,6 +26,7 @@ test-faults: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m laswrr.bench.micro
 	$(PY) -m laswrr.bench.bus_bench
+	$(PY) -m laswrr.bench.event_cpu
 	$(PY) -m laswrr.bench.recorder_bench
 	$(PY) -m laswrr.bench.replay_bench
 	$(PY) -m laswrr.bench.proxy_bench

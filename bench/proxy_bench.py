@@ -31,6 +31,10 @@ shared; the best round is kept: highest req/s, latency from the round with the l
 P50), each after the stack went idle. Last, the stack stops in ``laswrr up``'s order (proxies,
 scheduler, recorder) and ``laswrr replay --db`` runs on the recorded log: ``replay_exact``.
 
+The proxies' request events go to JetStream in batches (``lb.req.batch.<proxy>``);
+``notes.event_batches`` is each proxy process's batch-size histogram over the whole run, as its
+``/metrics`` shows it (events per batch, and the batches at or below each bound).
+
 CPU per request: utime+stime from /proc (a proxy with workers: the parent and its workers).
 Unlike requests/s, it does not depend on what else runs on the machine, and shows where the time
 goes. When the machine's cores are the bottleneck (as on a 2-core box), requests/s of a target
@@ -409,6 +413,25 @@ def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 2.0
         return json.loads(resp.read())
 
 
+def event_batches(metrics_url: str) -> dict[str, Any]:
+    """One proxy process's ``laswrr_proxy_event_batch_size`` histogram over the whole benchmark:
+    batches, events, events per batch, and the batches at or below each bound."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+        text = resp.read().decode()
+    found: dict[str, Any] = {"batches": 0, "events": 0, "cumulative": {}}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples if family.name == "laswrr_proxy_event_batch_size" else ():
+            if sample.name.endswith("_count"):
+                found["batches"] = int(sample.value)
+            elif sample.name.endswith("_sum"):
+                found["events"] = int(sample.value)
+            elif sample.name.endswith("_bucket"):
+                found["cumulative"][sample.labels["le"]] = int(sample.value)
+    found["events_per_batch"] = round(found["events"] / found["batches"], 2) if found["batches"] else None
+    return found
+
+
 def events_dropped(metrics_urls: list[str]) -> int:
     """``laswrr_proxy_events_dropped_total`` summed over the proxies' /metrics."""
     total = 0.0
@@ -629,6 +652,7 @@ def run(args: argparse.Namespace) -> int:
                 show(result)
         results = [best(r) for r in runs.values()]
         notes["proxy_health"] = http_json(metrics["proxy-w1"][0].replace("/metrics", "/healthz"))
+        notes["event_batches"] = {name: [event_batches(url) for url in urls] for name, urls in metrics.items()}
     finally:
         notes["load_average_end"] = os.getloadavg()
         stack.stop(order=(("vllm-router", *PROXIES), ("scheduler",), ("recorder",)))

@@ -45,10 +45,11 @@ from laswrr.scheduler.upstreams import upstream_patterns, upstream_rejection
 from laswrr.scheduler.weights import MS, round_milli
 from laswrr.schemas import events
 from laswrr.schemas import subjects
-from laswrr.schemas.codec import Envelope, Output, SchemaError, decode_event, encode, unbatch
+from laswrr.schemas.codec import Envelope, Output, SchemaError, Unbatched, decode_batch, decode_event, encode
 from laswrr.schemas.outputs import NodeView, PhaseChanged, Rejected, WeightSnapshot, clip
 from laswrr.schemas.words import DrainCause, EjectCause, RequestOutcome
 
+_BATCH_PREFIX = subjects.REQ_BATCH + "."
 RETIRED_BOOTS = 4  # boot ids remembered per proxy id, so a late event of a replaced process is known
 
 HEALTH_ORDER = {"OK": 0, "Warning": 1, "Alarm": 2, "Critical": 3, "UNKNOWN": 4}
@@ -137,10 +138,10 @@ class Scheduler:
         state.last_seq = envelope.seq
         state.now_ns = max(state.now_ns, envelope.ts_ns)
         try:
-            key, event = decode_event(envelope.subject, envelope.data)
-            if type(event) is events.RequestBatch:
-                self._apply_batch(envelope, key or "", event)
+            if envelope.subject.startswith(_BATCH_PREFIX):
+                self._apply_batch(envelope, decode_batch(envelope.subject, envelope.data)[1])
             else:
+                key, event = decode_event(envelope.subject, envelope.data)
                 self._handlers[type(event)](key, event)
         except (SchemaError, Rejection, PhaseError) as exc:
             return [self._output(subjects.OUT_REJECTED, rejected(envelope, str(exc)))]
@@ -151,14 +152,14 @@ class Scheduler:
             self._outputs.append(self._output(subjects.out_snapshot(pool), self.snapshot(pool)))
         return self._outputs
 
-    def _apply_batch(self, envelope: Envelope, proxy: str, batch: events.RequestBatch) -> None:
+    def _apply_batch(self, envelope: Envelope, items: list[Unbatched]) -> None:
         """Each event of the batch in order, exactly as if it had arrived alone at this seq and
         time: the same handler, its pools re-targeted after it, a bad event rejected alone (its
         own outputs dropped, as a single rejected input's are). Only the snapshots differ: one
         per pool any event touched, after the whole batch, so a snapshot's ``as_of_seq`` always
         means the state after that whole input (docs/design.md §6, "Batched request events")."""
         touched: set[str] = set()
-        for item in unbatch(proxy, batch):
+        for item in items:
             self._touched, self._rephased = set(), set()
             mark = len(self._outputs)
             try:

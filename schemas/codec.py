@@ -8,14 +8,15 @@ token (node id or proxy name, None for subject-wide events). Anything that canno
 A batch (``lb.req.batch.<proxy>``, ``events.RequestBatch``) decodes to its events still raw;
 ``unbatch`` then decodes each one exactly as ``decode_event`` would have decoded it alone on its
 own subject, and returns a ``SchemaError`` in place of each event that does not decode, naming
-its index, so the others still apply. ``batch_item`` and ``batch_payload`` write the wire form
+its index, so the others still apply. ``decode_batch`` does both from the message's bytes,
+reading the events' ``[kind, key, event]`` in the same pass as the batch when it can. ``batch_item`` and ``batch_payload`` write the wire form
 (docs/design.md §6, "Batched request events").
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 
@@ -130,6 +131,18 @@ _PROXY_KINDS = frozenset((ev.ProxyHeartbeat.KIND, ev.ProxyStopped.KIND))
 _ITEM = msgspec.json.Decoder(ev.BatchedEvent)
 
 
+class _Items(msgspec.Struct, frozen=True, kw_only=True):
+    """A ``RequestBatch`` read with its events' ``[kind, key, event]`` in the same pass (the
+    fast path of ``decode_batch``; any error falls back to the event-by-event path)."""
+
+    boot_id: ev.Name | None = None
+    batch: ev.NonNegInt | None = None
+    events: Annotated[list[ev.BatchedEvent], msgspec.Meta(min_length=1, max_length=ev.MAX_BATCH_EVENTS)]
+
+
+_ITEMS = msgspec.json.Decoder(_Items)
+
+
 class Unbatched(NamedTuple):
     """One event of a batch: the subject and key it would have alone, and the event, or the
     ``SchemaError`` saying why it does not decode (``subject`` None when the item names no
@@ -140,6 +153,23 @@ class Unbatched(NamedTuple):
     key: str | None
     event: ev.Event | None
     error: SchemaError | None
+
+
+def decode_batch(subject: str, data: bytes) -> tuple[str, list[Unbatched]]:
+    """The proxy and the events of a batch message, as ``unbatch`` gives them; ``SchemaError``
+    when the message is not a batch at all (``decode_event``'s reasons)."""
+    cls, proxy = event_type(subject)
+    if cls is not ev.RequestBatch or proxy is None:
+        raise SchemaError(f"{subject!r} is not a batch subject ({sj.REQ_BATCH}.<proxy>)")
+    if len(data) <= MAX_PAYLOAD_BYTES:
+        try:
+            items = _ITEMS.decode(data).events
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass  # say exactly what is wrong, event by event
+        else:
+            return proxy, [_unbatch_item(proxy, index, item) for index, item in enumerate(items)]
+    _, batch = decode_event(subject, data)
+    return proxy, unbatch(proxy, batch)  # type: ignore[arg-type]
 
 
 def unbatch(proxy: str, batch: ev.RequestBatch) -> list[Unbatched]:
@@ -153,23 +183,44 @@ def _unbatch_one(proxy: str, index: int, raw: msgspec.Raw) -> Unbatched:
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         return Unbatched(index, None, None, None, SchemaError(
             f"event {index}: not a [kind, key, event] array: {exc}"))
-    found = BATCHABLE.get(item.kind)
-    if found is None:
+    return _unbatch_item(proxy, index, item)
+
+
+_ITEM_KEYS: dict[tuple[str, str, str | None], tuple[type[ev.Event], str, str]] = {}  # checked (kind, key)s
+
+
+def _item_key(proxy: str, kind: str, key: str | None) -> tuple[type[ev.Event], str, str]:
+    """The struct, the subject alone and the key of a batch item's kind and key (SchemaError
+    when they cannot be one event); remembered, as a pool has few nodes and proxies."""
+    given = (proxy, kind, key)
+    found = _ITEM_KEYS.get(given)
+    if found is not None:
+        return found
+    cls, prefix = BATCHABLE[kind]
+    if kind in _PROXY_KINDS:
+        if key is not None:
+            raise SchemaError(f"a {kind} event names no key (its proxy is the batch's), got {key!r}")
+        key = proxy
+    elif key is None:
+        raise SchemaError(f"a {kind} event needs its node as key")
+    else:
+        try:
+            sj.check_token(key)
+        except sj.SubjectError as exc:
+            raise SchemaError(str(exc)) from None
+    if len(_ITEM_KEYS) > 10_000:
+        _ITEM_KEYS.clear()
+    found = _ITEM_KEYS[given] = (cls, f"{prefix}.{key}", key)
+    return found
+
+
+def _unbatch_item(proxy: str, index: int, item: ev.BatchedEvent) -> Unbatched:
+    if item.kind not in BATCHABLE:
         return Unbatched(index, None, None, None, SchemaError(
             f"event {index}: kind {item.kind!r} cannot be batched (one of {', '.join(BATCHABLE)})"))
-    cls, prefix = found
-    key = item.key
     try:
-        if item.kind in _PROXY_KINDS:
-            if key is not None:
-                raise SchemaError(f"a {item.kind} event names no key (its proxy is the batch's), got {key!r}")
-            key = proxy
-        elif key is None:
-            raise SchemaError(f"a {item.kind} event needs its node as key")
-        else:
-            sj.check_token(key)
-        subject = f"{prefix}.{key}"
-    except (SchemaError, sj.SubjectError) as exc:
+        cls, subject, key = _item_key(proxy, item.kind, item.key)
+    except SchemaError as exc:
         return Unbatched(index, None, None, None, SchemaError(f"event {index} ({item.kind}): {exc}"))
     try:
         return Unbatched(index, subject, key, _decode_as(cls, item.event), None)

@@ -34,8 +34,8 @@ from typing import Any
 import msgspec
 
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.codec import SchemaError, decode_event, unbatch
-from laswrr.schemas.events import CapacitySet, NodeRegistered, NpuSampled, RequestBatch, RequestFinished
+from laswrr.schemas.codec import SchemaError, decode_batch, decode_event
+from laswrr.schemas.events import CapacitySet, NodeRegistered, NpuSampled, RequestFinished
 from laswrr.schemas.outputs import PhaseChanged, Rejected, WeightSnapshot
 
 MS = 1_000_000
@@ -174,9 +174,7 @@ class Board:
             pool.requests.append(entry)
 
     def _batch(self, subject: str, ts_ns: int, data: bytes) -> list[Push]:
-        proxy, batch = decode_event(subject, data)
-        assert isinstance(batch, RequestBatch)
-        for item in unbatch(proxy or "", batch):
+        for item in decode_batch(subject, data)[1]:
             if item.error is not None:
                 self.undecodable += 1
             elif isinstance(item.event, RequestFinished):

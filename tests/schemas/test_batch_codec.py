@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from laswrr.schemas import events as ev
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.codec import (MAX_PAYLOAD_BYTES, SchemaError, batch_item, batch_payload, decode_event, encode,
-                                  unbatch)
+from laswrr.schemas.codec import (MAX_PAYLOAD_BYTES, SchemaError, batch_item, batch_payload, decode_batch,
+                                  decode_event, encode, unbatch)
 
 STARTED = ev.RequestStarted(request_id="r1", proxy="p1", snapshot_seq=7, ts_ns=5, boot_id="b1", prompt_tokens=3)
 FINISHED = ev.RequestFinished(request_id="r1", proxy="p1", outcome="completed", ttft_ms=1.5, boot_id="b1")
@@ -25,9 +25,16 @@ HEARTBEAT = ev.ProxyHeartbeat(inflight=2, ts_ns=9, boot_id="b1")
 
 
 def _decode(payload: bytes, proxy: str = "p1") -> list[tuple[str | None, str | None, object]]:
+    """Both ways of unpacking a batch (event by event, and ``decode_batch``'s one pass), which
+    must agree, error messages included."""
     key, batch = decode_event(sj.req_batch(proxy), payload)
     assert key == proxy and isinstance(batch, ev.RequestBatch)
-    return [(u.subject, u.key, u.event if u.error is None else str(u.error)) for u in unbatch(proxy, batch)]
+    slow = [(u.index, u.subject, u.key, u.event, None if u.error is None else str(u.error))
+            for u in unbatch(proxy, batch)]
+    fast = [(u.index, u.subject, u.key, u.event, None if u.error is None else str(u.error))
+            for u in decode_batch(sj.req_batch(proxy), payload)[1]]
+    assert fast == slow
+    return [(subject, key, event if error is None else error) for _, subject, key, event, error in slow]
 
 
 def test_the_wire_form_is_the_struct_encoded_with_each_event_unchanged() -> None:
@@ -79,9 +86,12 @@ def test_one_bad_event_is_reported_alone_with_its_index() -> None:
     (b'{"events": [', "payload is not valid JSON"),
 ])
 def test_a_batch_that_does_not_decode_is_one_error(payload: bytes, reason: str) -> None:
-    with pytest.raises(SchemaError) as info:
-        decode_event(sj.req_batch("p1"), payload)
-    assert str(info.value).startswith(reason)
+    for decode in (decode_event, decode_batch):
+        with pytest.raises(SchemaError) as info:
+            decode(sj.req_batch("p1"), payload)
+        assert str(info.value).startswith(reason)
+    with pytest.raises(SchemaError, match="not a batch subject"):
+        decode_batch(sj.req_started("n1"), payload)
 
 
 def test_a_batch_is_bounded_by_the_payload_limit_and_its_event_count() -> None:
