@@ -10,9 +10,12 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import msgspec
 
 from proxy_support import CoreDriver, EventTap, StartProxy, batch_events, stored_batches, wait_for, wait_seq
 from laswrr.schemas import subjects as sj
+from laswrr.schemas.events import RequestBatch
+from laswrr.services.proxy.events import Batch
 from laswrr.services.natsbus import EmbeddedNats
 
 CHAT = "/v1/chat/completions"
@@ -195,6 +198,38 @@ async def test_event_buffer_drops_oldest_when_full(engines, core: CoreDriver, st
     assert proxy.state.events.buffered == 4 and proxy.state.events.dropped == 6
     metrics = await (await http.get(proxy.url + "/metrics")).text()
     assert "laswrr_proxy_events_dropped_total 6.0" in metrics
+
+
+async def test_a_batch_re_sent_after_a_nats_restart_is_stored_once(
+        engines, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession,
+        nats_server: EmbeddedNats) -> None:
+    """NATS dies after storing a batch but before its ack reached the proxy (the batch is put
+    back as unacknowledged, byte for byte, as the proxy holds it then). After the restart the
+    proxy publishes it again under the same Nats-Msg-Id, and JetStream, whose de-duplication
+    window survived the restart, keeps the one copy it had."""
+    engine = await engines("a")
+    proxy = await start_proxy(heartbeat_s=60)
+    await wait_seq(proxy, "default", await core.register("a", engine.url))
+    events = proxy.state.events
+    for _ in range(3):
+        await _stream(http, proxy.url, chunks=1, delay=0)
+    await wait_for(lambda: events.buffered == 0 and events.published >= 6, what="the events acknowledged")
+    js = proxy.state.bus.nc.jetstream()  # type: ignore[union-attr]
+    before = await stored_batches(js)
+    seq, msg_id, _ = before[-1]
+    raw = await js.get_msg(sj.EVENTS_STREAM, seq)
+    items = [bytes(item) for item in msgspec.json.decode(raw.data, type=RequestBatch).events]
+    events.unacked.append(Batch(int(msg_id.rsplit(":", 1)[1]), msg_id, items, sends=1))  # its ack was lost
+    events._unacked_events += len(items)
+    nats_server.stop()
+    nats_server.start()
+    events._wakeup.set()
+    await wait_for(lambda: events.buffered == 0, timeout=15, what="the batch published again")
+    assert events.resent >= 1
+    js = proxy.state.bus.nc.jetstream()  # type: ignore[union-attr]
+    after = await stored_batches(js)
+    assert [msg_id for _, msg_id, _ in after] == [msg_id for _, msg_id, _ in before]  # no second copy
+    _assert_each_attempt_once_in_order(batch_events(after), attempts=3)
 
 
 async def test_a_full_buffer_drops_the_oldest_events_even_from_a_batch_in_flight(
