@@ -14,6 +14,7 @@ import aiohttp
 from nats.aio.client import Client
 
 from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import batch_item, batch_payload
 from laswrr.services.children import ChildProcesses
 
 
@@ -47,6 +48,10 @@ async def test_live_push_state_history_and_the_recorded_log(nats_url: str, nc: C
         push = asyncio.create_task(sse_events(live.url + "api/events", 40))
         await asyncio.sleep(1.0)
         await js.publish(sj.admin_capacity("n1"), b'{"capacity": 2}')
+        items = [batch_item(kind, "n1", json.dumps({"request_id": f"r{i}", "proxy": "p1", "outcome": "completed",
+                                                    "ttft_ms": 10.0 * i, "duration_ms": 100.0}).encode())
+                 for i in range(3) for kind in ("req.started", "req.finished")]
+        await js.publish(sj.req_batch("p1"), batch_payload("b1", 1, items))  # a proxy's batch: 3 requests
         events = await push
         assert events[0][0] == "hello"
         kinds = {name for name, _ in events}
@@ -57,6 +62,13 @@ async def test_live_push_state_history_and_the_recorded_log(nats_url: str, nc: C
                 state = await resp.json()
             assert state["mode"] == "live" and [n["node"] for n in state["pools"]["default"]["nodes"]] == ["n1"]
             assert state["pools"]["default"]["nodes"][0]["capacity"] == 2
+            for _ in range(100):  # until the board has folded the batch
+                async with session.get(live.url + "api/state") as resp:
+                    requests = (await resp.json())["pools"]["default"]["requests"]
+                if requests["count"]:
+                    break
+                await asyncio.sleep(0.1)
+            assert requests["count"] == 3 and requests["outcomes"] == {"completed": 3}
             async with session.get(live.url + "api/history?window=60") as resp:
                 history = await resp.json()
             assert len(history["pools"]["default"]["series"]["n1"]) > 3
@@ -78,6 +90,7 @@ async def test_live_push_state_history_and_the_recorded_log(nats_url: str, nc: C
             first, last = state["range_ms"]
             assert state["mode"] == "recorded" and first < last and state["at_ms"] == last
             assert state["pools"]["default"]["nodes"][0]["capacity"] == 2
+            assert state["pools"]["default"]["requests"]["count"] == 3  # the batch's finished events
             async with session.get(recorded.url + f"api/state?at={first + 50}") as resp:
                 early = await resp.json()
             assert early["pools"]["default"]["nodes"][0]["capacity"] == 4  # before the change
