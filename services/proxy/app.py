@@ -44,8 +44,9 @@ HEAD with every GET, a catch-all for the rest) without resolving a route, buildi
 or running the application's machinery per request; the request is aiohttp's ``BaseRequest``
 (its C parser, ``client_max_size`` = ``max_body_bytes``).
 
-Lifecycle. ``build_state`` makes the proxy's state; ``_resources`` owns the client session, the
-NATS link (background connect + LB_WEIGHTS watch), the event publisher and the heartbeat.
+Lifecycle. ``build_state`` makes the proxy's state; ``_resources`` owns the engine connections
+(``engine_client.EnginePool``), the client session of ``/v1/models``, the NATS link (background
+connect + LB_WEIGHTS watch), the event publisher and the heartbeat.
 ``start`` / ``RunningProxy.stop`` run them: stop closes the listening socket first, lets
 in-flight requests finish within ``grace_s`` (requests still running then are cancelled:
 ``router_aborted``), then publishes ``lb.proxy.stopped.<proxy>``, flushes the event buffer and
@@ -71,6 +72,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from laswrr.services.natsbus import StreamLimits, Throttled
 from laswrr.services.proxy.bus import BusLink
 from laswrr.services.proxy.config import ProxyConfig
+from laswrr.services.proxy.engine_client import EnginePool
 from laswrr.services.proxy.events import EventPublisher
 from laswrr.services.proxy.keys import ApiKeys, UpstreamAuth
 from laswrr.services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
@@ -366,10 +368,9 @@ async def _resources(state: ProxyState) -> AsyncIterator[None]:
     config = state.config
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
-                                    sock_read=config.upstream_timeout_s)
-    state.forwarder = Forwarder(session, state.router, state.events, state.metrics, config.max_retries,
-                                timeout, aborting=lambda: state.aborting, continue_limit=config.continue_limit,
+    engines = EnginePool(config.connect_timeout_s, config.upstream_timeout_s, keepalive_s=30.0)
+    state.forwarder = Forwarder(engines, state.router, state.events, state.metrics, config.max_retries,
+                                aborting=lambda: state.aborting, continue_limit=config.continue_limit,
                                 stall_timeout_s=config.stall_timeout_s)
     state.catalog = ModelCatalog(session, state.router, ttl_s=config.models_ttl_s)
     publisher = asyncio.create_task(state.events.run(), name="proxy-events")
@@ -385,6 +386,7 @@ async def _resources(state: ProxyState) -> AsyncIterator[None]:
         await stop_task(publisher)  # stop_task: a single cancel may be lost (services.proxy.tasks)
         await state.catalog.close()
         await state.bus.close()  # stops the watch, then drains NATS
+        await engines.close()
         await session.close()
 
 

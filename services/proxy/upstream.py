@@ -29,8 +29,9 @@ Rules ("never cut", docs/design.md):
   is retried whole) and lets the proxy read ``usage``.
 * Engine response headers pass through, minus hop-by-hop ones and the length (the proxy
   re-frames); ``x-laswrr-node`` names the node. Bodies pass byte for byte (no decompression).
-  Redirects pass through to the client too (never followed), and the session keeps no cookies
-  (``DummyCookieJar``): one client's ``Set-Cookie`` must never reach another client's request.
+  Redirects pass through to the client too (never followed), and the engine client
+  (``services.proxy.engine_client``, keep-alive connections on aiohttp's connection protocol)
+  keeps no cookies: one client's ``Set-Cookie`` must never reach another client's request.
 * Client gone (aiohttp cancels the handler, or a write fails) -> the upstream response is
   closed, which cancels the engine's work; outcome ``client_cancelled``. A cancel during
   shutdown after the grace period is ``router_aborted``.
@@ -63,6 +64,7 @@ from laswrr.services.proxy.continuation import (
     not_continuable,
     route_kind,
 )
+from laswrr.services.proxy.engine_client import EnginePool, EngineResponse
 from laswrr.services.proxy.events import RETRIED_PREFIX, Attempt, EventPublisher
 from laswrr.services.proxy.metrics import ProxyMetrics
 from laswrr.services.proxy.routing import Admission, Router
@@ -160,15 +162,14 @@ class Done:
 
 
 class Forwarder:
-    def __init__(self, session: aiohttp.ClientSession, router: Router, events: EventPublisher,
-                 metrics: ProxyMetrics, max_retries: int, timeout: aiohttp.ClientTimeout,
+    def __init__(self, engines: EnginePool, router: Router, events: EventPublisher,
+                 metrics: ProxyMetrics, max_retries: int,
                  aborting: Callable[[], bool], continue_limit: int = 1, stall_timeout_s: float = 30.0) -> None:
-        self.session = session
+        self.engines = engines  # the upstream connections (services/proxy/engine_client.py)
         self.router = router
         self.events = events
         self.metrics = metrics
         self.max_retries = max_retries
-        self.timeout = timeout
         self.aborting = aborting
         self.continue_limit = continue_limit
         self.stall_timeout_s = stall_timeout_s
@@ -281,14 +282,13 @@ class Forwarder:
 
     async def _attempt(self, request: web.Request, exchange: Exchange, admission: Admission,
                        state: AttemptState) -> Done | Failed | Broken:
-        url = upstream_url(admission.url, exchange.path_qs)
         body = exchange.body if exchange.continuation is None else exchange.continuation
         state.sent = time.perf_counter()
         state.overhead = state.sent - exchange.arrived
         try:
-            engine_response = await self.session.request(exchange.method, url, data=body, headers=exchange.headers,
-                                                         timeout=self.timeout, allow_redirects=False)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            engine_response = await self.engines.request(exchange.method, admission.url, exchange.path_qs,
+                                                         exchange.headers, body)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:  # ValueError: a bad URL
             return Failed(reason=describe(exc))
         try:
             if engine_response.status >= 500:
@@ -303,7 +303,7 @@ class Forwarder:
         finally:
             engine_response.close()  # no-op after a full read; on cancel or error it aborts the engine's work
 
-    async def _failed_status(self, engine_response: aiohttp.ClientResponse, admission: Admission,
+    async def _failed_status(self, engine_response: EngineResponse, admission: Admission,
                              exchange: Exchange) -> Failed:
         try:
             body = await engine_response.read()
@@ -314,7 +314,7 @@ class Forwarder:
         return Failed(reason=f"HTTP {engine_response.status}", status=engine_response.status, response=response)
 
     async def _buffered(self, request: web.Request, exchange: Exchange, admission: Admission, state: AttemptState,
-                        engine_response: aiohttp.ClientResponse) -> Done | Failed:
+                        engine_response: EngineResponse) -> Done | Failed:
         try:
             body = await engine_response.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -334,7 +334,7 @@ class Forwarder:
         return Done(response, self._record(exchange, state, RequestOutcome.COMPLETED, engine_response.status, usage))
 
     async def _stream(self, request: web.Request, exchange: Exchange, admission: Admission, state: AttemptState,
-                      engine_response: aiohttp.ClientResponse) -> Done | Failed | Broken:
+                      engine_response: EngineResponse) -> Done | Failed | Broken:
         try:
             first = await engine_response.content.readany()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -366,7 +366,7 @@ class Forwarder:
         return Done(client.response, self._record(exchange, state, RequestOutcome.COMPLETED, status, usage or (None, None)))
 
     async def _open(self, request: web.Request, exchange: Exchange, admission: Admission,
-                    engine_response: aiohttp.ClientResponse, state: AttemptState) -> ClientStream:
+                    engine_response: EngineResponse, state: AttemptState) -> ClientStream:
         """Send the client the response headers: the first attempt to answer SSE opens its stream."""
         response = web.StreamResponse(status=engine_response.status, headers=engine_response.headers)
         self._tag(response, admission, exchange)
@@ -394,7 +394,7 @@ class Forwarder:
         text.next_attempt()
         return Broken(self._record(exchange, state, RequestOutcome.UPSTREAM_ERROR, status, usage, error=error))
 
-    async def _relay(self, engine_response: aiohttp.ClientResponse, client: ClientStream, first: bytes,
+    async def _relay(self, engine_response: EngineResponse, client: ClientStream, first: bytes,
                      state: AttemptState) -> str | None:
         """Forward whole events as they complete, reading each; the break, if the stream broke."""
         text, response, content = client.text, client.response, engine_response.content
@@ -421,7 +421,7 @@ class Forwarder:
                 return None if text.done else describe(exc)
 
     @staticmethod
-    async def _pump(engine_response: aiohttp.ClientResponse, response: web.StreamResponse,
+    async def _pump(engine_response: EngineResponse, response: web.StreamResponse,
                     first: bytes) -> tuple[str | None, bytes]:
         """Copy the stream as it arrives: the upstream error that cut it, if any, and its last chunks (``usage``)."""
         tail: deque[bytes] = deque(maxlen=_TAIL_CHUNKS)
