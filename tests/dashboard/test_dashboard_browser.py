@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -69,6 +70,7 @@ async def test_live_page_shows_every_node_and_follows_a_capacity_drop(stack: Sta
         await browser.wait_for("document.querySelector('.requests').textContent.includes('completed')")
 
         assert stack._nc is not None
+        capacity_at_ms = time.time() * 1000  # the recorded log's clock is this machine's too
         await stack._nc.jetstream().publish(sj.admin_capacity("d-910b"), b'{"capacity": 1}')
         # the drawn curve follows within a few seconds (the live push; no reload)
         effective = await browser.wait_for(f"{drawn('d-910b')} && {drawn('d-910b')}.effective <= 1.5 && "
@@ -94,8 +96,8 @@ async def test_live_page_shows_every_node_and_follows_a_capacity_drop(stack: Sta
             # at the end of the log: capacity 1; scrubbed back to the first snapshot: capacity 8
             await browser.wait_for("document.querySelector('tr[data-node=\"d-910b\"] td.capacity')?.textContent === '1'")
             first = await browser.evaluate("Number(document.querySelector('#scrubber').min)")
-            assert first > 0
-            await browser.evaluate(f"window.laswrrScrub({first + 3000})")
+            assert 0 < first < capacity_at_ms - 200  # the stack had run a while before the drop
+            await browser.evaluate(f"window.laswrrScrub({(first + capacity_at_ms) / 2})")  # between the two
             await browser.wait_for("document.querySelector('tr[data-node=\"d-910b\"] td.capacity')?.textContent === '8'")
             await browser.screenshot(ARTIFACTS / "dashboard-recorded.png")
     finally:

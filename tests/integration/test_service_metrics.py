@@ -31,14 +31,16 @@ def value(text: str, series: str) -> float:
     return float(match.group(1))
 
 
-async def scrape_until(url: str, check: str, timeout_s: float = 15.0) -> str:
+async def scrape_until(url: str, check: str, timeout_s: float = 15.0, also: str | None = None) -> str:
+    """The first scrape holding ``check`` and, if given, showing the series ``also`` above 0 (the
+    scheduler counts a batch only after it applied the batch's events and published its outputs)."""
     deadline, text = time.monotonic() + timeout_s, ""
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
             try:
                 async with session.get(url) as resp:
                     text = await resp.text()
-                if check in text:
+                if check in text and (also is None or value(text, also) > 0):
                     return text
             except aiohttp.ClientError:
                 pass
@@ -59,7 +61,8 @@ async def test_scheduler_and_recorder_export_their_progress(nats_url: str, nc: C
         await js.publish(sj.admin_capacity("n9"), b'{"capacity": 1}')  # unknown node
         await js.publish(sj.admin_capacity("n8"), b'{"capacity": 2}')  # unknown node
         await js.publish(sj.admin_capacity("n1"), b"not json")
-        text = await scrape_until(f"http://127.0.0.1:{sched_port}/metrics", "laswrr_scheduler_events_applied_total 4.0")
+        text = await scrape_until(f"http://127.0.0.1:{sched_port}/metrics", "laswrr_scheduler_events_applied_total 4.0",
+                                  also="laswrr_scheduler_batch_seconds_count")
         assert value(text, 'laswrr_scheduler_rejections_total{reason="unknown node"}') == 2
         assert value(text, 'laswrr_scheduler_rejections_total{reason="payload is not valid JSON"}') == 1
         assert value(text, "laswrr_scheduler_lag_messages") == 0
