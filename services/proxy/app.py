@@ -228,8 +228,11 @@ async def _read_body(request: web.BaseRequest, state: ProxyState) -> bytes | web
     if request.content_length is not None and request.content_length > limit:
         return _too_large(state, limit)
     try:
-        async with asyncio.timeout(state.config.body_timeout_s):  # no task per request, unlike wait_for
+        if request.content.is_eof():  # the usual case: the whole body came with the head, nothing to wait for
             body = await request.read()
+        else:
+            async with asyncio.timeout(state.config.body_timeout_s):  # no task per request, unlike wait_for
+                body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return _too_large(state, limit)
     except asyncio.TimeoutError:
