@@ -66,12 +66,19 @@ def parse_target(base: str) -> Target:
     return Target(host, port, tls, shown if port == default else f"{shown}:{port}", parts.path.rstrip("/"))
 
 
+class EngineConnection(ResponseHandler):
+    """aiohttp's protocol, remembering the parser it was given: a keep-alive connection's next
+    response is parsed by the same one (llhttp reads message after message), not a new one."""
+
+    skip_payload: bool | None = None  # the parser's setting; None: no parser yet
+
+
 class EngineResponse:
     """The subset of ``aiohttp.ClientResponse`` the forwarder reads."""
 
     __slots__ = ("status", "headers", "content", "content_type", "_pool", "_target", "_protocol", "_close")
 
-    def __init__(self, pool: EnginePool, target: Target, protocol: ResponseHandler, status: int,
+    def __init__(self, pool: EnginePool, target: Target, protocol: EngineConnection, status: int,
                  headers: CIMultiDictProxy[str], content: StreamReader, close: bool) -> None:
         self.status, self.headers, self.content = status, headers, content
         ctype = headers.get("Content-Type")
@@ -97,7 +104,7 @@ class EnginePool:
 
     def __init__(self, connect_timeout_s: float, read_timeout_s: float | None, keepalive_s: float = 30.0) -> None:
         self.connect_timeout_s, self.read_timeout_s, self.keepalive_s = connect_timeout_s, read_timeout_s, keepalive_s
-        self._idle: dict[Target, list[tuple[ResponseHandler, float]]] = {}
+        self._idle: dict[Target, list[tuple[EngineConnection, float]]] = {}
         self._targets: dict[str, Target] = {}
         self._tls: ssl.SSLContext | None = None
         self._sweep: asyncio.TimerHandle | None = None
@@ -124,9 +131,12 @@ class EnginePool:
         if protocol is None:  # (never `or`: a ResponseHandler is a queue, false while empty)
             protocol = await self._connect(target)
         try:
-            protocol.set_response_params(skip_payload=method == "HEAD", read_until_eof=True, auto_decompress=False,
-                                         read_timeout=self.read_timeout_s, read_bufsize=READ_BUFSIZE,
-                                         max_line_size=MAX_LINE, max_field_size=MAX_FIELD)
+            skip = method == "HEAD"
+            if protocol.skip_payload is not skip:
+                protocol.set_response_params(skip_payload=skip, read_until_eof=True, auto_decompress=False,
+                                             read_timeout=self.read_timeout_s, read_bufsize=READ_BUFSIZE,
+                                             max_line_size=MAX_LINE, max_field_size=MAX_FIELD)
+                protocol.skip_payload = skip
             transport = protocol.transport
             if transport is None or transport.is_closing():
                 raise ConnectionResetError("the engine closed the connection")
@@ -143,7 +153,7 @@ class EnginePool:
             raise
         return EngineResponse(self, target, protocol, message.code, message.headers, payload, message.should_close)
 
-    def _take(self, target: Target) -> ResponseHandler | None:
+    def _take(self, target: Target) -> EngineConnection | None:
         idle = self._idle.get(target)
         if not idle:
             return None
@@ -155,17 +165,17 @@ class EnginePool:
             protocol.close()
         return None
 
-    async def _connect(self, target: Target) -> ResponseHandler:
+    async def _connect(self, target: Target) -> EngineConnection:
         loop = asyncio.get_running_loop()
         tls: ssl.SSLContext | None = None
         if target.tls:
             tls = self._tls = self._tls or ssl.create_default_context()
         async with asyncio.timeout(self.connect_timeout_s):
-            _, protocol = await loop.create_connection(lambda: ResponseHandler(loop), target.host, target.port,
+            _, protocol = await loop.create_connection(lambda: EngineConnection(loop), target.host, target.port,
                                                        ssl=tls, server_hostname=target.host if tls else None)
         return protocol
 
-    def release(self, target: Target, protocol: ResponseHandler) -> None:
+    def release(self, target: Target, protocol: EngineConnection) -> None:
         if self._closed:
             protocol.close()
             return

@@ -32,6 +32,13 @@ class Engine:
                           "raw": request.raw_headers, "body": body, "peer": peer})
         if request.path == "/close":
             return web.Response(body=b"bye", headers={"Connection": "close"})
+        if request.path == "/sse":  # chunked, as engines stream
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for i in range(3):
+                await response.write(b"data: %d\n\n" % i)
+            await response.write_eof()
+            return response
         if request.path == "/big":
             return web.Response(body=b"x" * 1_000_000, content_type="application/json")
         return web.json_response({"ok": True, "n": len(self.seen)})
@@ -95,6 +102,10 @@ async def test_a_connection_is_kept_only_after_a_whole_body(engine: Engine, pool
     assert len(engine.connections) == 2
     assert (await call(pool, engine.url, "/big"))[1] == b"x" * 1_000_000  # read whole: kept
     await call(pool, engine.url, "/a")
+    assert len(engine.connections) == 2
+    for _ in range(2):  # chunked and length-framed answers one after the other on the same connection
+        assert await call(pool, engine.url, "/sse") == (200, b"data: 0\n\ndata: 1\n\ndata: 2\n\n", "text/event-stream")
+        assert (await call(pool, engine.url, "/a"))[1].startswith(b'{"ok": true')
     assert len(engine.connections) == 2
 
 
