@@ -22,8 +22,9 @@ Rules ("never cut", docs/design.md):
 * Otherwise (not continuable, no continuation left, or no untried node) a failure after the
   first byte ends the SSE stream with ``data: {"error": {...}}`` (its message says why it was
   not continued) and the outcome ``upstream_error``; the client gets what it was sent up to the cut.
-* A continuable SSE stream is forwarded one whole event at a time (the client never holds half
-  an event when an engine dies), each event read for the text so far; any other stream is
+* A continuable SSE stream is forwarded in whole events (the client never holds half an event
+  when an engine dies; the whole events of one engine read go out in one write), each event read
+  for the text so far; any other stream is
   written chunk by chunk as read. Every write is awaited (backpressure). Other answers (JSON)
   are read whole first, which keeps them retryable to the last byte (a non-streamed request
   is retried whole) and lets the proxy read ``usage``.
@@ -401,20 +402,28 @@ class Forwarder:
         assert text is not None
         framer, chunk = SseFramer(), first
         while True:
+            outs: list[bytes] = []  # the whole events of this chunk, written together (one write, not one each)
+            broke = None
             try:
                 for event in framer.feed(chunk):
                     out = text.event(event)
                     if out is not None:
-                        await response.write(out)  # ConnectionResetError here means the client went away
-                        if state.first_byte is None:
-                            state.first_byte = time.perf_counter()
+                        outs.append(out)
             except EngineBroke as exc:
-                return str(exc)
+                broke = str(exc)
+            if outs:
+                await response.write(outs[0] if len(outs) == 1 else b"".join(outs))  # ConnectionResetError: client gone
+                if state.first_byte is None:
+                    state.first_byte = time.perf_counter()
+            if broke is not None:
+                return broke
             if not chunk:
                 return None if text.done or text.finished else "the stream ended before its finish"
             try:
-                async with asyncio.timeout(self.stall_timeout_s):
-                    chunk = await content.readany()
+                chunk = content.read_nowait()  # what has come meanwhile: no stall timer to set
+                if not chunk and not content.at_eof():
+                    async with asyncio.timeout(self.stall_timeout_s):
+                        chunk = await content.readany()
             except asyncio.TimeoutError:
                 return None if text.done else f"stalled: no byte for {self.stall_timeout_s:g} s"
             except (aiohttp.ClientError, OSError) as exc:
