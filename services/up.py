@@ -689,11 +689,9 @@ def run_command(args: argparse.Namespace) -> int:
             return 2
         args.config = str(Path(args.config).resolve())
     if args.api_keys is not None:
-        from laswrr.services.proxy.keys import ApiKeys, KeysFileError
+        from laswrr.services.proxy.keys import keys_file_problem
 
-        try:
-            ApiKeys.load(args.api_keys)
-        except KeysFileError as exc:
-            print(f"laswrr up: {exc}", file=sys.stderr)
+        if problem := keys_file_problem(args.api_keys):
+            print(f"laswrr up: {problem}", file=sys.stderr)
             return 2
     return asyncio.run(run_up(args))

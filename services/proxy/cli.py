@@ -26,7 +26,7 @@ from typing import Any
 from laswrr.scheduler.policies import POLICIES, canonical_policy
 from laswrr.services.proxy.app import start
 from laswrr.services import settings
-from laswrr.services.proxy.keys import ApiKeys, KeysFileError
+from laswrr.services.proxy.keys import keys_file_problem
 from laswrr.services.proxy.config import AFFINITY_MODES, ProxyConfig, default_proxy_id, parse_size
 
 LISTEN_PREFIX = "proxy listening on "
@@ -185,12 +185,9 @@ def run_proxy(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"proxy: {exc}", file=sys.stderr)
         return 2
-    if config.api_keys_file is not None:
-        try:
-            ApiKeys.load(config.api_keys_file)
-        except KeysFileError as exc:
-            print(f"proxy: {exc}", file=sys.stderr)
-            return 2
+    if config.api_keys_file is not None and (problem := keys_file_problem(config.api_keys_file)):
+        print(f"proxy: {problem}", file=sys.stderr)
+        return 2
     if config.workers > 1:
         if args.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
             print("proxy: --loop uvloop needs the uvloop package (pip install uvloop)", file=sys.stderr)

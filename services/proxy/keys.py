@@ -58,6 +58,16 @@ def parse_keys(text: str, source: str = "keys file") -> list[tuple[str, bytes]]:
     return entries
 
 
+def keys_file_problem(path: str | Path) -> str | None:
+    """Why the keys file at ``path`` cannot be used (unreadable, malformed), or None: for a
+    command to refuse it before it starts anything."""
+    try:
+        ApiKeys.load(path)
+    except KeysFileError as exc:
+        return str(exc)
+    return None
+
+
 @dataclass
 class ApiKeys:
     """The known keys and each one's requests in flight."""
