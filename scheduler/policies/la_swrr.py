@@ -131,7 +131,7 @@ class LaSwrr:
             index, eligible = swrr.index, set(active)
             for node in affinity.preferred:
                 i = index.get(node, -1)
-                if i in eligible and guard_allows(backlog.get(node, 0) + mean * counts.get(node, 0), weights[i],
-                                                  best_load, best_weight, best_after - best_load):
+                if i in eligible and guard_allows(affinity.load(node), weights[i], best_load, best_weight,
+                                                  best_after - best_load):
                     return i, chosen
         return chosen, chosen

@@ -211,7 +211,7 @@ class Router:
             node = route.policy.pick(self.load, exclude, affinity)
             if node is not None:
                 index.record(node, keys)
-                backlog = affinity.cost_on(node) - self.mean_prompt
+                backlog = affinity.cost_on(node) - affinity.mean  # its uncached prompt there
         else:
             node = route.policy.pick(self.load, exclude)
         if node is None:
