@@ -28,8 +28,10 @@ from collections.abc import Iterator
 from nats.js import JetStreamContext
 
 from laswrr.schemas import subjects as sj
-from laswrr.services.natsbus import EmbeddedNats, connect, ensure_streams
+from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.services.nats_server import EmbeddedNats
 from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService
+from laswrr.schemas.codec import decode_snapshot
 
 NODES = ("n910c", "n910b-1", "n910b-2", "n910")
 
@@ -109,7 +111,7 @@ async def live(url: str, count: int, batch: int) -> dict[str, float]:
     published_at = time.perf_counter()
     while True:
         try:
-            if json.loads((await kv.get("default")).value)["as_of_seq"] >= final:
+            if decode_snapshot((await kv.get("default")).value or b"").as_of_seq >= final:
                 break
         except Exception:
             pass

@@ -9,7 +9,11 @@
                                      alternating among them (as behind an L4 balancer)
   laswrr bench --scenario trace-mooncake [--affinity none]      a real trace (bench/traces/)
   laswrr bench --scenario trace-mooncake --virtual              the same in virtual time (seconds,
-                                     deterministic: routing alone, with an oracle row)
+                                     deterministic: routing alone, with an oracle row; writes
+                                     <out>/<scenario>/virtual.json and no plots)
+  laswrr bench --scenario silent-slowdown-mindie --virtual --policies la-swrr,la-swrr+no-status,p2c
+                                     a timeline scenario in virtual time with the scheduler's
+                                     core in the loop (bench/virtual_timeline.py)
   laswrr bench --trace FILE [--speed X] [--start-s S] [--window-s W]
                                      a full trace file: Mooncake .jsonl (trace-mooncake's pool)
                                      or Azure .csv (trace-azure-code's pool)
@@ -26,6 +30,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -37,13 +42,16 @@ from laswrr.bench.report import PolicyRun, print_table, scenario_summary
 from laswrr.bench.scenarios import SCENARIOS, TEST_SCENARIOS, Scenario, get_scenario
 from laswrr.bench.trace import arrival_bursts, load_workload, trace_format
 from laswrr.bench.virtual import bench_virtual
-from laswrr.bench.workload import RequestSpec, generate
+from laswrr.bench.workload import RequestSpec, assign_tenants, generate
 from laswrr.scheduler.policies import POLICIES, canonical_policy
 from laswrr.services import settings
 from laswrr.services.children import interrupt_on_sigterm
 
+log = logging.getLogger("laswrr.bench")
+
 if TYPE_CHECKING:
     from laswrr.bench.runner import Alongside
+    from laswrr.collectors.nodes import Node
 
 DEFAULT_POLICIES = ("la-swrr", "rr", "least-request", "p2c")
 DEFAULT_PEER = "vllm-router:power_of_two"  # an extra row when the `peers` extra is installed
@@ -61,7 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--policies", default=None, metavar="LIST",
                         help=f"comma-separated, from {', '.join(POLICIES)}, or vllm-router:<its policy> or "
                              "sglang-router:<its policy> (e.g. sglang-router:cache_aware) "
-                             f"(default: all four, plus {DEFAULT_PEER} when vllm-router is installed)")
+                             f"(default: all four, plus {DEFAULT_PEER} when vllm-router is installed, plus "
+                             "the scenario's own rows: overload adds la-swrr+flow and la-swrr+cap, our proxy "
+                             "with --flow-control and with --inflight-cap-per-capacity 1)")
     parser.add_argument("--no-peers", action="store_true", help="no vllm-router row by default")
     parser.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out)")
@@ -88,11 +98,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--proxies", type=int, default=1, metavar="N",
                         help="proxy replicas on the one bus, the requests alternating among them as behind an L4 "
                              "balancer (default 1; a peer router runs alone)")
+    parser.add_argument("--peer-interval-ms", type=settings.duration("ms"), default=20, metavar="MS",
+                        help="--virtual with --proxies N > 1: the replicas share their counts, prefill backlogs and "
+                             "prefix records every MS ms of virtual time, as the proxies' channel between proxies "
+                             "does (default 20, the proxy's; 0: no sharing)")
     parser.add_argument("--virtual", action="store_true",
-                        help="trace scenarios: replay in virtual time through the proxy's routing table and the "
-                             "engines' physics (no processes; deterministic, seconds), plus an oracle row "
-                             "(bench/virtual.py)")
-    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+                        help="run in virtual time through the proxy's routing table and the engines' physics (no "
+                             "processes; deterministic, seconds), plus an oracle row: a trace on fixed weights "
+                             "(bench/virtual.py), a timeline scenario with the scheduler's core in the loop "
+                             "(bench/virtual_timeline.py)")
+    parser.add_argument("--engines", choices=("sim", "vllm"), default="sim",
+                        help="sim: simulated engines (default); vllm: three real vLLM servers (CPU build, a tiny "
+                             "model; --max-num-seqs 8, 4, 2), built and started by bench/real_vllm.py, for "
+                             "the heterogeneous and announced-drop scenarios")
+    parser.add_argument("--repeats", type=int, default=1, metavar="N",
+                        help="--engines vllm: run the scenarios N times on the same engines (default 1)")
+    parser.add_argument("--no-contention", action="store_true",
+                        help="--engines vllm: skip the runs of each engine alone (CPU contention)")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots (--virtual never draws any)")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     settings.add_logging(parser, default="warning")
     parser.set_defaults(func=main)
@@ -106,6 +129,15 @@ def _known(name: str) -> str:
         return name.strip()
 
 
+def _variant(name: str) -> str:
+    """``la_swrr+flow`` -> ``la-swrr+flow`` (bench.stack_adapter.VARIANTS); ValueError on an unknown variant."""
+    from laswrr.bench.stack_adapter import split_variant
+
+    base, plus, variant = name.strip().partition("+")
+    split_variant(name.strip())
+    return _known(base) + plus + variant
+
+
 def plots_missing() -> str | None:
     """Why plots cannot be drawn (matplotlib is the ``[bench]`` extra, not in the runtime install), or None."""
     if importlib.util.find_spec("matplotlib") is None:
@@ -114,14 +146,15 @@ def plots_missing() -> str | None:
 
 
 def parse_policies(text: str | None, peers: bool = True) -> list[str]:
-    from laswrr.bench.stack_adapter import PEER_ROUTERS, peer_binary, peer_of, vllm_router_binary
+    from laswrr.bench.stack_adapter import PEER_ROUTERS, peer_binary, peer_of, split_variant, vllm_router_binary
 
     if text is None:
         extra = [DEFAULT_PEER] if peers and vllm_router_binary() is not None else []
         return list(DEFAULT_POLICIES) + extra
-    policies = [p.strip() if peer_of(p.strip()) else _known(p) for p in text.split(",") if p.strip()]
+    policies = [p.strip() if peer_of(p.strip()) else _variant(p) for p in text.split(",") if p.strip()]
     peers_named = [peer for peer in map(peer_of, policies) if peer is not None]
-    unknown = [p for p in policies if p not in POLICIES and (peer_of(p) or ("", ""))[1] not in PEER_POLICIES]
+    unknown = [p for p in policies if split_variant(p)[0] not in POLICIES
+               and (peer_of(p) or ("", ""))[1] not in PEER_POLICIES]
     if unknown or not policies:
         raise ValueError(f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(POLICIES)} "
                          f"or {{{','.join(PEER_ROUTERS)}}}:{{{','.join(PEER_POLICIES)}}}")
@@ -129,6 +162,19 @@ def parse_policies(text: str | None, peers: bool = True) -> list[str]:
         if peer_binary(router) is None:
             raise ValueError(f"{router} is not installed (pip install 'laswrr[peers]')")
     return policies
+
+
+def scenario_policies(scenario: Scenario, policies: Sequence[str], named: bool) -> list[str]:
+    """The rows a scenario runs: ``policies`` as named (``--policies``), else the default list with
+    the scenario's own variant rows around their base policy's row (``Scenario.rows_before``/``_after``)."""
+    if named or not (scenario.rows_before or scenario.rows_after):
+        return list(policies)
+    rows: list[str] = []
+    for policy in policies:
+        rows += [row for row in scenario.rows_before if row.partition("+")[0] == policy]
+        rows.append(policy)
+        rows += [row for row in scenario.rows_after if row.partition("+")[0] == policy]
+    return rows
 
 
 def read_scheduler_config(path: Path | None) -> dict[str, Any] | None:
@@ -174,7 +220,8 @@ def trace_override(scenario: Scenario, args: argparse.Namespace) -> Scenario:
 def bench_workload(scenario: Scenario, seed: int) -> tuple[Scenario, list[RequestSpec]]:
     """The requests every policy gets: the trace's window, or the workload generated from ``seed``."""
     if scenario.trace is None:
-        return scenario, generate(scenario.workload_spec(), seed, [(p.start_s, p.end_s) for p in scenario.phases])
+        requests = generate(scenario.workload_spec(), seed, [(p.start_s, p.end_s) for p in scenario.phases])
+        return scenario, assign_tenants(requests, scenario.tenants, seed) if scenario.tenants else requests
     requests = load_workload(scenario.trace)
     window = scenario.trace
     replay_s = window.window_s / window.speed if window.window_s is not None else requests[-1].offset_s + 1.0
@@ -186,13 +233,17 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
                          scheduler_config: dict[str, Any] | None = None,
                          proxy_args: Sequence[str] = (),
                          alongside: dict[str, Alongside] | None = None,
-                         proxies: int = 1) -> tuple[dict[str, Any], list[Path]]:
+                         proxies: int = 1, engines: Sequence[Node] | None = None,
+                         model: str | None = None) -> tuple[dict[str, Any], list[Path]]:
     """Run every policy on the same workload; write results.json (and plots); return the summary.
     ``alongside``: per policy, a task on its running stack (``runner.run_policy``); ``proxies``:
-    proxy replicas the load alternates among."""
+    proxy replicas the load alternates among; ``engines`` (serving ``model``): running engines
+    instead of simulated ones (the summary then also holds ``_runs`` and ``_workload`` for the
+    caller, bench/real_bench.py)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from laswrr.bench.runner import run_policy
+    from laswrr.bench.stack_adapter import PeerUnavailable
 
     scenario = scenario.scaled(scale)
     if util is not None:
@@ -202,19 +253,30 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
     scenario, workload = bench_workload(scenario, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: list[PolicyRun] = []
+    not_run: dict[str, str] = {}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, transient=False) as progress:
         for policy in policies:
             task = progress.add_task(f"{scenario.name} · {policy:<13}", total=len(workload))
-            runs.append(await run_policy(scenario, policy, workload, out_dir / "runs" / policy.replace(":", "-"),
-                                         on_result=lambda _r, t=task: progress.advance(t), proxy_args=proxy_args,
-                                         alongside=(alongside or {}).get(policy), proxies=proxies))
+            try:
+                runs.append(await run_policy(scenario, policy, workload, out_dir / "runs" / policy.replace(":", "-"),
+                                             on_result=lambda _r, t=task: progress.advance(t), proxy_args=proxy_args,
+                                             alongside=(alongside or {}).get(policy), proxies=proxies,
+                                             engines=engines, model=model))
+            except PeerUnavailable as exc:  # one peer that will not start costs its row, not the run
+                not_run[policy] = str(exc)
+                progress.update(task, description=f"{scenario.name} · {policy:<13} did not run")
+                log.warning("%s/%s did not run: %s", scenario.name, policy, exc)
     summary = scenario_summary(scenario, runs, seed, scale)
+    summary["not_run"] = not_run
     summary["proxy_args"] = list(proxy_args)
     summary["proxies"] = proxies
     if scenario.trace is not None:
         summary["trace_arrivals"] = arrival_bursts([r.offset_s for r in workload], scenario.duration_s)
     (out_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if engines is not None:
+        summary["_runs"] = {run.policy: run for run in runs}
+        summary["_workload"] = workload
     paths: list[Path] = []
     if plots:
         from laswrr.bench.plots import plot_all
@@ -231,7 +293,13 @@ def main(args: argparse.Namespace) -> int:
         return 0
     try:
         policies = parse_policies(args.policies, peers=not args.no_peers)
-        if args.scenario is None and args.trace is not None:
+        if args.engines == "vllm":
+            from laswrr.bench.real_bench import real_scenario_names
+
+            if args.trace is not None or args.virtual or args.proxies != 1 or args.util is not None:
+                raise ValueError("--engines vllm takes none of --trace, --virtual, --proxies, --util")
+            names = real_scenario_names(args.scenario or "announced-drop")
+        elif args.scenario is None and args.trace is not None:
             names = [TRACE_SCENARIO[trace_format(args.trace)]]
         else:
             names = scenario_names(args.scenario or "announced-drop")
@@ -242,7 +310,7 @@ def main(args: argparse.Namespace) -> int:
         if args.util is not None and not 0 < args.util <= 2:
             raise ValueError("--util must be within (0, 2]")
         scheduler_config = read_scheduler_config(args.scheduler_config)
-        scenarios = [trace_override(get_scenario(name), args) for name in names]
+        scenarios = [] if args.engines == "vllm" else [trace_override(get_scenario(name), args) for name in names]
         if args.util is not None and any(s.trace is not None for s in scenarios):
             raise ValueError("--util does not apply to a trace scenario (the trace sets the load; see --speed)")
         if args.affinity not in (None, "prefix", "none"):
@@ -261,7 +329,13 @@ def main(args: argparse.Namespace) -> int:
     if args.virtual:
         try:
             own = [p for p in policies if ":" not in p]  # peer routers are processes: not in virtual time
-            return bench_virtual(scenarios, own, args.affinity, args.seed, args.out, args.proxies)
+            # a timeline scenario takes --duration-scale, --util and --scheduler-config as on the real stack
+            scenarios = [s if s.trace is not None else replace(
+                s.scaled(args.duration_scale), util=s.util if args.util is None else args.util,
+                scheduler_config=s.scheduler_config if scheduler_config is None else scheduler_config)
+                for s in scenarios]
+            return bench_virtual(scenarios, own, args.affinity, args.seed, args.out, args.proxies,
+                                 int(args.peer_interval_ms))
         except ValueError as exc:
             print(f"bench: {exc}", file=sys.stderr)
             return 2
@@ -270,10 +344,18 @@ def main(args: argparse.Namespace) -> int:
         return 2
     interrupt_on_sigterm()  # `kill` stops a run like Ctrl-C: the stack is torn down, nothing left behind
     started = time.monotonic()
+    if args.engines == "vllm":
+        from laswrr.bench.real_bench import bench_real
+
+        code = bench_real(names, policies, args.seed, args.out, args.duration_scale, not args.no_plots, proxy_args,
+                          contention=not args.no_contention, repeats=max(1, args.repeats))
+        print(f"bench finished in {time.monotonic() - started:.0f}s")
+        return code
     for scenario in scenarios:
         out_dir = args.out / scenario.name
         try:
-            summary, paths = asyncio.run(bench_scenario(scenario, policies, args.seed, out_dir,
+            rows = scenario_policies(scenario, policies, named=args.policies is not None)
+            summary, paths = asyncio.run(bench_scenario(scenario, rows, args.seed, out_dir,
                                                         args.duration_scale, plots=not args.no_plots,
                                                         util=args.util, scheduler_config=scheduler_config,
                                                         proxy_args=proxy_args, proxies=args.proxies))

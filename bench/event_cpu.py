@@ -26,7 +26,8 @@ from pathlib import Path
 from laswrr.schemas import events as ev
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import batch_item, batch_payload, encode
-from laswrr.services.natsbus import EmbeddedNats, connect, ensure_streams
+from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.services.nats_server import EmbeddedNats
 from laswrr.services.recorder import Recorder, RecorderOptions
 from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService
 

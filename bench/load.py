@@ -117,10 +117,25 @@ async def _read_stream(resp: aiohttp.ClientResponse, progress: _Progress, now: C
     progress.error = "stream ended without [DONE]"
 
 
+def request_headers(spec: RequestSpec) -> dict[str, str]:
+    """A tenant's API key (``bench-<tenant>``, as ``keys_file_text`` writes it) and its priority."""
+    headers = {}
+    if spec.tenant:
+        headers["Authorization"] = f"Bearer bench-{spec.tenant}"
+    if spec.priority:
+        headers["x-laswrr-priority"] = spec.priority
+    return headers
+
+
+def keys_file_text(tenants: Sequence[str]) -> str:
+    """The API-keys file of a multi-tenant workload: ``<tenant>:bench-<tenant>`` per tenant."""
+    return "".join(f"{name}:bench-{name}\n" for name in tenants)
+
+
 async def _exchange(session: aiohttp.ClientSession, url: str, body: dict[str, Any], progress: _Progress,
-                    now: Callable[[], float]) -> None:
+                    now: Callable[[], float], headers: dict[str, str] | None = None) -> None:
     try:
-        async with session.post(url, json=body) as resp:
+        async with session.post(url, json=body, headers=headers) as resp:
             progress.status = resp.status
             progress.node = next((resp.headers[h] for h in NODE_HEADERS if h in resp.headers), None)
             if resp.status != 200:
@@ -148,7 +163,8 @@ async def send_one(session: aiohttp.ClientSession, url: str, spec: RequestSpec, 
         return loop.time() - t0
 
     progress = _Progress(start=now())
-    task = asyncio.create_task(_exchange(session, url, request_body(spec, model), progress, now))
+    task = asyncio.create_task(_exchange(session, url, request_body(spec, model), progress, now,
+                                         request_headers(spec) or None))
     if spec.cancel_after_s is None:
         await task
     else:
@@ -166,7 +182,8 @@ async def send_one(session: aiohttp.ClientSession, url: str, spec: RequestSpec, 
                          ttft_s=None if progress.ttft is None else round(progress.ttft, 6),
                          e2e_s=None if e2e is None else round(e2e, 6), node=progress.node,
                          outcome=progress.outcome, status=progress.status, tokens=progress.tokens,
-                         error=progress.error)
+                         error=progress.error, tenant=spec.tenant, priority=spec.priority,
+                         max_tokens=spec.max_tokens)
 
 
 def make_session(timeout_s: float = 600.0) -> aiohttp.ClientSession:

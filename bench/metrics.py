@@ -56,6 +56,9 @@ class RequestResult:
     status: int | None = None  # HTTP status, None when the connection failed
     tokens: int = 0
     error: str = ""
+    tenant: str = ""  # the API key's name it was sent with (multi-tenant scenarios)
+    priority: str = ""  # its x-laswrr-priority
+    max_tokens: int = 0  # what it asked for (the simulated engine emits exactly that many): its offered work
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,3 +244,64 @@ def capacity_timeline(initial: Mapping[str, float], changes: Sequence[tuple[floa
         return value
 
     return capacity_at
+
+
+# --------------------------------------------------------------------------- tenants (overload)
+
+
+def max_min_fair(demands: dict[str, float], capacity: float) -> dict[str, float]:
+    """Max-min fair shares of ``capacity`` among ``demands`` (water filling): nobody gets more than
+    it asks, and what the small demands leave is split equally among the others."""
+    shares = {name: 0.0 for name in demands}
+    left, open_ = capacity, sorted(demands, key=lambda n: demands[n])
+    while open_ and left > 1e-12:
+        equal = left / len(open_)
+        smallest = open_[0]
+        if demands[smallest] <= equal:
+            shares[smallest] = demands[smallest]
+            left -= demands[smallest]
+            open_.pop(0)
+        else:
+            for name in open_:
+                shares[name] = equal
+            left, open_ = 0.0, []
+    return shares
+
+
+def tenant_summary(results: Sequence[RequestResult], window_s: float) -> dict[str, Any]:
+    """Per API key: offered and completed output tokens per second inside ``[0, window_s]``
+    (goodput: requests completed by then), its max-min fair share of the total goodput given the
+    offered loads, and Jain's index of goodput / fair share; TTFT per priority; answers by status."""
+    tenants = sorted({r.tenant for r in results})
+    offered = {t: sum(r.max_tokens for r in results if r.tenant == t) / window_s for t in tenants}
+    done = [r for r in results if r.outcome == ClientOutcome.COMPLETED and r.end_s <= window_s]
+    goodput = {t: sum(r.tokens for r in done if r.tenant == t) / window_s for t in tenants}
+    total = sum(goodput.values())
+    fair = max_min_fair(offered, total)
+    ratios = [goodput[t] / fair[t] for t in tenants if fair[t] > 0]
+    per_priority = {}
+    for priority in sorted({r.priority for r in results}):
+        mine = [r for r in results if r.priority == priority]
+        ttfts = [r.ttft_s for r in mine if r.ttft_s is not None]
+        per_priority[priority or "none"] = {
+            "requests": len(mine), "ttft_p50": _round(percentile(ttfts, 50)), "ttft_p99": _round(percentile(ttfts, 99)),
+            "answered_429": sum(1 for r in mine if r.status == 429)}
+    statuses: dict[str, int] = {}
+    for r in results:
+        key = str(r.status) if r.status is not None else "none"
+        statuses[key] = statuses.get(key, 0) + 1
+    return {
+        "window_s": window_s,
+        "total_goodput_tps": round(total, 1),
+        "jain_of_fair_share": _round(jain(ratios)),
+        "per_key": {t: {"offered_tps": round(offered[t], 1), "goodput_tps": round(goodput[t], 1),
+                        "fair_tps": round(fair[t], 1),
+                        "ratio": round(goodput[t] / fair[t], 3) if fair[t] > 0 else None} for t in tenants},
+        "per_priority": per_priority,
+        "statuses": dict(sorted(statuses.items())),
+        "answered_5xx": sum(1 for r in results if r.status is not None and r.status >= 500),
+    }
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)

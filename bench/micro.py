@@ -29,7 +29,8 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from laswrr.scheduler.core import Scheduler
-from laswrr.scheduler.policies import POLICIES, Candidate, make_policy
+from laswrr.schemas.words import NpuHealth
+from laswrr.scheduler.policies import POLICIES, Candidate, PickContext, make_policy
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope
 
@@ -58,20 +59,23 @@ def bench_pick(rounds: int) -> list[tuple[str, float, float]]:
     for name in POLICIES:
         policy = make_policy(name, seed=1)
         policy.set_candidates(candidates)
-        plain = _median_ns_per_call(lambda: policy.pick(inflight), 1000, rounds)  # noqa: B023
-        retry = _median_ns_per_call(lambda: policy.pick(inflight, excluded), 1000, rounds)  # noqa: B023
+        plain = _median_ns_per_call(lambda: policy.pick(PickContext(inflight)), 1000, rounds)  # noqa: B023
+        retry = _median_ns_per_call(lambda: policy.pick(PickContext(inflight, excluded)), 1000, rounds)  # noqa: B023
         rows.append((name, plain / 1000, retry / 1000))
     return rows
 
 
-def bench_affinity_pick(rounds: int) -> tuple[float, float]:
-    """(median µs per admission+release with a 2 KB prompt, the same without a prompt)."""
+def bench_affinity_pick(rounds: int) -> tuple[float, float, float]:
+    """(median µs per admission+release with a 2 KB prompt, the same without a prompt, the same
+    with a prompt on a router sharing with 3 peers whose messages carry a backlog on every node
+    and a sparse prefix record, so its index matches at the grid positions too)."""
     from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
-    from laswrr.services.proxy.prompt import prompt_text, request_size
-    from laswrr.services.proxy.routing import Router
+    from laswrr.schemas.words import Phase
+    from laswrr.scheduler.routing.prompt import prompt_text, request_size
+    from laswrr.scheduler.routing.router import Router
 
     load = LoadView(queue=0, running=0, kv=0, npu=0, latency=0, load=0, sample_age_ms=None, stale=False)
-    views = [NodeView(node=n, url=f"http://{n}:8000", phase="active", routable=True, capacity=10,
+    views = [NodeView(node=n, url=f"http://{n}:8000", phase=Phase.ACTIVE, routable=True, capacity=10,
                       target_weight=1 + i % 5, effective_weight=1 + i % 5, inflight=0, chip="910B", health=1.0,
                       load=load) for i, n in enumerate(NODES)]
     system = "You are a helpful assistant for NPU clusters. " * 22  # ~1 KB, in every prompt
@@ -79,9 +83,16 @@ def bench_affinity_pick(rounds: int) -> tuple[float, float]:
               {"role": "user", "content": (f"conversation {c}: how do I drain a node? " * 30)[:1000]}]
              for c in range(64)]
 
-    def timed(with_prompt: bool) -> float:
-        router = Router("la-swrr", seed=1)
+    from laswrr.schemas.peers import PeerState, PrefixRecord, pack_keys
+
+    def timed(with_prompt: bool, peers: bool = False) -> float:
+        router = Router("la-swrr", seed=1, proxy_id="me", share=peers)
         router.offer(WeightSnapshot(pool="default", as_of_seq=1, tick=1, ts_ns=0, panic=False, nodes=views), now=0)
+        for k in range(3 if peers else 0):
+            router.peer_update(PeerState(proxy=f"peer{k}", pool="default", boot_id="b", seq=1, ts_ns=1,
+                                         inflight={n: 1 + k for n in NODES}, backlog={n: 500 * k for n in NODES},
+                                         prefixes=[PrefixRecord(NODES[k], pack_keys([k + 1, k + 2]))]),
+                               now=0.0)
         held = [router.admit("default") for _ in range(24)]  # requests in flight meanwhile
         state = {"i": 0}
 
@@ -100,7 +111,7 @@ def bench_affinity_pick(rounds: int) -> tuple[float, float]:
         assert all(h is not None for h in held)
         return result
 
-    return timed(True), timed(False)
+    return timed(True), timed(False), timed(True, peers=True)
 
 
 def mix_stream(seconds: int, rps: int) -> list[Envelope]:
@@ -126,7 +137,7 @@ def mix_stream(seconds: int, rps: int) -> list[Envelope]:
         for i, node in enumerate(NODES):
             add(base + 250 * ms + i, sj.metrics_npu(node), {"chips": [
                 {"npu_id": i, "chip_id": 0, "aicore_util": 0.5 + i / 64, "hbm_used_mb": 50_000,
-                 "hbm_total_mb": 65_536, "health": "OK"}]})
+                 "hbm_total_mb": 65_536, "health": NpuHealth.OK}]})
         for r in range(rps):
             request += 1
             node = NODES[(request * 7) % len(NODES)]
@@ -183,11 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "ok" if plain <= PICK_TARGET_US else "MISSED"
         print(f"  {name:<14} {plain:>8.2f} {retry:>9.2f}  {verdict}")
 
-    affinity, plain = bench_affinity_pick(args.rounds)
+    affinity, plain, shared = bench_affinity_pick(args.rounds)
     verdict = "ok" if affinity <= AFFINITY_TARGET_US else "MISSED"
     print("\nproxy admission with prefix affinity, 16 nodes, 2 KB chat prompts (median per admit + release)")
     print(f"  with affinity {affinity:>7.2f} µs  target ≤ {AFFINITY_TARGET_US:g} µs  {verdict}")
     print(f"  no prompt     {plain:>7.2f} µs  (plain LA-SWRR admission)")
+    print(f"  with 3 peers  {shared:>7.2f} µs  (the channel between proxies: their counts and backlogs)")
 
     events, eps, kinds = bench_apply(args.seconds, args.rps, max(3, args.rounds // 10))
     verdict = "ok" if eps >= APPLY_TARGET_EPS else "MISSED"

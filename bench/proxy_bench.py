@@ -3,12 +3,12 @@ dropped, CPU per request per process and an exact replay, direct vs our stack vs
 
     python -m laswrr.bench.proxy_bench [--duration 6] [--connections 64] [--rounds 2] [--out bench-out/proxy_bench.json]
 
-One run starts, as separate processes on this machine: an embedded nats-server, two instant
-engines (below), the real stack (``laswrr scheduler``, ``laswrr recorder``, and two proxies on
-the same engines: ``laswrr proxy --workers 1`` and ``laswrr proxy --workers 2``; nodes
-registered with ``lb.admin.node.<id>`` as an operator would) and, when installed,
-``vllm-router`` (PyPI ``vllm-router``, the project's optional ``peers`` extra) on the same two
-engines. Then, for each target, in this order:
+One run starts, as separate processes on this machine, through ``laswrr up``'s ``Stack``
+(services/up.py): two instant engines (below), an embedded nats-server, the real stack
+(``laswrr scheduler``, ``laswrr recorder``, and two proxies on the same engines: ``laswrr proxy
+--workers 1`` and ``laswrr proxy --workers 2``; nodes registered with ``lb.admin.node.<id>`` as
+an operator would) and, when installed, ``vllm-router`` (PyPI ``vllm-router``, the project's
+optional ``peers`` extra) on the same two engines. Logs: ``<workdir>/data/logs/<name>.log``. Then, for each target, in this order:
 
 * **saturating throughput**: ``--connections`` keep-alive connections for ``--duration`` s; its
   requests/s is the target's saturating rate R, and the CPU time each process spent on them
@@ -29,7 +29,7 @@ scheduler and the recorder running: the whole stack), ``laswrr-w1-proxy-only`` (
 (``--policy round_robin``). Targets run interleaved for ``--rounds`` rounds (the machine may be
 shared; the best round is kept: highest req/s, latency from the round with the lowest added
 P50), each after the stack went idle. Last, the stack stops in ``laswrr up``'s order (proxies,
-scheduler, recorder) and ``laswrr replay --db`` runs on the recorded log: ``replay_exact``.
+engines, scheduler, recorder, NATS) and ``laswrr replay --db`` runs on the recorded log: ``replay_exact``.
 
 The proxies' request events go to JetStream in batches (``lb.req.batch.<proxy>``);
 ``notes.event_batches`` is each proxy process's batch-size histogram over the whole run, as its
@@ -67,7 +67,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from laswrr.collectors.nodes import Node
 from laswrr.services import settings
+from laswrr.services.up import Stack
 
 CHAT_BODY = {"model": "bench-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
 STREAM_BODY = dict(CHAT_BODY, stream=True)
@@ -320,52 +322,30 @@ class Result:
     cpu_us_per_request_half: dict[str, float] = field(default_factory=dict)
 
 
-class Stack:
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.processes: list[tuple[str, subprocess.Popen[str]]] = []
+@dataclass
+class Bench:
+    """The benchmark's processes, all started and stopped by ``laswrr up``'s ``Stack``
+    (services/up.py: the one way the stack starts, in its order, and stops, in its order):
+    NATS, scheduler, recorder and proxies as ``laswrr up`` starts them, the instant engines and
+    vllm-router as its other children. ``workdir`` holds the load generator's files; the stack's
+    data directory (JetStream store, recorded log, ``logs/<name>.log``) is ``workdir/data``."""
 
-    def spawn(self, name: str, argv: list[str], wait_line: str | None = None, timeout: float = 60.0) -> str:
-        log = open(self.workdir / f"{name}.log", "w")
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE if wait_line else log, stderr=log, text=True,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.processes.append((name, proc))
-        if wait_line is None:
-            return ""
-        assert proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"{name} exited early; see {self.workdir / (name + '.log')}")
-            if wait_line in line:
-                return line.strip().split()[-1]
-        raise TimeoutError(f"{name} did not start")
+    stack: Stack
+    workdir: Path
 
     def pids(self, *names: str) -> dict[str, int]:
-        return {name: proc.pid for name, proc in self.processes if name in names}
+        return {child.name: child.pid for child in self.stack.children if child.name in names}
 
     def signal(self, names: tuple[str, ...], sig: signal.Signals) -> None:
-        for name, proc in self.processes:
-            if name in names and proc.poll() is None:
-                proc.send_signal(sig)
+        for child in self.stack.children:
+            if child.name in names and child.process.returncode is None:
+                child.process.send_signal(sig)
 
-    def stop(self, order: tuple[tuple[str, ...], ...] = ()) -> None:
-        """SIGTERM the processes named in each group of ``order`` and wait for them, group after
-        group (as ``laswrr up`` stops its stack); then the rest."""
-        self.signal(tuple(name for name, _ in self.processes), signal.SIGCONT)
-        named = {name for group in order for name in group}
-        for group in (*order, tuple(name for name, _ in self.processes if name not in named)):
-            procs = [proc for name, proc in self.processes if name in group]
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in procs:
-                try:
-                    proc.wait(timeout=40)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+    async def stop(self) -> None:
+        """Resume anything paused (SIGSTOP), then ``Stack.stop``: proxies and vllm-router,
+        engines, scheduler, recorder (so it records everything), NATS."""
+        self.signal(tuple(child.name for child in self.stack.children), signal.SIGCONT)
+        await self.stack.stop()
 
 
 def tree(pid: int) -> list[int]:
@@ -453,29 +433,21 @@ def wait_until(check: Any, what: str, timeout: float = 60.0) -> None:
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-async def register_nodes(nats_url: str, engines: dict[str, str]) -> None:
-    from laswrr.services.natsbus import connect, ensure_streams
-    nc = await connect(nats_url, "proxy-bench")
-    js = nc.jetstream()
-    await ensure_streams(js)
-    for node, url in engines.items():
-        await js.publish(f"lb.admin.node.{node}", json.dumps({"url": url, "capacity": 64}).encode())
-    await nc.drain()
-
-
-def start_vllm_router(stack: Stack, engines: list[str]) -> tuple[str | None, str]:
+async def start_vllm_router(bench: Bench, engines: list[str]) -> tuple[str | None, str]:
     binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
     if not Path(binary).exists():
         return None, "vllm-router not installed (pip install 'laswrr[peers]' or pip install vllm-router)"
-    from laswrr.services.natsbus import free_port
+    from laswrr.services.nats_server import free_port
     port = free_port()
-    stack.spawn("vllm-router", [binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *engines,
-                                "--policy", "round_robin", "--log-level", "warning"])
+    child = await bench.stack.spawn("vllm-router", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+                                    *engines, "--policy", "round_robin", "--log-level", "warning", role="proxy",
+                                    program=(binary,))
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: http_json(url + "/v1/chat/completions", CHAT_BODY)["choices"], "vllm-router", 90)
+        await asyncio.to_thread(wait_until, lambda: http_json(url + "/v1/chat/completions", CHAT_BODY)["choices"],
+                                "vllm-router", 90)
     except TimeoutError:
-        return None, f"vllm-router did not answer within 90 s; see {stack.workdir / 'vllm-router.log'}"
+        return None, f"vllm-router did not answer within 90 s; see {child.log_path}"
     return url, "ok"
 
 
@@ -492,10 +464,10 @@ def cpu_per_request(before: dict[str, float], after: dict[str, float], requests:
     return {name: round(1e6 * (after[name] - before[name]) / max(1, requests), 1) for name in before}
 
 
-def measure(target: Target, stack: Stack, args: argparse.Namespace, direct_url: str) -> Result:
-    url, workdir = target.url + "/v1/chat/completions", stack.workdir
+def measure(target: Target, bench: Bench, args: argparse.Namespace, direct_url: str) -> Result:
+    url, workdir = target.url + "/v1/chat/completions", bench.workdir
     direct = direct_url + "/v1/chat/completions"
-    stack.signal(target.paused, signal.SIGSTOP)
+    bench.signal(target.paused, signal.SIGSTOP)
     try:
         load(url, CHAT_BODY, args.connections, 1.0, workdir)  # warm-up: connections, caches
         before = {name: cpu_seconds(pid) for name, pid in target.cpu_of.items()}
@@ -520,7 +492,7 @@ def measure(target: Target, stack: Stack, args: argparse.Namespace, direct_url: 
                      "cpu_us_per_request_half": cpu_per_request(half_before, half_after, half["requests"])}
         streamed = load(url, STREAM_BODY, args.connections, args.duration, workdir)
     finally:
-        stack.signal(target.paused, signal.SIGCONT)
+        bench.signal(target.paused, signal.SIGCONT)
     return Result(target=target.name, rps=round(throughput["rps"], 1), rps_stream=round(streamed["rps"], 1),
                   errors=throughput["errors"] + streamed["errors"] + (half["errors"] if paced else 0),
                   cpu_us_per_request=cpu_per_request(before, after, throughput["requests"]),
@@ -557,24 +529,30 @@ def show(result: Result) -> None:
 PROXIES = ("proxy-w1", "proxy-w2")
 
 
-def start_stack(stack: Stack, nats_url: str, policy: str) -> tuple[dict[str, str], dict[str, str], dict[str, list[str]]]:
-    """Engines, scheduler, recorder, and the two proxies: their URLs and /metrics URLs."""
-    engines = {f"e{i}": stack.spawn(f"engine-{i}", [sys.executable, "-m", "laswrr.bench.proxy_bench", "engine"], LISTEN)
-               for i in (1, 2)}
-    stack.spawn("scheduler", laswrr("scheduler", "--nats-url", nats_url))
-    stack.spawn("recorder", laswrr("recorder", "--nats-url", nats_url, "--data-dir", str(stack.workdir / "data")))
-    asyncio.run(register_nodes(nats_url, engines))
+async def start_stack(bench: Bench, policy: str) -> tuple[dict[str, str], dict[str, str], dict[str, list[str]]]:
+    """Engines, then ``laswrr up``'s order (services/up.py ``Stack``): NATS, scheduler and
+    recorder, the engines registered (``lb.admin.node.<id>``, waiting until LB_WEIGHTS shows
+    them), the two proxies; their URLs and /metrics URLs."""
+    stack = bench.stack
+    started = await asyncio.gather(*(stack.spawn(f"engine-{i}", "engine", role="sim-engine", wait_listening=True,
+                                                 program=(sys.executable, "-m", "laswrr.bench.proxy_bench"))
+                                     for i in (1, 2)))
+    engines = {f"e{i}": child.url or "" for i, child in zip((1, 2), started)}
+    nodes = [Node(id=node, url=url, capacity=64) for node, url in engines.items()]
+    stack.allow_hosts(nodes)
+    await stack.start_nats()
+    await stack.start_core()
+    await stack.register(nodes)
     proxies: dict[str, str] = {}
     metrics: dict[str, list[str]] = {}
     for name, workers in zip(PROXIES, (1, 2)):
         admin = admin_ports(workers)
-        proxies[name] = stack.spawn(name, laswrr("proxy", "--nats-url", nats_url, "--host", "127.0.0.1", "--port", "0",
-                                                 "--proxy-id", f"bench-{name}", "--policy", policy,
-                                                 "--workers", str(workers), "--admin-port", str(admin)), LISTEN)
+        proxies[name] = await stack.start_proxy(port=0, extra_args=("--policy", policy, "--workers", str(workers)),
+                                                name=name, admin_port=admin)
         metrics[name] = [f"http://127.0.0.1:{admin + k}/metrics" for k in range(workers)]
-        for url in metrics[name]:
-            wait_until(lambda: len(http_json(url.replace("/metrics", "/healthz"))["pools"]["default"]["routable"]) == 2,
-                       f"{name} routes")
+        for url in metrics[name]:  # every worker routes on both engines
+            await asyncio.to_thread(wait_until, lambda: len(http_json(url.replace("/metrics", "/healthz"))["pools"]
+                                                            ["default"]["routable"]) == 2, f"{name} routes")
     return engines, proxies, metrics
 
 
@@ -582,7 +560,7 @@ def admin_ports(count: int) -> int:
     """A first port P with P..P+count-1 free (each worker k of a proxy serves /metrics on P+k)."""
     import socket
 
-    from laswrr.services.natsbus import free_port
+    from laswrr.services.nats_server import free_port
     for _ in range(100):
         first = free_port()
         try:
@@ -612,31 +590,36 @@ IDENTICAL = "identical: every recorded output was reproduced byte for byte"
 
 
 def run(args: argparse.Namespace) -> int:
-    from laswrr.services.natsbus import EmbeddedNats
+    return asyncio.run(run_stack(args))
+
+
+async def run_stack(args: argparse.Namespace) -> int:
+    """The benchmark; the stack's children are watched by this event loop, so every blocking
+    step (load runs, waits, HTTP probes) runs in a thread."""
     generator = ensure_wrk()
     workdir = Path(tempfile.mkdtemp(prefix="proxy-bench-"))
-    stack = Stack(workdir)
-    nats = EmbeddedNats(workdir / "nats").start()
+    bench = Bench(Stack(workdir / "data", proxy_port=0, secure=False), workdir)
     results: list[Result] = []
     notes: dict[str, Any] = {"load_generator": generator, "cpus": os.cpu_count(), "connections": args.connections,
                              "duration_s": args.duration, "latency_duration_s": args.latency_duration,
                              "rounds": args.rounds, "workdir": str(workdir), "load_average_start": os.getloadavg()}
     started = time.monotonic()
     try:
-        engines, proxies, metrics = start_stack(stack, nats.url, args.policy)
-        router_url, router_status = start_vllm_router(stack, list(engine for engine in engines.values()))
+        engines, proxies, metrics = await start_stack(bench, args.policy)
+        router_url, router_status = await start_vllm_router(bench, list(engine for engine in engines.values()))
         notes["vllm_router"] = router_status
-        engine_pids = stack.pids("engine-1", "engine-2")
-        bus_pids = {**stack.pids("scheduler", "recorder"), "nats": nats.process.pid}  # type: ignore[union-attr]
-        stack_pids = {**stack.pids(*PROXIES), **bus_pids}
-        targets = [Target("direct", engines["e1"], stack.pids("engine-1"))]
+        engine_pids = bench.pids("engine-1", "engine-2")
+        assert bench.stack.embedded is not None and bench.stack.embedded.process is not None
+        bus_pids = {**bench.pids("scheduler", "recorder"), "nats": bench.stack.embedded.process.pid}
+        stack_pids = {**bench.pids(*PROXIES), **bus_pids}
+        targets = [Target("direct", engines["e1"], bench.pids("engine-1"))]
         for name, label in zip(PROXIES, ("laswrr-w1", "laswrr-w2")):
-            cpu_of = {"proxy": stack.pids(name)[name], **bus_pids, **engine_pids}
+            cpu_of = {"proxy": bench.pids(name)[name], **bus_pids, **engine_pids}
             targets.append(Target(label, proxies[name], cpu_of, metrics=metrics[name]))
         targets.append(Target("laswrr-w1-proxy-only", proxies["proxy-w1"], targets[1].cpu_of,
                               paused=("scheduler", "recorder"), metrics=metrics["proxy-w1"]))
         if router_url is not None:
-            targets.append(Target("vllm-router", router_url, {**stack.pids("vllm-router"), **engine_pids}))
+            targets.append(Target("vllm-router", router_url, {**bench.pids("vllm-router"), **engine_pids}))
         else:
             print(f"  vllm-router skipped: {router_status}")
         print(f"proxy benchmark ({generator}, {args.connections} connections, {args.duration:g} s per saturating run, "
@@ -645,19 +628,19 @@ def run(args: argparse.Namespace) -> int:
         runs: dict[str, list[Result]] = {t.name: [] for t in targets}
         for round_no in range(args.rounds):
             for target in targets:  # interleaved, so a burst of outside load hits every target alike
-                quiesce(stack_pids)
-                result = measure(target, stack, args, engines["e1"])
+                await asyncio.to_thread(quiesce, stack_pids)
+                result = await asyncio.to_thread(measure, target, bench, args, engines["e1"])
                 runs[target.name].append(result)
                 print(f"round {round_no + 1}:", end="")
                 show(result)
         results = [best(r) for r in runs.values()]
-        notes["proxy_health"] = http_json(metrics["proxy-w1"][0].replace("/metrics", "/healthz"))
-        notes["event_batches"] = {name: [event_batches(url) for url in urls] for name, urls in metrics.items()}
+        notes["proxy_health"] = await asyncio.to_thread(http_json, metrics["proxy-w1"][0].replace("/metrics", "/healthz"))
+        notes["event_batches"] = {name: [await asyncio.to_thread(event_batches, url) for url in urls]
+                                  for name, urls in metrics.items()}
     finally:
         notes["load_average_end"] = os.getloadavg()
-        stack.stop(order=(("vllm-router", *PROXIES), ("scheduler",), ("recorder",)))
-        nats.stop()
-    notes["replay"] = replay_exact(workdir / "data" / "events.duckdb")
+        await bench.stop()
+    notes["replay"] = await asyncio.to_thread(replay_exact, bench.stack.data_dir / "events.duckdb")
     notes["wall_s"] = round(time.monotonic() - started, 1)
     print("best of rounds:")
     for result in results:

@@ -17,7 +17,8 @@ from pathlib import Path
 import duckdb
 
 from laswrr.schemas import subjects as sj
-from laswrr.services.natsbus import EmbeddedNats, connect, ensure_streams
+from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.services.nats_server import EmbeddedNats
 from laswrr.services.recorder import Recorder, RecorderOptions
 
 GOAL = 20_000

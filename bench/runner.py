@@ -46,7 +46,10 @@ from laswrr.bench.metrics import RequestResult
 from laswrr.bench.report import NodePoint, PolicyRun, SnapshotPoint
 from laswrr.bench.scenarios import Action, Scenario
 from laswrr.bench.workload import RequestSpec
+from laswrr.collectors.nodes import Node
 from laswrr.services.natsbus import connect
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.outputs import WeightSnapshot
 
 log = logging.getLogger("laswrr.bench")
 
@@ -58,21 +61,21 @@ OnResult = Callable[[RequestResult], None]
 # --------------------------------------------------------------------------- snapshots
 
 
-def snapshot_point(data: dict[str, Any], t_s: float) -> SnapshotPoint:
-    nodes = {
-        n["node"]: NodePoint(float(n["effective_weight"]), float(n["target_weight"]), int(n["inflight"]),
-                             str(n["phase"]), bool(n.get("routable", True)))
-        for n in data.get("nodes", [])
-    }
-    return SnapshotPoint(round(t_s, 4), int(data.get("as_of_seq", 0)), nodes)
+_SNAPSHOT = msgspec.json.Decoder(WeightSnapshot)
+
+
+def snapshot_point(snapshot: WeightSnapshot, t_s: float) -> SnapshotPoint:
+    nodes = {n.node: NodePoint(n.effective_weight, n.target_weight, n.inflight, n.phase, n.routable)
+             for n in snapshot.nodes}
+    return SnapshotPoint(round(t_s, 4), snapshot.as_of_seq, nodes)
 
 
 class SnapshotWatch:
     """Collects every weight snapshot published while the run lasts (loop-time stamped)."""
 
     def __init__(self) -> None:
-        self.raw: list[tuple[float, dict[str, Any]]] = []
-        self.latest: dict[str, Any] | None = None
+        self.raw: list[tuple[float, WeightSnapshot]] = []
+        self.latest: WeightSnapshot | None = None
         self._nc: Any = None
 
     async def start(self, nats_url: str) -> None:
@@ -80,11 +83,11 @@ class SnapshotWatch:
         loop = asyncio.get_running_loop()
 
         async def on_msg(msg: Any) -> None:
-            data = msgspec.json.decode(msg.data)
+            data = _SNAPSHOT.decode(msg.data)
             self.latest = data
             self.raw.append((loop.time(), data))
 
-        await self._nc.subscribe("lb.out.snapshot.>", cb=on_msg)
+        await self._nc.subscribe(f"{sj.OUT_SNAPSHOT}.>", cb=on_msg)
 
     async def publish(self, subject: str, payload: dict[str, Any]) -> None:
         await self._nc.publish(subject, msgspec.json.encode(payload))
@@ -101,9 +104,9 @@ class SnapshotWatch:
     def ready(self, capacities: dict[str, int]) -> bool:
         if self.latest is None:
             return False
-        nodes = {n["node"]: n for n in self.latest.get("nodes", [])}
-        return all(node in nodes and nodes[node].get("routable", False)
-                   and float(nodes[node]["effective_weight"]) >= 0.9 * cap for node, cap in capacities.items())
+        nodes = {n.node: n for n in self.latest.nodes}
+        return all(node in nodes and nodes[node].routable
+                   and nodes[node].effective_weight >= 0.9 * cap for node, cap in capacities.items())
 
 
 async def wait_ready(watch: SnapshotWatch, capacities: dict[str, int], timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -118,13 +121,17 @@ async def wait_ready(watch: SnapshotWatch, capacities: dict[str, int], timeout_s
 
 
 async def apply_action(action: Action, engine_urls: dict[str, str], http: aiohttp.ClientSession,
-                       watch: SnapshotWatch) -> None:
+                       watch: SnapshotWatch, engine_admin: bool = True) -> None:
     """One action: the engine admin change (capacity, slowdown, fail, or the health its npu-smi
-    shows) and, for an announced capacity, the admin event at once."""
+    shows) and, for an announced capacity, the admin event at once. ``engine_admin`` False (real
+    engines, which have no admin API): the announcement alone."""
+    if action.kind == "drain":  # the operator's drain alone: the engine is untouched
+        await watch.publish(sj.admin_drain(action.node), {})
+        return
     changes = {action.kind: action.value}
-    calls = [_engine_admin(http, engine_urls[action.node], changes)]
+    calls = [_engine_admin(http, engine_urls[action.node], changes)] if engine_admin else []
     if action.kind == "capacity" and action.announce:
-        calls.append(watch.publish(f"lb.admin.capacity.{action.node}", {"capacity": int(action.value)}))
+        calls.append(watch.publish(sj.admin_capacity(action.node), {"capacity": int(action.value)}))
     await asyncio.gather(*calls)
 
 
@@ -135,7 +142,8 @@ async def _engine_admin(http: aiohttp.ClientSession, url: str, changes: dict[str
 
 
 async def run_timeline(actions: Sequence[Action], t0: float, engine_urls: dict[str, str],
-                       http: aiohttp.ClientSession, watch: SnapshotWatch) -> list[tuple[float, str]]:
+                       http: aiohttp.ClientSession, watch: SnapshotWatch,
+                       engine_admin: bool = True) -> list[tuple[float, str]]:
     """Execute the actions at t0 + at_s; returns (actual offset, label) per action."""
     loop = asyncio.get_running_loop()
     done: list[tuple[float, str]] = []
@@ -143,7 +151,7 @@ async def run_timeline(actions: Sequence[Action], t0: float, engine_urls: dict[s
         delay = t0 + action.at_s - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        await apply_action(action, engine_urls, http, watch)
+        await apply_action(action, engine_urls, http, watch, engine_admin)
         done.append((round(loop.time() - t0, 3), action.label or f"{action.node} {action.kind}={action.value}"))
     return done
 
@@ -177,6 +185,29 @@ async def prefix_counters(http: aiohttp.ClientSession, engine_urls: dict[str, st
 
     values = await asyncio.gather(*(one(url) for url in engine_urls.values()))
     return dict(zip(engine_urls, values))
+
+
+async def preemption_counters(http: aiohttp.ClientSession, engine_urls: dict[str, str]) -> dict[str, float]:
+    """Each engine's own ``vllm:num_preemptions_total`` (the simulator exposes it too; 0 if absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def one(url: str) -> float:
+        async with http.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name in ("vllm:num_preemptions_total", "num_preemptions_total"))  # vLLM, MindIE names
+
+    values = await asyncio.gather(*(one(url) for url in engine_urls.values()))
+    return dict(zip(engine_urls, values))
+
+
+async def reset_prefix_caches(http: aiohttp.ClientSession, engine_urls: dict[str, str]) -> None:
+    """Real vLLM engines keep their caches between policies: empty them (POST /reset_prefix_cache,
+    served with VLLM_SERVER_DEV_MODE=1, as bench/real_vllm.py starts them)."""
+    for url in engine_urls.values():
+        async with http.post(f"{url}/reset_prefix_cache") as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"{url}/reset_prefix_cache -> {resp.status}: {await resp.text()}")
 
 
 def counter_deltas(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
@@ -228,11 +259,16 @@ Alongside = Callable[[stack_adapter.RunningStack, float], Awaitable[None]]
 
 async def run_policy(scenario: Scenario, policy: str, workload: Sequence[RequestSpec], run_dir: Path,
                      on_result: OnResult | None = None, proxy_args: Sequence[str] = (),
-                     alongside: Alongside | None = None, proxies: int = 1) -> PolicyRun:
+                     alongside: Alongside | None = None, proxies: int = 1,
+                     engines: Sequence[Node] | None = None, model: str | None = None) -> PolicyRun:
+    """``engines``: running engines to register (real vLLM, bench/real_vllm.py) instead of
+    starting the scenario's simulated ones; they have no admin API, so actions are announcements
+    only, and their prefix caches are emptied before the run."""
     started = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
     stack = await stack_adapter.start(scenario, policy, run_dir, write_scheduler_config(scenario, run_dir),
-                                      proxy_args, proxies=proxies)
+                                      proxy_args, proxies=proxies, engines=engines,
+                                      **({"model": model} if model else {}))
     log.info("%s/%s: stack up in %.1fs", scenario.name, policy, time.monotonic() - started)
     watch = SnapshotWatch()
     notes: list[str] = []
@@ -242,11 +278,16 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
         log.info("%s/%s: ready at %.1fs", scenario.name, policy, time.monotonic() - started)
         loop = asyncio.get_running_loop()
         async with make_session() as http:
+            if engines is not None:
+                await reset_prefix_caches(http, stack.engine_urls)
             before = await prefix_counters(http, stack.engine_urls)
+            preempted = await preemption_counters(http, stack.engine_urls)
             t0 = loop.time() + 0.2
-            timeline = asyncio.create_task(run_timeline(scenario.actions, t0, stack.engine_urls, http, watch))
+            timeline = asyncio.create_task(run_timeline(scenario.actions, t0, stack.engine_urls, http, watch,
+                                                        engine_admin=engines is None))
             beside = asyncio.create_task(alongside(stack, t0)) if alongside is not None else None
-            load = await run_load(stack.proxy_urls, workload, t0, model=stack_adapter.request_model(policy),
+            load = await run_load(stack.proxy_urls, workload, t0,
+                                  model=stack_adapter.request_model(policy, stack.model),
                                   on_done=on_result, session=http)
             applied = await timeline
             if beside is not None:
@@ -256,6 +297,8 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
                     notes.append(f"{getattr(alongside, '__name__', 'alongside')} failed: {exc}")
                     log.warning("%s/%s: %s", scenario.name, policy, notes[-1])
             prefix_cache = counter_deltas(before, await prefix_counters(http, stack.engine_urls))
+            preemptions = {node: count - preempted.get(node, 0.0)
+                           for node, count in (await preemption_counters(http, stack.engine_urls)).items()}
             view_lag = None if stack_adapter.is_peer(policy) else await view_lags(http, stack.proxy_urls)
         notes += [f"action at {t:.2f}s: {label}" for t, label in applied]
         await asyncio.sleep(SETTLE_S)
@@ -264,7 +307,8 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
         await watch.stop()
         await stack_adapter.stop(stack)
     log.info("%s/%s: stack down at %.1fs", scenario.name, policy, time.monotonic() - started)
-    run = PolicyRun(policy, load.results, snapshots, notes=notes, prefix_cache=prefix_cache, view_lag=view_lag)
+    run = PolicyRun(policy, load.results, snapshots, notes=notes, prefix_cache=prefix_cache, view_lag=view_lag,
+                    preemptions=preemptions)
     # a peer router publishes no request events: the analyst report would count nothing
     run.report = None if stack_adapter.is_peer(policy) else analyst_report(stack.db_path)
     run.replay = exact_replay(stack.db_path)

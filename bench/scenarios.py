@@ -45,9 +45,11 @@ their P99s are comparable.
 **Actions** (times in seconds from the start of the load, before ``--duration-scale``):
 ``capacity`` sets the engine's slots (engine admin) and, when ``announce``, publishes
 ``lb.admin.capacity.<node>`` at the same moment; ``slowdown`` and ``fail`` go to the engine admin
-only (silent faults); ``health`` sets the Health its simulated ``npu-smi info`` shows (OK |
+only (silent faults); ``fault_code`` makes the engine's simulated npu-exporter report a MindCluster
+fault code (its own /health unchanged; a separating code leaves the node no capacity); ``health`` sets the Health its simulated ``npu-smi info`` shows (OK |
 Warning | Alarm | Critical), which reaches the scheduler only through the collector's npu-smi
-samples, as on real hardware. Each action also defines the node's *true* capacity for the balance
+samples, as on real hardware; ``drain`` publishes ``lb.admin.drain.<node>`` only (the engine is
+untouched: a router that reads no drain keeps using it). Each action also defines the node's *true* capacity for the balance
 metrics: 0 while its engine refuses (``fail: refuse``) or its NPU is ``Critical`` (docs/ascend.md §1:
 eject now), whichever of the two or both; its slots again once neither holds.
 """
@@ -61,14 +63,15 @@ from typing import Any, Literal, get_args
 
 from laswrr.bench.metrics import CapacityAt, Phase, capacity_timeline
 from laswrr.bench.trace import TraceWindow
-from laswrr.bench.workload import WorkloadSpec, mean_output_tokens
+from laswrr.bench.workload import Tenant, WorkloadSpec, mean_output_tokens
+from laswrr.schemas.words import NpuHealth
 from laswrr.services.sim_engine.config import HEALTH_STATES
 from laswrr.services.sim_engine.physics import EngineSim
 from laswrr.services.sim_engine.profiles import get_profile
 
-ActionKind = Literal["capacity", "slowdown", "fail", "health"]
+ActionKind = Literal["capacity", "slowdown", "fail", "health", "fault_code", "drain"]
 ACTION_KINDS: tuple[str, ...] = get_args(ActionKind)
-DOWN_HEALTH = frozenset({"Critical"})  # an NPU health that leaves the node no capacity at all
+DOWN_HEALTH = frozenset({NpuHealth.CRITICAL})  # an NPU health that leaves the node no capacity at all
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +79,14 @@ class EngineSpec:
     node: str
     chip: str
     capacity: int  # engine decode slots, and the capacity registered with the scheduler
+    flavour: str = "vllm"  # mindie: MindIE-flavoured sim engine, read through its /v1/status and npu-exporter
+    role: str = "both"  # prefill | decode: a prefill/decode pool's node (the scenario's ``pd_protocol``)
+
+    @property
+    def sim(self) -> tuple[str, str, int] | tuple[str, str, int, str]:
+        """The ``Stack.start_sim_engines`` tuple of this engine."""
+        base = (self.node, self.chip, self.capacity)
+        return base if self.flavour == "vllm" else (*base, self.flavour)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +119,15 @@ class Scenario:
     focus_phase: str = ""  # the phase the goals look at (the disturbance)
     trace: TraceWindow | None = None  # replay this trace instead of generating ``workload``
     kv_tokens: int | None = None  # every engine's KV room (sim-engine --kv-tokens); None: the chip's
+    tenants: tuple[Tenant, ...] = ()  # API keys sending the load (bench.workload.assign_tenants); (): no key
+    rate_rps: float | None = None  # the offered load itself, instead of ``util`` of the simulator's saturation
+    # policy variants (bench.stack_adapter.VARIANTS) the default policy list runs too, each placed
+    # before the default row of its policy or after it (``+flow`` before ``la-swrr``, ``+cap`` after)
+    rows_before: tuple[str, ...] = ()
+    rows_after: tuple[str, ...] = ()
+    # a prefill/decode pool: the protocol its engines speak (None: whole requests); a peer router's
+    # row runs its own (vllm-router: vllm, sglang-router: sglang: bench.stack_adapter.pd_protocol_for)
+    pd_protocol: str | None = None
 
     @property
     def duration_s(self) -> float:
@@ -132,7 +152,8 @@ class Scenario:
 
     def workload_spec(self) -> WorkloadSpec:
         """The workload at ``util`` of the pool's saturation rate, over the whole scenario."""
-        rate = self.util * pool_saturation_rps(self.engines, self.workload, self.speed)
+        rate = self.rate_rps if self.rate_rps is not None else \
+            self.util * pool_saturation_rps(self.engines, self.workload, self.speed)
         return replace(self.workload, duration_s=self.duration_s, rate_rps=round(rate, 3))
 
     def capacity_at(self) -> CapacityAt:
@@ -173,6 +194,8 @@ def true_capacity_changes(scenario: Scenario) -> list[tuple[float, str, float]]:
             (refused.add if action.value == "refuse" else refused.discard)(node)
         elif action.kind == "health":
             (critical.add if action.value in DOWN_HEALTH else critical.discard)(node)
+        elif action.kind == "fault_code":  # a separating code (the scenarios use SeparateNPU): the chip is out
+            (critical.add if action.value else critical.discard)(node)
         else:
             continue
         capacity = 0.0 if node in refused or node in critical else slots[node]
@@ -217,6 +240,26 @@ SILENT_SLOWDOWN = Scenario(
     focus_phase="slow",
 )
 
+SILENT_SLOWDOWN_MINDIE = replace(
+    SILENT_SLOWDOWN,
+    name="silent-slowdown-mindie",
+    description="4×910B MindIE (status on /v1/status, chips through npu-exporter); n2 silently loses 8 of 10 slots "
+                "and runs 2× slower (no announcement)",
+    engines=tuple(replace(e, flavour="mindie") for e in HOMOGENEOUS),
+)
+
+NPU_FAULT_MINDIE = Scenario(
+    name="npu-fault-mindie",
+    description="4×910B MindIE, chips through npu-exporter (5 s refresh); n4's chip reports SeparateNPU fault "
+                "80E18402 (the engine still answers), cleared later",
+    engines=tuple(replace(e, flavour="mindie") for e in HOMOGENEOUS),
+    phases=_three_phases(("steady", "fault", "cleared"), 14.0, 28.0, 42.0),
+    actions=(Action(14.0, "fault_code", "n4", "80E18402", label="n4 chip fault 80E18402 SeparateNPU"),
+             Action(28.0, "fault_code", "n4", "", label="n4 fault cleared")),
+    util=0.5,
+    focus_phase="fault",
+)
+
 HETEROGENEOUS = Scenario(
     name="heterogeneous",
     description="910C (20) + 2×910B (10) + 910 (7) at steady load",
@@ -233,9 +276,9 @@ CRASH_RETURN = Scenario(
                 "later npu-smi shows OK again and the engine serves",
     engines=HOMOGENEOUS,
     phases=_three_phases(("steady", "crash", "return"), 14.0, 28.0, 42.0),
-    actions=(Action(14.0, "health", "n4", "Critical", label="n4 NPU Critical"),
+    actions=(Action(14.0, "health", "n4", NpuHealth.CRITICAL, label="n4 NPU Critical"),
              Action(14.0, "fail", "n4", "refuse", label="n4 crashes (refuse)"),
-             Action(28.0, "health", "n4", "OK", label="n4 NPU OK"),
+             Action(28.0, "health", "n4", NpuHealth.OK, label="n4 NPU OK"),
              Action(28.0, "fail", "n4", "none", label="n4 returns")),
     util=0.5,
     focus_phase="crash",
@@ -264,6 +307,22 @@ SMOKE = Scenario(
                           cancel_share=0.1, cancel_min_s=0.05, cancel_max_s=0.3),
     speed=10.0,
     focus_phase="drop",
+)
+
+OVERLOAD = Scenario(
+    name="overload",
+    description="4×910B at 2× their saturation throughput for 60 s from 4 API keys offering 10:1:1:1: a batch "
+                "job (batch) and three users (interactive, default, a mix of the two)",
+    engines=HOMOGENEOUS,
+    phases=(Phase("overload", 0.0, 60.0),),
+    actions=(),
+    util=2.0,
+    workload=WorkloadSpec(cancel_share=0.0),
+    focus_phase="overload",
+    tenants=(Tenant("batch-job", 10.0, "batch"), Tenant("user-interactive", 1.0, "interactive"),
+             Tenant("user-default", 1.0, "default"), Tenant("user-mix", 1.0, "mix")),
+    rows_before=("la-swrr+flow",),  # one run for every row: flow control, today's default, today's cap, the peers
+    rows_after=("la-swrr+cap",),
 )
 
 TRACE_POOL = (EngineSpec("c1", "910C", 20), EngineSpec("b1", "910B", 10), EngineSpec("b2", "910B", 10),
@@ -308,11 +367,79 @@ SMOKE_TRACE = Scenario(
     kv_tokens=2_000_000,
 )
 
+PD = Scenario(
+    name="pd",
+    description="a prefill/decode pool: 2 prefill + 2 decode 910B, prefill p2 at half speed throughout, decode d2 "
+                "drained mid-run (lb.admin.drain: laswrr drains it; a peer router cannot be told)",
+    engines=(EngineSpec("p1", "910B", 10, role="prefill"), EngineSpec("p2", "910B", 10, role="prefill"),
+             EngineSpec("d1", "910B", 10, role="decode"), EngineSpec("d2", "910B", 10, role="decode")),
+    phases=_three_phases(("steady", "drain", "after"), 12.0, 24.0, 36.0),
+    actions=(Action(0.0, "slowdown", "p2", 2.0, label="p2 at half speed"),
+             Action(12.0, "drain", "d2", None, label="d2 drained")),
+    util=0.0,
+    rate_rps=1.6,  # a decode-only 910B sustains ~2.4 requests/s of this workload at speed 4: d1 alone at ~68 %
+    workload=WorkloadSpec(prompt_median=2000.0, prompt_max=8192),
+    focus_phase="drain",
+    pd_protocol="vllm",
+)
+
+PD_SGLANG = replace(PD, name="pd-sglang", pd_protocol="sglang",
+                    description=PD.description + "; laswrr's rows on sglang engines (both legs at once)")
+PD_LONG_PROMPTS = replace(PD, name="pd-long-prompts", rate_rps=1.4,
+                          workload=WorkloadSpec(prompt_median=8000.0, prompt_max=16384),
+                          description=PD.description + "; prompts of median 8,000 tokens: the half-speed prefill "
+                                                       "node cannot take half of them")
+
 SCENARIOS: dict[str, Scenario] = {
-    s.name: s for s in (ANNOUNCED_DROP, SILENT_SLOWDOWN, HETEROGENEOUS, CRASH_RETURN, BURSTY, TRACE_MOONCAKE,
-                        TRACE_AZURE_CODE, SMOKE, SMOKE_TRACE)
+    s.name: s for s in (ANNOUNCED_DROP, SILENT_SLOWDOWN, SILENT_SLOWDOWN_MINDIE, NPU_FAULT_MINDIE,
+                        HETEROGENEOUS, CRASH_RETURN, BURSTY, OVERLOAD, TRACE_MOONCAKE,
+                        TRACE_AZURE_CODE, PD, PD_SGLANG, PD_LONG_PROMPTS, SMOKE, SMOKE_TRACE)
 }
 TEST_SCENARIOS = frozenset({SMOKE.name, SMOKE_TRACE.name})  # tiny, for tests: not in ``--scenario all``
+
+
+# --------------------------------------------------------------------------- real vLLM engines
+#
+# `laswrr bench --engines vllm`: three real vLLM servers (CPU build, the tiny model of
+# bench/tiny_model.py; bench/real_vllm.py) with --max-num-seqs 8, 4 and 2, registered with those
+# capacities. The load is stated as a rate (the simulator's saturation arithmetic does not apply),
+# light enough that the policies' ordering holds across repeats on this 2-core machine. A real
+# engine cannot change its --max-num-seqs while it runs, so the announced drop is the announcement
+# alone (lb.admin.capacity: an operator reserving 6 of vllm-8's slots for something else): the
+# engine keeps its slots, laswrr moves the traffic, the peers cannot know.
+
+REAL_ENGINES = (EngineSpec("vllm-8", "cpu", 8), EngineSpec("vllm-4", "cpu", 4), EngineSpec("vllm-2", "cpu", 2))
+REAL_WORKLOAD = WorkloadSpec(prompt_median=120.0, prompt_sigma=0.6, prompt_max=600, output_median=48.0,
+                             output_sigma=0.5, output_max=160, cancel_share=0.0)
+
+REAL_HETEROGENEOUS = Scenario(
+    name="heterogeneous",
+    description="3 real vLLM (CPU, tiny model): --max-num-seqs 8, 4, 2 at steady load",
+    engines=REAL_ENGINES,
+    phases=(Phase("warm", 0.0, 8.0), Phase("steady", 8.0, 48.0)),
+    actions=(),
+    util=0.0,
+    rate_rps=1.6,
+    workload=REAL_WORKLOAD,
+    speed=1.0,
+    focus_phase="steady",
+)
+
+REAL_ANNOUNCED_DROP = Scenario(
+    name="announced-drop",
+    description="3 real vLLM (CPU, tiny model): 8, 4, 2 slots; vllm-8 announced 8→2 (lb.admin.capacity), back later",
+    engines=REAL_ENGINES,
+    phases=_three_phases(("steady", "drop", "recovery"), 16.0, 32.0, 48.0),
+    actions=(Action(16.0, "capacity", "vllm-8", 2, announce=True, label="vllm-8 announced 8→2"),
+             Action(32.0, "capacity", "vllm-8", 8, announce=True, label="vllm-8 announced 2→8")),
+    util=0.0,
+    rate_rps=1.6,
+    workload=REAL_WORKLOAD,
+    speed=1.0,
+    focus_phase="drop",
+)
+
+REAL_SCENARIOS: dict[str, Scenario] = {s.name: s for s in (REAL_HETEROGENEOUS, REAL_ANNOUNCED_DROP)}
 
 
 def get_scenario(name: str) -> Scenario:

@@ -31,18 +31,24 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
 
+from laswrr.bench.load import keys_file_text
 from laswrr.bench.scenarios import Scenario
 from laswrr.collectors.nodes import Node
 from laswrr.services.children import preexec
-from laswrr.services.natsbus import free_port
+from laswrr.services.nats_server import free_port
 from laswrr.services.up import SIM_MODEL, Stack
 
 log = logging.getLogger("laswrr.bench.stack")
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer router that is not installed, exited or never answered: its row is left out of the
+    run with this reason, and the other policies still run."""
 
 PEER_PREFIX = "vllm-router:"  # the default peer
 # router -> (the arguments before the common ones, its --log-level word for warnings, whether the
@@ -50,6 +56,26 @@ PEER_PREFIX = "vllm-router:"  # the default peer
 PEER_ROUTERS: dict[str, tuple[tuple[str, ...], str, bool]] = {"vllm-router": ((), "warning", False),
                                                                "sglang-router": (("launch",), "warn", True)}
 PEER_START_TIMEOUT_S = 60.0
+
+# ``<policy>+<variant>``: our proxy with extra flags, a row of its own (the overload scenario's
+# comparison of flow control against today's default and today's cap).
+# ``no-status``: the same proxy, on MindIE engines whose status the collector is not told about
+# (no status_url): what la-swrr knows without the status source (docs/ascend.md §5).
+# ``flow-noreserve``: flow control without the interactive reserve (an interactive request then
+# waits for a release: where the proxies' sharing of freed slots shows, docs/design.md §5).
+VARIANTS: dict[str, tuple[str, ...]] = {"flow": ("--flow-control",), "cap": ("--inflight-cap-per-capacity", "1"),
+                                        "flow-noreserve": ("--flow-control", "--interactive-reserve", "0"),
+                                        "no-status": ()}
+
+
+def split_variant(policy: str) -> tuple[str, tuple[str, ...]]:
+    """(the policy, the proxy flags of its variant) for ``la-swrr+flow`` and the like."""
+    base, plus, variant = policy.partition("+")
+    if not plus:
+        return policy, ()
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r} of {base!r}; choose from {', '.join(VARIANTS)}")
+    return base, VARIANTS[variant]
 
 
 def peer_of(policy: str) -> tuple[str, str] | None:
@@ -62,10 +88,11 @@ def is_peer(policy: str) -> bool:
     return peer_of(policy) is not None
 
 
-def request_model(policy: str) -> str | None:
-    """The ``model`` the load must send through this policy's router (None: send none)."""
+def request_model(policy: str, model: str = SIM_MODEL) -> str | None:
+    """The ``model`` the load must send through this policy's router (None: send none); ``model``:
+    the id the engines serve."""
     peer = peer_of(policy)
-    return SIM_MODEL if peer is not None and PEER_ROUTERS[peer[0]][2] else None
+    return model if peer is not None and PEER_ROUTERS[peer[0]][2] else None
 
 
 def peer_binary(router: str) -> str | None:
@@ -85,6 +112,7 @@ class RunningStack:
     db_path: Path
     peers: list[asyncio.subprocess.Process] = field(default_factory=list)
     proxy_urls: list[str] = field(default_factory=list)  # every replica's (the first is ``proxy_url``)
+    model: str = SIM_MODEL  # the model id the engines serve
 
     def __post_init__(self) -> None:
         self.proxy_urls = self.proxy_urls or [self.proxy_url]
@@ -95,24 +123,42 @@ class RunningStack:
 
 
 async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Path | None,
-                proxy_args: Sequence[str] = (), proxies: int = 1) -> RunningStack:
+                proxy_args: Sequence[str] = (), proxies: int = 1, engines: Sequence[Node] | None = None,
+                model: str = SIM_MODEL) -> RunningStack:
+    """``engines``: running engines (real vLLM) to register instead of starting simulated ones;
+    ``model``: the id they serve."""
     data_dir = run_dir / "data"
     stack = Stack(data_dir, proxy_port=0, config=str(config_path) if config_path else None)
     peers: list[asyncio.subprocess.Process] = []
     try:
         await stack.start_nats()
         await stack.start_core()
-        sims = [(e.node, e.chip, e.capacity) for e in scenario.engines]
-        nodes = await stack.start_sim_engines(sims, speed=scenario.speed, kv_tokens=scenario.kv_tokens)
+        if engines is None:
+            sims = [e.sim for e in scenario.engines]
+            protocol = pd_protocol_for(scenario, policy)
+            roles, args = pd_engine_args(scenario, protocol)
+            nodes = await stack.start_sim_engines(sims, speed=scenario.speed, kv_tokens=scenario.kv_tokens,
+                                                  engine_args=args)
+            nodes = [replace(n, **roles[n.id]) if n.id in roles else n for n in nodes]
+        else:
+            nodes = list(engines)
+        if policy.endswith("+no-status"):  # the engines still serve /v1/status; the collector is not told
+            nodes = [replace(n, status_url=None, extra={k: v for k, v in n.extra.items() if k != "status_url"})
+                     for n in nodes]
         await stack.register(nodes)
         stack.write_nodes_file(nodes)
         await stack.start_collector()
         peer = peer_of(policy)
         if peer is not None:  # one peer router: it has no replicas that could share a view
-            urls = [await start_peer(*peer, nodes, stack.log_dir, peers)]
+            urls = [await start_peer(*peer, nodes, stack.log_dir, peers, model)]
         else:
+            base, variant_args = split_variant(policy)
+            if scenario.tenants:  # each tenant sends its own key: the proxy names them in its events
+                keys = run_dir / "keys.txt"
+                keys.write_text(keys_file_text([t.name for t in scenario.tenants]))
+                variant_args += ("--api-keys", str(keys))
             urls = list(await asyncio.gather(*(
-                stack.start_proxy(port=0, extra_args=("--policy", policy, *proxy_args),
+                stack.start_proxy(port=0, extra_args=("--policy", base, *variant_args, *proxy_args),
                                   name="proxy" if k == 0 else f"proxy-{k + 1}")
                 for k in range(proxies))))
     except BaseException:
@@ -120,44 +166,90 @@ async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Pat
         await stack.stop()
         raise
     return RunningStack(stack, urls[0], {n.id: n.url for n in nodes}, stack.data_dir / "events.duckdb", peers,
-                        proxy_urls=urls)
+                        proxy_urls=urls, model=model)
+
+
+# a peer router's prefill/decode mode, and the protocol it speaks (the engines of its row speak it)
+PEER_PD: dict[str, tuple[str, str]] = {"vllm-router": ("--vllm-pd-disaggregation", "vllm"),
+                                       "sglang-router": ("--pd-disaggregation", "sglang")}
+
+
+def pd_protocol_for(scenario: Scenario, policy: str) -> str | None:
+    """The P/D protocol a row's engines speak: the scenario's, or the peer router's own."""
+    if scenario.pd_protocol is None:
+        return None
+    peer = peer_of(policy)
+    return PEER_PD[peer[0]][1] if peer is not None else scenario.pd_protocol
+
+
+def pd_engine_args(scenario: Scenario,
+                   protocol: str | None) -> tuple[dict[str, dict[str, object]], dict[str, tuple[str, ...]]]:
+    """Per P/D node: its registration's role keys and its sim-engine flags (an sglang prefill
+    engine's bootstrap server on a free port)."""
+    roles: dict[str, dict[str, object]] = {}
+    args: dict[str, tuple[str, ...]] = {}
+    if protocol is None:
+        return roles, args
+    for engine in scenario.engines:
+        if engine.role == "both":
+            continue
+        port = free_port() if protocol == "sglang" and engine.role == "prefill" else None
+        roles[engine.node] = {"role": engine.role, "pd_protocol": protocol, "bootstrap_port": port}
+        args[engine.node] = ("--pd-role", engine.role, "--pd-protocol", protocol,
+                             *(("--bootstrap-port", str(port)) if port is not None else ()))
+    return roles, args
+
+
+def peer_workers(router: str, nodes: list[Node]) -> list[str]:
+    """A peer router's worker flags: ``--worker-urls``, or in its P/D mode its prefill nodes (with
+    their bootstrap ports) and decode nodes."""
+    if all(n.role == "both" for n in nodes):
+        return ["--worker-urls", *[n.url for n in nodes]]
+    flags = [PEER_PD[router][0]]
+    for node in nodes:
+        if node.role == "prefill":
+            flags += ["--prefill", node.url, *([str(node.bootstrap_port)] if node.bootstrap_port else [])]
+        elif node.role == "decode":
+            flags += ["--decode", node.url]
+    return flags
 
 
 async def start_peer(router: str, router_policy: str, nodes: list[Node], log_dir: Path,
-                     peers: list[asyncio.subprocess.Process]) -> str:
+                     peers: list[asyncio.subprocess.Process], model: str = SIM_MODEL) -> str:
     binary = peer_binary(router)
     if binary is None:
-        raise RuntimeError(f"{router} is not installed (pip install 'laswrr[peers]')")
+        raise PeerUnavailable(f"{router} is not installed (pip install 'laswrr[peers]')")
     lead, log_level, _ = PEER_ROUTERS[router]
     port = free_port()
     with open(log_dir / f"{router}.log", "ab") as sink:
         proc = await asyncio.create_subprocess_exec(
             binary, *lead, "--host", "127.0.0.1", "--port", str(port), "--policy", router_policy,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            "--worker-urls", *[n.url for n in nodes], "--log-level", log_level,
+            *peer_workers(router, nodes), "--log-level", log_level,
             stdin=asyncio.subprocess.DEVNULL, stdout=sink, stderr=sink, start_new_session=True,
             preexec_fn=preexec())
     peers.append(proc)
     url = f"http://127.0.0.1:{port}"
-    await _wait_answering(url, proc, router)
+    await _wait_answering(url, proc, router, model, log_dir / f"{router}.log")
     return url
 
 
-async def _wait_answering(url: str, proc: asyncio.subprocess.Process, router: str) -> None:
+async def _wait_answering(url: str, proc: asyncio.subprocess.Process, router: str, model: str,
+                          log_path: Path) -> None:
     body: dict[str, object] = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
     if PEER_ROUTERS[router][2]:
-        body["model"] = SIM_MODEL
+        body["model"] = model
     deadline = time.monotonic() + PEER_START_TIMEOUT_S
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
         while time.monotonic() < deadline:
             if proc.returncode is not None:
-                raise RuntimeError(f"{router} exited with {proc.returncode}")
+                raise PeerUnavailable(f"{router} exited with {proc.returncode}; see {log_path}")
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
                     if resp.status == 200:
                         return
             await asyncio.sleep(0.2)
-    raise RuntimeError(f"{router} did not answer within {PEER_START_TIMEOUT_S:.0f}s")
+    raise PeerUnavailable(f"{router} did not answer within {PEER_START_TIMEOUT_S:.0f}s; see {log_path}")
 
 
 async def _stop_peers(peers: list[asyncio.subprocess.Process]) -> None:

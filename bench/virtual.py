@@ -1,5 +1,8 @@
 """`laswrr bench --virtual`: a trace scenario in virtual time, through the proxy's own routing table.
 
+(A scenario with a timeline instead of a trace runs with the scheduler's core in the loop:
+``bench.virtual_timeline``.)
+
 What runs: the scenario's simulated engines (``services.sim_engine.physics.EngineSim``, the same
 physics the engine processes run, prefix cache included) and the proxy's ``Router`` (the same
 pick, prefix index and work referee as ``laswrr proxy``), driven by the trace's arrivals on a
@@ -10,7 +13,14 @@ load, in seconds instead of minutes. It measures what routing alone can change; 
 (`laswrr bench` without ``--virtual``) adds the scheduler's weights, the bus and HTTP.
 
 ``--proxies N``: N replicas take the requests in turn, each with its own routing table, prefix
-index and counts. ``kept`` is the share of the requests continuing an earlier prompt (sharing
+index and counts. With ``--peer-interval-ms I`` (20, as ``laswrr proxy``; 0: off) they share them
+over the channel between proxies as the proxies do (docs/design.md, "The channel between
+proxies"): a replica's message goes to the others at each of its picks, and every I ms of
+virtual time from each replica whose counts changed otherwise or whose last message is half
+``peer_stale_ms`` old (``Router.peer_due``); the others take it at once (the interval is the
+delay modelled; the network's is not) and drop a peer silent for ``peer_stale_ms``. The run
+writes ``peers.json`` beside ``virtual.json``: messages, bytes per message as encoded on the
+bus, and bytes per request with the subjects against the request events' (``PeerTraffic``). ``kept`` is the share of the requests continuing an earlier prompt (sharing
 at least two leading trace blocks with it) that went to the node that served it: with several
 replicas, how well they agree on where a conversation lives.
 
@@ -35,16 +45,73 @@ from pathlib import Path
 
 from laswrr.bench.scenarios import Scenario
 from laswrr.bench.trace import load_workload
+from laswrr.bench.virtual_timeline import bench_timeline, check_timeline
 from laswrr.bench.workload import RequestSpec, prompt_text
 from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
-from laswrr.services.proxy.prompt import prompt_text as indexed_text
-from laswrr.services.proxy.prompt import request_size
-from laswrr.services.proxy.routing import DEFAULT_POOL, Admission, Router
+from laswrr.schemas import events as ev
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import batch_item, encode
+from laswrr.schemas.peers import PEER_ENCODER, PeerState
+from laswrr.schemas.words import Phase, RequestOutcome
+from laswrr.scheduler.routing.prompt import prompt_text as indexed_text
+from laswrr.scheduler.routing.prompt import request_size
+from laswrr.scheduler.routing.router import DEFAULT_POOL, Admission, Router
 from laswrr.services.sim_engine.physics import EngineSim
 from laswrr.services.sim_engine.profiles import get_profile
 
 ORACLE = "oracle"
-_STEP, _ARRIVE = 0, 1  # at one instant, steps end before arrivals are routed
+_STEP, _PEER, _ARRIVE = 0, 1, 2
+_T0_NS = 1_700_000_000_000_000_000  # an event time of today's size (its bytes), for PeerTraffic  # at one instant, steps end, then peers speak, before arrivals are routed
+
+
+@dataclass(slots=True)
+class PeerTraffic:
+    """What the channel between the virtual replicas carried, against the request events' bytes.
+
+    ``bytes``: the messages' payloads as encoded on the bus; ``wire_bytes`` adds each message's
+    subject. ``event_bytes``: the ``lb.req.started`` and ``lb.req.finished`` of every request as
+    a proxy puts them in its batches (each a batch item, with a 32-hex request id and boot id),
+    the base of the budget for the channel (docs/design.md, "The channel between proxies")."""
+
+    messages: int = 0
+    bytes: int = 0
+    wire_bytes: int = 0
+    records: int = 0
+    keys: int = 0
+    requests: int = 0
+    event_bytes: int = 0
+
+    def add(self, state: PeerState) -> None:
+        size = len(PEER_ENCODER.encode(state))
+        self.messages += 1
+        self.bytes += size
+        self.wire_bytes += size + len(sj.peer(state.pool, state.proxy))
+        self.records += len(state.prefixes)
+        self.keys += sum(r.count for r in state.prefixes)
+
+    def request(self, node: str, spec: RequestSpec, ttft_s: float, e2e_s: float) -> None:
+        """Count one finished request's events, encoded as the proxy's publisher encodes them."""
+        rid, boot = f"{spec.index:032x}", "0" * 16
+        started = ev.RequestStarted(request_id=rid, proxy="proxy-0", pool=DEFAULT_POOL, snapshot_seq=1,
+                                    ts_ns=_T0_NS, boot_id=boot, prompt_tokens=spec.prompt_tokens,
+                                    max_tokens=spec.max_tokens)
+        finished = ev.RequestFinished(request_id=rid, proxy="proxy-0", outcome=RequestOutcome.COMPLETED,
+                                      pool=DEFAULT_POOL, ttft_ms=round(ttft_s * 1000, 3),
+                                      duration_ms=round(e2e_s * 1000, 3), prompt_tokens=spec.prompt_tokens,
+                                      completion_tokens=spec.max_tokens, status=200, ts_ns=_T0_NS, boot_id=boot)
+        self.requests += 1
+        self.event_bytes += (len(batch_item(started.KIND, node, encode(started)))
+                             + len(batch_item(finished.KIND, node, encode(finished))))
+
+    def as_dict(self) -> dict[str, float]:
+        mean = self.bytes / self.messages if self.messages else 0.0
+        per_request = self.wire_bytes / self.requests if self.requests else 0.0
+        events = self.event_bytes / self.requests if self.requests else 0.0
+        return {"messages": self.messages, "bytes": self.bytes, "bytes_per_message": round(mean, 1),
+                "wire_bytes": self.wire_bytes, "wire_bytes_per_request": round(per_request, 1),
+                "event_bytes_per_request": round(events, 1),
+                "share_of_event_bytes": round(per_request / events, 4) if events else 0.0,
+                "prefix_records": self.records, "prefix_keys": self.keys}
 
 
 @dataclass(slots=True)
@@ -70,7 +137,7 @@ def quantiles(values: Sequence[float]) -> dict[str, float]:
 
 def _snapshot(scenario: Scenario) -> WeightSnapshot:
     idle = LoadView(queue=0.0, running=0.0, kv=0.0, npu=0.0, latency=0.0, load=0.0, sample_age_ms=None, stale=False)
-    nodes = [NodeView(node=e.node, url=e.node, phase="active", routable=True, capacity=e.capacity,
+    nodes = [NodeView(node=e.node, url=e.node, phase=Phase.ACTIVE, routable=True, capacity=e.capacity,
                       target_weight=float(e.capacity), effective_weight=float(e.capacity), inflight=0, chip=e.chip,
                       health=1.0, load=idle) for e in scenario.engines]
     return WeightSnapshot(pool=DEFAULT_POOL, as_of_seq=1, tick=0, ts_ns=0, panic=False, nodes=nodes)
@@ -108,22 +175,39 @@ class Continuations:
 
 
 def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed: int = 1,
-                proxies: int = 1) -> VirtualResult:
+                proxies: int = 1, peer_interval_ms: int = 0, traffic: PeerTraffic | None = None) -> VirtualResult:
     """One row; ``proxies`` replicas take the requests in turn, each with its own routing table
-    (its own counts only: the replicas' shared view rides on the scheduler's snapshots, which
-    this model has none of)."""
+    (no snapshot carries the others' counts here: without the channel, ``peer_interval_ms`` 0,
+    each replica sees its own counts only; with it, what the peers' messages say)."""
     if scenario.trace is None:
         raise ValueError(f"--virtual replays a trace; {scenario.name} is not a trace scenario")
     requests = load_workload(scenario.trace)
     engines = _engines(scenario)
-    routers = [] if policy == ORACLE else [Router(policy, seed + k, affinity=affinity) for k in range(proxies)]
+    share = proxies > 1 and peer_interval_ms > 0
+    if policy == ORACLE:
+        routers = []
+    elif share:
+        routers = [Router(policy, seed + k, affinity=affinity, proxy_id=f"proxy-{k}", share=True)
+                   for k in range(proxies)]
+    else:
+        routers = [Router(policy, seed + k, affinity=affinity) for k in range(proxies)]
     for router in routers:
         router.offer(_snapshot(scenario), now=0.0)
+    traffic = traffic if traffic is not None else PeerTraffic()
+    interval = peer_interval_ms / 1000
+    sent_at = [0.0] * len(routers)
+    seqs = [0] * len(routers)
     continuations = Continuations()
     queue: list[tuple[float, int, int, object]] = [(r.offset_s, _ARRIVE, i, r) for i, r in enumerate(requests)]
-    heapq.heapify(queue)
     order = len(queue)
-    live: dict[tuple[str, int], tuple[float, Router | None, Admission | None]] = {}
+    if share and routers:
+        for k in range(len(routers)):
+            queue.append((interval, _PEER, order, k))
+            order += 1
+    heapq.heapify(queue)
+    pending = len(requests)  # arrivals not routed yet, and requests not finished: peers speak while any
+    live: dict[tuple[str, int], tuple[float, Router | None, Admission | None, RequestSpec]] = {}
+    first_at: dict[tuple[str, int], float] = {}
     ttft: list[float] = []
     e2e: list[float] = []
     per_node = dict.fromkeys(engines, 0)
@@ -135,8 +219,28 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
             heapq.heappush(queue, (max(at, now), _STEP, order, node))
             order += 1
 
+    def speak(k: int, now: float) -> None:
+        """Replica k's message to the others, taken at once (the bus's delay is not modelled)."""
+        seqs[k] += 1
+        state = routers[k].peer_state(DEFAULT_POOL, "virtual", seqs[k], int(now * 1e9))
+        assert state is not None
+        sent_at[k] = now
+        traffic.add(state)
+        for j, other in enumerate(routers):
+            if j != k:
+                other.peer_update(state, now)
+
     while queue:
         now, kind, _, item = heapq.heappop(queue)
+        if kind == _PEER:
+            assert isinstance(item, int)
+            if not pending:
+                continue
+            if routers[item].peer_due(DEFAULT_POOL, now - sent_at[item]):
+                speak(item, now)
+            heapq.heappush(queue, (now + interval, _PEER, order, item))
+            order += 1
+            continue
         if kind == _ARRIVE:
             assert isinstance(item, RequestSpec)
             text = prompt_text(item)
@@ -145,27 +249,35 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
                 node = min(engines, key=lambda n: (engines[n].first_token_eta(item.prompt_tokens, text, now), n))
             else:
                 router = routers[item.index % len(routers)]
+                if share:
+                    router.expire_peers(now)
                 seen = indexed_text([{"role": "user", "content": text}], None)
                 admission = router.admit(DEFAULT_POOL, prompt=seen, size=request_size(seen, item.max_tokens, None))
                 assert admission is not None
                 node = admission.node
+                if share:  # a pick is told at once, as the proxy's bus does (Router.on_pick)
+                    speak(item.index % len(routers), now)
             per_node[node] += 1
             continuations.served(item.block_ids, node)
             engine = engines[node]
             submitted = engine.submit(item.prompt_tokens, item.max_tokens, now, prompt_text=text)
-            live[(node, submitted.req_id)] = (now, router, admission)
+            live[(node, submitted.req_id)] = (now, router, admission, item)
             wake(node, now)
             continue
         assert isinstance(item, str)
         for event in engines[item].advance(now):
-            arrived, router, admission = live[(item, event.req_id)]
+            arrived, router, admission, spec = live[(item, event.req_id)]
             if event.index == 0:
                 ttft.append(event.time - arrived)
+                first_at[(item, event.req_id)] = event.time
                 if admission is not None and router is not None:
                     router.prefilled(admission)
             if event.finished:
                 e2e.append(event.time - arrived)
+                if share:
+                    traffic.request(item, spec, first_at.pop((item, event.req_id)) - arrived, event.time - arrived)
                 del live[(item, event.req_id)]
+                pending -= 1
                 if admission is not None and router is not None:
                     router.release(admission)
         wake(item, now)
@@ -201,11 +313,40 @@ def print_virtual(scenario: Scenario, results: Sequence[VirtualResult]) -> None:
 
 
 def bench_virtual(scenarios: Sequence[Scenario], policies: Sequence[str], affinity: str | None, seed: int,
-                  out: Path, proxies: int = 1) -> int:
+                  out: Path, proxies: int = 1, peer_interval_ms: int = 0) -> int:
+    share = proxies > 1 and peer_interval_ms > 0
     for scenario in scenarios:
-        results = [run_virtual(scenario, policy, mode, seed, proxies) for policy, mode in rows_for(policies, affinity)]
+        if scenario.trace is None:  # a timeline scenario: the scheduler's core in the loop
+            try:
+                check_timeline(scenario)
+            except ValueError as exc:
+                if len(scenarios) == 1:
+                    raise
+                print(f"{scenario.name}: skipped ({exc})")  # --scenario all: the others still run
+                continue
+            bench_timeline(scenario, policies, affinity, seed, out, proxies, peer_interval_ms)
+            continue
+        plain = [policy for policy in policies if "+" not in policy]
+        if len(plain) < len(policies):
+            why = f"policy variants run in virtual time on timeline scenarios, not on {scenario.name} (its weights are fixed)"
+            if len(scenarios) == 1:
+                raise ValueError(why)
+            print(f"{scenario.name}: {why}: left out")
+        results, traffic = [], {}
+        for policy, mode in rows_for(plain, affinity):
+            carried = PeerTraffic()
+            results.append(run_virtual(scenario, policy, mode, seed, proxies, peer_interval_ms, carried))
+            if share and policy != ORACLE:
+                traffic[f"{policy}/{mode}"] = carried.as_dict()
         print_virtual(scenario, results)
         target = out / scenario.name
         target.mkdir(parents=True, exist_ok=True)
         (target / "virtual.json").write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
+        if share:
+            print(f"channel between proxies (picks at once, the rest within {peer_interval_ms} ms): " + "; ".join(
+                      f"{row} {t['messages']} messages, {t['bytes_per_message']:.0f} B each, "
+                      f"{t['wire_bytes_per_request']:.0f} B a request with subjects = "
+                      f"{100 * t['share_of_event_bytes']:.0f} % of the request events' "
+                      f"{t['event_bytes_per_request']:.0f} B" for row, t in traffic.items()))
+            (target / "peers.json").write_text(json.dumps(traffic, indent=1) + "\n")
     return 0

@@ -88,6 +88,35 @@ class RequestSpec:
     max_tokens: int
     cancel_after_s: float | None  # None: the client waits for the end
     block_ids: tuple[int, ...] = ()  # a trace's prefix-block ids (bench.trace): shared ids, shared text
+    tenant: str = ""  # the API key's name it is sent with ("" : none; bench.scenarios.Tenant)
+    priority: str = ""  # its x-laswrr-priority ("": none)
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """One client of a multi-tenant workload: its API key's name, its share of the arrivals, and
+    the ``x-laswrr-priority`` it sends (``mix``: ``interactive`` or ``default``, half each)."""
+
+    name: str
+    share: float
+    priority: str
+
+
+TENANT_SEED = 0x7E4A47  # mixed into the seed: tenants are drawn from their own stream
+
+
+def assign_tenants(requests: Sequence[RequestSpec], tenants: Sequence[Tenant], seed: int) -> list[RequestSpec]:
+    """Each request given a tenant in proportion to the shares, and that tenant's priority, drawn
+    from ``seed`` only (the arrivals and lengths are unchanged)."""
+    rng = random.Random(seed ^ TENANT_SEED)
+    weights = [t.share for t in tenants]
+    out = []
+    for spec in requests:
+        tenant = rng.choices(tenants, weights)[0]
+        mix = rng.random()
+        priority = tenant.priority if tenant.priority != "mix" else ("interactive" if mix < 0.5 else "default")
+        out.append(replace(spec, tenant=tenant.name, priority=priority))
+    return out
 
 
 def burst_rates(spec: WorkloadSpec) -> tuple[float, float]:

@@ -21,6 +21,7 @@ Theory of operation
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ import aiohttp
 
 from laswrr.collectors.errors import ParseError
 from laswrr.collectors.prometheus import EngineKind, EngineMetrics, parse_engine_metrics
-from laswrr.schemas.events import HealthProbed
+from laswrr.schemas.events import MAX_MODELS, HealthProbed
 
 MAX_BODY_BYTES = 8 << 20
 ERROR_BODY_CHARS = 120
@@ -69,22 +70,61 @@ def _transport_error(exc: BaseException, timeout_s: float) -> tuple[Outcome, str
     return "unreachable", f"unreachable: {_one_line(reason)}"
 
 
-async def scrape_metrics(session: aiohttp.ClientSession, url: str, timeout_s: float,
-                         engine: EngineKind | Literal["auto"] = "auto") -> Scrape:
-    """GET ``url`` and parse it as an engine's Prometheus exposition."""
+async def get_text(session: aiohttp.ClientSession, url: str,
+                   timeout_s: float) -> tuple[Outcome, str | None, str | None]:
+    """GET ``url``: ``("ok", body, None)`` on a 200 answer within ``timeout_s``, else
+    ``(outcome, None, one-line error)``; never raises for what the remote side does."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
             body = await _read_capped(response)
             if response.status != 200:
                 text = body.decode("utf-8", errors="replace")
-                return Scrape("http_error", error=f"HTTP {response.status}: {_one_line(text)}")
+                return "http_error", None, f"HTTP {response.status}: {_one_line(text)}"
     except _BodyTooLarge as exc:
-        return Scrape("garbage", error=str(exc))
+        return "garbage", None, str(exc)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         outcome, error = _transport_error(exc, timeout_s)
+        return outcome, None, error
+    return "ok", body.decode("utf-8", errors="replace"), None
+
+
+def models_url(url: str) -> str:
+    """``GET /v1/models`` of the engine at node URL ``url``: the node-URL rule of the proxy's
+    engine transport (services/proxy/transport.py, ``parse_target``): a node URL may end in
+    ``/v1`` or not, and ``/v1/...`` is taken once either way."""
+    base = url.rstrip("/")
+    if base.endswith("/v1"):
+        base = base[:-3]
+    return base + "/v1/models"
+
+
+async def list_model_ids(session: aiohttp.ClientSession, url: str,
+                         timeout_s: float) -> tuple[Outcome, list[str] | None, str | None]:
+    """The model ids an OpenAI-compatible engine lists at ``url`` (``models_url``), in its
+    order: ``("ok", ids, None)``, else ``(outcome, None, one-line error)`` (``garbage`` for an
+    answer that is not an OpenAI model list); never raises for what the remote side does."""
+    outcome, text, error = await get_text(session, url, timeout_s)
+    if text is None:
+        return outcome, None, error
+    try:
+        document = json.loads(text)
+    except ValueError as exc:
+        return "garbage", None, f"not JSON: {_one_line(str(exc))}"
+    data = document.get("data") if isinstance(document, dict) else None
+    if not isinstance(data, list):
+        return "garbage", None, "not an OpenAI model list (no data array)"
+    ids = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and 0 < len(m["id"]) <= 256]
+    return "ok", list(dict.fromkeys(ids))[:MAX_MODELS], None
+
+
+async def scrape_metrics(session: aiohttp.ClientSession, url: str, timeout_s: float,
+                         engine: EngineKind | Literal["auto"] = "auto") -> Scrape:
+    """GET ``url`` and parse it as an engine's Prometheus exposition."""
+    outcome, text, error = await get_text(session, url, timeout_s)
+    if text is None:
         return Scrape(outcome, error=error)
     try:
-        return Scrape("ok", metrics=parse_engine_metrics(body.decode("utf-8", errors="replace"), engine))
+        return Scrape("ok", metrics=parse_engine_metrics(text, engine))
     except ParseError as exc:
         return Scrape("garbage", error=str(exc))
 

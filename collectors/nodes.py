@@ -12,6 +12,9 @@ url = "http://10.0.0.5:8000"
 pool = "default"
 chip = "910B"
 capacity = 8
+role = "both"                   # prefill | decode | both (default); prefill and decode need:
+# pd_protocol = "vllm"          # vllm | sglang: the pool's P/D protocol (docs/design.md)
+# bootstrap_port = 8998         # an sglang prefill node's bootstrap server port (required for one)
 # --- collector keys, all optional ---
 metrics_url = "http://10.0.0.5:8000/metrics"   # default <url>/metrics
 health_url = "http://10.0.0.5:8000/health"     # default <url>/health (MindIE: management port)
@@ -20,7 +23,19 @@ npu_smi = "npu-smi info"        # command line for this node's host (default "np
                                 # when npu_ids/chips are given, else no NPU sampling)
 npu_ids = [0, 1]                # whole NPU ids of that table that serve this node, and/or
 chips = [[2, 0], [2, 1]]        # exact (npu_id, chip_id) pairs; neither = every chip printed
+npu_exporter = "http://10.0.0.5:8082/metrics"  # MindCluster npu-exporter of the host, read
+                                # instead of npu_smi (chips by npu_ids/chips or by pod)
+chips_per_npu = 1               # 2 on Atlas A3 and 300I Duo: exporter id n is NPU n//2, chip n%2
+pod = "default/mindie-0"        # the exporter's namespace/pod_name labels (or just "pod_name")
+status_url = "http://10.0.0.5:1026/v1/status"  # MindIE management port: free slots and blocks
 ```
+
+Nodes with the same ``npu_exporter`` URL share one host: it is scraped once per exporter
+refresh (``--exporter-interval-ms``, 5 s like npu-exporter's own ``-updateTime``) and each node
+gets its chips. A node naming ``npu_exporter`` is not sampled through ``npu_smi`` (the default
+``"npu-smi info"`` that ``npu_ids`` implies is not run; an explicit ``npu_smi`` beside it is a
+warning). Without ``status_url`` a MindIE node is read through ``/metrics`` alone and a silent
+slot loss is believed only after queue evidence (docs/ascend.md).
 
 Nodes with the same ``npu_smi`` string share one host: the command runs once per interval
 and each node gets its selected chips. For a simulated engine the command is
@@ -52,12 +67,16 @@ from laswrr.collectors.npu import ChipSelector, split_command
 from laswrr.collectors.prometheus import EngineKind
 from laswrr.schemas.events import ENGINE_NAMES
 from laswrr.schemas.subjects import SubjectError, check_token
+from laswrr.schemas.words import NodeRole, PdProtocol
 
 DEFAULT_NPU_SMI = "npu-smi info"
-UP_KEYS = frozenset({"id", "url", "pool", "chip", "capacity"})
-COLLECTOR_KEYS = frozenset({"metrics_url", "health_url", "engine", "npu_smi", "npu_ids", "chips"})
+UP_KEYS = frozenset({"id", "url", "pool", "chip", "capacity", "role", "pd_protocol", "bootstrap_port"})
+COLLECTOR_KEYS = frozenset({"metrics_url", "health_url", "engine", "npu_smi", "npu_ids", "chips",
+                            "npu_exporter", "chips_per_npu", "pod", "status_url"})
 # What the collector needs to poll a node registered at runtime (lb.admin.node's last fields).
-REGISTERED_COLLECTOR_KEYS = ("metrics_url", "health_url", "engine")
+ROLES = tuple(NodeRole)
+PD_PROTOCOLS = tuple(PdProtocol)
+REGISTERED_COLLECTOR_KEYS = ("metrics_url", "health_url", "engine", "status_url", "npu_exporter")
 
 
 class NodesConfigError(ValueError):
@@ -85,6 +104,13 @@ class Node:
     npu_smi: str | None = None
     selector: ChipSelector = ChipSelector()
     extra: dict[str, Any] = field(default_factory=dict)  # every key but the up keys, as written
+    npu_exporter: str | None = None  # the host's npu-exporter /metrics URL
+    chips_per_npu: int = 1  # exporter device ids per NPU id (2: Atlas A3, 300I Duo)
+    pod: tuple[str, str] = ("", "")  # (namespace, pod_name) the exporter labels this node's chips with
+    status_url: str | None = None  # MindIE /v1/status (or /v2/status) on the management port
+    role: str = "both"  # prefill | decode | both (docs/design.md, "Prefill/decode disaggregated pools")
+    pd_protocol: str | None = None  # vllm | sglang: the pool's P/D protocol (required for prefill and decode)
+    bootstrap_port: int | None = None  # an sglang prefill node's bootstrap server port (required for one)
 
     def __post_init__(self) -> None:
         if not self.metrics_url:
@@ -95,7 +121,8 @@ class Node:
     @property
     def polling(self) -> tuple[Any, ...]:
         """What the collector's polling of this node depends on (a change restarts it)."""
-        return (self.id, self.url, self.metrics_url, self.health_url, self.engine, self.npu_smi, self.selector)
+        return (self.id, self.url, self.metrics_url, self.health_url, self.engine, self.npu_smi, self.selector,
+                self.npu_exporter, self.chips_per_npu, self.pod, self.status_url)
 
     def registration(self) -> dict[str, Any]:
         """The ``lb.admin.node.<id>`` body (plain JSON, as `nats pub` would send it): url, pool,
@@ -108,6 +135,12 @@ class Node:
         if self.chip is not None:
             body["chip"] = self.chip
         body["capacity"] = self.capacity
+        if self.role != "both":
+            body["role"] = self.role
+        if self.pd_protocol is not None:
+            body["pd_protocol"] = self.pd_protocol
+        if self.bootstrap_port is not None:
+            body["bootstrap_port"] = self.bootstrap_port
         body.update({key: self.extra[key] for key in REGISTERED_COLLECTOR_KEYS if self.extra.get(key) is not None})
         return body
 
@@ -168,6 +201,24 @@ def _npu_smi(table: dict[str, Any], selector: ChipSelector, where: str) -> str |
     return command.strip()
 
 
+def _pod(value: Any, where: str) -> tuple[str, str]:
+    if value is None:
+        return ("", "")
+    text = _string(value, "pod", where).strip()
+    namespace, _, name = text.rpartition("/")
+    if not name or "/" in namespace:
+        raise NodesConfigError(f"{where}: pod must be \"namespace/pod_name\" or \"pod_name\", got {value!r}")
+    return (namespace, name)
+
+
+def _chips_per_npu(value: Any, where: str) -> int:
+    if value is None:
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 8:
+        raise NodesConfigError(f"{where}: chips_per_npu must be an integer 1..8, got {value!r}")
+    return value
+
+
 def _node_id(table: Any, where: str) -> str:
     if not isinstance(table, dict):
         raise NodesConfigError(f"{where}: expected a [[node]] table")
@@ -193,13 +244,43 @@ def _node(table: Any, index: int, registration: bool) -> Node:
     engine = table.get("engine", "auto")
     if engine not in ENGINE_NAMES:
         raise NodesConfigError(f"{where}: engine must be one of {', '.join(ENGINE_NAMES)}, got {engine!r}")
+    role = table.get("role", "both")
+    if role not in ROLES:
+        raise NodesConfigError(f"{where}: role must be one of {', '.join(ROLES)}, got {role!r}")
+    protocol = table.get("pd_protocol")
+    if protocol is not None and protocol not in PD_PROTOCOLS:
+        raise NodesConfigError(f"{where}: pd_protocol must be one of {', '.join(PD_PROTOCOLS)}, got {protocol!r}")
+    if role != "both" and protocol is None:
+        raise NodesConfigError(f"{where}: a {role} node needs pd_protocol (one of {', '.join(PD_PROTOCOLS)})")
+    bootstrap_port = _bootstrap_port(table.get("bootstrap_port"), role, protocol, where)
     selector = _selector(table, where)
+    exporter = None if table.get("npu_exporter") is None else _http_url(table["npu_exporter"], "npu_exporter", where)
     return Node(
         id=node_id, url=url, pool=pool, chip=chip, capacity=capacity,
         metrics_url=_http_url(table.get("metrics_url", f"{url}/metrics"), "metrics_url", where),
         health_url=_http_url(table.get("health_url", f"{url}/health"), "health_url", where),
-        engine=engine, npu_smi=_npu_smi(table, selector, where), selector=selector,
-        extra={k: v for k, v in table.items() if k not in UP_KEYS})
+        engine=engine, npu_smi=None if exporter and "npu_smi" not in table else _npu_smi(table, selector, where),
+        selector=selector, extra={k: v for k, v in table.items() if k not in UP_KEYS},
+        npu_exporter=exporter, chips_per_npu=_chips_per_npu(table.get("chips_per_npu"), where),
+        pod=_pod(table.get("pod"), where),
+        status_url=None if table.get("status_url") is None else _http_url(table["status_url"], "status_url", where),
+        role=role, pd_protocol=protocol, bootstrap_port=bootstrap_port)
+
+
+def _bootstrap_port(value: Any, role: str, protocol: str | None, where: str) -> int | None:
+    """An sglang prefill node's bootstrap server port: required for one, refused for any other node."""
+    sglang_prefill = role == "prefill" and protocol == "sglang"
+    if value is None:
+        if sglang_prefill:
+            raise NodesConfigError(f"{where}: an sglang prefill node needs bootstrap_port (its engine's "
+                                   f"--disaggregation-bootstrap-port)")
+        return None
+    if not sglang_prefill:
+        raise NodesConfigError(f"{where}: bootstrap_port is only for an sglang prefill node "
+                               f"(role {role}, pd_protocol {protocol})")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise NodesConfigError(f"{where}: bootstrap_port must be a port number 1..65535, got {value!r}")
+    return value
 
 
 # -- the file ---------------------------------------------------------------------------------------
@@ -215,6 +296,9 @@ def _warnings(tables: Sequence[dict[str, Any]], nodes: Sequence[Node]) -> list[s
     for node in nodes:
         if node.npu_smi is not None:
             by_command.setdefault(node.npu_smi, []).append(node)
+    for node in nodes:
+        if node.npu_exporter and node.npu_smi is not None:
+            notes.append(f"node {node.id!r}: npu_smi is ignored: npu_exporter {node.npu_exporter!r} is read instead")
     for command, members in by_command.items():
         if len(members) > 1 and any(n.selector.selects_all for n in members):
             names = ", ".join(n.id for n in members)

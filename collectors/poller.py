@@ -12,10 +12,28 @@ Theory of operation
 * One task per DISTINCT ``npu_smi`` command line (one host): every ``npu_interval_s`` it runs
   the command (subprocess, timeout, killed on expiry), parses the table and publishes each
   node's selected chips.
+* Every NPU sample says how long it stands for, ``max_age_ms`` = ``MAX_AGE_PERIODS`` (2) of its
+  source's polling periods (npu-smi 2 s -> 4 s, npu-exporter 5 s -> 10 s): the scheduler ages it
+  only after that, so a 5 s exporter sample does not drift toward unknown before the next one.
+* One task per DISTINCT ``npu_exporter`` URL (one host's MindCluster npu-exporter): every
+  ``exporter_interval_s`` (5 s, npu-exporter's own refresh; never below 1 s) it scrapes the
+  exporter once for all the nodes on that host and publishes each node's chips (by
+  ``npu_ids``/``chips`` through ``chips_per_npu``, or by pod labels), their health set from the
+  health gauge and the fault codes (collectors/faultcodes.toml). Exporter hosts follow the node
+  set at runtime (a registration may name one). A chip older than three refreshes is missing.
+* A node with ``status_url`` (MindIE) has its status polled with each engine scrape; the
+  published EngineSampled carries ``free_slots``/``free_blocks``/``total_blocks`` (and, when
+  ``/metrics`` cannot be read, is built from the status and ``/metrics-json`` alone). A status
+  that is not RoleReady or does not parse leaves those fields out (counted, warned).
 * Published (producer ``ts_ns`` = this host's wall clock when the answer arrived):
   ``lb.metrics.engine.<node>`` EngineSampled (histogram deltas against this node's previous
   good scrape), ``lb.health.<node>`` HealthProbed (an unreachable node or a non-2xx health
   answer is ``ok: false`` with the error, never a crash), ``lb.metrics.npu.<node>`` NpuSampled.
+* Every ``models_interval_s`` (5 s) per node, ``GET /v1/models`` (the node URL's, by the
+  engine transport's ``/v1`` rule): ``lb.metrics.models.<node>`` ModelsListed when the ids
+  changed, when the node was (re-)registered, and every ``models_refresh_s`` (60 s) unchanged;
+  the proxies route model ids on them (docs/design.md §6, "Model ids"). A failed listing
+  publishes nothing: the last list stands.
 * A scrape that is not an engine exposition (garbage, HTML, cut before the gauges) publishes
   nothing and is counted; so are HTTP errors, timeouts, npu-smi failures and publish errors.
   Warnings are rate-limited per (node, problem); totals are logged every ``stats_interval_s``
@@ -45,17 +63,30 @@ from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from laswrr.collectors.engine import probe_health, scrape_metrics
+from laswrr.collectors.engine import list_model_ids, models_url, probe_health, scrape_metrics
 from laswrr.collectors.errors import ParseError
+from laswrr.collectors.exporter import (
+    MIN_EXPORTER_INTERVAL_S, Polled, load_fault_table, metrics_json_url, poll_metrics_json, poll_status, scrape_exporter)
+from laswrr.collectors.faultcodes import FaultTable
+from laswrr.collectors.mindie import MetricsJson, MindieStatus, with_status
 from laswrr.collectors.nodes import Node
+from laswrr.collectors.npu_exporter import ExporterScrape, select_exporter_chips, to_npu_chip
 from laswrr.collectors.npu import NpuSmiError, run_npu_smi, select_chips, split_command
 from laswrr.collectors.prometheus import EngineMetrics, engine_sample
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import encode
-from laswrr.schemas.events import Event, NpuSampled
+from laswrr.schemas.events import EngineSampled, Event, ModelsListed, NpuSampled
 
 log = logging.getLogger("laswrr.collector")
 Labels = tuple[tuple[str, str], ...]
+# An NPU sample stands for this many of its source's polling periods (NpuSampled.max_age_ms): the
+# scheduler does not age it before the next one is due, with one period to spare for a slow scrape.
+MAX_AGE_PERIODS = 2
+
+
+def max_age_ms(period_s: float) -> int:
+    """``NpuSampled.max_age_ms`` of a source polled every ``period_s``: ``MAX_AGE_PERIODS`` periods."""
+    return max(1, round(MAX_AGE_PERIODS * period_s * 1000))
 
 
 @dataclass(frozen=True)
@@ -69,6 +100,11 @@ class Settings:
     warn_every_s: float = 30.0
     metrics_port: int | None = None
     connect_timeout_s: float = 10.0
+    exporter_interval_s: float = 5.0
+    exporter_timeout_s: float = 2.0
+    fault_table: FaultTable | None = None  # None: collectors/faultcodes.toml
+    models_interval_s: float = 5.0  # GET /v1/models per node (a change is published at once)
+    models_refresh_s: float = 60.0  # an unchanged list is published again this often (a fresh scheduler learns it)
 
 
 # --------------------------------------------------------------------------- counters and logs
@@ -79,6 +115,10 @@ _HELP = {
     "health_probes": "health probes by result",
     "npu_smi_runs": "npu-smi command runs by outcome",
     "npu_missing": "npu-smi runs whose table lacked the chips of this node",
+    "exporter_scrapes": "npu-exporter scrapes by outcome",
+    "exporter_missing": "npu-exporter scrapes without fresh chips of this node",
+    "model_listings": "engine /v1/models listings by outcome (ok, garbage, http_error, timeout, unreachable)",
+    "status_polls": "MindIE status polls by outcome (ok, not_ready, garbage, http_error, timeout, unreachable)",
     "published": "samples published to LB_EVENTS by kind",
     "publish_errors": "samples that could not be published by kind",
     "late_ticks": "polling ticks skipped because the previous round overran its interval",
@@ -122,6 +162,7 @@ class Stats:
     def summary(self) -> str:
         parts = [f"{metric} {self.by(metric, label)}" for metric, label in (
             ("scrapes", "outcome"), ("health_probes", "result"), ("npu_smi_runs", "outcome"),
+            ("exporter_scrapes", "outcome"), ("status_polls", "outcome"), ("model_listings", "outcome"),
             ("published", "kind"), ("publish_errors", "kind"), ("late_ticks", "loop"), ("npu_missing", "node"))
             if self.total(metric)]
         return "; ".join(parts) or "nothing collected"
@@ -171,7 +212,7 @@ class NpuHost:
 def npu_hosts(nodes: Iterable[Node]) -> list[NpuHost]:
     grouped: dict[str, list[Node]] = {}
     for node in nodes:
-        if node.npu_smi is not None:
+        if node.npu_smi is not None and node.npu_exporter is None:
             grouped.setdefault(node.npu_smi, []).append(node)
     return [NpuHost(cmd, tuple(split_command(cmd)), tuple(members)) for cmd, members in grouped.items()]
 
@@ -186,10 +227,13 @@ class Collector:
         self.stats = Stats()
         self.warn = RateLimitedLog(settings.warn_every_s)
         self._prev: dict[str, EngineMetrics] = {}
+        self._models_sent: dict[str, tuple[list[str], float]] = {}  # node -> (ids published, monotonic time)
         self._engine_kind: dict[str, str] = {}
         self._start_nodes = list(nodes)  # npu-smi hosts come from the start-up list only
         self._node_tasks: dict[str, asyncio.Task[None]] = {}
+        self._exporter_tasks: dict[str, asyncio.Task[None]] = {}
         self._running: tuple[aiohttp.ClientSession, asyncio.Event] | None = None
+        self.fault_table = settings.fault_table or load_fault_table()
 
     async def run(self, stop: asyncio.Event) -> None:
         connector = aiohttp.TCPConnector(limit=0)
@@ -202,11 +246,13 @@ class Collector:
             tasks = [asyncio.create_task(self._npu_loop(host, stop, i / len(hosts)), name=f"npu-{i}")
                      for i, host in enumerate(hosts)]
             tasks.append(asyncio.create_task(self._stats_loop(stop), name="stats"))
+            self._sync_exporters()
             try:
                 await stop.wait()
             finally:
                 self._running = None
                 tasks += self._node_tasks.values()
+                tasks += self._exporter_tasks.values()
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
@@ -218,12 +264,27 @@ class Collector:
         if task is not None:
             task.cancel()
         self._prev.pop(node_id, None)  # histogram deltas start again from the next scrape
+        self._models_sent.pop(node_id, None)  # a (re-)registered node's ids are published again
         if node is None:
             self.nodes.pop(node_id, None)
-            return
-        self.nodes[node_id] = node
+        else:
+            self.nodes[node_id] = node
+            if self._running is not None:
+                self._start_node(node, 0.0)
         if self._running is not None:
-            self._start_node(node, 0.0)
+            self._sync_exporters()
+
+    def _sync_exporters(self) -> None:
+        """One loop per npu-exporter URL some polled node names (started or stopped as the node set changes)."""
+        assert self._running is not None
+        session, stop = self._running
+        wanted = sorted({n.npu_exporter for n in self.nodes.values() if n.npu_exporter})
+        for url in [u for u in self._exporter_tasks if u not in wanted]:
+            self._exporter_tasks.pop(url).cancel()
+        for i, url in enumerate(wanted):
+            if url not in self._exporter_tasks:
+                self._exporter_tasks[url] = asyncio.create_task(
+                    self._exporter_loop(url, session, stop, i / len(wanted)), name=f"exporter-{url}")
 
     def _start_node(self, node: Node, phase: float) -> None:
         assert self._running is not None
@@ -241,12 +302,24 @@ class Collector:
 
     async def _node_loop(self, node: Node, session: aiohttp.ClientSession, stop: asyncio.Event,
                          phase: float) -> None:
+        loop = asyncio.get_running_loop()
+        list_at = 0.0
         async for _ in self._ticks(self.settings.interval_s, stop, node.id, phase):
-            await asyncio.gather(self._engine_once(node, session), self._health_once(node, session))
+            jobs = [self._engine_once(node, session), self._health_once(node, session)]
+            if loop.time() >= list_at:
+                list_at = loop.time() + self.settings.models_interval_s
+                jobs.append(self._models_once(node, session))
+            await asyncio.gather(*jobs)
 
     async def _npu_loop(self, host: NpuHost, stop: asyncio.Event, phase: float) -> None:
         async for _ in self._ticks(self.settings.npu_interval_s, stop, f"npu-smi {host.command}", phase):
             await self._npu_once(host)
+
+    async def _exporter_loop(self, url: str, session: aiohttp.ClientSession, stop: asyncio.Event,
+                             phase: float) -> None:
+        period = max(self.settings.exporter_interval_s, MIN_EXPORTER_INTERVAL_S)
+        async for _ in self._ticks(period, stop, f"npu-exporter {url}", phase):
+            await self._exporter_once(url, session, period)
 
     async def _stats_loop(self, stop: asyncio.Event) -> None:
         async for _ in self._ticks(self.settings.stats_interval_s, stop, "stats"):
@@ -256,29 +329,75 @@ class Collector:
     # -- one round ------------------------------------------------------------------------
 
     async def _engine_once(self, node: Node, session: aiohttp.ClientSession) -> None:
-        scrape = await scrape_metrics(session, node.metrics_url, self.settings.timeout_s, node.engine)
+        timeout = self.settings.timeout_s
+        if node.status_url:
+            scrape, polled = await asyncio.gather(scrape_metrics(session, node.metrics_url, timeout, node.engine),
+                                                  poll_status(session, node.status_url, timeout))
+        else:
+            scrape, polled = await scrape_metrics(session, node.metrics_url, timeout, node.engine), None
         ts_ns = self.clock_ns()
         key = f"{node.id}:metrics"
+        sample = None
         if scrape.metrics is None:
             self.stats.inc("scrapes", node=node.id, outcome=scrape.outcome)
             self.warn.warning(key, f"node {node.id}: scrape {node.metrics_url} failed: {scrape.error}")
-            return
-        try:
-            sample = engine_sample(self._prev.get(node.id), scrape.metrics, ts_ns=ts_ns)
-        except ParseError as exc:
-            self.stats.inc("scrapes", node=node.id, outcome="garbage")
-            self.warn.warning(key, f"node {node.id}: scrape {node.metrics_url} failed: {exc}")
-            return
-        self.stats.inc("scrapes", node=node.id, outcome="truncated" if scrape.metrics.truncated else "ok")
-        self.warn.resolved(key, f"node {node.id}: metrics scrape ok again")
-        self._note_engine(node, scrape.metrics.engine)
-        self._prev[node.id] = scrape.metrics
-        await self._publish("engine", sj.metrics_engine(node.id), sample)
+        else:
+            try:
+                sample = engine_sample(self._prev.get(node.id), scrape.metrics, ts_ns=ts_ns)
+            except ParseError as exc:
+                self.stats.inc("scrapes", node=node.id, outcome="garbage")
+                self.warn.warning(key, f"node {node.id}: scrape {node.metrics_url} failed: {exc}")
+            else:
+                self.stats.inc("scrapes", node=node.id, outcome="truncated" if scrape.metrics.truncated else "ok")
+                self.warn.resolved(key, f"node {node.id}: metrics scrape ok again")
+                self._note_engine(node, scrape.metrics.engine)
+                self._prev[node.id] = scrape.metrics
+        if polled is not None:
+            sample = await self._with_status(node, session, sample, polled, ts_ns)
+        if sample is not None:
+            await self._publish("engine", sj.metrics_engine(node.id), sample)
+
+    async def _with_status(self, node: Node, session: aiohttp.ClientSession, sample: EngineSampled | None,
+                           polled: Polled, ts_ns: int) -> EngineSampled | None:
+        """The sample with the MindIE status folded in (collectors.mindie.with_status); the sample
+        unchanged when the status is missing (counted and warned)."""
+        assert node.status_url is not None
+        self.stats.inc("status_polls", node=node.id, outcome=polled.outcome)
+        key = f"{node.id}:status"
+        if polled.outcome != "ok" or not isinstance(polled.value, MindieStatus):
+            self.warn.warning(key, f"node {node.id}: status {node.status_url}: {polled.error}")
+            return sample
+        self.warn.resolved(key, f"node {node.id}: status ok again")
+        extra = None
+        if sample is None:  # no /metrics: MindIE's monitor mode off, or the scrape failed
+            got = await poll_metrics_json(session, metrics_json_url(node.status_url), self.settings.timeout_s)
+            extra = got.value if isinstance(got.value, MetricsJson) else None
+        return with_status(sample, polled.value, extra, ts_ns=ts_ns)
 
     def _note_engine(self, node: Node, kind: str) -> None:
         if self._engine_kind.get(node.id) != kind:
             log.info("node %s: %s metrics at %s", node.id, kind, node.metrics_url)
             self._engine_kind[node.id] = kind
+
+    async def _models_once(self, node: Node, session: aiohttp.ClientSession) -> None:
+        """The engine's model ids (``lb.metrics.models``): published when they change, and again
+        every ``models_refresh_s``; a failed listing publishes nothing (the last list stands)."""
+        url = models_url(node.url)
+        outcome, ids, error = await list_model_ids(session, url, self.settings.timeout_s)
+        self.stats.inc("model_listings", node=node.id, outcome=outcome)
+        key = f"{node.id}:models"
+        if ids is None:
+            self.warn.warning(key, f"node {node.id}: listing {url} failed: {error}")
+            return
+        self.warn.resolved(key, f"node {node.id}: model listing ok again")
+        now = time.monotonic()
+        sent = self._models_sent.get(node.id)
+        if sent is not None and sent[0] == ids and now - sent[1] < self.settings.models_refresh_s:
+            return
+        if sent is None or sent[0] != ids:
+            log.info("node %s serves %s", node.id, ", ".join(ids) or "no model")
+        if await self._publish("models", sj.metrics_models(node.id), ModelsListed(models=ids, ts_ns=self.clock_ns())):
+            self._models_sent[node.id] = (ids, now)
 
     async def _health_once(self, node: Node, session: aiohttp.ClientSession) -> None:
         probe = await probe_health(session, node.health_url, self.settings.timeout_s, self.clock_ns)
@@ -312,10 +431,38 @@ class Collector:
                 what = ", ".join(missing) or "any chip"
                 self.warn.warning(f"{node.id}:npu", f"node {node.id}: npu-smi {host.command!r} lists no {what}")
             if mine:
-                publishes.append(self._publish("npu", sj.metrics_npu(node.id), NpuSampled(chips=mine, ts_ns=ts_ns)))
+                publishes.append(self._publish("npu", sj.metrics_npu(node.id), NpuSampled(
+                    chips=mine, ts_ns=ts_ns, max_age_ms=max_age_ms(self.settings.npu_interval_s))))
         await asyncio.gather(*publishes)
 
-    async def _publish(self, kind: str, subject: str, event: Event) -> None:
+    async def _exporter_once(self, url: str, session: aiohttp.ClientSession, period_s: float) -> None:
+        polled = await scrape_exporter(session, url, self.settings.exporter_timeout_s,
+                                       now_s=self.clock_ns() / 1e9, max_age_s=3 * period_s)
+        ts_ns = self.clock_ns()
+        self.stats.inc("exporter_scrapes", exporter=url, outcome=polled.outcome)
+        key = f"exporter:{url}"
+        if not isinstance(polled.value, ExporterScrape):
+            self.warn.warning(key, f"npu-exporter {url}: {polled.error}")
+            return
+        self.warn.resolved(key, f"npu-exporter {url}: ok again")
+        scrape = polled.value
+        publishes = []
+        for node in [n for n in self.nodes.values() if n.npu_exporter == url]:
+            namespace, pod = node.pod
+            mine = select_exporter_chips(scrape.all_chips, node.selector.npu_ids, node.selector.chips,
+                                         {"namespace": namespace, "pod_name": pod}, node.chips_per_npu)
+            gone = [chip.missing for chip in mine if chip.missing is not None]
+            if not mine or gone:  # one chip of the node not to be believed: the node's sample is missing
+                self.stats.inc("exporter_missing", node=node.id)
+                why = "; ".join(gone[:4]) or "no chip matches its npu_ids/chips/pod"
+                self.warn.warning(f"{node.id}:exporter", f"node {node.id}: npu-exporter {url} has no fresh chip: {why}")
+                continue
+            chips = [to_npu_chip(chip, self.fault_table, node.chips_per_npu) for chip in mine]
+            publishes.append(self._publish("npu", sj.metrics_npu(node.id), NpuSampled(
+                chips=chips, ts_ns=ts_ns, max_age_ms=max_age_ms(period_s))))
+        await asyncio.gather(*publishes)
+
+    async def _publish(self, kind: str, subject: str, event: Event) -> bool:
         try:
             await self.js.publish(subject, encode(event), timeout=self.settings.publish_timeout_s,
                                   stream=sj.EVENTS_STREAM)
@@ -324,8 +471,9 @@ class Collector:
         except Exception as exc:  # noqa: BLE001 - any NATS failure is counted, never fatal
             self.stats.inc("publish_errors", kind=kind)
             self.warn.warning(f"publish:{kind}", f"cannot publish {subject}: {type(exc).__name__}: {exc}")
-            return
+            return False
         self.stats.inc("published", kind=kind)
+        return True
 
 
 class AsyncTicks:

@@ -67,6 +67,7 @@ __all__ = [
     "EngineKind",
     "EngineMetrics",
     "Histogram",
+    "exposition_samples",
     "ParseError",
     "engine_sample",
     "parse_engine_metrics",
@@ -189,6 +190,13 @@ def _samples(text: str) -> tuple[list[Sample], bool]:
         if end == 0:
             raise ParseError(f"not a Prometheus text exposition: line 1: {exc}") from None
         return _parse_samples("\n".join(lines[:end]) + "\n"), True
+
+
+def exposition_samples(text: str) -> tuple[list[Sample], bool]:
+    """The samples of a Prometheus text exposition and whether its tail was cut (the recovery
+    rules of the module doc); ParseError when not even the first line parses. Shared with the
+    npu-exporter parser (collectors.npu_exporter)."""
+    return _samples(text)
 
 
 # --------------------------------------------------------------------------- selection
@@ -411,4 +419,6 @@ def engine_sample(prev: EngineMetrics | None, cur: EngineMetrics, *, ts_ns: int 
         e2e_ms=_mean_ms(base.e2e if base else None, cur.e2e),
         engine=cur.engine,
         ts_ns=ts_ns,
+        prefix_cache_queries=cur.prefix_cache_queries,
+        prefix_cache_hits=cur.prefix_cache_hits,
     )

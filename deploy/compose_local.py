@@ -17,33 +17,37 @@ header); this module runs the plan the way ``docker compose up --wait`` would:
   service's ``stop_grace_period``), so the recorder commits while NATS still runs.
 
 Each process writes stdout and stderr to ``<workdir>/logs/<instance>.log``; volumes live under
-``<workdir>/volumes``. The processes are started in their own sessions and only they are
-signalled, by pid.
+``<workdir>/volumes``. The processes are ``laswrr up``'s kind of children
+(services/children.py ``ChildProcesses``, run by an event loop in a thread of this process
+while the stack is up): each in its own session, SIGTERM if this process dies, stopped by pid,
+group by group (here: the dependency layers).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import Any, TypeVar
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deploy.compose_plan import ComposeError, Health, ProcessPlan, Runtime, load_compose, plan  # noqa: E402
-from laswrr.services.children import preexec  # noqa: E402
-from laswrr.services.natsbus import free_port, nats_server_binary  # noqa: E402
+from laswrr.services.children import Child, ChildProcesses  # noqa: E402
+from laswrr.services.nats_server import free_port, nats_server_binary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "compose.yaml"
@@ -77,21 +81,28 @@ def probe(health: Health, env: Mapping[str, str], timeout_s: float = 3.0) -> boo
     return result.returncode == 0
 
 
+T = TypeVar("T")
+MAX_STOP_S = 20.0  # longest wait for one instance after SIGTERM, whatever its stop_grace_period
+
+
 @dataclass
 class Instance:
     plan: ProcessPlan
     env: dict[str, str]
     log_path: Path
-    process: subprocess.Popen[bytes] | None = None
-    log: IO[bytes] | None = None
+    child: Child | None = None  # its latest process (a retried one-shot: the last attempt)
     healthy: bool = False
     completed: bool = False
     attempts: int = 0
     next_probe: float = 0.0
 
     @property
+    def returncode(self) -> int | None:
+        return self.child.process.returncode if self.child is not None else None
+
+    @property
     def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return self.child is not None and self.child.process.returncode is None
 
     def log_tail(self, lines: int = 15) -> str:
         with contextlib.suppress(OSError):
@@ -110,6 +121,13 @@ class LocalStack:
         base["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), base.get("PATH", os.defpath)])
         base.pop("NATS_URL", None)  # the compose environment names the bus, nothing inherited
         self.instances = {p.name: Instance(p, {**base, **p.env}, workdir / "logs" / f"{p.name}.log") for p in plans}
+        layers = self._stop_layers()
+        self._roles = {i.plan.name: f"layer-{n}" for n, layer in enumerate(layers) for i in layer}
+        self._stop_order = [f"layer-{n}" for n in range(len(layers))]
+        self.processes = ChildProcesses(workdir / "logs", stop_timeout_s={
+            f"layer-{n}": min(max(i.plan.stop_grace_s for i in layer), MAX_STOP_S) for n, layer in enumerate(layers)})
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def from_file(cls, compose_file: Path = COMPOSE_FILE, workdir: Path | None = None, profiles: Iterable[str] = (),
@@ -134,8 +152,19 @@ class LocalStack:
 
     def unexpected_exits(self) -> dict[str, int]:
         """Long-running instances that are no longer running, with their exit codes."""
-        return {n: i.process.returncode for n, i in self.instances.items()
-                if not i.plan.one_shot and i.process is not None and i.process.poll() is not None}
+        return {n: i.returncode for n, i in self.instances.items()  # type: ignore[misc]
+                if not i.plan.one_shot and i.child is not None and i.returncode is not None}
+
+    # -- the children's event loop -----------------------------------------------------------------
+
+    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` on the children's loop (started on first use, in a thread that lives
+        until ``down``: the children's parent-death signal follows the thread that started them)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="compose-local", daemon=True)
+            self._thread.start()
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     # -- up --------------------------------------------------------------------------------------
 
@@ -171,11 +200,11 @@ class LocalStack:
     def _step(self) -> None:
         now = time.monotonic()
         for instance in self.instances.values():
-            if instance.process is None:
+            if instance.child is None:
                 if all(self._satisfies(self.instances[d], c) for d, c in instance.plan.depends.items()):
                     self._launch(instance)
                 continue
-            code = instance.process.poll()
+            code = instance.returncode
             if code is not None:
                 self._exited(instance, code)
             elif instance.plan.health is not None and not instance.healthy and now >= instance.next_probe:
@@ -196,14 +225,14 @@ class LocalStack:
             raise StackError(f"{name} failed {instance.attempts} time(s), last exit {code}" + self._tails([name]))
 
     def _launch(self, instance: Instance) -> None:
-        if instance.log is None:
-            instance.log = instance.log_path.open("ab")
         instance.attempts += 1
-        instance.log.write(f"--- compose_local: attempt {instance.attempts}: {instance.plan.argv}\n".encode())
-        instance.log.flush()
-        instance.process = subprocess.Popen(instance.plan.argv, env=instance.env, cwd=self.workdir,
-                                            stdin=subprocess.DEVNULL, stdout=instance.log, stderr=subprocess.STDOUT,
-                                            start_new_session=True, preexec_fn=preexec())
+        instance.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with instance.log_path.open("ab") as log:
+            log.write(f"--- compose_local: attempt {instance.attempts}: {instance.plan.argv}\n".encode())
+        plan = instance.plan
+        instance.child = self._call(self.processes.spawn(plan.name, *plan.argv, role=self._roles[plan.name],
+                                                         env=instance.env, program=(), cwd=self.workdir))
+        instance.child.expected_exit = plan.one_shot  # its exit is read here, not reported as a failure
 
     def _tails(self, names: Iterable[str]) -> str:
         parts = []
@@ -215,19 +244,18 @@ class LocalStack:
     # -- down ------------------------------------------------------------------------------------
 
     def down(self) -> dict[str, int | None]:
-        """Stop dependents first; returns each instance's exit code (None: never started)."""
-        for layer in self._stop_layers():
-            started = [i for i in layer if i.running]
-            for instance in started:
-                with contextlib.suppress(ProcessLookupError):
-                    instance.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-            for instance in started:
-                self._wait_or_kill(instance)
-        for instance in self.instances.values():
-            if instance.log is not None:
-                instance.log.close()
-                instance.log = None
-        return {n: (i.process.returncode if i.process else None) for n, i in self.instances.items()}
+        """Stop dependents first (SIGTERM, then SIGKILL after the service's ``stop_grace_period``,
+        at most 20 s); returns each instance's exit code (None: never started). Idempotent."""
+        loop, thread = self._loop, self._thread
+        if loop is not None and thread is not None:
+            try:
+                self._call(self.processes.stop(self._stop_order))
+            finally:
+                loop.call_soon_threadsafe(loop.stop)
+                thread.join(10)
+                loop.close()
+                self._loop = self._thread = None
+        return {n: i.returncode for n, i in self.instances.items()}
 
     def _stop_layers(self) -> list[list[Instance]]:
         depth: dict[str, int] = {}
@@ -240,17 +268,6 @@ class LocalStack:
 
         levels = sorted({depth_of(n) for n in self.instances}, reverse=True)
         return [[i for n, i in self.instances.items() if depth_of(n) == level] for level in levels]
-
-    @staticmethod
-    def _wait_or_kill(instance: Instance) -> None:
-        process = instance.process
-        assert process is not None
-        try:
-            process.wait(min(instance.plan.stop_grace_s, 20.0))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
     def __enter__(self) -> "LocalStack":
         try:

@@ -125,8 +125,11 @@ def settings_table(parser: argparse.ArgumentParser | None = None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
     given = sys.argv[1:] if argv is None else list(argv)
+    if given == ["--version"]:  # without building the parser, which imports every command's module
+        print(f"laswrr {__version__}")
+        return 0
+    parser = build_parser()
     full = with_environment(parser, given)
     try:
         args = parser.parse_args(full)

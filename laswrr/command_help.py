@@ -84,6 +84,12 @@ HELP: dict[str, tuple[str, tuple[str, ...]]] = {
         ("laswrr register n5 --url http://10.0.0.5:8000 --chip 910B --capacity 10",
          "laswrr register --nodes nodes.toml"),
     ),
+    "config": (
+        "Change scheduler configuration keys at runtime (lb.admin.config, so a replay applies them too) and "
+        "print the scheduler's verdict: applied (exit 0, with the keys now in force) or rejected (exit 1, with "
+        "the reason: an unknown key or a bad value). The keys are listed in docs/configuration.md.",
+        ("laswrr config max_capacity=8192", "laswrr config slow_start_window_ms=10000 ease_max_step=0.5"),
+    ),
     "nodes": (
         "Show each pool's latest snapshot as a table: phase, capacity, target and effective weight, "
         "in-flight, load and sample age of every node (--json for tools).",
@@ -101,6 +107,13 @@ HELP: dict[str, tuple[str, tuple[str, ...]]] = {
         ("laswrr replay --db .laswrr/events.duckdb",
          "laswrr replay --events docs/examples/capacity-drop.jsonl",
          "laswrr replay --db .laswrr/events.duckdb --what-if ease_max_step=0.5 --out whatif/"),
+    ),
+    "history": (
+        "What happened to one node, in order, from a recorded log: its admin commands (applied, or rejected "
+        "with the reason), phase changes, capacity changes, ejections and their causes, and rejected samples or "
+        "probes naming it; --at TIME keeps the --window-s before and after it.",
+        ("laswrr history sim-910b-2 --db .laswrr/events.duckdb",
+         "laswrr history sim-910b-2 --db .laswrr/events.duckdb --at +5 --window-s 30"),
     ),
     "export": (
         "Write a recorded log as Parquet (DIR/events.parquet and one file per analyst view), readable by "
@@ -124,7 +137,8 @@ HELP: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "bench": (
         "Run a scenario for several policies on the identical workload against the real stack (or replay "
-        "a trace), and write a table, results.json and plots under --out.",
+        "a trace), and write a table, results.json and plots under --out. With --virtual (trace scenarios, "
+        "in virtual time) it prints the table and writes virtual.json only: no plots, no recorded runs.",
         ("laswrr bench --scenario announced-drop --policies la-swrr,rr,least-request,p2c",
          "laswrr bench --list", "laswrr bench --trace trace.jsonl --policies la-swrr,round_robin --no-plots",
          "laswrr bench --scenario heterogeneous --policies la-swrr --proxies 4"),
@@ -137,9 +151,56 @@ HELP: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+# What a flag without a value means, where "(default: none)" would not say it.
+DEFAULT_TEXT: dict[tuple[str, str], str] = {
+    ("nodes", "--pool"): "every pool",
+    ("register", "--chip"): "unknown",
+    ("register", "--capacity"): "none: required without --nodes",
+    ("register", "--url"): "none: required without --nodes",
+    ("up", "--config"): "the built-in keys, scheduler/config.py",
+    ("up", "--allow-upstream"): "the nodes' own hosts only",
+    ("scheduler", "--config"): "the keys in force in the log",
+    ("replay", "--config"): "the built-in keys",
+    ("replay", "--what-if"): "none",
+    ("dashboard", "--db"): "live from NATS",
+    ("bench", "--scheduler-config"): "the scenario's",
+    ("bench", "--trace"): "the scenario's own workload",
+    ("sim-engine", "--port"): "the configuration's, 8001",
+    ("collector", "--metrics-port"): "not served",
+    ("proxy", "--extra-routes"): "none",
+    ("proxy", "--upstream-api-key"): "none, or $LASWRR_UPSTREAM_API_KEY",
+}
+
+
+def note_defaults(name: str, parser: argparse.ArgumentParser) -> None:
+    """Every flag's help says its default: ``%(default)s`` where the value says it, ``off`` for
+    a switch, ``required`` for a required flag, else ``DEFAULT_TEXT`` or ``none``
+    (tests/test_command_help.py checks every flag of every command)."""
+    for action in parser._actions:
+        if not action.option_strings or action.help in (None, argparse.SUPPRESS) or isinstance(
+                action, (argparse._HelpAction, argparse._VersionAction)):
+            continue
+        if "default" in action.help.lower() or "required" in action.help.lower():
+            continue
+        flag = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
+        if action.required:
+            note = "required"
+        elif (name, flag) in DEFAULT_TEXT:
+            note = f"default: {DEFAULT_TEXT[(name, flag)]}"
+        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreConstAction)) or action.nargs == 0:
+            note = "default: off"
+        elif action.default is None or action.default == [] or action.default == ():
+            note = "default: none"
+        else:
+            note = "default: %(default)s"
+        action.help = f"{action.help} ({note})"
+
+
 def apply(commands: dict[str, argparse.ArgumentParser]) -> None:
-    """Set each command's description and examples from ``HELP`` (commands without an entry keep theirs)."""
+    """Set each command's description and examples from ``HELP`` (commands without an entry keep
+    theirs), and have every flag's help say its default (``note_defaults``)."""
     for name, parser in commands.items():
+        note_defaults(name, parser)
         if name not in HELP:
             continue
         paragraph, examples = HELP[name]

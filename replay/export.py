@@ -12,7 +12,9 @@ from pathlib import Path
 
 import duckdb
 
-VIEWS = ("requests", "interruptions", "admissions_to_draining", "drains", "drain_timeline", "weights_over_time")
+VIEWS = ("requests", "attempts", "continuations", "interruptions", "admissions_to_draining", "drains",
+         "drain_timeline", "weights_over_time", "phase_changes", "rejections", "admin_commands", "node_timeline",
+         "refusals", "error_answers")
 
 
 def export(con: duckdb.DuckDBPyConnection, directory: Path, views: bool = True) -> dict[str, int]:

@@ -26,6 +26,7 @@ from laswrr.scheduler.core import Scheduler, apply_guarded
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope, Output, encode
 from laswrr.schemas.outputs import Rejected
+from laswrr.schemas.words import RejectCause
 
 
 class LogLine(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -98,8 +99,9 @@ def replay_lines(lines: Iterable[bytes], config: SchedulerConfig | None = None,
         if isinstance(item, LineError):
             if errors is not None:
                 errors.append(item)
-            rejected = Rejected(seq=item.seq, subject="", reason=item.reason, as_of_seq=item.seq)
-            yield output_line(Output(sj.OUT_REJECTED, encode(rejected), item.seq), scheduler.state.now_ns)
+            rejected = Rejected(as_of_seq=item.seq, subject="", cause=RejectCause.INVALID_PAYLOAD, reason=item.reason)
+            yield output_line(Output(sj.OUT_REJECTED, encode(rejected), item.seq, cause=rejected.cause),
+                              scheduler.state.now_ns)
             continue
         outputs, _ = apply_guarded(scheduler, item)  # a core exception: the service's rejection
         for output in outputs:

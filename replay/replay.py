@@ -9,18 +9,14 @@ same recorded ``internal error while applying`` rejection.
 
 Outputs are matched by their cause, never by LB_OUT order: two scheduler replicas may
 interleave on LB_OUT, so each recorded output is keyed by ``(as_of_seq, subject)`` and compared
-with the core's outputs for that input, in core order. A rejection recorded before rejections
-carried ``as_of_seq`` is keyed by its ``seq`` and compared with the core's rejection in that
-older form (``legacy_rejection``: the same bytes without the last field), so such logs still
-replay exactly. Likewise a snapshot recorded without ``proxy_inflight`` (before snapshots
-carried each proxy's share of the in-flight counts) is compared with the core's snapshot
-without it (``legacy_snapshot``); that form still holds every node's ``inflight``, so a change
-of the inputs still shows. The
+with the core's outputs for that input, in core order. The
 service publishes with ``Nats-Msg-Id = "<as_of_seq>:<subject>[:<index>]"`` (``Output.msg_id``), so
 two outputs of one input on one subject (a node that goes draining -> drained at once) are both
 kept. A byte-identical republish of one output is counted once. An output the service found
-too large to publish was recorded as an ``unpublishable output`` rejection naming the limit it
-applied; the replay applies the same replacement (``schemas.codec.publishable``) with that limit.
+too large to publish was recorded as a rejection with cause ``unpublishable_output`` and the
+``limit`` it applied; the replay applies the same replacement (``schemas.codec.publishable``)
+with that limit. Logs are read as wire contract v1 (docs/design.md §6); a future version's
+reader upcasts older events in one place, ``schemas.upcast``.
 
 Checks, each naming the input sequence number where it fails:
   * gap      - a sequence number is missing between the first and last recorded input (a
@@ -45,20 +41,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import duckdb
-import msgspec
 
 from laswrr.replay.store import PAYLOAD_SQL
 from laswrr.scheduler import config as config_mod
 from laswrr.scheduler.core import Scheduler, apply_guarded
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.codec import Envelope, Output, encode, publishable, unpublishable_limit
-from laswrr.schemas.outputs import Rejected, RejectedBeforeAsOfSeq, WeightSnapshot
+from laswrr.schemas.codec import Envelope, Output, publishable, unpublishable_limit
 
 FETCH_ROWS = 50_000
-CORE_OUT_FILTER = ("(subject LIKE 'lb.out.snapshot.%' OR subject LIKE 'lb.out.phase.%' "
-                   "OR subject = 'lb.out.rejected')")
-_KEY = ("CASE WHEN raw IS NULL AND json_valid(data) THEN TRY_CAST(coalesce(data->>'as_of_seq', CASE WHEN "
-        "subject = 'lb.out.rejected' THEN data->>'seq' END) AS BIGINT) END")  # seq: recorded before as_of_seq
+CORE_OUT_FILTER = (f"(subject LIKE '{sj.OUT_SNAPSHOT}.%' OR subject LIKE '{sj.OUT_PHASE}.%' "
+                   f"OR subject = '{sj.OUT_REJECTED}' OR subject = '{sj.OUT_CONFIG}')")
+_KEY = "CASE WHEN raw IS NULL AND json_valid(data) THEN TRY_CAST(data->>'as_of_seq' AS BIGINT) END"
 INPUTS_SQL = f"SELECT seq, ts_ns, subject, {PAYLOAD_SQL} FROM events WHERE stream = 'LB_EVENTS' ORDER BY seq"
 OUTPUTS_SQL = (f"SELECT key, seq, subject, encode(data) FROM (SELECT {_KEY} AS key, seq, subject, data "
                f"FROM events WHERE stream = 'LB_OUT' AND {CORE_OUT_FILTER}) WHERE key IS NOT NULL ORDER BY key, seq")
@@ -99,8 +92,6 @@ class ReplayResult:
     snapshots: int = 0
     duplicates: int = 0
     foreign_outputs: int = 0  # LB_OUT rows on subjects the core never publishes
-    legacy_rejections: int = 0  # compared in the form recorded before rejections had as_of_seq
-    legacy_snapshots: int = 0  # compared in the form recorded before snapshots had proxy_inflight
     divergences: int = 0
     found: list[Divergence] = field(default_factory=list)  # the first KEEP found (any order)
 
@@ -149,10 +140,6 @@ class ReplayResult:
         notes = []
         if self.duplicates:
             notes.append(f"{self.duplicates} byte-identical republished output(s) counted once")
-        if self.legacy_rejections:
-            notes.append(f"{self.legacy_rejections} rejection(s) recorded before as_of_seq, compared in that form")
-        if self.legacy_snapshots:
-            notes.append(f"{self.legacy_snapshots} snapshot(s) recorded before proxy_inflight, compared in that form")
         if self.foreign_outputs:
             notes.append(f"{self.foreign_outputs} LB_OUT row(s) on subjects the core does not publish, ignored")
         lines.extend(f"note: {n}" for n in notes)
@@ -198,26 +185,6 @@ def _text(data: bytes | None) -> str | None:
     return None if data is None else data.decode("utf-8", "replace")
 
 
-_REJECTED = msgspec.json.Decoder(Rejected)
-
-
-def legacy_rejection(data: bytes) -> bytes:
-    """A rejection's bytes as the core encoded them before ``as_of_seq`` was added."""
-    rejected = _REJECTED.decode(data)
-    return encode(RejectedBeforeAsOfSeq(seq=rejected.seq, subject=rejected.subject, reason=rejected.reason))
-
-
-_SNAPSHOT = msgspec.json.Decoder(WeightSnapshot)
-PROXY_INFLIGHT = b'"proxy_inflight":{'  # the field's key (a node or proxy named so is followed by "," or ":<digit>")
-
-
-def legacy_snapshot(data: bytes) -> bytes:
-    """A snapshot's bytes as the core encoded them before ``proxy_inflight`` was added."""
-    if PROXY_INFLIGHT not in data:
-        return data
-    return encode(msgspec.structs.replace(_SNAPSHOT.decode(data), proxy_inflight={}))
-
-
 def compare(seq: int, actual: list[Output], recorded: list[tuple[int, int, str, bytes]],
             result: ReplayResult) -> Divergence | None:
     """Diff one input's outputs (core order) with its recorded ones (see the module header)."""
@@ -228,18 +195,9 @@ def compare(seq: int, actual: list[Output], recorded: list[tuple[int, int, str, 
             result.duplicates += 1
         else:
             same.append(data)
-    legacy = any(b'"as_of_seq"' not in data for data in found.get(sj.OUT_REJECTED, ()))
     produced: dict[str, list[bytes]] = {}
     for output in actual:
-        data = output.data
-        if legacy and output.subject == sj.OUT_REJECTED:
-            data = legacy_rejection(data)
-            result.legacy_rejections += 1
-        elif PROXY_INFLIGHT in data and output.subject.startswith(sj.OUT_SNAPSHOT + ".") and any(
-                PROXY_INFLIGHT not in old for old in found.get(output.subject, ())):
-            data = legacy_snapshot(data)
-            result.legacy_snapshots += 1
-        produced.setdefault(output.subject, []).append(data)
+        produced.setdefault(output.subject, []).append(output.data)
     divergence = None
     for subject, datas in produced.items():
         result.outputs_compared += len(datas)

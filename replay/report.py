@@ -8,9 +8,21 @@ streams an engine cut mid-stream that were not continued elsewhere (``engine_cut
 stream counts by its last attempt, so it is not interrupted), requests still open when their
 proxy announced a clean stop, and requests a dead proxy left open in a log that ends after a
 clean shutdown. ``continued_streams``, ``continuations`` and ``retried_before_first_byte`` come from the
-``continuations`` view, with the median and P99 of the latency a continuation added. Requests open at the end of a log that did not
+``continuations`` view (the typed ``next_attempt``), with the median and P99 of the latency a
+continuation added. Nothing here compares a reason or an error text: ``status_classes`` and
+``error_answers`` read the typed ``status``. Requests open at the end of a log that did not
 end cleanly are counted as ``open`` (fate unknown), not as interruptions. The verdict is "zero interruptions" when ``interrupted`` and
 ``admitted_to_draining`` are both 0.
+
+``cut_by_router`` is what the router's promise covers and must be 0: ``interrupted`` less the
+engine cuts (router_aborted, open at a proxy's stop, left open by a dead proxy).
+
+Error answers are not cuts, and are counted beside the verdict, never hidden by it
+(``error_answers`` view): ``answered_with_error`` requests, ``by_engine`` (an engine's 4xx,
+a 5xx passed through, or the proxy's 502/504 for an engine that failed before the first byte)
+and ``by_router`` (the proxy's own refusals, ``lb.req.refused``), with the most frequent
+causes (``top_error_causes``); ``status_classes`` counts the requests by who answered and the
+status class of the answer.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ from typing import Any
 
 import duckdb
 
+from laswrr.schemas import subjects as sj
 from laswrr.schemas.words import RequestOutcome
 
 OUTCOMES = tuple(outcome.value for outcome in RequestOutcome)  # the report's keys, in this order
@@ -36,18 +49,76 @@ def gather(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     report.update(zip(OUTCOMES, row[1:1 + len(OUTCOMES)]))
     report["other_outcome"] = row[-1]
     report["attempts"] = _count(con, "SELECT count(*) FROM attempts")
-    report["retried_attempts"] = _count(con, "SELECT count(*) FROM attempts WHERE attempt_id <> request_id")
+    # a prefill/decode pair's legs are attempts too: one is a retry only when another names it (next_attempt)
+    report["retried_attempts"] = _count(
+        con, "SELECT count(*) FROM attempts WHERE attempt_id <> request_id AND (role IS NULL OR attempt_id IN "
+             "(SELECT next_attempt FROM attempts WHERE next_attempt IS NOT NULL))")
+    report["pd"] = pd_facts(con)
     report["interrupted"] = _count(con, "SELECT count(*) FROM interruptions")
     report["interrupted_open_at_proxy_stop"] = _count(
         con, "SELECT count(*) FROM interruptions WHERE reason = 'open_at_proxy_stop'")
     report["interrupted_engine_cut"] = _count(con, "SELECT count(*) FROM interruptions WHERE reason = 'engine_cut'")
+    report["cut_by_router"] = report["interrupted"] - report["interrupted_engine_cut"]  # must be 0
     report.update(continuation_facts(con))
     report["open"] = _count(con, "SELECT count(*) FROM open_requests")
     report["admitted_to_draining"] = _count(con, "SELECT count(*) FROM admissions_to_draining")
     report["drains"] = drains(con)
     report.update(_log_facts(con))
     report["zero_interruptions"] = report["interrupted"] == 0 and report["admitted_to_draining"] == 0
+    report.update(error_facts(con))
+    report["queue"] = queue_facts(con)
     return report
+
+
+def queue_facts(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+    """Flow control (``queued`` view): requests held, how they left, and the wait P50 / P99 in ms
+    per pool, band and key (``-`` for requests without a key)."""
+    ended = {str(e): n for e, n in con.execute(
+        "SELECT coalesce(ended, 'still_held'), count(*) FROM queued GROUP BY ALL ORDER BY 1").fetchall()}
+    waits = [{"pool": pool, "band": band, "key": key, "held": n, "wait_ms_p50": _round(p50), "wait_ms_p99": _round(p99),
+              "expired": expired}
+             for pool, band, key, n, p50, p99, expired in con.execute(
+                 "SELECT pool, band, coalesce(key_name, '-'), count(*), quantile_cont(wait_ms, 0.5), "
+                 "quantile_cont(wait_ms, 0.99), count(*) FILTER (WHERE ended = 'queue_timeout') FROM queued "
+                 "GROUP BY ALL ORDER BY 1, 2, 3").fetchall()]
+    return {"held": sum(ended.values()), "ended": ended, "waits": waits}
+
+
+TOP_CAUSES = 5
+
+
+def error_facts(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+    """Requests answered with an error, by whom and why; every request by status class."""
+    classes: dict[str, dict[str, int]] = {"engine": {}, "router": {}}
+    for by, klass, n in con.execute(
+            "SELECT 'engine', status_class, count(*) FROM requests WHERE outcome IS NOT NULL GROUP BY ALL "
+            "UNION ALL SELECT 'router', status_class, count(*) FROM refusals GROUP BY ALL ORDER BY 1, 2").fetchall():
+        classes[by][klass or "none"] = n
+    by_engine = _count(con, "SELECT count(*) FROM error_answers WHERE answered_by = 'engine'")
+    by_router = _count(con, "SELECT count(*) FROM error_answers WHERE answered_by = 'router'")
+    top = con.execute(
+        "SELECT answered_by, status, cause, count(*) AS n FROM error_answers GROUP BY ALL "
+        f"ORDER BY n DESC, answered_by, cause LIMIT {TOP_CAUSES}").fetchall()
+    return {"refused": _count(con, "SELECT count(*) FROM refusals"), "answered_with_error": by_engine + by_router,
+            "answered_with_error_by_engine": by_engine, "answered_with_error_by_router": by_router,
+            "status_classes": classes,
+            "top_error_causes": [{"by": by, "status": status, "cause": cause, "count": n} for by, status, cause, n in top]}
+
+
+def pd_facts(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
+    """Prefill/decode pools (``attempts.role``): requests served as pairs and by a decode node
+    alone, and the legs of each role with those that did not complete (a failed leg retried, a
+    leg cancelled for its partner's failure, a decode leg continued on a new pair)."""
+    row = con.execute(
+        "SELECT count(DISTINCT request_id) FILTER (WHERE role = 'prefill'), "
+        "count(DISTINCT request_id) FILTER (WHERE role = 'decode' AND request_id NOT IN "
+        "(SELECT request_id FROM attempts WHERE role = 'prefill')), "
+        "count(*) FILTER (WHERE role = 'prefill'), count(*) FILTER (WHERE role = 'prefill' AND outcome <> 'completed'), "
+        "count(*) FILTER (WHERE role = 'decode'), count(*) FILTER (WHERE role = 'decode' AND outcome <> 'completed') "
+        "FROM attempts").fetchone()
+    keys = ("pair_requests", "decode_only_requests", "prefill_legs", "prefill_legs_not_completed", "decode_legs",
+            "decode_legs_not_completed")
+    return dict(zip(keys, (int(v or 0) for v in row or (0,) * len(keys))))
 
 
 def continuation_facts(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
@@ -74,9 +145,9 @@ def _count(con: duckdb.DuckDBPyConnection, sql: str) -> int:
 
 def drains(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
     rows = con.execute(
-        "SELECT node, pool, started_seq, started_ts_ns, started_reason, drained_ts_ns, duration_ms, drained_by "
-        "FROM drains ORDER BY started_seq, node").fetchall()
-    keys = ("node", "pool", "started_seq", "started_ts_ns", "reason", "drained_ts_ns", "duration_ms", "by")
+        "SELECT node, pool, started_seq, started_ts_ns, started_cause, started_reason, drained_ts_ns, duration_ms, "
+        "drained_by FROM drains ORDER BY started_seq, node").fetchall()
+    keys = ("node", "pool", "started_seq", "started_ts_ns", "cause", "reason", "drained_ts_ns", "duration_ms", "by")
     return [dict(zip(keys, row)) for row in rows]
 
 
@@ -84,7 +155,7 @@ def _log_facts(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     row = con.execute(
         "SELECT count(*) FILTER (WHERE stream = 'LB_EVENTS'), count(*) FILTER (WHERE stream = 'LB_OUT'), "
         "min(ts_ns) FILTER (WHERE stream = 'LB_EVENTS'), max(ts_ns) FILTER (WHERE stream = 'LB_EVENTS'), "
-        "count(*) FILTER (WHERE stream = 'LB_OUT' AND subject = 'lb.out.rejected') FROM events").fetchone()
+        f"count(*) FILTER (WHERE stream = 'LB_OUT' AND subject = '{sj.OUT_REJECTED}') FROM events").fetchone()
     assert row is not None
     return {"events": row[0], "outputs": row[1], "first_ts_ns": row[2], "last_ts_ns": row[3], "rejected_inputs": row[4]}
 
@@ -99,12 +170,41 @@ def render(report: dict[str, Any]) -> None:
     table.add_column("outcome")
     table.add_column("count", justify="right")
     for key in ("requests", *OUTCOMES, "other_outcome", "open", "interrupted", "admitted_to_draining",
-                "continued_streams", "retried_before_first_byte"):
+                "continued_streams", "retried_before_first_byte", "refused"):
         table.add_row(key, str(report[key]))
     console.print(table)
+    classes = Table(title="answers by status class", show_header=True)
+    for column in ("answered by", "2xx", "3xx", "4xx", "5xx", "none"):
+        classes.add_column(column, justify="right" if column != "answered by" else "left")
+    for by in ("engine", "router"):
+        counts = report["status_classes"][by]
+        classes.add_row(by, *(str(counts.get(k, 0)) for k in ("2xx", "3xx", "4xx", "5xx", "none")))
+    console.print(classes)
     verdict = "[green]zero interruptions[/]" if report["zero_interruptions"] else "[red]INTERRUPTIONS FOUND[/]"
-    console.print(f"verdict: {verdict} ({report['interrupted']} interrupted, "
-                  f"{report['admitted_to_draining']} admitted to draining nodes)")
+    console.print(f"verdict: {verdict} (cut by the router: {report['cut_by_router']}; cut by an engine and not "
+                  f"continued: {report['interrupted_engine_cut']}; admitted to draining nodes: "
+                  f"{report['admitted_to_draining']})")
+    pd = report.get("pd") or {}
+    if pd.get("pair_requests") or pd.get("decode_only_requests"):
+        console.print(f"prefill/decode: {pd['pair_requests']} requests as pairs, {pd['decode_only_requests']} by a "
+                      f"decode node alone; prefill legs {pd['prefill_legs']} ({pd['prefill_legs_not_completed']} not "
+                      f"completed), decode legs {pd['decode_legs']} ({pd['decode_legs_not_completed']} not completed)")
+    errors = report["answered_with_error"]
+    tint = "yellow" if errors else "green"
+    console.print(f"answered with an error: [{tint}]{errors}[/] (by an engine {report['answered_with_error_by_engine']}, "
+                  f"by the router {report['answered_with_error_by_router']})")
+    for cause in report["top_error_causes"]:
+        console.print(f"  {cause['count']:>8}  {cause['by']:<6} {cause['cause']}")
+    queue = report.get("queue") or {}
+    if queue.get("held"):
+        console.print(f"flow control: {queue['held']} held; left by {queue['ended']}")
+        waits = Table(title="queue wait (ms) per pool, band and key", show_header=True)
+        for column in ("pool", "band", "key", "held", "P50", "P99", "expired"):
+            waits.add_column(column, justify="left" if column in ("pool", "band", "key") else "right")
+        for w in queue["waits"]:
+            waits.add_row(w["pool"], w["band"], w["key"], str(w["held"]), str(w["wait_ms_p50"]), str(w["wait_ms_p99"]),
+                          str(w["expired"]))
+        console.print(waits)
     console.print(f"log: {report['events']} input events, {report['outputs']} outputs, "
                   f"{report['rejected_inputs']} rejected inputs")
     if report["drains"]:
@@ -113,6 +213,6 @@ def render(report: dict[str, Any]) -> None:
             drain_table.add_column(column)
         for drain in report["drains"]:
             duration = "-" if drain["duration_ms"] is None else f"{drain['duration_ms']:.1f}"
-            drain_table.add_row(drain["node"], drain["pool"], str(drain["started_seq"]), drain["reason"] or "",
+            drain_table.add_row(drain["node"], drain["pool"], str(drain["started_seq"]), drain["reason"] or drain["cause"] or "",
                                 duration, drain["by"] or "not drained")
         console.print(drain_table)

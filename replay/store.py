@@ -20,7 +20,7 @@ and no other process can open it, not even read-only. ``open_read`` therefore:
 1. opens the file read-only when nobody holds it (the stack is stopped);
 2. otherwise calls ``copy_locked(db, target)``, given by the caller, to have a consistent copy
    written into a private temporary directory, and opens that copy. The ``laswrr`` commands
-   pass ``services.recorder.copy_from_recorder``, which asks the running recorder over the
+   pass ``services.recorder_copy.copy_from_recorder``, which asks the running recorder over the
    NATS request ``lb.recorder.snapshot`` (between two batches, after recording LB_EVENTS up to
    the stream's end, the recorder copies the database with DuckDB's ``COPY FROM DATABASE``);
    this module itself does no IO beyond DuckDB files;
@@ -54,8 +54,6 @@ CREATE TABLE IF NOT EXISTS events (
     PRIMARY KEY (stream, seq)
 )
 """
-# A log recorded before the raw column: the column is added, NULL in every old row.
-MIGRATE_DDL = "ALTER TABLE events ADD COLUMN IF NOT EXISTS raw BLOB"
 PAYLOAD_SQL = "coalesce(raw, encode(data))"
 """The exact payload bytes of an ``events`` row."""
 
@@ -118,7 +116,6 @@ def views_sql() -> str:
 def create_schema(con: duckdb.DuckDBPyConnection) -> None:
     """The events table (if missing) and every analyst view (replaced: views.sql is the truth)."""
     con.execute(EVENTS_DDL)
-    con.execute(MIGRATE_DDL)
     create_views(con)
 
 
@@ -181,8 +178,6 @@ def open_parquet(source: Path) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(":memory:")
     literal = str(source).replace("'", "''")
     source = f"read_parquet('{literal}')"
-    if not _has_raw(con, source):
-        source = f"(SELECT *, NULL::BLOB AS raw FROM {source})"  # exported before the raw column
     con.execute(f"CREATE VIEW events AS SELECT * FROM {source}")
     create_views(con)
     return con
@@ -222,9 +217,6 @@ def open_read(path: str | os.PathLike[str],
             finally:
                 con.close()
         return
-    if not _has_raw(con, "events"):
-        con.close()
-        con = _open_before_raw(db)
     try:
         _ensure_views(con)
         yield con
@@ -232,26 +224,10 @@ def open_read(path: str | os.PathLike[str],
         con.close()
 
 
-def _has_raw(con: duckdb.DuckDBPyConnection, relation: str) -> bool:
-    columns = con.execute(f"SELECT column_name FROM (DESCRIBE SELECT * FROM {relation})").fetchall()
-    return ("raw",) in columns
-
-
 def _ensure_views(con: duckdb.DuckDBPyConnection) -> None:
     """A read-only file may hold views of an older recorder: the current definitions are
     created as temporary views, which take precedence over the file's."""
     con.execute(views_sql().replace("CREATE OR REPLACE VIEW", "CREATE OR REPLACE TEMP VIEW"))
-
-
-def _open_before_raw(db: Path) -> duckdb.DuckDBPyConnection:
-    """A file recorded before the raw column, read-only: attached to an in-memory database whose
-    ``events`` view adds the column (all NULL). A view of the in-memory database, unlike a
-    temporary one, is seen by every cursor of the connection (replay reads through cursors)."""
-    con = duckdb.connect(":memory:")
-    literal = str(db).replace("'", "''")
-    con.execute(f"ATTACH '{literal}' AS recorded (READ_ONLY)")
-    con.execute("CREATE VIEW events AS SELECT *, NULL::BLOB AS raw FROM recorded.main.events")
-    return con
 
 
 def _open_copy(copy: Path) -> duckdb.DuckDBPyConnection:

@@ -24,6 +24,7 @@ from laswrr.scheduler.core import Scheduler, apply_guarded
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope
 from laswrr.schemas.words import RequestOutcome
+from laswrr.schemas.codec import decode_snapshot
 
 MS = 1_000_000
 T0_NS = 1_700_000_000_000_000_000
@@ -90,7 +91,7 @@ class LogBuilder:
         prefix = sj.out_snapshot(pool)
         for index in range(len(self.outputs) - 1, -1, -1):
             if self.outputs.subject[index] == prefix:
-                return int(msgspec.json.decode(self.outputs.data[index])["as_of_seq"])
+                return decode_snapshot(self.outputs.data[index]).as_of_seq
         return 0
 
     # -- output -----------------------------------------------------------------------------

@@ -27,7 +27,8 @@ SELECT seq, ts_ns, 'lb.' || kind || '.' || key AS subject, 'lb.' || kind AS fami
        NULL::BLOB AS raw, event_index, batch_subject
 FROM (
     SELECT seq, ts_ns, batch_subject, e->>0 AS kind, e->2 AS j, event_index,
-           CASE WHEN e->>0 IN ('proxy.heartbeat', 'proxy.stopped') THEN proxy ELSE e->>1 END AS key
+           CASE WHEN e->>0 IN ('proxy.heartbeat', 'proxy.stopped', 'req.refused', 'req.queued') THEN proxy
+                ELSE e->>1 END AS key
     FROM (
         SELECT seq, ts_ns, subject AS batch_subject, key AS proxy,
                unnest(CAST(j->'events' AS JSON[])) AS e,
@@ -35,7 +36,8 @@ FROM (
         FROM input_messages
         WHERE family = 'lb.req.batch' AND json_type(j->'events') = 'ARRAY')
     WHERE json_type(e) = 'ARRAY')
-WHERE kind IN ('req.started', 'req.finished', 'proxy.heartbeat', 'proxy.stopped') AND key IS NOT NULL;
+WHERE kind IN ('req.started', 'req.finished', 'req.refused', 'req.queued', 'proxy.heartbeat', 'proxy.stopped')
+  AND key IS NOT NULL;
 
 CREATE OR REPLACE VIEW output_events AS
 SELECT seq, ts_ns, subject,
@@ -54,7 +56,7 @@ WITH snapshots AS (
     QUALIFY row_number() OVER (PARTITION BY j->>'pool', j->>'as_of_seq' ORDER BY seq) = 1
 )
 SELECT s.out_seq, s.as_of_seq, s.tick, s.ts_ns, s.pool,
-       n->>'node' AS node, n->>'phase' AS phase, n->>'phase_reason' AS phase_reason,
+       n->>'node' AS node, n->>'phase' AS phase, n->>'phase_reason' AS phase_reason, n->>'phase_cause' AS phase_cause,
        TRY_CAST(n->>'routable' AS BOOLEAN) AS routable,
        TRY_CAST(n->>'capacity' AS BIGINT) AS capacity,
        TRY_CAST(n->>'effective_weight' AS DOUBLE) AS effective_weight,
@@ -71,7 +73,7 @@ FROM snapshot_nodes;
 CREATE OR REPLACE VIEW phase_changes AS
 SELECT seq AS out_seq, ts_ns AS recorded_ts_ns, TRY_CAST(j->>'as_of_seq' AS BIGINT) AS as_of_seq,
        j->>'node' AS node, coalesce(j->>'pool', 'default') AS pool,
-       j->>'from' AS from_phase, j->>'to' AS to_phase, j->>'reason' AS reason
+       j->>'from' AS from_phase, j->>'to' AS to_phase, j->>'cause' AS cause, j->>'reason' AS reason
 FROM output_events
 WHERE subject LIKE 'lb.out.phase.%' AND j IS NOT NULL
 QUALIFY row_number() OVER (PARTITION BY j->>'as_of_seq', j->>'node', j->>'to' ORDER BY seq) = 1;
@@ -80,13 +82,19 @@ QUALIFY row_number() OVER (PARTITION BY j->>'as_of_seq', j->>'node', j->>'to' OR
 -- `lb.req.finished`. A proxy retry or continuation k >= 1 of client request R uses attempt id
 -- "R.k" (see services/proxy/events.py), so request_id = the attempt id before its first '.'.
 -- outcome is NULL while the attempt is open (never finished). next_attempt names the attempt
--- that continued (outcome `continued`) or retried this one; logs from before that field have
--- it NULL.
+-- that continued (outcome `continued`) or retried this one. error is text for people: no view
+-- compares it.
 -- started_index / finished_index: the events' positions in their batches (0 when unbatched).
+-- status: the engine's HTTP status for this attempt (NULL when it never answered);
+-- status_class: '2xx', '3xx', '4xx', '5xx', or 'none' (no answer), NULL while open.
+-- role: a prefill/decode pair's leg, 'prefill' or 'decode' (NULL for a whole request). A pair is
+-- one request of two attempts: R (prefill, completed, no next_attempt: not a retry) and R.1
+-- (decode), whose outcome is the request's (docs/design.md, "Prefill/decode disaggregated pools").
 CREATE OR REPLACE VIEW attempts AS
 WITH started AS (
     SELECT j->>'request_id' AS attempt_id, key AS node, coalesce(j->>'pool', 'default') AS pool,
-           j->>'proxy' AS proxy, seq, ts_ns, TRY_CAST(j->>'snapshot_seq' AS BIGINT) AS snapshot_seq, event_index
+           j->>'proxy' AS proxy, seq, ts_ns, TRY_CAST(j->>'snapshot_seq' AS BIGINT) AS snapshot_seq, event_index,
+           j->>'role' AS role
     FROM input_events
     WHERE family = 'lb.req.started' AND j->>'request_id' IS NOT NULL
     QUALIFY row_number() OVER (PARTITION BY j->>'request_id' ORDER BY seq, event_index) = 1
@@ -95,7 +103,7 @@ WITH started AS (
            TRY_CAST(j->>'ttft_ms' AS DOUBLE) AS ttft_ms, TRY_CAST(j->>'duration_ms' AS DOUBLE) AS duration_ms,
            TRY_CAST(j->>'prompt_tokens' AS BIGINT) AS prompt_tokens,
            TRY_CAST(j->>'completion_tokens' AS BIGINT) AS completion_tokens, j->>'next_attempt' AS next_attempt,
-           event_index
+           event_index, TRY_CAST(j->>'status' AS INTEGER) AS status
     FROM input_events
     WHERE family = 'lb.req.finished' AND j->>'request_id' IS NOT NULL
 )
@@ -104,7 +112,10 @@ SELECT split_part(s.attempt_id, '.', 1) AS request_id, s.attempt_id, s.node, s.p
        f.seq AS finished_seq, f.ts_ns AS finished_ts_ns,
        f.outcome, f.ttft_ms, f.duration_ms, s.snapshot_seq, f.error,
        f.prompt_tokens, f.completion_tokens, f.next_attempt,
-       s.event_index AS started_index, f.event_index AS finished_index
+       s.event_index AS started_index, f.event_index AS finished_index,
+       f.status, CASE WHEN f.outcome IS NULL THEN NULL WHEN f.status IS NULL THEN 'none'
+                      ELSE (f.status // 100)::VARCHAR || 'xx' END AS status_class,
+       s.role
 FROM started s
 LEFT JOIN finished f ON f.attempt_id = s.attempt_id AND (f.seq, f.event_index) > (s.seq, s.event_index)
 QUALIFY row_number() OVER (PARTITION BY s.attempt_id ORDER BY f.seq NULLS LAST, f.event_index) = 1;
@@ -112,7 +123,7 @@ QUALIFY row_number() OVER (PARTITION BY s.attempt_id ORDER BY f.seq NULLS LAST, 
 -- One row per client request: started when its first attempt started; node, outcome, finish,
 -- duration_ms (counted by the proxy from the request's arrival) and snapshot_seq are those of
 -- its last attempt (a retried failure the client never saw, or a stream continued elsewhere,
--- is not the request's outcome); ttft_ms is the earliest first byte of any attempt (a
+-- is not the request's outcome), and so is status (the engine's HTTP status, NULL when none answered); ttft_ms is the earliest first byte of any attempt (a
 -- continued stream's first byte came from the attempt that broke); continued counts the
 -- attempts continued on another node.
 CREATE OR REPLACE VIEW requests AS
@@ -126,8 +137,66 @@ WITH first_start AS (
 )
 SELECT l.request_id, l.node, l.pool, l.proxy, f.started_seq, f.started_ts_ns,
        l.finished_seq, l.finished_ts_ns, l.outcome, f.ttft_ms, l.duration_ms, l.snapshot_seq,
-       f.attempts, l.started_seq AS last_attempt_seq, f.continued, l.started_index AS last_attempt_index
+       f.attempts, l.started_seq AS last_attempt_seq, f.continued, l.started_index AS last_attempt_index,
+       l.status, l.status_class, l.error
 FROM first_start f JOIN last_attempt l USING (request_id);
+
+-- Requests the proxy answered itself (lb.req.refused.<proxy>: 401, 400, 408, 413, 404, 429,
+-- 503), never bound to a node: one row each, with the cause word (schemas.words.RefusalCause),
+-- the status, the client's model and the message it was sent.
+CREATE OR REPLACE VIEW refusals AS
+SELECT j->>'request_id' AS request_id, key AS proxy, seq, ts_ns, event_index,
+       TRY_CAST(j->>'status' AS INTEGER) AS status,
+       (TRY_CAST(j->>'status' AS INTEGER) // 100)::VARCHAR || 'xx' AS status_class,
+       j->>'cause' AS cause, j->>'pool' AS pool, j->>'model' AS model, j->>'key_name' AS key_name,
+       j->>'error' AS error
+FROM input_events WHERE family = 'lb.req.refused';
+
+-- Requests held by flow control (lb.req.queued.<proxy>), one row each: its pool, band, key,
+-- work and TTL, why it was held, and how it left the queue (`ended`: `dispatched` when an
+-- lb.req.started with its id followed, else the cause of its lb.req.refused: `queue_timeout`,
+-- `no_routable_node`, `client_disconnected`, ...; NULL while still held) and `wait_ms`, from the
+-- proxy's own timestamps on the two events (the batch's JetStream time is shared by the events
+-- of one batch).
+CREATE OR REPLACE VIEW queued AS
+WITH held AS (
+    SELECT j->>'request_id' AS request_id, key AS proxy, seq, ts_ns, event_index,
+           coalesce(j->>'pool', 'default') AS pool, coalesce(j->>'band', 'default') AS band,
+           j->>'key_name' AS key_name, TRY_CAST(j->>'work' AS BIGINT) AS work,
+           TRY_CAST(j->>'ttl_ms' AS BIGINT) AS ttl_ms, j->>'cause' AS held_because,
+           TRY_CAST(j->>'ts_ns' AS BIGINT) AS held_ts_ns
+    FROM input_events WHERE family = 'lb.req.queued' AND j->>'request_id' IS NOT NULL
+), left_by_start AS (
+    SELECT split_part(j->>'request_id', '.', 1) AS request_id, min(TRY_CAST(j->>'ts_ns' AS BIGINT)) AS left_ts_ns
+    FROM input_events WHERE family = 'lb.req.started' AND j->>'request_id' IN (SELECT request_id FROM held)
+    GROUP BY 1
+), left_by_refusal AS (
+    SELECT j->>'request_id' AS request_id, min(TRY_CAST(j->>'ts_ns' AS BIGINT)) AS left_ts_ns,
+           min(j->>'cause') AS cause, min(TRY_CAST(j->>'status' AS INTEGER)) AS status
+    FROM input_events WHERE family = 'lb.req.refused' AND j->>'request_id' IN (SELECT request_id FROM held)
+    GROUP BY 1
+)
+SELECT h.request_id, h.proxy, h.pool, h.band, h.key_name, h.work, h.ttl_ms, h.held_because, h.seq, h.ts_ns,
+       CASE WHEN s.request_id IS NOT NULL THEN 'dispatched' ELSE r.cause END AS ended, r.status,
+       (coalesce(s.left_ts_ns, r.left_ts_ns) - h.held_ts_ns) / 1e6 AS wait_ms
+FROM held h LEFT JOIN left_by_start s USING (request_id) LEFT JOIN left_by_refusal r USING (request_id);
+
+-- Every client request answered with an error, by whom: `engine` (its last attempt ended
+-- `engine_error`, a 4xx or other non-2xx the engine sent, or `upstream_error` before any byte
+-- reached the client: a 5xx passed through, or the proxy's 502/504 for an engine that failed or
+-- timed out, status NULL) or `router` (the proxy's own refusal). cause: the status ('HTTP 404')
+-- for an engine's answer, the failure text otherwise, the refusal's cause word for the router.
+-- Cuts after the first byte are not here: they are `interruptions`.
+CREATE OR REPLACE VIEW error_answers AS
+SELECT request_id, 'engine' AS answered_by, status, status_class,
+       CASE WHEN status IS NOT NULL THEN 'HTTP ' || status ELSE coalesce(error, outcome) END AS cause,
+       node, pool, outcome, finished_seq AS seq, finished_ts_ns AS ts_ns
+FROM requests
+WHERE outcome = 'engine_error' OR (outcome = 'upstream_error' AND ttft_ms IS NULL)
+UNION ALL
+SELECT request_id, 'router' AS answered_by, status, status_class, cause, NULL AS node, pool, NULL AS outcome,
+       seq, ts_ns
+FROM refusals;
 
 -- Continued and retried attempts: one row per attempt that another attempt took over, with the
 -- attempt that did. kind: `continued` (a stream broke after the client got part of it and went
@@ -135,19 +204,15 @@ FROM first_start f JOIN last_attempt l USING (request_id);
 -- requests are retried whole). tokens_before: completion tokens the client had received over
 -- the request's attempts up to this one; tokens_after: those the next attempt sent. added_ms:
 -- from the break (this attempt's end) to the next attempt's first byte to the client, both
--- counted by the proxy from the request's arrival. Retries logged before `next_attempt`
--- existed are found by their "retried: " error and the next attempt number.
+-- counted by the proxy from the request's arrival. The attempt that took over is the typed
+-- `next_attempt` of the finished event; reason is the error text, for people.
 CREATE OR REPLACE VIEW continuations AS
 WITH numbered AS (
     SELECT *, sum(coalesce(completion_tokens, 0)) OVER (
-               PARTITION BY request_id ORDER BY started_seq, started_index ROWS UNBOUNDED PRECEDING) AS tokens_so_far,
-           CASE WHEN attempt_id = request_id THEN 0
-                ELSE TRY_CAST(split_part(attempt_id, '.', 2) AS BIGINT) END AS attempt_no
+               PARTITION BY request_id ORDER BY started_seq, started_index ROWS UNBOUNDED PRECEDING) AS tokens_so_far
     FROM attempts
 ), taken_over AS (
-    SELECT *, coalesce(next_attempt, CASE WHEN error LIKE 'retried: %' THEN request_id || '.' || (attempt_no + 1) END)
-               AS next_id
-    FROM numbered WHERE outcome = 'continued' OR next_attempt IS NOT NULL OR error LIKE 'retried: %'
+    SELECT *, next_attempt AS next_id FROM numbered WHERE next_attempt IS NOT NULL
 )
 SELECT t.request_id, t.attempt_id, t.next_id AS next_attempt,
        CASE WHEN t.outcome = 'continued' THEN 'continued' ELSE 'retried' END AS kind,
@@ -221,27 +286,29 @@ WHERE w.node IS NULL OR NOT w.routable OR w.effective_weight <= 0;
 -- one of the same input is still visible as the node's phase in that input's snapshot).
 CREATE OR REPLACE VIEW phase_marks AS
 WITH from_snapshots AS (
-    SELECT out_seq, as_of_seq, node, pool, phase AS to_phase, phase_reason AS reason,
+    SELECT out_seq, as_of_seq, node, pool, phase AS to_phase, phase_cause AS cause, phase_reason AS reason,
            lag(phase) OVER (PARTITION BY node ORDER BY as_of_seq, out_seq) AS before
     FROM snapshot_nodes
 ), marks AS (
-    SELECT out_seq, as_of_seq, node, pool, to_phase, reason FROM phase_changes
+    SELECT out_seq, as_of_seq, node, pool, to_phase, cause, reason FROM phase_changes
     UNION ALL
-    SELECT out_seq, as_of_seq, node, pool, to_phase, reason FROM from_snapshots
+    SELECT out_seq, as_of_seq, node, pool, to_phase, cause, reason FROM from_snapshots
     WHERE before IS DISTINCT FROM to_phase
 )
 SELECT m.*, e.ts_ns FROM marks m JOIN input_messages e ON e.seq = m.as_of_seq
 QUALIFY row_number() OVER (PARTITION BY m.node, m.as_of_seq, m.to_phase ORDER BY m.out_seq) = 1;
 
 -- Drains: from a node entering `draining` to its next phase change, when that is `drained`.
--- drained_by = 'inflight' when in-flight reached 0, 'deadline' when the drain deadline cut it short.
+-- drained_by = 'inflight' when in-flight reached 0, 'deadline' when the drain deadline cut it
+-- short (the phase change's cause `drain_deadline`). The reasons are text for people.
 CREATE OR REPLACE VIEW drains AS
-SELECT s.node, s.pool, s.as_of_seq AS started_seq, s.ts_ns AS started_ts_ns, s.reason AS started_reason,
+SELECT s.node, s.pool, s.as_of_seq AS started_seq, s.ts_ns AS started_ts_ns, s.cause AS started_cause,
+       s.reason AS started_reason,
        d.as_of_seq AS drained_seq, d.ts_ns AS drained_ts_ns,
        (d.ts_ns - s.ts_ns) / 1e6 AS duration_ms,
        CASE WHEN d.node IS NULL THEN NULL
-            WHEN d.reason LIKE 'drain deadline%' THEN 'deadline' ELSE 'inflight' END AS drained_by,
-       d.reason AS drained_reason
+            WHEN d.cause = 'drain_deadline' THEN 'deadline' ELSE 'inflight' END AS drained_by,
+       d.cause AS drained_cause, d.reason AS drained_reason
 FROM phase_marks s
 LEFT JOIN LATERAL (
     SELECT * FROM phase_marks m
@@ -252,22 +319,48 @@ LEFT JOIN LATERAL (
 LEFT JOIN phase_marks d ON d.node = n.node AND d.out_seq = n.out_seq AND d.to_phase = 'drained'
 WHERE s.to_phase = 'draining';
 
+-- Every input the scheduler rejected (lb.out.rejected), once, at the input's time: input_seq
+-- names it, key is its subject's last token (a node for admin events, samples and probes; the
+-- proxy for a batch, with event_index), cause the code (schemas.words.RejectCause), reason the
+-- text for people.
+CREATE OR REPLACE VIEW rejections AS
+WITH r AS (
+    SELECT seq AS out_seq, TRY_CAST(j->>'as_of_seq' AS BIGINT) AS input_seq, j->>'subject' AS subject,
+           TRY_CAST(j->>'event_index' AS BIGINT) AS event_index, j->>'cause' AS cause, j->>'reason' AS reason
+    FROM output_events WHERE subject = 'lb.out.rejected' AND j IS NOT NULL
+    QUALIFY row_number() OVER (PARTITION BY input_seq, event_index ORDER BY seq) = 1
+)
+SELECT r.input_seq, i.ts_ns, r.subject, split_part(r.subject, '.', -1) AS key, r.event_index, r.cause, r.reason,
+       r.out_seq
+FROM r LEFT JOIN input_messages i ON i.seq = r.input_seq;
+
+-- Every admin command naming a node (lb.admin.node|capacity|drain|undrain|remove.<node>) with
+-- the scheduler's verdict: applied, or rejected with the reason (a capacity of -1 or 2.5, an
+-- unknown node id, a URL outside the allow-list). capacity is NULL unless a whole number.
+CREATE OR REPLACE VIEW admin_commands AS
+SELECT e.seq, e.ts_ns, e.key AS node, split_part(e.family, '.', 3) AS kind,
+       TRY_CAST(e.j->>'capacity' AS BIGINT) AS capacity, e.data AS body,
+       r.input_seq IS NULL AS applied, r.cause AS rejected_cause, r.reason AS rejected_reason
+FROM input_events e
+LEFT JOIN rejections r ON r.input_seq = e.seq AND r.event_index IS NULL
+WHERE e.family LIKE 'lb.admin.%';
+
 -- Per capacity or drain event (lb.admin.capacity|drain|remove|undrain): the node's weight ramp
--- and in-flight curve from that event until the node's next such event (or the end of the log),
--- the time until the ramp settled (effective within 1% of capacity of its target), and, for
--- events that started a drain, when and how it ended.
+-- and in-flight curve from that event until the node's next such applied event (or the end of
+-- the log), the time until the ramp settled (effective within 1% of capacity of its target),
+-- and, for events that started a drain, when and how it ended. A rejected command is listed
+-- with applied = false and its reason, and has no ramp, settle time or next_seq.
 CREATE OR REPLACE VIEW admin_changes AS
-SELECT seq, ts_ns, key AS node, split_part(family, '.', 3) AS kind,
-       TRY_CAST(j->>'capacity' AS BIGINT) AS capacity,
-       lead(seq) OVER (PARTITION BY key ORDER BY seq) AS next_seq
-FROM input_events
-WHERE family IN ('lb.admin.capacity', 'lb.admin.drain', 'lb.admin.remove', 'lb.admin.undrain');
+SELECT seq, ts_ns, node, kind, capacity, applied, rejected_reason,
+       CASE WHEN applied THEN lead(seq) OVER (PARTITION BY node, applied ORDER BY seq) END AS next_seq
+FROM admin_commands
+WHERE kind IN ('capacity', 'drain', 'remove', 'undrain');
 
 CREATE OR REPLACE VIEW drain_timeline AS
 WITH curve AS (
     SELECT a.seq AS event_seq, w.*
     FROM admin_changes a
-    JOIN weights_over_time w ON w.node = a.node AND w.as_of_seq >= a.seq
+    JOIN weights_over_time w ON a.applied AND w.node = a.node AND w.as_of_seq >= a.seq
                              AND (a.next_seq IS NULL OR w.as_of_seq < a.next_seq)
 ), summary AS (
     SELECT event_seq,
@@ -281,7 +374,34 @@ WITH curve AS (
 SELECT a.seq AS event_seq, a.ts_ns, a.node, a.kind, a.capacity,
        (s.settled_ts_ns - a.ts_ns) / 1e6 AS settle_ms,
        d.drained_ts_ns, d.duration_ms AS time_to_drained_ms, d.drained_by,
-       s.ramp AS ramp
+       s.ramp AS ramp, a.applied, a.rejected_reason
 FROM admin_changes a
 LEFT JOIN summary s ON s.event_seq = a.seq
 LEFT JOIN drains d ON d.node = a.node AND d.started_seq = a.seq;
+
+-- What happened to each node, in order (`laswrr history NODE`): admin commands with their
+-- verdict, phase changes (an ejection's reason is its cause), capacity as the snapshots show it
+-- when it changes, and rejected inputs naming the node (samples, health probes). seq is the
+-- input; rank orders rows of one input (command, phase changes, capacity, rejection).
+CREATE OR REPLACE VIEW node_timeline AS
+SELECT ts_ns, seq, node, kind, detail FROM (
+    SELECT ts_ns, seq, 0 AS rank, node, 'admin ' || kind AS kind,
+           CASE WHEN applied THEN 'applied ' ELSE 'REJECTED ' END || body
+           || coalesce(': ' || rejected_reason, '') AS detail
+    FROM admin_commands
+    UNION ALL
+    SELECT ts_ns, as_of_seq, 1, node, CASE WHEN to_phase = 'ejected' THEN 'ejected' ELSE 'phase' END,
+           to_phase || coalesce(' (' || reason || ')', '')
+    FROM phase_marks
+    UNION ALL
+    SELECT ts_ns, as_of_seq, 2, node, 'capacity', coalesce(before::VARCHAR || ' -> ', '') || capacity::VARCHAR
+    FROM (SELECT ts_ns, as_of_seq, node, capacity,
+                 lag(capacity) OVER (PARTITION BY node ORDER BY as_of_seq, out_seq) AS before
+          FROM snapshot_nodes)
+    WHERE before IS DISTINCT FROM capacity
+    UNION ALL
+    SELECT ts_ns, input_seq, 3, key, 'rejected', subject || ': ' || reason
+    FROM rejections
+    WHERE subject NOT LIKE 'lb.admin.%' AND event_index IS NULL
+)
+ORDER BY seq, rank;

@@ -112,7 +112,8 @@ def reach_times(con: duckdb.DuckDBPyConnection, rows: list[tuple[Any, ...]], fra
     series: dict[str, list[tuple[int, int, float | None, float | None]]] = {}
     for _tick, ts_ns, _pool, node, as_of_seq, recorded, whatif, *_ in rows:
         series.setdefault(node, []).append((as_of_seq, ts_ns, recorded, whatif))
-    events = con.execute("SELECT seq, ts_ns, node, kind, next_seq FROM admin_changes ORDER BY seq").fetchall()
+    events = con.execute("SELECT seq, ts_ns, node, kind, next_seq FROM admin_changes WHERE applied "
+                         "ORDER BY seq").fetchall()  # a rejected command moved nothing
     reaches = []
     for seq, ts_ns, node, kind, next_seq in events:
         points = series.get(node, [])

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from laswrr.schemas.codec import SchemaError
+from laswrr.schemas.words import RejectCause
 from laswrr.schemas.events import MAX_INT
 from laswrr.scheduler.upstreams import PatternError, check_pattern, upstream_patterns
 
@@ -62,26 +63,39 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     backoff_decay_ms: int = 10_000
     panic_threshold: float = 0.5  # fewer routable nodes than this share -> route to ejected too
     proxy_timeout_ms: int = 15_000  # a proxy silent this long has its open requests expired
+    # Flow control's slot limit, published per node in snapshots (NodeView.concurrency_limit):
+    # ceil(concurrency_limit_factor x believed slots), at least 1; 0 publishes no limit.
+    concurrency_limit_factor: float = 1.0
     # Hosts an ``lb.admin.node`` URL may name: comma-separated host, host:port or CIDR patterns
     # (scheduler/upstreams.py); empty: any host. User info, a query or a fragment is refused
     # whatever the list says. A string, not a list, so ``lb.admin.config`` keeps its scalar values.
     allow_upstream: str = ""
+    # The largest capacity ``lb.admin.capacity`` or ``lb.admin.node`` may announce (a sanity limit:
+    # ``999999999999`` for ``8`` must not pull every request onto one node). 4096 is four times
+    # the largest default batch of the engines laswrr serves (vLLM's max_num_seqs is 256, 1024 on
+    # large GPUs; MindIE's maxBatchSize is typically 200-1000): a real engine fits, a typo with
+    # three extra digits does not. Raise it for a bigger engine (docs/configuration.md).
+    max_capacity: int = 4096
 
 
 _DECODER = msgspec.json.Decoder(SchedulerConfig)
 _FIELDS = set(SchedulerConfig.__struct_fields__)
 
 
+def _invalid(message: str) -> SchemaError:
+    return SchemaError(message, RejectCause.INVALID_CONFIG)
+
+
 def with_changes(config: SchedulerConfig, changes: dict[str, Any]) -> SchedulerConfig:
     """A new configuration with ``changes`` applied; a bad key or value raises SchemaError."""
     unknown = sorted(set(changes) - _FIELDS)
     if unknown:
-        raise SchemaError(f"unknown configuration key(s): {', '.join(unknown)}")
+        raise _invalid(f"unknown configuration key(s): {', '.join(unknown)}")
     merged = msgspec.structs.asdict(config) | changes
     try:
         new = msgspec.convert(merged, SchedulerConfig)
     except msgspec.ValidationError as exc:
-        raise SchemaError(f"invalid configuration: {exc}") from None
+        raise _invalid(f"invalid configuration: {exc}") from None
     _check(new)
     return new
 
@@ -90,42 +104,45 @@ def _check(config: SchedulerConfig) -> None:
     for name in config.__struct_fields__:
         value = getattr(config, name)
         if isinstance(value, float) and not math.isfinite(value):
-            raise SchemaError(f"invalid configuration: {name}={value} must be finite")
+            raise _invalid(f"invalid configuration: {name}={value} must be finite")
         if isinstance(value, int) and abs(value) > MAX_INT:
-            raise SchemaError(f"invalid configuration: {name}={value} is out of range")
+            raise _invalid(f"invalid configuration: {name}={value} is out of range")
     weights = (config.w_queue, config.w_running, config.w_kv, config.w_npu, config.w_latency)
     if min(weights) < 0 or sum(weights) <= 0:
-        raise SchemaError("invalid configuration: load weights must be >= 0 with a positive sum")
+        raise _invalid("invalid configuration: load weights must be >= 0 with a positive sum")
     for name in ("max_load_cut", "floor_fraction", "load_deadband", "slots_hold_latency", "unknown_load",
                  "latency_alpha", "warning_health", "ease_alpha", "ease_max_step", "slow_start_min_pct",
                  "panic_threshold"):
         value = getattr(config, name)
         if not 0.0 <= value <= 1.0:
-            raise SchemaError(f"invalid configuration: {name}={value} must be within 0..1")
+            raise _invalid(f"invalid configuration: {name}={value} must be within 0..1")
+    if not 0.0 <= config.concurrency_limit_factor <= 100.0:
+        raise _invalid(f"invalid configuration: concurrency_limit_factor={config.concurrency_limit_factor} "
+                       "must be within 0..100")
     if config.slow_start_aggression <= 0:
-        raise SchemaError("invalid configuration: slow_start_aggression must be > 0")
+        raise _invalid("invalid configuration: slow_start_aggression must be > 0")
     if config.stale_full_ms < config.stale_after_ms:
-        raise SchemaError("invalid configuration: stale_full_ms must be >= stale_after_ms")
+        raise _invalid("invalid configuration: stale_full_ms must be >= stale_after_ms")
     if config.ease_max_step <= 0:
-        raise SchemaError("invalid configuration: ease_max_step must be > 0")
+        raise _invalid("invalid configuration: ease_max_step must be > 0")
     for name in ("stale_after_ms", "stale_full_ms", "drain_deadline_ms", "slow_start_window_ms",
                  "base_ejection_ms", "max_ejection_ms", "backoff_decay_ms", "proxy_timeout_ms",
                  "slots_regain_ms"):
         if getattr(config, name) < 0:
-            raise SchemaError(f"invalid configuration: {name}={getattr(config, name)} must be >= 0")
-    for name in ("health_fail_threshold", "consecutive_failures", "slots_evidence"):
+            raise _invalid(f"invalid configuration: {name}={getattr(config, name)} must be >= 0")
+    for name in ("health_fail_threshold", "consecutive_failures", "slots_evidence", "max_capacity"):
         if getattr(config, name) < 1:
-            raise SchemaError(f"invalid configuration: {name}={getattr(config, name)} must be >= 1")
+            raise _invalid(f"invalid configuration: {name}={getattr(config, name)} must be >= 1")
     if not 0.0 <= config.max_ejection_percent <= 100.0:
-        raise SchemaError(f"invalid configuration: max_ejection_percent={config.max_ejection_percent} "
+        raise _invalid(f"invalid configuration: max_ejection_percent={config.max_ejection_percent} "
                           "must be within 0..100")
     for pattern in upstream_patterns(config.allow_upstream):
         try:
             check_pattern(pattern)
         except PatternError as exc:
-            raise SchemaError(f"invalid configuration: allow_upstream: {exc}") from None
+            raise _invalid(f"invalid configuration: allow_upstream: {exc}") from None
     if config.capacity_ramp_ratio <= 1.0:
-        raise SchemaError(f"invalid configuration: capacity_ramp_ratio={config.capacity_ramp_ratio} must be > 1")
+        raise _invalid(f"invalid configuration: capacity_ramp_ratio={config.capacity_ramp_ratio} must be > 1")
 
 
 def load_file(path: str) -> SchedulerConfig:

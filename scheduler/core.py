@@ -21,7 +21,8 @@ are voided at once, as after ``lb.proxy.stopped`` or ``proxy_timeout_ms`` of sil
 event of a replaced process (its boot id is among the last ``RETIRED_BOOTS``) voids nothing. A
 heartbeat with a boot id also carries the process's own in-flight count; where that is lower
 than the requests the scheduler holds open for it, the oldest of them are voided (their
-finished events were lost). Events without a boot id (older proxies) keep the old rules.
+finished events were lost). An event without a boot id (published by hand, ``nats pub``) names
+no process: it voids nothing and its heartbeat is liveness only.
 
 ``apply_guarded`` is how every driver of the core (the scheduler service, replay, what-if, the
 portable replay, synthetic logs) applies an input: an exception from ``apply`` is a broken
@@ -36,9 +37,11 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from msgspec import UNSET
 
 from laswrr.scheduler import config as config_mod
 from laswrr.scheduler import reweigh
+from laswrr.scheduler.routing.flow import concurrency_limit
 from laswrr.scheduler.phases import ROUTABLE, HeldBy, Phase, PhaseError, Trigger, next_phase, release_trigger
 from laswrr.scheduler.state import CoreState, NodeState, OpenRequest
 from laswrr.scheduler.upstreams import upstream_patterns, upstream_rejection
@@ -46,13 +49,13 @@ from laswrr.scheduler.weights import MS, round_milli
 from laswrr.schemas import events
 from laswrr.schemas import subjects
 from laswrr.schemas.codec import Envelope, Output, SchemaError, Unbatched, decode_batch, decode_event, encode
-from laswrr.schemas.outputs import NodeView, PhaseChanged, Rejected, WeightSnapshot, clip
-from laswrr.schemas.words import DrainCause, EjectCause, RequestOutcome
+from laswrr.schemas.outputs import ConfigApplied, NodeView, PhaseChanged, Rejected, WeightSnapshot, clip
+from laswrr.schemas.words import (NPU_SEVERITY, DrainCause, EjectCause, NodeRole, NpuHealth, PdProtocol, PhaseCause,
+                                  RejectCause, RequestOutcome)
 
 _BATCH_PREFIX = subjects.REQ_BATCH + "."
 RETIRED_BOOTS = 4  # boot ids remembered per proxy id, so a late event of a replaced process is known
 
-HEALTH_ORDER = {"OK": 0, "Warning": 1, "Alarm": 2, "Critical": 3, "UNKNOWN": 4}
 
 
 def _end_request(node: NodeState, request: OpenRequest) -> None:
@@ -64,18 +67,25 @@ def _end_request(node: NodeState, request: OpenRequest) -> None:
 
 
 class Rejection(ValueError):
-    """An input that is well-formed but cannot be applied to the current state."""
+    """An input that is well-formed but cannot be applied to the current state; ``cause`` is
+    the code its rejection records."""
+
+    def __init__(self, message: str, cause: RejectCause) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 def poisoned(envelope: Envelope, exc: BaseException) -> Output:
     """The rejection recorded for an input on which the core broke an invariant."""
     reason = f"internal error while applying: {type(exc).__name__}: {exc}"
-    return Output(subject=subjects.OUT_REJECTED, as_of_seq=envelope.seq, data=encode(rejected(envelope, reason)))
+    return Output(subject=subjects.OUT_REJECTED, as_of_seq=envelope.seq,
+                  data=encode(rejected(envelope, RejectCause.INTERNAL_ERROR, reason)), cause=RejectCause.INTERNAL_ERROR)
 
 
-def rejected(envelope: Envelope, reason: str) -> Rejected:
+def rejected(envelope: Envelope, cause: RejectCause, reason: str, event_index: int | None = None) -> Rejected:
     """The rejection of ``envelope``; its subject and reason cut to ``TEXT_MAX_CHARS``."""
-    return Rejected(seq=envelope.seq, subject=clip(envelope.subject), reason=clip(reason), as_of_seq=envelope.seq)
+    return Rejected(as_of_seq=envelope.seq, subject=clip(envelope.subject), cause=cause, reason=clip(reason),
+                    event_index=event_index)
 
 
 def apply_guarded(scheduler: Scheduler, envelope: Envelope) -> tuple[list[Output], Exception | None]:
@@ -115,6 +125,9 @@ class Scheduler:
             events.EngineSampled: self._on_engine,
             events.NpuSampled: self._on_npu,
             events.HealthProbed: self._on_health,
+            events.ModelsListed: self._on_models,
+            events.RequestRefused: self._on_refused,
+            events.RequestQueued: self._on_queued,
             events.RequestStarted: self._on_started,
             events.RequestFinished: self._on_finished,
             events.ProxyHeartbeat: self._on_heartbeat,
@@ -144,7 +157,7 @@ class Scheduler:
                 key, event = decode_event(envelope.subject, envelope.data)
                 self._handlers[type(event)](key, event)
         except (SchemaError, Rejection, PhaseError) as exc:
-            return [self._output(subjects.OUT_REJECTED, rejected(envelope, str(exc)))]
+            return [self._output(subjects.OUT_REJECTED, rejected(envelope, exc.cause, str(exc)))]
         for pool in sorted(self._rephased):
             if pool in self._pool_names():
                 self._reweigh(pool, ease=False)
@@ -163,17 +176,18 @@ class Scheduler:
             self._touched, self._rephased = set(), set()
             mark = len(self._outputs)
             try:
-                if item.error is not None:
-                    raise item.error
+                if item.error is not None or item.event is None:
+                    raise item.error or SchemaError(f"event {item.index}: nothing decoded")
                 self._handlers[type(item.event)](item.key, item.event)
             except (SchemaError, Rejection, PhaseError) as exc:
                 reason = str(exc) if item.error is not None else f"event {item.index} ({item.subject}): {exc}"
-                self._reject_item(envelope, item.index, mark, reason)
+                self._reject_item(envelope, item.index, mark, exc.cause, reason)
                 continue
             except Exception as exc:  # noqa: BLE001 - a broken invariant: this event's rejection (apply_guarded)
                 self.fault = self.fault or exc
-                self._reject_item(envelope, item.index, mark, f"event {item.index} ({item.subject}): internal error "
-                                                              f"while applying: {type(exc).__name__}: {exc}")
+                self._reject_item(envelope, item.index, mark, RejectCause.INTERNAL_ERROR,
+                                  f"event {item.index} ({item.subject}): internal error "
+                                  f"while applying: {type(exc).__name__}: {exc}")
                 continue
             for pool in sorted(self._rephased):
                 if pool in self._pool_names():
@@ -181,19 +195,22 @@ class Scheduler:
             touched |= self._touched
         self._touched, self._rephased = touched, set()
 
-    def _reject_item(self, envelope: Envelope, index: int, mark: int, reason: str) -> None:
+    def _reject_item(self, envelope: Envelope, index: int, mark: int, cause: RejectCause, reason: str) -> None:
         del self._outputs[mark:]
-        self._outputs.append(self._output(subjects.OUT_REJECTED, Rejected(
-            seq=envelope.seq, subject=clip(envelope.subject), reason=clip(reason), as_of_seq=envelope.seq,
-            event_index=index)))
+        self._outputs.append(self._output(subjects.OUT_REJECTED, rejected(envelope, cause, reason, index)))
 
     def snapshot(self, pool: str) -> WeightSnapshot:
         state = self.state
         members = sorted((n for n in state.nodes.values() if n.pool == pool), key=lambda n: n.node)
         panic = reweigh.in_panic(members, self.config)
+        # a P/D pool's roles are weighed apart (_reweigh), so each role has its own panic rail; the
+        # snapshot's ``panic`` is the pool's (for a pool without roles the two are the same)
+        role_panic = {role: reweigh.in_panic([n for n in members if n.role == role], self.config)
+                      for role in {n.role for n in members}} if any(n.role != NodeRole.BOTH for n in members) else {}
         return WeightSnapshot(
             pool=pool, as_of_seq=state.last_seq, tick=state.tick, ts_ns=state.now_ns, panic=panic,
-            nodes=[self._view(n, panic) for n in members], proxy_inflight=self._proxy_inflight(members),
+            nodes=[self._view(n, role_panic.get(n.role, panic)) for n in members],
+            proxy_inflight=self._proxy_inflight(members),
         )
 
     def _proxy_inflight(self, members: list[NodeState]) -> dict[str, dict[str, int]]:
@@ -244,15 +261,23 @@ class Scheduler:
 
     def _output(self, subject: str, payload: Any) -> Output:
         index = sum(1 for output in self._outputs if output.subject == subject)
-        return Output(subject=subject, data=encode(payload), as_of_seq=self._seq, index=index)
+        cause = payload.cause if isinstance(payload, Rejected) else None
+        return Output(subject=subject, data=encode(payload), as_of_seq=self._seq, index=index, cause=cause)
 
     def _view(self, node: NodeState, panic: bool) -> NodeView:
         routable = reweigh.routable(node, panic)
+        load = node.load or reweigh.load_view(None, self.config)
+        slots = node.capacity if load.slots is None else min(load.slots, node.capacity)
         return NodeView(
             node=node.node, url=node.url, phase=node.phase, routable=routable, capacity=node.capacity,
             target_weight=node.target, effective_weight=node.effective if routable else 0.0,
             inflight=node.inflight, chip=node.chip, health=node.health,
-            load=node.load or reweigh.load_view(None, self.config), phase_reason=node.phase_reason,
+            load=load, phase_reason=node.phase_reason, phase_cause=node.phase_cause,
+            concurrency_limit=concurrency_limit(slots, self.config.concurrency_limit_factor),
+            models=UNSET if node.models is None else list(node.models),
+            role=UNSET if node.role == NodeRole.BOTH else node.role,
+            pd_protocol=UNSET if node.pd_protocol is None else node.pd_protocol,
+            bootstrap_port=UNSET if node.bootstrap_port is None else node.bootstrap_port,
         )
 
     # -- phases -------------------------------------------------------------------------------
@@ -260,17 +285,20 @@ class Scheduler:
     def _require(self, key: str | None) -> NodeState:
         node = self.state.nodes.get(key or "")
         if node is None:
-            raise Rejection(f"unknown node {key!r}: register it first with lb.admin.node.{key}")
+            raise Rejection(f"unknown node {key!r}: register it first with lb.admin.node.{key}",
+                            RejectCause.UNKNOWN_NODE)
         return node
 
-    def _transition(self, node: NodeState, trigger: Trigger, reason: str, floor: float = 0.0) -> None:
-        new = next_phase(Phase(node.phase), trigger)
+    def _transition(self, node: NodeState, trigger: Trigger, cause: PhaseCause, reason: str,
+                    floor: float = 0.0) -> None:
+        new = next_phase(node.phase, trigger)
         now, reason = self.state.now_ns, clip(reason)
         self._outputs.append(self._output(subjects.out_phase(node.node), PhaseChanged(
-            node=node.node, from_=node.phase, to=new.value, as_of_seq=self._seq, reason=reason, pool=node.pool)))
+            node=node.node, from_=node.phase, to=new, as_of_seq=self._seq, cause=cause, reason=reason,
+            pool=node.pool)))
         self._touched.add(node.pool)
         self._rephased.add(node.pool)
-        node.phase, node.phase_reason, node.phase_since_ns = new.value, reason, now
+        node.phase, node.phase_cause, node.phase_reason, node.phase_since_ns = new, cause, reason, now
         if new == Phase.REMOVED:
             self._forget(node)
         elif new in (Phase.DRAINING, Phase.DRAINED, Phase.EJECTED):
@@ -297,29 +325,29 @@ class Scheduler:
         node.effective = start if node.effective <= 0 else min(node.effective, start)
         node.target = start
 
-    def _drain(self, node: NodeState, cause: DrainCause, reason: str) -> None:
-        self._transition(node, Trigger.DRAIN, reason)
-        node.drain_cause = cause
+    def _drain(self, node: NodeState, held_by: DrainCause, cause: PhaseCause, reason: str) -> None:
+        self._transition(node, Trigger.DRAIN, cause, reason)
+        node.drain_cause = held_by
         self._check_drained(node)
 
-    def _undrain(self, node: NodeState, reason: str) -> None:
-        self._transition(node, Trigger.UNDRAIN, reason)
+    def _undrain(self, node: NodeState, cause: PhaseCause, reason: str) -> None:
+        self._transition(node, Trigger.UNDRAIN, cause, reason)
         node.drain_cause = DrainCause.NONE
         node.remove_pending = False
 
     def _check_drained(self, node: NodeState) -> None:
         if node.phase == Phase.DRAINING and node.inflight == 0:
-            self._transition(node, Trigger.DRAINED, "in-flight reached 0")
+            self._transition(node, Trigger.DRAINED, PhaseCause.INFLIGHT_ZERO, "in-flight reached 0")
         if node.phase == Phase.DRAINED and node.remove_pending:
-            self._transition(node, Trigger.FORGET, "removed after drain")
+            self._transition(node, Trigger.FORGET, PhaseCause.REMOVED, "removed after drain")
 
-    def _eject(self, node: NodeState, cause: EjectCause, reason: str, until_ns: int = 0) -> None:
-        self._transition(node, Trigger.EJECT, reason)
-        node.eject_cause, node.ejected_until_ns = cause, until_ns
+    def _eject(self, node: NodeState, held_by: EjectCause, cause: PhaseCause, reason: str, until_ns: int = 0) -> None:
+        self._transition(node, Trigger.EJECT, cause, reason)
+        node.eject_cause, node.ejected_until_ns = held_by, until_ns
         node.last_decay_ns = self.state.now_ns
 
-    def _uneject(self, node: NodeState, reason: str) -> None:
-        self._transition(node, Trigger.UNEJECT, reason)
+    def _uneject(self, node: NodeState, cause: PhaseCause, reason: str) -> None:
+        self._transition(node, Trigger.UNEJECT, cause, reason)
         node.eject_cause = EjectCause.NONE
         node.consecutive_failures = 0
         node.last_decay_ns = self.state.now_ns
@@ -329,15 +357,15 @@ class Scheduler:
         return node.eject_cause if node.phase == Phase.EJECTED else node.drain_cause
 
     def _releasing(self, node: NodeState, recovered: HeldBy) -> Trigger | None:
-        return release_trigger(Phase(node.phase), self._held_by(node), recovered)
+        return release_trigger(node.phase, self._held_by(node), recovered)
 
-    def _release(self, node: NodeState, recovered: HeldBy, reason: str) -> bool:
+    def _release(self, node: NodeState, recovered: HeldBy, cause: PhaseCause, reason: str) -> bool:
         """Return the node from its phase if ``recovered`` is what holds it there (RELEASES)."""
         trigger = self._releasing(node, recovered)
         if trigger == Trigger.UNDRAIN:
-            self._undrain(node, reason)
+            self._undrain(node, cause, reason)
         elif trigger == Trigger.UNEJECT:
-            self._uneject(node, reason)
+            self._uneject(node, cause, reason)
         return trigger is not None
 
     # -- admin --------------------------------------------------------------------------------
@@ -345,22 +373,50 @@ class Scheduler:
     def _on_registered(self, key: str, event: events.NodeRegistered) -> None:
         allowed = upstream_patterns(self.config.allow_upstream)
         reasons = [upstream_rejection(event.url, allowed)] + [
-            upstream_rejection(url, allowed, strict=False) for url in (event.metrics_url, event.health_url) if url]
+            upstream_rejection(url, allowed, strict=False)
+            for url in (event.metrics_url, event.health_url, event.status_url, event.npu_exporter) if url]
         for reason in reasons:
             if reason is not None:
-                raise Rejection(reason)
+                raise Rejection(reason, RejectCause.UPSTREAM_NOT_ALLOWED)
+        self._check_capacity(key, event.capacity)
+        self._check_disaggregation(key, event)
         node = self.state.nodes.get(key)
         if node is None:
             self._register(key, event)
             return
         if event.pool != node.pool:
             self._touched.add(node.pool)
+        if (event.role, event.pd_protocol) != (node.role, node.pd_protocol):
+            self._rephased.add(node.pool)  # its role's weights are now reckoned among other members
         node.url, node.chip, node.pool = event.url, event.chip, event.pool
+        node.role, node.pd_protocol, node.bootstrap_port = event.role, event.pd_protocol, event.bootstrap_port
         self._touched.add(node.pool)
         if node.remove_pending:
             node.remove_pending = False
-            self._release(node, DrainCause.REMOVE, "registered again")
+            self._release(node, DrainCause.REMOVE, PhaseCause.REGISTERED_AGAIN, "registered again")
         self._set_capacity(node, event.capacity)
+
+    def _check_disaggregation(self, key: str, event: events.NodeRegistered) -> None:
+        """A prefill or decode node names its pool's protocol, and no node of a pool names another
+        protocol than its other nodes do (there is no pool entity: the pool's protocol is what its
+        registrations say; docs/design.md, "Prefill/decode disaggregated pools")."""
+        if event.role != NodeRole.BOTH and event.pd_protocol is None:
+            raise Rejection(f"node {key!r} has role {event.role}: its registration must name the pool's "
+                            f"pd_protocol (vllm or sglang)", RejectCause.PD_PROTOCOL)
+        sglang_prefill = event.role == NodeRole.PREFILL and event.pd_protocol == PdProtocol.SGLANG
+        if sglang_prefill and event.bootstrap_port is None:
+            raise Rejection(f"node {key!r} is an sglang prefill node: its registration must name its bootstrap_port "
+                            f"(the engine's --disaggregation-bootstrap-port)", RejectCause.PD_PROTOCOL)
+        if not sglang_prefill and event.bootstrap_port is not None:
+            raise Rejection(f"node {key!r} names bootstrap_port but only an sglang prefill node has one "
+                            f"(role {event.role}, pd_protocol {event.pd_protocol})", RejectCause.PD_PROTOCOL)
+        if event.pd_protocol is None:
+            return
+        for other in self.state.nodes.values():
+            if other.node != key and other.pool == event.pool and other.pd_protocol not in (None, event.pd_protocol):
+                raise Rejection(f"node {key!r} names pd_protocol {event.pd_protocol} but node {other.node!r} of pool "
+                                f"{event.pool!r} names {other.pd_protocol}: a pool's nodes speak one protocol",
+                                RejectCause.PD_PROTOCOL)
 
     def _register(self, key: str, event: events.NodeRegistered) -> None:
         now, cfg = self.state.now_ns, self.config
@@ -368,12 +424,14 @@ class Scheduler:
         # Slow start is useless when every node is new (Envoy, HAProxy): a cold pool starts active.
         cold = all(now - n.registered_ns < window for n in self.state.nodes.values() if n.pool == event.pool)
         node = NodeState(node=key, url=event.url, pool=event.pool, chip=event.chip, capacity=event.capacity,
-                         max_capacity=event.capacity, registered_ns=now, phase_since_ns=now)
+                         max_capacity=event.capacity, registered_ns=now, phase_since_ns=now,
+                         role=event.role, pd_protocol=event.pd_protocol, bootstrap_port=event.bootstrap_port)
         self.state.nodes[key] = node
         phase = Phase.ACTIVE if cold else Phase.RECOVERING
-        node.phase = phase.value
+        node.phase = phase
         self._outputs.append(self._output(subjects.out_phase(key), PhaseChanged(
-            node=key, from_="new", to=phase.value, as_of_seq=self._seq, reason="registered", pool=node.pool)))
+            node=key, from_=Phase.NEW, to=phase, as_of_seq=self._seq, cause=PhaseCause.REGISTERED,
+            reason="registered", pool=node.pool)))
         self._touched.add(node.pool)
         if cold:
             self._reweigh(node.pool, ease=False)
@@ -392,27 +450,36 @@ class Scheduler:
         self._touched.add(node.pool)
         if capacity == 0:
             if node.phase in ROUTABLE or node.phase == Phase.EJECTED:
-                self._drain(node, DrainCause.CAPACITY, "capacity set to 0")
+                self._drain(node, DrainCause.CAPACITY, PhaseCause.CAPACITY_ZERO, "capacity set to 0")
             return
-        if self._release(node, DrainCause.CAPACITY, f"capacity restored to {capacity}"):
+        if self._release(node, DrainCause.CAPACITY, PhaseCause.CAPACITY_RESTORED, f"capacity restored to {capacity}"):
             return
         if node.phase == Phase.ACTIVE and old > 0 and capacity >= old * self.config.capacity_ramp_ratio:
-            self._transition(node, Trigger.RAMP, f"capacity raised {old} -> {capacity}",
+            self._transition(node, Trigger.RAMP, PhaseCause.CAPACITY_RAISED, f"capacity raised {old} -> {capacity}",
                              floor=node.effective / capacity)
+
+    def _check_capacity(self, key: str, capacity: int) -> None:
+        limit = self.config.max_capacity
+        if capacity > limit:
+            raise Rejection(f"capacity {capacity} for node {key!r} is above max_capacity {limit} (the scheduler's "
+                            f"sanity limit; for an engine that really serves more, raise it: laswrr config "
+                            f"max_capacity={capacity})", RejectCause.CAPACITY_ABOVE_LIMIT)
 
     def _on_capacity(self, key: str, event: events.CapacitySet) -> None:
         node = self._require(key)
+        self._check_capacity(key, event.capacity)
         self._set_capacity(node, event.capacity)
         self._reweigh(node.pool, ease=False)
 
     def _on_drain(self, key: str, event: events.DrainRequested) -> None:
-        self._drain(self._require(key), DrainCause.OPERATOR, "operator drain")
+        self._drain(self._require(key), DrainCause.OPERATOR, PhaseCause.OPERATOR_DRAIN, "operator drain")
 
     def _on_undrain(self, key: str, event: events.UndrainRequested) -> None:
         node = self._require(key)
         if node.capacity == 0:
-            raise Rejection(f"node {key!r} has capacity 0: publish lb.admin.capacity.{key} to return it")
-        self._undrain(node, "operator undrain")
+            raise Rejection(f"node {key!r} has capacity 0: publish lb.admin.capacity.{key} to return it",
+                            RejectCause.CAPACITY_ZERO)
+        self._undrain(node, PhaseCause.OPERATOR_UNDRAIN, "operator undrain")
 
     def _on_remove(self, key: str, event: events.NodeRemoveRequested) -> None:
         node = self._require(key)
@@ -421,12 +488,14 @@ class Scheduler:
             self._touched.add(node.pool)
             self._check_drained(node)
             return
-        self._transition(node, Trigger.DRAIN, "remove requested")
+        self._transition(node, Trigger.DRAIN, PhaseCause.REMOVE_REQUESTED, "remove requested")
         node.drain_cause, node.remove_pending = DrainCause.REMOVE, True
         self._check_drained(node)
 
     def _on_config(self, key: None, event: events.ConfigChanged) -> None:
         self.state.config = config_mod.with_changes(self.config, dict(event.set))
+        self._outputs.append(self._output(subjects.OUT_CONFIG, ConfigApplied(
+            as_of_seq=self._seq, set=dict(event.set), config=msgspec.structs.asdict(self.state.config))))
 
     # -- samples ------------------------------------------------------------------------------
 
@@ -434,7 +503,13 @@ class Scheduler:
         node = self._require(key)
         node.running, node.waiting, node.kv = event.running, event.waiting, event.kv_cache_usage
         node.engine_ns = self.state.now_ns
-        reweigh.observe_slots(node, event.running, event.waiting, self.state.now_ns, self.config)
+        node.free_slots, node.free_blocks, node.total_blocks = event.free_slots, event.free_blocks, event.total_blocks
+        blocks = reweigh.block_usage(event.free_blocks, event.total_blocks)
+        node.kv = event.kv_cache_usage if blocks is None else blocks  # the engine's KV blocks over a derived %
+        if event.free_slots is not None:  # the engine says its free slots: believed at once
+            reweigh.observe_free_slots(node, event.running, event.free_slots, self.state.now_ns)
+        else:
+            reweigh.observe_slots(node, event.running, event.waiting, self.state.now_ns, self.config)
         if event.ttft_ms is not None:
             reweigh.observe_latency(node, event.ttft_ms, self.config)
 
@@ -443,35 +518,54 @@ class Scheduler:
         utils = [c.aicore_util for c in event.chips if c.aicore_util is not None]
         node.npu_util = round_milli(sum(utils) / len(utils)) if utils else None
         node.npu_ns = self.state.now_ns
-        states = [c.health if c.health in HEALTH_ORDER else "UNKNOWN" for c in event.chips if c.health]
-        worst = max(states, key=HEALTH_ORDER.__getitem__) if states else None
+        node.npu_max_age_ms = event.max_age_ms
+        states = [NpuHealth.of(c.health) for c in event.chips if c.health]
+        worst = max(states, key=NPU_SEVERITY.__getitem__) if states else None
         node.npu_health = worst
-        if worst in ("Critical", "UNKNOWN") and node.phase in ROUTABLE:
-            self._eject(node, EjectCause.NPU, f"npu health {worst}")
-        elif worst == "Alarm" and node.phase in ROUTABLE:
-            self._drain(node, DrainCause.NPU, "npu health Alarm")
-        elif worst in (None, "OK", "Warning"):
+        cause = next((f": npu {c.npu_id} chip {c.chip_id} {c.fault}" for c in event.chips
+                      if c.fault and NpuHealth.of(c.health) == worst), "")
+        if worst in (NpuHealth.CRITICAL, NpuHealth.UNKNOWN) and node.phase in ROUTABLE:
+            self._eject(node, EjectCause.NPU, PhaseCause.NPU_UNHEALTHY, f"npu health {worst}{cause}")
+        elif worst == NpuHealth.ALARM and node.phase in ROUTABLE:
+            self._drain(node, DrainCause.NPU, PhaseCause.NPU_ALARM, f"npu health {worst}{cause}")
+        elif worst in (None, NpuHealth.OK, NpuHealth.WARNING):
             reason = f"npu health back to {worst or 'unreported'}"
-            if not self._release(node, EjectCause.NPU, reason):
-                self._release(node, DrainCause.NPU, reason)
+            if not self._release(node, EjectCause.NPU, PhaseCause.NPU_RECOVERED, reason):
+                self._release(node, DrainCause.NPU, PhaseCause.NPU_RECOVERED, reason)
 
     def _on_health(self, key: str, event: events.HealthProbed) -> None:
         node = self._require(key)
         if event.ok:
             node.probe_failures = 0
-            self._release(node, EjectCause.PROBE, "health probe passed")
+            self._release(node, EjectCause.PROBE, PhaseCause.PROBE_PASSED, "health probe passed")
             return
         node.probe_failures += 1
         if node.probe_failures >= self.config.health_fail_threshold and node.phase in ROUTABLE:
             detail = f": {event.error}" if event.error else ""
-            self._eject(node, EjectCause.PROBE, f"{node.probe_failures} failed health probes{detail}")
+            self._eject(node, EjectCause.PROBE, PhaseCause.PROBE_FAILED, f"{node.probe_failures} failed health probes{detail}")
 
     # -- requests -----------------------------------------------------------------------------
+
+    def _on_models(self, key: str, event: events.ModelsListed) -> None:
+        """The engine's model ids: a change goes out in the pool's snapshot (the proxies route
+        model ids on it); the same list again changes nothing and emits nothing."""
+        node = self._require(key)
+        if node.models != event.models:
+            node.models = list(event.models)
+            self._touched.add(node.pool)
+
+    def _on_refused(self, key: str, event: events.RequestRefused) -> None:
+        """A request the proxy answered itself: no node was involved, so nothing here changes;
+        the event is in the log for the views and the report (docs/design.md §6)."""
+
+    def _on_queued(self, key: str, event: events.RequestQueued) -> None:
+        """A request held by flow control: no node yet, nothing changes (its wait is for the views)."""
 
     def _on_started(self, key: str, event: events.RequestStarted) -> None:
         node = self._require(key)
         if event.request_id in self.state.open_requests:
-            raise Rejection(f"duplicate request_id {event.request_id!r}: already in flight")
+            raise Rejection(f"duplicate request_id {event.request_id!r}: already in flight",
+                            RejectCause.DUPLICATE_REQUEST)
         self._proxy_epoch(event.proxy, event.boot_id)
         tokens = None if event.prompt_tokens is None else event.prompt_tokens + (event.max_tokens or 0)
         request = OpenRequest(node=key, proxy=event.proxy, boot=event.boot_id, tokens=tokens)
@@ -485,7 +579,8 @@ class Scheduler:
 
     def _on_finished(self, key: str, event: events.RequestFinished) -> None:
         if event.request_id not in self.state.open_requests:
-            raise Rejection(f"unknown request_id {event.request_id!r}: never started, already finished, or expired")
+            raise Rejection(f"unknown request_id {event.request_id!r}: never started, already finished, or expired",
+                            RejectCause.UNKNOWN_REQUEST)
         self._proxy_epoch(event.proxy, event.boot_id)
         request = self.state.open_requests.pop(event.request_id, None)
         if request is None:  # voided just now: its proxy process was replaced
@@ -502,8 +597,8 @@ class Scheduler:
             node.consecutive_failures += 1
             if node.consecutive_failures >= self.config.consecutive_failures and node.phase in ROUTABLE:
                 self._outlier_eject(node)
-        elif event.outcome == RequestOutcome.COMPLETED:
-            node.consecutive_failures = 0
+        elif event.outcome in (RequestOutcome.COMPLETED, RequestOutcome.ENGINE_ERROR):
+            node.consecutive_failures = 0  # a 4xx is an answer: the engine is up (docs/design.md §6, engine errors)
         self._check_drained(node)
 
     def _outlier_eject(self, node: NodeState) -> None:
@@ -519,14 +614,13 @@ class Scheduler:
         duration_ms = min(cfg.base_ejection_ms * node.ejections, max(cfg.max_ejection_ms, cfg.base_ejection_ms))
         failures = node.consecutive_failures
         node.consecutive_failures = 0
-        self._eject(node, EjectCause.OUTLIER, f"{failures} consecutive upstream errors; ejected for {duration_ms / 1000:g} s",
+        self._eject(node, EjectCause.OUTLIER, PhaseCause.UPSTREAM_ERRORS,
+                    f"{failures} consecutive upstream errors; ejected for {duration_ms / 1000:g} s",
                     until_ns=self.state.now_ns + duration_ms * MS)
 
     def _on_heartbeat(self, key: str, event: events.ProxyHeartbeat) -> None:
         self.state.proxies[key] = self.state.now_ns
-        if event.boot_id is None:
-            return  # a proxy from before boot ids: liveness only (old logs replay unchanged)
-        if not self._proxy_epoch(key, event.boot_id):
+        if not self._proxy_epoch(key, event.boot_id):  # no boot id (published by hand): liveness only
             return
         mine = [rid for rid, req in self.state.open_requests.items() if req.proxy == key]
         if event.inflight < len(mine):  # the proxy knows better: the oldest are phantoms (lost finished)
@@ -593,12 +687,13 @@ class Scheduler:
     def _advance_timers(self, node: NodeState) -> None:
         now, cfg = self.state.now_ns, self.config
         if node.phase == Phase.DRAINING and now >= node.drain_deadline_ns:
-            self._transition(node, Trigger.DRAINED, f"drain deadline reached with {node.inflight} in flight")
+            self._transition(node, Trigger.DRAINED, PhaseCause.DRAIN_DEADLINE,
+                             f"drain deadline reached with {node.inflight} in flight")
             self._check_drained(node)
         elif self._releasing(node, EjectCause.OUTLIER) and now >= node.ejected_until_ns:
-            self._release(node, EjectCause.OUTLIER, "ejection time elapsed")
+            self._release(node, EjectCause.OUTLIER, PhaseCause.EJECTION_ELAPSED, "ejection time elapsed")
         elif node.phase == Phase.RECOVERING and now - node.slow_start_since_ns >= cfg.slow_start_window_ms * MS:
-            self._transition(node, Trigger.WARMED, "slow start window elapsed")
+            self._transition(node, Trigger.WARMED, PhaseCause.SLOW_START_ELAPSED, "slow start window elapsed")
         if node.phase != Phase.EJECTED and node.ejections > 0 and now - node.last_decay_ns >= cfg.backoff_decay_ms * MS:
             node.ejections -= 1
             node.last_decay_ns = now
@@ -608,4 +703,8 @@ class Scheduler:
         effective weights one step."""
         if members is None:
             members = [n for n in self.state.nodes.values() if n.pool == pool]
-        reweigh.reweigh_pool(members, self.state.now_ns, self.config, ease)
+        by_role: dict[NodeRole, list[NodeState]] = {}
+        for node in members:  # a P/D pool's prefill and decode nodes are weighed each among their role
+            by_role.setdefault(node.role, []).append(node)
+        for group in by_role.values():
+            reweigh.reweigh_pool(group, self.state.now_ns, self.config, ease)

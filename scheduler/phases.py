@@ -23,29 +23,10 @@ returns a draining or drained node whatever its drain cause (the core refuses it
 
 from __future__ import annotations
 
-from enum import StrEnum
+from laswrr.schemas.words import DrainCause, EjectCause, Phase, RejectCause, Trigger
 
-from laswrr.schemas.words import DrainCause, EjectCause
-
-
-class Phase(StrEnum):
-    ACTIVE = "active"
-    DRAINING = "draining"
-    DRAINED = "drained"
-    RECOVERING = "recovering"
-    EJECTED = "ejected"
-    REMOVED = "removed"
-
-
-class Trigger(StrEnum):
-    DRAIN = "drain"
-    DRAINED = "drained"
-    UNDRAIN = "undrain"
-    FORGET = "forget"
-    EJECT = "eject"
-    UNEJECT = "uneject"
-    WARMED = "warmed"
-    RAMP = "ramp"
+__all__ = ["Phase", "Trigger", "TRANSITIONS", "ROUTABLE", "HeldBy", "RELEASES", "PhaseError", "next_phase",
+           "release_trigger"]
 
 
 TRANSITIONS: dict[tuple[Phase, Trigger], Phase] = {
@@ -86,15 +67,25 @@ RELEASES: dict[tuple[Phase, HeldBy], Trigger] = {
 class PhaseError(ValueError):
     """A trigger that is not legal in the node's current phase."""
 
+    cause = RejectCause.ILLEGAL_TRANSITION
+
+
+# The operator commands a rejection suggests (never the core's internal triggers: forget, eject,
+# warmed, ...): drain and undrain where legal, remove and capacity always.
+_COMMANDS = ((Trigger.DRAIN, "laswrr drain"), (Trigger.UNDRAIN, "laswrr undrain"))
+
+
+def operator_commands(current: Phase) -> list[str]:
+    return [text for trigger, text in _COMMANDS if (current, trigger) in TRANSITIONS] + [
+        "laswrr remove", "laswrr capacity"]
+
 
 def next_phase(current: Phase, trigger: Trigger) -> Phase:
     try:
         return TRANSITIONS[(current, trigger)]
     except KeyError:
-        legal = sorted(t.value for (p, t) in TRANSITIONS if p == current)
-        raise PhaseError(
-            f"cannot {trigger.value} a node that is {current.value} (legal here: {', '.join(legal) or 'none'})"
-        ) from None
+        raise PhaseError(f"cannot {trigger.value} a node that is {current.value} (what an operator can do now: "
+                         f"{', '.join(operator_commands(current))})") from None
 
 
 def release_trigger(phase: Phase, held_by: str, recovered: HeldBy) -> Trigger | None:

@@ -26,6 +26,7 @@ from laswrr.scheduler.phases import ROUTABLE, Phase
 from laswrr.scheduler.state import NodeState
 from laswrr.scheduler.weights import MS, Signals, round_milli
 from laswrr.schemas.outputs import LoadView
+from laswrr.schemas.words import NpuHealth
 
 
 def routable(node: NodeState, panic: bool) -> bool:
@@ -61,6 +62,26 @@ def observe_slots(node: NodeState, running: int, waiting: int, now_ns: int, conf
         node.slots_seen, node.slots_seen_ns = running, now_ns
 
 
+def observe_free_slots(node: NodeState, running: int, free_slots: int, now_ns: int) -> None:
+    """The engine said how many slots it has free (MindIE ``availSlotsNum``): it runs ``running +
+    free_slots`` slots, believed at once, with no queue evidence to wait for. Fewer than the capacity
+    is a silent loss (the belief, confirmed by every such sample, regains as in
+    ``weights.believed_slots`` only once samples stop); as many or more ends any belief."""
+    engine_slots = running + free_slots
+    node.queue_evidence = 0
+    if engine_slots < node.capacity:
+        node.slots_seen, node.slots_seen_ns = max(engine_slots, 1), now_ns
+    else:
+        node.slots_seen = None
+
+
+def block_usage(free_blocks: int | None, total_blocks: int | None) -> float | None:
+    """KV use from the engine's own block counts (1 - free / total); None without a total."""
+    if free_blocks is None or not total_blocks:
+        return None
+    return round_milli(min(1.0, max(0.0, 1.0 - free_blocks / total_blocks)))
+
+
 def observe_latency(node: NodeState, ttft_ms: float, config: SchedulerConfig) -> None:
     """Fold one TTFT into the node's EWMA (``latency_alpha``); the first one sets it."""
     alpha = config.latency_alpha
@@ -75,9 +96,9 @@ def health_factor(node: NodeState, config: SchedulerConfig) -> float:
     """1 when healthy, ``warning_health`` on an NPU Warning, 0 on failed probes or worse NPU health."""
     if node.probe_failures >= config.health_fail_threshold:
         return 0.0
-    if node.npu_health in (None, "OK"):
+    if node.npu_health in (None, NpuHealth.OK):
         return 1.0
-    return config.warning_health if node.npu_health == "Warning" else 0.0
+    return config.warning_health if node.npu_health == NpuHealth.WARNING else 0.0
 
 
 def token_mean(members: list[NodeState]) -> float | None:
@@ -89,7 +110,7 @@ def token_mean(members: list[NodeState]) -> float | None:
 def occupancy(node: NodeState, mean_tokens: float | None) -> float:
     """The node's requests in flight, each sized one counted as its tokens over the pool's mean:
     one 100k-token prompt beside 100-token ones weighs what it holds, not one request. Without
-    sized requests (old logs, proxies that send no estimate) it is exactly the in-flight count."""
+    sized requests (events that carry no estimate) it is exactly the in-flight count."""
     if not node.sized_inflight or not mean_tokens:
         return node.inflight
     return node.inflight - node.sized_inflight + node.inflight_tokens / mean_tokens
@@ -106,7 +127,7 @@ def node_signals(node: NodeState, latency: float, slots: float | None, now_ns: i
     queue, running = weights.occupancy_signals(capacity, sampled, stale, occupancy(node, mean_tokens),
                                                config.unknown_load,
                                                node.waiting or 0)
-    npu_stale = weights.staleness(None if node.npu_ns is None else now_ns - node.npu_ns, config)
+    npu_stale = weights.staleness(None if node.npu_ns is None else now_ns - node.npu_ns, config, node.npu_max_age_ms)
     return Signals(
         queue=queue, running=running,
         kv=weights.blend(node.kv, stale, config.unknown_load),
@@ -116,7 +137,8 @@ def node_signals(node: NodeState, latency: float, slots: float | None, now_ns: i
     )
 
 
-def load_view(signals: Signals | None, config: SchedulerConfig, slots: float | None = None) -> LoadView:
+def load_view(signals: Signals | None, config: SchedulerConfig, slots: float | None = None,
+              free: tuple[int | None, int | None] = (None, None)) -> LoadView:
     """The rounded signals a snapshot shows; ``None`` (never reweighed) shows as stale zeros."""
     if signals is None:
         return LoadView(queue=0.0, running=0.0, kv=0.0, npu=0.0, latency=0.0, load=0.0,
@@ -124,7 +146,8 @@ def load_view(signals: Signals | None, config: SchedulerConfig, slots: float | N
     return LoadView(queue=round_milli(signals.queue), running=round_milli(signals.running),
                     kv=round_milli(signals.kv), npu=round_milli(signals.npu),
                     latency=round_milli(signals.latency), load=round_milli(signals.load(config)),
-                    sample_age_ms=signals.sample_age_ms, stale=signals.staleness >= 1.0, slots=slots)
+                    sample_age_ms=signals.sample_age_ms, stale=signals.staleness >= 1.0, slots=slots,
+                    free_slots=free[0], free_blocks=free[1])
 
 
 # -- one pool ------------------------------------------------------------------------------------
@@ -147,7 +170,7 @@ def reweigh_pool(members: list[NodeState], now_ns: int, config: SchedulerConfig,
             node.slots_seen_ns = now_ns  # still slow: the evidence holds
             slots = float(node.slots_seen or 0)
         signals = node_signals(node, latency, slots, now_ns, config, mean_tokens)
-        node.load = load_view(signals, config, slots)
+        node.load = load_view(signals, config, slots, (node.free_slots, node.free_blocks))
         node.health = health_factor(node, config)
         if not routable(node, panic):
             node.target = node.effective = 0.0

@@ -7,9 +7,8 @@ from __future__ import annotations
 import msgspec
 
 from laswrr.scheduler.config import SchedulerConfig
-from laswrr.scheduler.phases import Phase
 from laswrr.schemas.outputs import LoadView
-from laswrr.schemas.words import DrainCause, EjectCause
+from laswrr.schemas.words import DrainCause, EjectCause, NodeRole, NpuHealth, PdProtocol, Phase, PhaseCause
 
 
 class NodeState(msgspec.Struct, kw_only=True):
@@ -20,8 +19,9 @@ class NodeState(msgspec.Struct, kw_only=True):
     capacity: int
     max_capacity: int
     registered_ns: int
-    phase: str = Phase.ACTIVE.value
+    phase: Phase = Phase.ACTIVE
     phase_reason: str = "registered"
+    phase_cause: PhaseCause = PhaseCause.REGISTERED
     phase_since_ns: int = 0
     drain_cause: DrainCause = DrainCause.NONE
     drain_deadline_ns: int = 0
@@ -40,7 +40,7 @@ class NodeState(msgspec.Struct, kw_only=True):
     kv: float | None = None
     engine_ns: int | None = None
     npu_util: float | None = None
-    npu_health: str | None = None
+    npu_health: NpuHealth | None = None
     ttft_ewma: float | None = None
     probe_failures: int = 0
     consecutive_failures: int = 0
@@ -52,6 +52,18 @@ class NodeState(msgspec.Struct, kw_only=True):
     slots_seen_ns: int = 0
     sized_inflight: int = 0  # in-flight requests whose started event carried a prompt-token estimate
     inflight_tokens: int = 0  # their prompt + max_tokens, summed (reweigh.token_occupancy)
+    models: list[str] | None = None  # the engine's model ids (lb.metrics.models); None: never listed
+    # What the engine itself reports free (MindIE /v1/status, EngineSampled): its slots believed at once
+    # (reweigh.observe_free_slots), its KV load from blocks; None: the engine does not say.
+    free_slots: int | None = None
+    free_blocks: int | None = None
+    total_blocks: int | None = None
+    role: NodeRole = NodeRole.BOTH  # prefill/decode disaggregation (lb.admin.node role): weighed among its role
+    pd_protocol: PdProtocol | None = None  # the pool's P/D protocol as this node's registration names it
+    # How long the last NPU sample stands for (NpuSampled.max_age_ms, its source's refresh); None:
+    # the configuration's stale_after_ms (weights.staleness)
+    npu_max_age_ms: int | None = None
+    bootstrap_port: int | None = None  # an sglang prefill node's bootstrap server port (lb.admin.node)
 
 
 class OpenRequest(msgspec.Struct, frozen=True):

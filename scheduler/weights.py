@@ -65,11 +65,15 @@ class Signals:
         return sum(w * v for w, v in zip(weights, values)) / sum(weights)
 
 
-def staleness(age_ns: int | None, config: SchedulerConfig) -> float:
-    """0 while fresh, rising linearly to 1 between stale_after_ms and stale_full_ms."""
+def staleness(age_ns: int | None, config: SchedulerConfig, max_age_ms: int | None = None) -> float:
+    """0 while fresh, rising linearly to 1 between stale_after_ms and stale_full_ms. A sample whose
+    source says how long it stands for (``max_age_ms``, its own refresh) is fresh until the larger
+    of that and stale_after_ms, then ages over the same span (stale_full_ms - stale_after_ms)."""
     if age_ns is None:
         return 1.0
     after, full = config.stale_after_ms * MS, config.stale_full_ms * MS
+    if max_age_ms is not None and max_age_ms * MS > after:
+        after, full = max_age_ms * MS, full + max_age_ms * MS - after
     if age_ns <= after:
         return 0.0
     if age_ns >= full or full == after:

@@ -15,20 +15,26 @@ reading the events' ``[kind, key, event]`` in the same pass as the batch when it
 
 from __future__ import annotations
 
-import re
-from typing import Annotated, Any, NamedTuple
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import msgspec
 
 from laswrr.schemas import events as ev
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.outputs import Rejected, clip
+from laswrr.schemas.outputs import ConfigApplied, PhaseChanged, Rejected, WeightSnapshot, clip
+from laswrr.schemas.words import RejectCause
 
 MAX_PAYLOAD_BYTES = 1 << 20
 
 
 class SchemaError(ValueError):
-    """A payload or subject that does not satisfy the wire contract."""
+    """A payload or subject that does not satisfy the wire contract; ``cause`` is the code its
+    rejection records (the message is its reason, for people)."""
+
+    def __init__(self, message: str, cause: RejectCause = RejectCause.INVALID_PAYLOAD) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class Envelope(msgspec.Struct, frozen=True):
@@ -47,6 +53,7 @@ class Output(msgspec.Struct, frozen=True):
     data: bytes
     as_of_seq: int
     index: int = 0  # position among this input's outputs on the same subject
+    cause: RejectCause | None = None  # a rejection's cause, so a counter needs no decode (not encoded)
 
     @property
     def msg_id(self) -> str:
@@ -67,9 +74,12 @@ _BY_PREFIX: dict[str, type[ev.Event]] = {
     sj.ADMIN_UNDRAIN: ev.UndrainRequested,
     sj.METRICS_ENGINE: ev.EngineSampled,
     sj.METRICS_NPU: ev.NpuSampled,
+    sj.METRICS_MODELS: ev.ModelsListed,
     sj.HEALTH: ev.HealthProbed,
     sj.REQ_STARTED: ev.RequestStarted,
     sj.REQ_FINISHED: ev.RequestFinished,
+    sj.REQ_REFUSED: ev.RequestRefused,
+    sj.REQ_QUEUED: ev.RequestQueued,
     sj.PROXY_HEARTBEAT: ev.ProxyHeartbeat,
     sj.PROXY_STOPPED: ev.ProxyStopped,
     sj.REQ_BATCH: ev.RequestBatch,
@@ -91,18 +101,20 @@ def event_type(subject: str) -> tuple[type[ev.Event], str | None]:
     prefix, _, key = subject.rpartition(".")
     cls = _BY_PREFIX.get(prefix)
     if cls is None:
-        raise SchemaError(f"unknown subject {subject!r}: no event kind is published there")
+        raise SchemaError(f"unknown subject {subject!r}: no event kind is published there",
+                          RejectCause.UNKNOWN_SUBJECT)
     try:
         sj.check_token(key)
     except sj.SubjectError as exc:
-        raise SchemaError(str(exc)) from None
+        raise SchemaError(str(exc), RejectCause.INVALID_NAME) from None
     return cls, key
 
 
 def decode_event(subject: str, data: bytes) -> tuple[str | None, ev.Event]:
     cls, key = event_type(subject)
     if len(data) > MAX_PAYLOAD_BYTES:
-        raise SchemaError(f"payload of {len(data)} bytes exceeds the {MAX_PAYLOAD_BYTES}-byte limit")
+        raise SchemaError(f"payload of {len(data)} bytes exceeds the {MAX_PAYLOAD_BYTES}-byte limit",
+                          RejectCause.PAYLOAD_TOO_LARGE)
     if not data.strip():
         data = b"{}"
     return key, _decode_as(cls, data)
@@ -114,20 +126,23 @@ def _decode_as(cls: type[ev.Event], data: bytes | msgspec.Raw) -> Any:
     except msgspec.ValidationError as exc:
         raise SchemaError(f"invalid {cls.KIND} payload: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise SchemaError(f"payload is not valid JSON: {exc}") from None
+        raise SchemaError(f"payload is not valid JSON: {exc}", RejectCause.NOT_JSON) from None
 
 
 # -- batches -----------------------------------------------------------------------------------------
 
 # The kinds a batch may hold, with the subject prefix each has alone; a request event's key is
-# its node, a proxy event's key is the batch's proxy (the item carries null).
+# its node, a proxy event's key (and a refusal's: it has no node) is the batch's proxy (the item carries null).
 BATCHABLE: dict[str, tuple[type[ev.Event], str]] = {
     ev.RequestStarted.KIND: (ev.RequestStarted, sj.REQ_STARTED),
     ev.RequestFinished.KIND: (ev.RequestFinished, sj.REQ_FINISHED),
     ev.ProxyHeartbeat.KIND: (ev.ProxyHeartbeat, sj.PROXY_HEARTBEAT),
     ev.ProxyStopped.KIND: (ev.ProxyStopped, sj.PROXY_STOPPED),
+    ev.RequestRefused.KIND: (ev.RequestRefused, sj.REQ_REFUSED),
+    ev.RequestQueued.KIND: (ev.RequestQueued, sj.REQ_QUEUED),
 }
-_PROXY_KINDS = frozenset((ev.ProxyHeartbeat.KIND, ev.ProxyStopped.KIND))
+_PROXY_KINDS = frozenset((ev.ProxyHeartbeat.KIND, ev.ProxyStopped.KIND, ev.RequestRefused.KIND,
+                          ev.RequestQueued.KIND))
 _ITEM = msgspec.json.Decoder(ev.BatchedEvent)
 
 
@@ -143,7 +158,8 @@ class _Items(msgspec.Struct, frozen=True, kw_only=True):
 _ITEMS = msgspec.json.Decoder(_Items)
 
 
-class Unbatched(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Unbatched:
     """One event of a batch: the subject and key it would have alone, and the event, or the
     ``SchemaError`` saying why it does not decode (``subject`` None when the item names no
     batchable kind and key)."""
@@ -160,7 +176,8 @@ def decode_batch(subject: str, data: bytes) -> tuple[str, list[Unbatched]]:
     when the message is not a batch at all (``decode_event``'s reasons)."""
     cls, proxy = event_type(subject)
     if cls is not ev.RequestBatch or proxy is None:
-        raise SchemaError(f"{subject!r} is not a batch subject ({sj.REQ_BATCH}.<proxy>)")
+        raise SchemaError(f"{subject!r} is not a batch subject ({sj.REQ_BATCH}.<proxy>)",
+                          RejectCause.UNKNOWN_SUBJECT)
     if len(data) <= MAX_PAYLOAD_BYTES:
         try:
             items = _ITEMS.decode(data).events
@@ -182,7 +199,7 @@ def _unbatch_one(proxy: str, index: int, raw: msgspec.Raw) -> Unbatched:
         item = _ITEM.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         return Unbatched(index, None, None, None, SchemaError(
-            f"event {index}: not a [kind, key, event] array: {exc}"))
+            f"event {index}: not a [kind, key, event] array: {exc}", RejectCause.INVALID_BATCH_ITEM))
     return _unbatch_item(proxy, index, item)
 
 
@@ -199,15 +216,16 @@ def _item_key(proxy: str, kind: str, key: str | None) -> tuple[type[ev.Event], s
     cls, prefix = BATCHABLE[kind]
     if kind in _PROXY_KINDS:
         if key is not None:
-            raise SchemaError(f"a {kind} event names no key (its proxy is the batch's), got {key!r}")
+            raise SchemaError(f"a {kind} event names no key (its proxy is the batch's), got {key!r}",
+                              RejectCause.INVALID_BATCH_ITEM)
         key = proxy
     elif key is None:
-        raise SchemaError(f"a {kind} event needs its node as key")
+        raise SchemaError(f"a {kind} event needs its node as key", RejectCause.INVALID_BATCH_ITEM)
     else:
         try:
             sj.check_token(key)
         except sj.SubjectError as exc:
-            raise SchemaError(str(exc)) from None
+            raise SchemaError(str(exc), RejectCause.INVALID_NAME) from None
     if len(_ITEM_KEYS) > 10_000:
         _ITEM_KEYS.clear()
     found = _ITEM_KEYS[given] = (cls, f"{prefix}.{key}", key)
@@ -217,15 +235,16 @@ def _item_key(proxy: str, kind: str, key: str | None) -> tuple[type[ev.Event], s
 def _unbatch_item(proxy: str, index: int, item: ev.BatchedEvent) -> Unbatched:
     if item.kind not in BATCHABLE:
         return Unbatched(index, None, None, None, SchemaError(
-            f"event {index}: kind {item.kind!r} cannot be batched (one of {', '.join(BATCHABLE)})"))
+            f"event {index}: kind {item.kind!r} cannot be batched (one of {', '.join(BATCHABLE)})",
+            RejectCause.INVALID_BATCH_ITEM))
     try:
         cls, subject, key = _item_key(proxy, item.kind, item.key)
     except SchemaError as exc:
-        return Unbatched(index, None, None, None, SchemaError(f"event {index} ({item.kind}): {exc}"))
+        return Unbatched(index, None, None, None, SchemaError(f"event {index} ({item.kind}): {exc}", exc.cause))
     try:
         return Unbatched(index, subject, key, _decode_as(cls, item.event), None)
     except SchemaError as exc:
-        return Unbatched(index, subject, key, None, SchemaError(f"event {index} ({subject}): {exc}"))
+        return Unbatched(index, subject, key, None, SchemaError(f"event {index} ({subject}): {exc}", exc.cause))
 
 
 def batch_item(kind: str, key: str | None, data: bytes) -> bytes:
@@ -245,16 +264,13 @@ def batch_payload(boot_id: str | None, batch: int | None, items: list[bytes]) ->
             + b',"events":[' + b",".join(items) + b"]}")
 
 
-UNPUBLISHABLE = "unpublishable output"
-_UNPUBLISHABLE_LIMIT = re.compile(rb'"reason":"unpublishable output: .* over the limit of (\d+) bytes')
-
-
 def publishable(outputs: list[Output], input_subject: str, limit: int) -> list[Output]:
     """``outputs``, each one whose payload is over ``limit`` bytes replaced by a rejection of the
-    input that caused it (same seq, subject cut to ``TEXT_MAX_CHARS``), which names the output
-    and the limit. The scheduler service calls this with the connection's max payload less a
-    margin for headers, so an output is never retried for ever; replay reads the limit back
-    from the recorded rejection (``unpublishable_limit``) and calls it again."""
+    input that caused it (cause ``unpublishable_output``, subject cut to ``TEXT_MAX_CHARS``),
+    which names the output and carries ``limit``. The scheduler service calls this with the
+    connection's max payload less a margin for headers, so an output is never retried for ever;
+    replay reads ``limit`` back from the recorded rejection (``unpublishable_limit``) and calls
+    it again."""
     if all(len(output.data) <= limit for output in outputs):
         return outputs
     kept: list[Output] = []
@@ -263,18 +279,62 @@ def publishable(outputs: list[Output], input_subject: str, limit: int) -> list[O
         if len(output.data) <= limit:
             kept.append(output)
             continue
-        reason = f"{UNPUBLISHABLE}: {output.subject} of {len(output.data)} bytes, over the limit of {limit} bytes"
-        rejected = Rejected(seq=output.as_of_seq, subject=clip(input_subject), reason=reason,
-                            as_of_seq=output.as_of_seq)
-        kept.append(Output(sj.OUT_REJECTED, encode(rejected), output.as_of_seq, index=rejections))
+        reason = f"unpublishable output: {output.subject} of {len(output.data)} bytes, over the limit of {limit} bytes"
+        rejected = Rejected(as_of_seq=output.as_of_seq, subject=clip(input_subject),
+                            cause=RejectCause.UNPUBLISHABLE_OUTPUT, reason=reason, limit=limit)
+        kept.append(Output(sj.OUT_REJECTED, encode(rejected), output.as_of_seq, index=rejections,
+                           cause=RejectCause.UNPUBLISHABLE_OUTPUT))
         rejections += 1
     return kept
 
 
+_REJECTED = msgspec.json.Decoder(Rejected)
+
+
+def decode_rejected(data: bytes) -> Rejected:
+    """A recorded ``lb.out.rejected`` payload (msgspec errors when it is not one)."""
+    return _REJECTED.decode(data)
+
+
+CoreOutput = WeightSnapshot | PhaseChanged | Rejected | ConfigApplied
+_OUTPUT_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
+    sj.OUT_SNAPSHOT: msgspec.json.Decoder(WeightSnapshot), sj.OUT_PHASE: msgspec.json.Decoder(PhaseChanged),
+    sj.OUT_REJECTED: _REJECTED, sj.OUT_CONFIG: msgspec.json.Decoder(ConfigApplied)}
+
+
+def decode_output(subject: str, data: bytes) -> CoreOutput:
+    """An ``lb.out.*`` message as its schema struct (how every reader of outputs reads them);
+    ``SchemaError`` for a subject the core does not publish on or a payload that is not its struct."""
+    family = subject if subject in (sj.OUT_REJECTED, sj.OUT_CONFIG) else subject.rpartition(".")[0]
+    decoder = _OUTPUT_DECODERS.get(family)
+    if decoder is None:
+        raise SchemaError(f"{subject!r} is not an output subject of the core", RejectCause.UNKNOWN_SUBJECT)
+    try:
+        decoded: CoreOutput = decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise SchemaError(f"invalid output on {subject}: {exc}") from None
+    return decoded
+
+
+_SNAPSHOT = msgspec.json.Decoder(WeightSnapshot)
+
+
+def decode_snapshot(data: bytes) -> WeightSnapshot:
+    """A weight snapshot (``lb.out.snapshot.<pool>``, or a pool's entry of LB_WEIGHTS) as its
+    struct; ``SchemaError`` when it is not one."""
+    try:
+        return _SNAPSHOT.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise SchemaError(f"not a weight snapshot: {exc}") from None
+
+
 def unpublishable_limit(data: bytes) -> int | None:
-    """The limit named by a recorded ``publishable`` rejection, None for any other payload."""
-    match = _UNPUBLISHABLE_LIMIT.search(data)
-    return int(match.group(1)) if match else None
+    """The limit of a recorded ``publishable`` rejection, None for any other payload."""
+    try:
+        rejected = _REJECTED.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    return rejected.limit if rejected.cause == RejectCause.UNPUBLISHABLE_OUTPUT else None
 
 
 def encode(obj: Any) -> bytes:

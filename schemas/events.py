@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Annotated, ClassVar, Literal, get_args
 
 import msgspec
-from msgspec import Meta
+from msgspec import UNSET, Meta, UnsetType
 
-from laswrr.schemas.words import RequestOutcome
+from laswrr.schemas.words import NodeRole, PdProtocol, RefusalCause, RequestOutcome
 
 # Integers are bounded by 2^53: exact in every JSON reader, and storable in the core's msgpack
 # checkpoint (an unbounded int would be accepted here and break the checkpoint later).
@@ -50,6 +50,16 @@ class NodeRegistered(Event, frozen=True, kw_only=True):
     metrics_url: HttpUrl | None = None
     health_url: HttpUrl | None = None
     engine: EngineName | None = None
+    status_url: HttpUrl | None = None  # MindIE's management-port /v1/status (docs/ascend.md)
+    npu_exporter: HttpUrl | None = None  # the host's npu-exporter /metrics (docs/ascend.md)
+    # Prefill/decode disaggregation (docs/design.md, "Prefill/decode disaggregated pools"): the node's
+    # role, and the protocol its pool's engines speak (required for a prefill or decode node; every
+    # node of a pool that names one must name the same, else the registration is rejected).
+    role: NodeRole = NodeRole.BOTH
+    pd_protocol: PdProtocol | None = None
+    # an ``sglang`` prefill node's bootstrap server port (SGLang's --disaggregation-bootstrap-port):
+    # required for one, refused for any other node; the proxy sends it to both legs of a pair
+    bootstrap_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
 
 
 class NodeRemoveRequested(Event, frozen=True, kw_only=True):
@@ -95,6 +105,15 @@ class EngineSampled(Event, frozen=True, kw_only=True):
     e2e_ms: NonNegFloat | None = None
     engine: str | None = None
     ts_ns: int | None = None
+    # What the engine itself says is free (MindIE /v1/status: availSlotsNum, free NPU KV blocks of
+    # totalNpuBlockNums); None: the engine does not say (docs/ascend.md, "Signals in the core").
+    free_slots: NonNegInt | None = None
+    free_blocks: NonNegInt | None = None
+    total_blocks: NonNegInt | None = None
+    # The engine's prefix-cache counters as it exposes them (vLLM V1 vllm:prefix_cache_queries_total
+    # / _hits_total: prompt tokens looked up / found cached, since the engine started); None: it has none.
+    prefix_cache_queries: NonNegFloat | None = None
+    prefix_cache_hits: NonNegFloat | None = None
 
 
 class NpuChip(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,13 +128,39 @@ class NpuChip(msgspec.Struct, frozen=True, kw_only=True):
     temp_c: float | None = None
     memory_used_mb: NonNegInt | None = None
     memory_total_mb: NonNegInt | None = None
+    # What set ``health`` when it is not OK (npu-exporter: "fault 80E18402 SeparateNPU", "npu_chip_info_health_status
+    # 0 (unhealthy)"); the scheduler records it as the cause of a drain or ejection. None: npu-smi, or healthy.
+    fault: Annotated[str, Meta(max_length=512)] | None = None
 
 
 class NpuSampled(Event, frozen=True, kw_only=True):
-    """``lb.metrics.npu.<node>``: the chips of ``npu-smi info`` that serve this node."""
+    """``lb.metrics.npu.<node>``: the chips of ``npu-smi info`` (or the host's npu-exporter) that
+    serve this node.
+
+    ``max_age_ms``: how long the sample stands for, from its source's own refresh (the collector
+    stamps two of the source's polling periods: 4 s for npu-smi every 2 s, 10 s for npu-exporter's
+    5 s cache); the scheduler ages it only after that. None (a log written before the field, a
+    sample published by hand): the scheduler's ``stale_after_ms`` (docs/algorithm.md §1, "Age")."""
 
     KIND: ClassVar[str] = "metrics.npu_sampled"
     chips: list[NpuChip]
+    ts_ns: int | None = None
+    max_age_ms: PosInt | None = None
+
+
+ModelId = Annotated[str, Meta(min_length=1, max_length=256)]
+MAX_MODELS = 256  # model ids one node may list (a LoRA-serving engine lists each adapter)
+
+
+class ModelsListed(Event, frozen=True, kw_only=True):
+    """``lb.metrics.models.<node>``: the model ids the node's engine lists on ``GET /v1/models``
+    (the collector asks every ``--models-interval-ms``). The scheduler keeps the last list and
+    puts it in the node's ``NodeView.models``, so a proxy forwards a pool's name as the model id
+    of the node it picked, and a model id only to the nodes that serve it (docs/design.md §6,
+    "Model ids")."""
+
+    KIND: ClassVar[str] = "metrics.models_listed"
+    models: Annotated[list[ModelId], Meta(max_length=MAX_MODELS)]
     ts_ns: int | None = None
 
 
@@ -142,6 +187,9 @@ class RequestStarted(Event, frozen=True, kw_only=True):
     prompt_tokens: NonNegInt | None = None  # the proxy's estimate of the prompt (token-aware load)
     max_tokens: NonNegInt | None = None  # the output the request may generate (its decode reservation)
     key_name: Annotated[str, Meta(max_length=128)] | None = None  # the client's API key, by name (never the key)
+    # A P/D pool's leg (prefill or decode: one request, two attempts); absent for a whole request,
+    # so a proxy's events without roles keep their bytes (docs/design.md, "Prefill/decode disaggregated pools")
+    role: NodeRole | UnsetType = UNSET
 
 
 class RequestFinished(Event, frozen=True, kw_only=True):
@@ -161,6 +209,53 @@ class RequestFinished(Event, frozen=True, kw_only=True):
     ts_ns: int | None = None
     next_attempt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None  # continued or retried as
     boot_id: Name | None = None  # the proxy process (ProxyHeartbeat.boot_id)
+    role: NodeRole | UnsetType = UNSET  # a P/D pool's leg, as on its started event
+
+
+class RequestRefused(Event, frozen=True, kw_only=True):
+    """``lb.req.refused.<proxy>``: the proxy answered a request itself, with an error status,
+    before binding it to any node (no ``lb.req.started`` was or will be published for it).
+    ``cause`` is the machine word (schemas.words.RefusalCause), ``error`` the message the
+    client got. The first member of the family of a request's life at the proxy before a node:
+    flow control adds ``lb.req.queued`` (held), and a held request then ends either as an
+    ``lb.req.started`` (dispatched) or as an ``lb.req.refused`` with the same ``request_id``
+    (expired, overflow, client gone): docs/design.md §6, "Requests the router answers itself"."""
+
+    KIND: ClassVar[str] = "req.refused"
+    request_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    proxy: Name
+    status: Annotated[int, Meta(ge=100, le=599)]
+    cause: RefusalCause  # an unknown cause is rejected by the decoder
+    pool: Name | None = None  # None: refused before a pool was chosen (401, 400, 413, an unknown model, ...)
+    model: Annotated[str, Meta(max_length=256)] | None = None  # the body's "model", as the client sent it (cut)
+    key_name: Annotated[str, Meta(max_length=128)] | None = None
+    error: Annotated[str, Meta(max_length=512)] | None = None
+    ts_ns: int | None = None
+    boot_id: Name | None = None
+
+
+class RequestQueued(Event, frozen=True, kw_only=True):
+    """``lb.req.queued.<proxy>``: flow control held a request (docs/design.md, "Flow control").
+    The request then ends as ``lb.req.started`` with the same ``request_id`` (dispatched to a
+    node) or as ``lb.req.refused`` with it (TTL run out, no routable node, client gone: 499), so
+    its wait in the queue is the difference of the two events' ``ts_ns``. ``band`` is the
+    priority band it was held in (after its key's maximum), ``work`` its prompt plus
+    ``max_tokens`` estimate (the DRR measure), ``cause`` why it was held: ``saturated`` (every
+    routable node at its limit), ``behind`` (requests of the pool were held already, or the
+    other proxies hold more urgent requests than the pool has free slots: docs/design.md, "Flow
+    control", "Several proxies") or ``no_routable_node``."""
+
+    KIND: ClassVar[str] = "req.queued"
+    request_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    proxy: Name
+    pool: Name = "default"
+    band: Literal["interactive", "default", "batch"] = "default"
+    key_name: Annotated[str, Meta(max_length=128)] | None = None
+    work: NonNegInt | None = None
+    ttl_ms: NonNegInt | None = None
+    cause: Literal["saturated", "behind", "no_routable_node"] = "saturated"
+    ts_ns: int | None = None
+    boot_id: Name | None = None
 
 
 class ProxyHeartbeat(Event, frozen=True, kw_only=True):
@@ -168,7 +263,8 @@ class ProxyHeartbeat(Event, frozen=True, kw_only=True):
 
     ``boot_id`` names the proxy *process* (random at its start, whatever its ``--proxy-id``),
     on every heartbeat and request event: a new boot id for a proxy id tells the scheduler that
-    the process that opened the id's requests is gone. None: a proxy from before boot ids."""
+    the process that opened the id's requests is gone. None (an event published by hand): the
+    event names no process, and voids nothing."""
 
     KIND: ClassVar[str] = "proxy.heartbeat"
     inflight: NonNegInt = 0

@@ -16,6 +16,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 import msgspec
+from msgspec import UNSET, UnsetType
+
+from laswrr.schemas.words import NodeRole, PdProtocol, Phase, PhaseCause, RejectCause
 
 TEXT_MAX_CHARS = 512
 """The longest reason or named subject in an output; longer text is cut by ``clip``."""
@@ -40,12 +43,14 @@ class LoadView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     sample_age_ms: int | None
     stale: bool
     slots: float | None = None  # believed slots after queue evidence of a silent loss; None: the capacity
+    free_slots: int | None = None  # the engine's own free slots (MindIE status); None: not reported
+    free_blocks: int | None = None  # the engine's own free KV blocks; None: not reported
 
 
 class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     node: str
     url: str
-    phase: str
+    phase: Phase
     routable: bool
     capacity: int
     target_weight: float
@@ -54,7 +59,20 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     chip: str
     health: float
     load: LoadView
-    phase_reason: str = ""
+    phase_reason: str = ""  # for people; phase_cause for machines
+    phase_cause: PhaseCause = PhaseCause.REGISTERED
+    # The slot limit (scheduler.routing.flow.concurrency_limit): the pool-wide in-flight count
+    # under which the node can take one more request; a proxy with flow control holds requests
+    # beyond it. 0: no limit published.
+    concurrency_limit: int = 0
+    # The model ids the node's engine lists (lb.metrics.models), in its order; absent (UNSET) until
+    # the collector has listed them.
+    models: list[str] | UnsetType = UNSET
+    # Prefill/decode disaggregation: the node's role and its pool's protocol, absent (UNSET) for a
+    # ``both`` node without a protocol, so a pool without roles keeps its snapshot bytes.
+    role: NodeRole | UnsetType = UNSET
+    pd_protocol: PdProtocol | UnsetType = UNSET
+    bootstrap_port: int | UnsetType = UNSET  # an sglang prefill node's bootstrap server port
 
 
 class WeightSnapshot(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -63,10 +81,8 @@ class WeightSnapshot(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     ``proxy_inflight`` is, per proxy id, its requests the scheduler holds open on each node of
     the pool (``{proxy: {node: count}}``, proxies and nodes sorted, zero counts left out): what
     ``NodeView.inflight`` is made of. A proxy routes on ``inflight - proxy_inflight[itself] + its
-    own live count`` (the pool-wide view, services/proxy/routing.py). Omitted when the pool has
-    no request open, so a snapshot of such a state is byte for byte what the core emitted before
-    the field existed (old logs replay exactly: replay.replay compares a snapshot recorded
-    without it in that form)."""
+    own live count`` (the pool-wide view, scheduler/routing/router.py). Omitted when the pool has
+    no request open."""
 
     KIND: ClassVar[str] = "out.weight_snapshot"
     pool: str
@@ -79,37 +95,42 @@ class WeightSnapshot(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
 
 
 class Rejected(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """One input the core did not apply. ``seq`` and ``as_of_seq`` are both the input's sequence
-    number: ``as_of_seq`` names the cause as every other output does; ``seq`` stays for older
-    readers. A rejection recorded before ``as_of_seq`` was added decodes with it None.
+    """One input the core did not apply: ``as_of_seq`` is the input's sequence number, ``cause``
+    the code machines read (metrics, views, replay), ``reason`` the text for people.
 
     One event of a batch (``lb.req.batch.<proxy>``) is rejected alone: ``subject`` is the
-    batch's, ``event_index`` the event's position in it (absent for any other input, so a
-    rejection of a single input keeps its bytes), and ``reason`` starts ``event <index> (<the
-    subject it would have alone>)``."""
+    batch's, ``event_index`` the event's position in it (absent for any other input), and
+    ``reason`` starts ``event <index> (<the subject it would have alone>)``. An output too large
+    to publish is replaced by a rejection of its input with cause ``unpublishable_output`` and
+    ``limit`` the payload limit it was over (``schemas.codec.publishable``; replay redoes the
+    replacement with it)."""
 
     KIND: ClassVar[str] = "out.rejected"
-    seq: int
+    as_of_seq: int
     subject: str
+    cause: RejectCause
     reason: str
-    as_of_seq: int | None = None
     event_index: int | None = None
+    limit: int | None = None
 
 
-class RejectedBeforeAsOfSeq(msgspec.Struct, frozen=True, kw_only=True):
-    """``lb.out.rejected`` as recorded before ``as_of_seq``: replay compares such a recorded row
-    with the core's rejection re-encoded in this form (``legacy_rejection``)."""
+class ConfigApplied(msgspec.Struct, frozen=True, kw_only=True):
+    """``lb.out.config``: an ``lb.admin.config`` was applied (an invalid one is an
+    ``lb.out.rejected``, so every admin command gets a verdict). ``set`` is what the input set,
+    ``config`` every key of the configuration in force after it, in declaration order."""
 
-    seq: int
-    subject: str
-    reason: str
+    KIND: ClassVar[str] = "out.config_applied"
+    as_of_seq: int
+    set: dict[str, float | int | bool | str]
+    config: dict[str, float | int | bool | str]
 
 
 class PhaseChanged(msgspec.Struct, frozen=True, kw_only=True):
     KIND: ClassVar[str] = "out.phase_changed"
     node: str
-    from_: str = msgspec.field(name="from")
-    to: str
+    from_: Phase = msgspec.field(name="from")
+    to: Phase
     as_of_seq: int
+    cause: PhaseCause
     reason: str
     pool: str = "default"

@@ -14,9 +14,18 @@ OUT_STREAM = "LB_OUT"
 WEIGHTS_BUCKET = "LB_WEIGHTS"
 CHECKPOINT_BUCKET = "LB_CHECKPOINT"  # the scheduler's own state (Scheduler.checkpoint() bytes)
 
+ALL = "lb.>"  # every subject of the contract (LB_EVENTS and LB_OUT)
+ADMIN = "lb.admin"
 ADMIN_ALL = "lb.admin.>"
-EVENTS_SUBJECTS = [ADMIN_ALL, "lb.metrics.>", "lb.health.>", "lb.req.>", "lb.clock.>", "lb.proxy.>"]
-OUT_SUBJECTS = ["lb.out.>"]
+METRICS_ALL = "lb.metrics.>"
+HEALTH_ALL = "lb.health.>"
+REQ_ALL = "lb.req.>"
+CLOCK_ALL = "lb.clock.>"
+PROXY_ALL = "lb.proxy.>"
+OUT = "lb.out"
+OUT_ALL = "lb.out.>"
+EVENTS_SUBJECTS = [ADMIN_ALL, METRICS_ALL, HEALTH_ALL, REQ_ALL, CLOCK_ALL, PROXY_ALL]
+OUT_SUBJECTS = [OUT_ALL]
 
 ADMIN_NODE = "lb.admin.node"
 ADMIN_REMOVE = "lb.admin.remove"
@@ -26,17 +35,23 @@ ADMIN_UNDRAIN = "lb.admin.undrain"
 ADMIN_CONFIG = "lb.admin.config"
 METRICS_ENGINE = "lb.metrics.engine"
 METRICS_NPU = "lb.metrics.npu"
+METRICS_MODELS = "lb.metrics.models"
 HEALTH = "lb.health"
 REQ_STARTED = "lb.req.started"
 REQ_FINISHED = "lb.req.finished"
+REQ_REFUSED = "lb.req.refused"  # the proxy answered a request itself (keyed by proxy)
+REQ_QUEUED = "lb.req.queued"  # flow control held a request (keyed by proxy)
 REQ_BATCH = "lb.req.batch"  # one message holding a proxy's request events (and heartbeats) in order
 PROXY_HEARTBEAT = "lb.proxy.heartbeat"
 PROXY_STOPPED = "lb.proxy.stopped"
 CLOCK_TICK = "lb.clock.tick"
+PEER = "lb.peer"  # core NATS, no stream: lb.peer.<pool>.<proxy> (schemas.peers)
+PEER_ALL = "lb.peer.>"
 
 OUT_SNAPSHOT = "lb.out.snapshot"
 OUT_REJECTED = "lb.out.rejected"
 OUT_PHASE = "lb.out.phase"
+OUT_CONFIG = "lb.out.config"  # the verdict on a valid lb.admin.config: the configuration now in force
 
 # Core NATS request (not in any stream): a reader asks the recorder for a copy of its DuckDB file.
 RECORDER_SNAPSHOT = "lb.recorder.snapshot"
@@ -86,6 +101,10 @@ def metrics_npu(node: str) -> str:
     return _join(METRICS_NPU, node, "node id")
 
 
+def metrics_models(node: str) -> str:
+    return _join(METRICS_MODELS, node, "node id")
+
+
 def health(node: str) -> str:
     return _join(HEALTH, node, "node id")
 
@@ -96,6 +115,14 @@ def req_started(node: str) -> str:
 
 def req_finished(node: str) -> str:
     return _join(REQ_FINISHED, node, "node id")
+
+
+def req_refused(proxy: str) -> str:
+    return _join(REQ_REFUSED, proxy, "proxy name")
+
+
+def req_queued(proxy: str) -> str:
+    return _join(REQ_QUEUED, proxy, "proxy name")
 
 
 def req_batch(proxy: str) -> str:
@@ -120,7 +147,12 @@ def out_phase(node: str) -> str:
 
 def split(subject: str) -> tuple[str, str | None]:
     """``lb.admin.capacity.n1`` -> (``lb.admin.capacity``, ``n1``); ``lb.clock.tick`` -> (itself, None)."""
-    if subject in (CLOCK_TICK, ADMIN_CONFIG, OUT_REJECTED):
+    if subject in (CLOCK_TICK, ADMIN_CONFIG, OUT_REJECTED, OUT_CONFIG):
         return subject, None
     prefix, _, last = subject.rpartition(".")
     return prefix, last
+
+
+def peer(pool: str, proxy: str) -> str:
+    """``lb.peer.<pool>.<proxy>``: one proxy's view of one pool for the other proxies (schemas.peers)."""
+    return f"{_join(PEER, pool, 'pool')}.{check_token(proxy, 'proxy id')}"

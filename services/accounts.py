@@ -18,10 +18,16 @@ operator ``lb.admin.>``, ``lb.recorder.snapshot``         ``lb.out.>``; LB_WEIGH
 scheduler ``lb.out.>``, ``lb.clock.>``, ``lb.admin.config`` consumes LB_EVENTS; reads LB_OUT
          (its ``--config``), ``$KV.LB_WEIGHTS.>``,        tail and both buckets; creates
          ``$KV.LB_CHECKPOINT.>``                          and updates every stream
-proxy    ``lb.req.>``, ``lb.proxy.>``                     watches LB_WEIGHTS
+proxy    ``lb.req.>``, ``lb.proxy.>``, ``lb.peer.>``      watches LB_WEIGHTS; ``lb.peer.>``
+         (the channel between proxies, core NATS)         (the other proxies' views)
 collector ``lb.metrics.>``, ``lb.health.>``               follows ``lb.admin.>`` in LB_EVENTS
+                                                          and watches LB_WEIGHTS
 recorder replies to ``lb.recorder.snapshot`` requests     consumes LB_EVENTS and LB_OUT
          (and asks them: a reader in its container)
+viewer   nothing but JetStream reads                      ``lb.peer.>``; ordered consumers of both streams;
+                                                          LB_WEIGHTS (get, keys, watch);
+                                                          info of every stream (``laswrr
+                                                          dashboard``, ``laswrr nodes``)
 ======== ================================================ ===============================
 
 Every role may read stream info and create a missing stream or bucket (``STREAM.CREATE`` fails
@@ -104,22 +110,32 @@ class Role:
 
 ROLES: dict[str, Role] = {role.name: role for role in (
     Role("operator",
-         publish=("lb.admin.>", sj.RECORDER_SNAPSHOT, "$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST",
+         publish=(sj.ADMIN_ALL, sj.RECORDER_SNAPSHOT, "$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST",
                   *_stream_info(*STREAMS), *_stream_get(KV_WEIGHTS), *_consume(KV_WEIGHTS),
                   *_watch(sj.EVENTS_STREAM, sj.OUT_STREAM)),
-         subscribe=("lb.out.>", INBOX),
-         deny_publish=("$KV.>", "lb.req.>", "lb.out.>", "$JS.API.STREAM.UPDATE.>", "$JS.API.STREAM.DELETE.>",
+         subscribe=(sj.OUT_ALL, INBOX),
+         deny_publish=("$KV.>", sj.REQ_ALL, sj.OUT_ALL, "$JS.API.STREAM.UPDATE.>", "$JS.API.STREAM.DELETE.>",
                        "$JS.API.STREAM.PURGE.>")),
     Role("scheduler",
-         publish=("lb.out.>", "lb.clock.>", sj.ADMIN_CONFIG, f"$KV.{sj.WEIGHTS_BUCKET}.>",
+         publish=(sj.OUT_ALL, sj.CLOCK_ALL, sj.ADMIN_CONFIG, f"$KV.{sj.WEIGHTS_BUCKET}.>",
                   f"$KV.{sj.CHECKPOINT_BUCKET}.>", *_SERVICE_SETUP, *_stream_create(KV_CHECKPOINT),
                   *[f"$JS.API.STREAM.UPDATE.{s}" for s in STREAMS], *_stream_get(*STREAMS),
                   *_consume(sj.EVENTS_STREAM))),
-    Role("proxy", publish=("lb.req.>", "lb.proxy.>", *_SERVICE_SETUP, *_stream_get(KV_WEIGHTS), *_consume(KV_WEIGHTS))),
-    Role("collector", publish=("lb.metrics.>", "lb.health.>", *_SERVICE_SETUP, *_consume(sj.EVENTS_STREAM))),
+    Role("proxy", publish=(sj.REQ_ALL, sj.PROXY_ALL, sj.PEER_ALL, *_SERVICE_SETUP, *_stream_get(KV_WEIGHTS),
+                           *_consume(KV_WEIGHTS)),
+         subscribe=(INBOX, sj.PEER_ALL)),
+    Role("collector", publish=(sj.METRICS_ALL, sj.HEALTH_ALL, *_SERVICE_SETUP, *_consume(sj.EVENTS_STREAM),
+                               *_stream_get(KV_WEIGHTS), *_consume(KV_WEIGHTS))),
     Role("recorder", publish=(sj.RECORDER_SNAPSHOT, *_SERVICE_SETUP, *_stream_get(sj.EVENTS_STREAM, sj.OUT_STREAM),
                               *_consume(sj.EVENTS_STREAM, sj.OUT_STREAM)),
          subscribe=(sj.RECORDER_SNAPSHOT, INBOX), allow_responses=True),
+    # Read-only: what the dashboard and `laswrr nodes` read, no subject of the log to publish on.
+    Role("viewer",
+         publish=("$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST", *_stream_info(*STREAMS),
+                  *_stream_get(KV_WEIGHTS), *_consume(KV_WEIGHTS), *_watch(sj.EVENTS_STREAM, sj.OUT_STREAM)),
+         subscribe=(INBOX, sj.PEER_ALL),
+         deny_publish=(sj.ALL, "$KV.>", "$JS.API.STREAM.CREATE.>", "$JS.API.STREAM.UPDATE.>",
+                       "$JS.API.STREAM.DELETE.>", "$JS.API.STREAM.PURGE.>")),
 )}
 
 

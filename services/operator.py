@@ -23,9 +23,11 @@ import contextlib
 import json
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -33,7 +35,10 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError, N
 
 from laswrr.collectors.nodes import REGISTERED_COLLECTOR_KEYS, Node, NodesConfigError, load_nodes
 from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import SchemaError, decode_output
 from laswrr.schemas.events import ENGINE_NAMES
+from laswrr.schemas.outputs import ConfigApplied, NodeView, PhaseChanged, Rejected, WeightSnapshot
+from laswrr.schemas.words import NodeRole, PdProtocol, Phase
 from laswrr.services import settings
 from laswrr.services.natsbus import NatsAuth, connect, redact_url
 
@@ -56,55 +61,65 @@ class Outcome:
     node: str | None
     rejected: str | None = None
     applied: bool = False
-    phases: list[dict[str, Any]] = field(default_factory=list)
-    view: dict[str, Any] | None = None
+    phases: list[PhaseChanged] = field(default_factory=list)
+    view: NodeView | None = None
     pool: str | None = None
+    config: dict[str, Any] | None = None  # lb.out.config: the keys an lb.admin.config set, as applied
 
-    def observe(self, subject: str, payload: dict[str, Any]) -> None:
-        as_of = payload.get("as_of_seq")
-        if as_of is None and subject == sj.OUT_REJECTED:
-            as_of = payload.get("seq")  # a scheduler from before rejections carried as_of_seq
-        if not isinstance(as_of, int) or as_of < self.seq:
+    def observe(self, subject: str, data: bytes) -> None:
+        """Fold one ``lb.out.*`` message (decoded with its schema struct; others are ignored)."""
+        try:
+            output = decode_output(subject, data)
+        except SchemaError:
             return
-        if subject == sj.OUT_REJECTED and as_of == self.seq:
-            self.rejected = str(payload.get("reason", "no reason given"))
+        if output.as_of_seq < self.seq:
             return
+        if isinstance(output, Rejected):
+            if output.as_of_seq == self.seq:
+                self.rejected = output.reason
+                return
         self.applied = True
-        if subject.startswith(sj.OUT_PHASE + ".") and as_of == self.seq and payload.get("node") == self.node:
-            self.phases.append(payload)
-        elif subject.startswith(sj.OUT_SNAPSHOT + ".") and self.view is None:
-            for node in payload.get("nodes", []):
-                if node.get("node") == self.node:
-                    self.view, self.pool = node, payload.get("pool")
+        if isinstance(output, ConfigApplied) and output.as_of_seq == self.seq:
+            self.config = dict(output.set)
+        elif isinstance(output, PhaseChanged) and output.as_of_seq == self.seq and output.node == self.node:
+            self.phases.append(output)
+        elif isinstance(output, WeightSnapshot) and self.view is None:
+            for view in output.nodes:
+                if view.node == self.node:
+                    self.view, self.pool = view, output.pool
 
     @property
     def described(self) -> bool:
-        removed = any(p.get("to") == "removed" for p in self.phases)
-        return self.rejected is not None or (self.applied and (self.view is not None or removed))
+        removed = any(p.to == Phase.REMOVED for p in self.phases)
+        return self.rejected is not None or (self.applied and (self.view is not None or removed
+                                                              or self.config is not None))
 
     def summary(self, subject: str) -> str:
         if self.rejected is not None:
             return f"rejected: {self.rejected}"
         parts = [f"applied: {subject} (seq {self.seq})"]
+        if self.config is not None:
+            parts.append("now in force: " + ", ".join(f"{key}={value}" for key, value in self.config.items()))
         for phase in self.phases:
-            parts.append(f"{phase.get('node')} {phase.get('from')} -> {phase.get('to')} ({phase.get('reason')})")
+            parts.append(f"{phase.node} {phase.from_} -> {phase.to} ({phase.reason})")
         if self.view is not None:
             view = self.view
-            parts.append(f"{view['node']} in pool {self.pool}: phase {view['phase']}, capacity {view['capacity']}, "
-                         f"target {view['target_weight']:g}, effective {view['effective_weight']:g}, "
-                         f"in-flight {view['inflight']}")
+            parts.append(f"{view.node} in pool {self.pool}: phase {view.phase}, capacity {view.capacity}, "
+                         f"target {view.target_weight:g}, effective {view.effective_weight:g}, "
+                         f"in-flight {view.inflight}")
         return "; ".join(parts)
 
 
 # -- publishing ---------------------------------------------------------------------------------------
 
 
-async def open_connection(url: str, reconnect: bool = False, auth: NatsAuth | None = None) -> Client:
+async def open_connection(url: str, reconnect: bool = False, auth: NatsAuth | None = None,
+                          error_cb: Any = None) -> Client:
     """One connection for one command; ``reconnect``: it outlives a NATS restart (``--watch``)."""
     options: dict[str, Any] = {} if reconnect else dict(allow_reconnect=False, max_reconnect_attempts=1,
                                                          reconnect_time_wait=0.2)
     try:
-        return await connect(url, "laswrr-operator", auth, connect_timeout=3, error_cb=_quiet, **options)
+        return await connect(url, "laswrr-operator", auth, connect_timeout=3, error_cb=error_cb or _quiet, **options)
     except Exception as exc:
         raise OperatorError(f"cannot connect to NATS at {redact_url(url)}: {exc or type(exc).__name__}") from None
 
@@ -113,16 +128,46 @@ async def _quiet(exc: Exception) -> None:
     """nats-py logs a traceback per failed attempt by default; the caller reports one line."""
 
 
+class PermissionWatch:
+    """The connection's error callback: the first permissions violation the server reports
+    (nats-py hands it only to this callback; the publish itself would just time out)."""
+
+    def __init__(self) -> None:
+        self.violation: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def error_cb(self, exc: Exception) -> None:  # nats-py wants a coroutine function
+        text = str(exc)
+        if "permissions violation" in text.lower() and not self.violation.done():
+            self.violation.set_result(text.removeprefix("nats: "))
+
+
+def permission_error(url: str, subject: str, detail: str) -> OperatorError:
+    user = urllib.parse.urlsplit(url.split(",")[0]).username if "://" in url else None
+    who = f"user {user!r}" if user else "these credentials"
+    return OperatorError(f"the NATS server refused {subject}: {detail} ({who} may not send admin commands; "
+                         "use the operator's credentials: export $(cat <data-dir>/secrets/operator.env), "
+                         "docs/security.md)")
+
+
 async def publish_and_wait(url: str, subject: str, payload: bytes, node: str | None, wait_s: float,
                            auth: NatsAuth | None = None) -> Outcome | None:
-    """Publish one admin event like `nats pub` and fold the outputs until decided or ``wait_s``."""
-    nc = await open_connection(url, auth=auth)
+    """Publish one admin event like `nats pub` and fold the outputs until decided or ``wait_s``.
+    A permissions violation (credentials of another role) is an OperatorError at once."""
+    watch = PermissionWatch()
+    nc = await open_connection(url, auth=auth, error_cb=watch.error_cb)
     queue: asyncio.Queue[Msg] = asyncio.Queue()
     try:
-        await nc.subscribe("lb.out.>", cb=queue.put)
-        await nc.flush()
+        await nc.subscribe(sj.OUT_ALL, cb=queue.put)
+        await nc.flush()  # the server answers a forbidden subscription before this round trip ends
+        if watch.violation.done():
+            raise permission_error(url, subject, watch.violation.result())
+        publish = asyncio.ensure_future(nc.jetstream().publish(subject, payload, timeout=max(wait_s, 1.0)))
+        await asyncio.wait({publish, watch.violation}, return_when=asyncio.FIRST_COMPLETED)
+        if watch.violation.done():
+            publish.cancel()
+            raise permission_error(url, subject, watch.violation.result())
         try:
-            ack = await nc.jetstream().publish(subject, payload, timeout=max(wait_s, 1.0))
+            ack = publish.result()
         except Exception as exc:
             raise OperatorError(f"publish to {subject} failed (is stream LB_EVENTS set up?): {exc}") from None
         outcome = Outcome(seq=ack.seq, node=node)
@@ -144,10 +189,7 @@ async def _fold_until(queue: asyncio.Queue[Msg], outcome: Outcome, deadline: flo
             msg = await asyncio.wait_for(queue.get(), limit - now)
         except asyncio.TimeoutError:
             return
-        with contextlib.suppress(ValueError):
-            payload = json.loads(msg.data)
-            if isinstance(payload, dict):
-                outcome.observe(msg.subject, payload)
+        outcome.observe(msg.subject, msg.data)
         if outcome.applied and applied_at is None:
             applied_at = time.monotonic()
 
@@ -179,17 +221,26 @@ def _write(builder: Any, body_of: Any) -> Any:
     def handler(args: argparse.Namespace) -> int:
         try:
             subject = _subject(builder, args.node)
+            body = body_of(args)
         except OperatorError as exc:
             print(f"laswrr: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        return run_write(args, subject, body_of(args), args.node)
+        return run_write(args, subject, body, args.node)
     return handler
 
 
 def _register_body(args: argparse.Namespace) -> dict[str, Any]:
     given = {key: getattr(args, key) for key in REGISTERED_COLLECTOR_KEYS if getattr(args, key) is not None}
+    if args.role != "both" and args.pd_protocol is None:
+        raise OperatorError(f"register --role {args.role} needs --pd-protocol (vllm or sglang)")
+    sglang_prefill = args.role == "prefill" and args.pd_protocol == "sglang"
+    if sglang_prefill and args.bootstrap_port is None:
+        raise OperatorError("register --role prefill --pd-protocol sglang needs --bootstrap-port (the engine's "
+                            "--disaggregation-bootstrap-port)")
+    if not sglang_prefill and args.bootstrap_port is not None:
+        raise OperatorError("register --bootstrap-port is only for an sglang prefill node")
     node = Node(id=args.node, url=args.url, pool=args.pool, chip=args.chip or None, capacity=args.capacity,
-                extra=given)
+                extra=given, role=args.role, pd_protocol=args.pd_protocol, bootstrap_port=args.bootstrap_port)
     return node.registration()
 
 
@@ -222,10 +273,35 @@ def run_register(args: argparse.Namespace) -> int:
     return max(run_write(args, subject, body, subject.rsplit(".", 1)[1]) for subject, body in bodies)
 
 
+def config_body(pairs: list[str]) -> dict[str, Any]:
+    """``["max_capacity=8192", "allow_upstream=10.0.0.0/8"]`` -> ``{"set": {...}}``: a value
+    that reads as JSON (a number, true/false) is that, anything else a string."""
+    changes: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise OperatorError(f"{pair!r}: give KEY=VALUE (keys: docs/configuration.md, \"Scheduler keys\")")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        changes[key] = value if isinstance(value, (int, float, bool, str)) else text
+    return {"set": changes}
+
+
+def run_config(args: argparse.Namespace) -> int:
+    try:
+        body = config_body(args.pairs)
+    except OperatorError as exc:
+        print(f"laswrr: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return run_write(args, sj.ADMIN_CONFIG, body, None)
+
+
 # -- laswrr nodes -------------------------------------------------------------------------------------
 
 
-async def read_snapshots(url: str, auth: NatsAuth | None = None) -> dict[str, dict[str, Any]]:
+async def read_snapshots(url: str, auth: NatsAuth | None = None) -> dict[str, WeightSnapshot]:
     nc = await open_connection(url, auth=auth)
     try:
         return await _snapshots(nc, url)
@@ -234,7 +310,7 @@ async def read_snapshots(url: str, auth: NatsAuth | None = None) -> dict[str, di
             await nc.close()
 
 
-async def _snapshots(nc: Client, url: str) -> dict[str, dict[str, Any]]:
+async def _snapshots(nc: Client, url: str) -> dict[str, WeightSnapshot]:
     """Every pool's latest snapshot in KV LB_WEIGHTS (OperatorError when there is no bucket)."""
     try:
         kv = await nc.jetstream().key_value(sj.WEIGHTS_BUCKET)
@@ -243,42 +319,89 @@ async def _snapshots(nc: Client, url: str) -> dict[str, dict[str, Any]]:
         raise OperatorError(f"no KV bucket {sj.WEIGHTS_BUCKET} on {redact_url(url)}: has a scheduler ever run there?") from None
     except NoKeysError:
         return {}
-    snapshots: dict[str, dict[str, Any]] = {}
+    snapshots: dict[str, WeightSnapshot] = {}
     for key in sorted(keys):
-        with contextlib.suppress(KeyNotFoundError, ValueError):
-            snapshots[key] = json.loads((await kv.get(key)).value or b"null")
+        with contextlib.suppress(KeyNotFoundError, msgspec.DecodeError, msgspec.ValidationError):
+            snapshots[key] = _SNAPSHOT.decode((await kv.get(key)).value or b"null")
     return snapshots
+
+
+_SNAPSHOT = msgspec.json.Decoder(WeightSnapshot)
 
 
 def _age(ms: Any) -> str:
     return "—" if ms is None else f"{ms / 1000:.1f} s"
 
 
-def render_tables(snapshots: dict[str, dict[str, Any]], now_ns: int) -> list[Any]:
+COLUMNS = ("node", "phase", "routable", "cap", "target", "effective", "in-flight",
+           "queue", "run", "kv", "npu", "lat", "load", "free slots", "free blocks", "sample age", "model")
+# Which columns give way first on a narrow terminal (the last of this list first); the node id
+# never does, so no id is ever cut.
+KEEP_ORDER = ("node", "phase", "cap", "effective", "in-flight", "routable", "load", "model", "target", "sample age",
+              "free slots", "free blocks", "queue", "run", "kv", "npu", "lat")
+
+
+def _row(node: NodeView) -> dict[str, str]:
+    load = node.load
+    age = _age(load.sample_age_ms) + (" (stale)" if load.stale else "")
+    cells = [node.node, str(node.phase), "yes" if node.routable else "no", str(node.capacity),
+             f"{node.target_weight:g}", f"{node.effective_weight:g}", str(node.inflight),
+             *(f"{value:.2f}" for value in (load.queue, load.running, load.kv, load.npu, load.latency, load.load)),
+             *("—" if value is None else str(value) for value in (load.free_slots, load.free_blocks)), age,
+             ", ".join(node.models) if node.models else "—"]  # the engine's model ids (lb.metrics.models)
+    return dict(zip(COLUMNS, cells))
+
+
+def fitting_columns(rows: list[dict[str, str]], width: int | None) -> list[str]:
+    """The columns to show within ``width`` characters (None: all): each column needs its
+    widest cell or header plus 3 (padding and border); columns are dropped in reverse
+    ``KEEP_ORDER`` until the rest fit. The node column is always kept, whole."""
+    need = {c: max([len(c), *(len(row[c]) for row in rows)]) + 3 for c in COLUMNS}
+    kept = list(KEEP_ORDER)
+    while width is not None and len(kept) > 1 and sum(need[c] for c in kept) + 1 > width:
+        kept.pop()
+    return [c for c in COLUMNS if c in kept]
+
+
+def render_tables(snapshots: dict[str, WeightSnapshot], now_ns: int, width: int | None = None) -> list[Any]:
+    """One rich Table per pool; ``width`` (the terminal's): the columns that fit it, node ids
+    always whole (a title note says which columns were left out)."""
     from rich.table import Table
 
     tables = []
     for pool, snap in snapshots.items():
-        updated = (now_ns - int(snap.get("ts_ns", 0))) / 1e9
-        panic = " [bold red]PANIC[/]" if snap.get("panic") else ""
-        table = Table(title=f"pool {pool}: as_of_seq {snap.get('as_of_seq')}, tick {snap.get('tick')}, "
-                            f"updated {updated:.1f} s ago{panic}", title_justify="left")
-        for column in ("node", "phase", "routable", "cap", "target", "effective", "in-flight",
-                       "queue", "run", "kv", "npu", "lat", "load", "sample age"):
-            table.add_column(column, justify="left" if column in ("node", "phase") else "right")
-        for node in snap.get("nodes", []):
-            load = node.get("load") or {}
-            age = _age(load.get("sample_age_ms")) + (" (stale)" if load.get("stale") else "")
-            table.add_row(
-                node["node"], node["phase"], "yes" if node.get("routable") else "no", str(node.get("capacity")),
-                f"{node.get('target_weight', 0):g}", f"{node.get('effective_weight', 0):g}", str(node.get("inflight")),
-                *(f"{load.get(k, 0):.2f}" for k in ("queue", "running", "kv", "npu", "latency", "load")), age,
-            )
+        updated = (now_ns - snap.ts_ns) / 1e9
+        panic = " [bold red]PANIC[/]" if snap.panic else ""
+        rows = [_row(node) for node in snap.nodes]
+        shown = fitting_columns(rows, width)
+        hidden = [c for c in COLUMNS if c not in shown]
+        note = f" (hidden at {width} columns: {', '.join(hidden)}; --json has all)" if hidden else ""
+        table = Table(title=f"pool {pool}: as_of_seq {snap.as_of_seq}, tick {snap.tick}, "
+                            f"updated {updated:.1f} s ago{panic}{note}", title_justify="left",
+                      caption=_mixed_caption(snap.nodes), caption_justify="left")
+        for column in shown:
+            table.add_column(column, justify="left" if column in ("node", "phase", "model") else "right",
+                             no_wrap=column != "node", overflow="fold")  # an id wider than the screen folds
+        for row in rows:
+            table.add_row(*(row[c] for c in shown))
         tables.append(table)
     return tables
 
 
-def _only_pool(snapshots: dict[str, dict[str, Any]], pool: str | None) -> dict[str, dict[str, Any]]:
+def _mixed_caption(nodes: list[NodeView]) -> str | None:
+    """A warning under a pool whose nodes list different model ids (scheduler.routing.models)."""
+    lists = {node.node: tuple(node.models) for node in nodes if node.models}
+    if len({tuple(sorted(ids)) for ids in lists.values()}) <= 1:
+        return None
+    by_ids: dict[tuple[str, ...], list[str]] = {}
+    for name, ids in lists.items():
+        by_ids.setdefault(ids, []).append(name)
+    groups = "; ".join(f"{', '.join(ids)} ({', '.join(names)})" for ids, names in by_ids.items())
+    return (f"[bold yellow]warning: this pool mixes model ids[/]: {groups}. The pool's name goes to every node as "
+            "that node's own id; a model id only to the nodes listing it; any other name is answered 404.")
+
+
+def _only_pool(snapshots: dict[str, WeightSnapshot], pool: str | None) -> dict[str, WeightSnapshot]:
     if pool is None:
         return snapshots
     if pool not in snapshots:
@@ -311,14 +434,14 @@ async def watch_nodes(args: argparse.Namespace, stop: asyncio.Event) -> int:
             now_ns = time.time_ns()
             if lines:
                 if problem is None:
-                    print(json.dumps({"ts_ms": now_ns // 1_000_000, "pools": snapshots}), flush=True)
+                    print(json.dumps({"ts_ms": now_ns // 1_000_000, "pools": msgspec.to_builtins(snapshots)}), flush=True)
                 else:
                     print(f"laswrr nodes --watch: {problem}", file=sys.stderr, flush=True)
             else:
                 assert live is not None
                 header = Text(f"laswrr nodes --watch: every {args.interval_s:g} s, {time.strftime('%H:%M:%S')}"
                               + (f" — {problem}" if problem else ""), style="bold red" if problem else "bold")
-                live.update(Group(header, *render_tables(snapshots, now_ns)), refresh=True)
+                live.update(Group(header, *render_tables(snapshots, now_ns, console.width)), refresh=True)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), args.interval_s)
     finally:
@@ -355,7 +478,7 @@ def run_nodes(args: argparse.Namespace) -> int:
             return 1
         snapshots = {args.pool: snapshots[args.pool]}
     if args.json:
-        print(json.dumps(snapshots, indent=2))
+        print(json.dumps(msgspec.to_builtins(snapshots), indent=2))
         return 0
     if not snapshots:
         print("no snapshots yet: register a node (laswrr register NODE --url URL --capacity N)", file=sys.stderr)
@@ -363,7 +486,7 @@ def run_nodes(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console(width=None if sys.stdout.isatty() else 160)
-    for table in render_tables(snapshots, time.time_ns()):
+    for table in render_tables(snapshots, time.time_ns(), console.width):
         console.print(table)
     return 0
 
@@ -405,12 +528,30 @@ def register(subparsers: Any) -> None:
     reg.add_argument("--pool", default="default", help="resource pool (default: default)")
     reg.add_argument("--chip", default=None, help="chip type: 910, 910B, 910C, ...")
     reg.add_argument("--capacity", type=int, default=None, help="concurrent requests the node serves")
+    reg.add_argument("--role", default="both", choices=[str(r) for r in NodeRole],
+                     help="prefill, decode or both (default: both, a node that serves whole requests)")
+    reg.add_argument("--pd-protocol", default=None, choices=[str(p) for p in PdProtocol],
+                     help="the pool's prefill/decode protocol: vllm or sglang (required with --role prefill/decode)")
+    reg.add_argument("--bootstrap-port", type=int, default=None,
+                     help="an sglang prefill node's bootstrap server port (required for one; its engine's "
+                          "--disaggregation-bootstrap-port)")
     reg.add_argument("--metrics-url", default=None, help="for the collector: the engine's /metrics (default URL/metrics)")
     reg.add_argument("--health-url", default=None, help="for the collector: its health probe (default URL/health)")
+    reg.add_argument("--status-url", default=None,
+                     help="for the collector: MindIE's management-port /v1/status (default: none)")
+    reg.add_argument("--npu-exporter", default=None,
+                     help="for the collector: the host's npu-exporter /metrics (default: none)")
     reg.add_argument("--engine", default=None, choices=ENGINE_NAMES,
                      help="for the collector: metric names to read (default: detect)")
     _common(reg)
     reg.set_defaults(func=run_register)
+
+    config = subparsers.add_parser("config", help="change scheduler configuration keys",
+                                   description="Publish lb.admin.config {\"set\": {KEY: VALUE, ...}} and report the outcome.")
+    config.add_argument("pairs", nargs="+", metavar="KEY=VALUE",
+                        help="a scheduler key and its new value, e.g. max_capacity=8192")
+    _common(config)
+    config.set_defaults(func=run_config)
 
     nodes = subparsers.add_parser("nodes", help="show each pool's latest snapshot (KV LB_WEIGHTS)",
                                   description="One table per pool: phase, capacity, weights, in-flight, load, sample age.")

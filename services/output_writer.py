@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 from nats.js import JetStreamContext
@@ -49,11 +48,15 @@ def as_of_seq_of(msg_id: str | None, data: bytes | None) -> int:
         if head.isdigit():
             return int(head)
     with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-        payload = msgspec.json.decode(data or b"", type=dict[str, Any])
-        value = payload.get("as_of_seq", payload.get("seq"))  # seq: a rejection from before as_of_seq
-        if isinstance(value, int):
-            return value
+        return _AS_OF.decode(data or b"").as_of_seq
     return 0
+
+
+class _AsOf(msgspec.Struct):
+    as_of_seq: int  # every output names its input so (schemas.outputs)
+
+
+_AS_OF = msgspec.json.Decoder(_AsOf)
 
 
 async def highest_published_seq(js: JetStreamContext, scan: int = PUBLISH_FLOOR_SCAN) -> int:

@@ -30,7 +30,9 @@ Theory of operation.
   refused with the reason); the recorder that owns ``db`` pauses committing LB_OUT, records
   LB_EVENTS up to the stream's last seq at the time of the request (so every recorded output has its input),
   copies the database into ``to`` with DuckDB's ``COPY FROM DATABASE`` and replies ``{"path": to}`` (or ``{"error": ...}``).
-  A recorder that does not own ``db`` stays silent.
+  A recorder that does not own ``db`` stays silent. Both ends are services/recorder_copy.py
+  (``copy_from_recorder``, ``CopyDesk``); this loop only holds LB_OUT at the desk's gate and
+  lets it copy as LB_EVENTS advances.
 * **Stop.** SIGINT/SIGTERM: the stop's target is each stream's last seq at that moment
   (``STREAM.INFO``); the recorder keeps pulling, committing and acking (recreating a consumer that
   is gone, e.g. seconds after a leader election) until it has recorded through both targets or
@@ -47,7 +49,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import sys
 import time
@@ -66,6 +67,7 @@ from laswrr.schemas import subjects as sj
 from laswrr.services import settings
 from laswrr.services.jsreader import PullReader, ack_all_consumer, get_envelope, parse_ack_subject
 from laswrr.services.natsbus import NatsAuth, StreamLimits, connect, ensure_streams, redact_url
+from laswrr.services.recorder_copy import CopyDesk
 from laswrr.services.service_metrics import BATCH_BUCKETS, Buckets, Metric, lag, render, serve_metrics
 
 log = logging.getLogger("laswrr.recorder")
@@ -105,9 +107,8 @@ class Recorder:
         self.recorded_through = {sj.EVENTS_STREAM: 0, sj.OUT_STREAM: 0}
         self.ready = asyncio.Event()
         self._db_lock = asyncio.Lock()
-        self._out_gate = asyncio.Event()  # cleared while a snapshot copy waits for LB_EVENTS
-        self._out_gate.set()
-        self._snapshots: list[tuple[int, Path, asyncio.Future[dict[str, str]]]] = []
+        self.copies = CopyDesk(options.db_path, options.data_dir, self.js, self._db, self._db_lock,
+                               lambda: self.con)  # lb.recorder.snapshot (services/recorder_copy.py)
         self._stop_targets: dict[str, int] = {}  # stream -> its last seq when the stop came
         self._stop_deadline = 0.0  # monotonic time the catch-up on stop gives up
         self._stop_targets_read = asyncio.Event()  # _plan_stop has read them (or given up)
@@ -129,7 +130,7 @@ class Recorder:
             readers = [PullReader(self.nc, self.js, stream, self.options.batch) for stream in self.stats]
             for reader in readers:
                 await self._open(reader)
-            await self.nc.subscribe(sj.RECORDER_SNAPSHOT, cb=self._on_snapshot_request)
+            await self.nc.subscribe(sj.RECORDER_SNAPSHOT, cb=self.copies.on_request)
             log.info("recording %s into %s (batch %d, flush %d ms)", ", ".join(self.stats),
                      self.options.db_path, self.options.batch, self.options.flush_ms)
             self.ready.set()
@@ -142,9 +143,7 @@ class Recorder:
                 stopping.cancel()
             self._log_short()
         finally:
-            for _, _, future in self._snapshots:
-                if not future.done():
-                    future.set_result({"error": "recorder stopping"})
+            self.copies.close()
             await asyncio.to_thread(self.con.close)
             self.con = None
             log.info("stopped: %s", ", ".join(f"{s} {st.recorded} rows" for s, st in self.stats.items()))
@@ -169,13 +168,13 @@ class Recorder:
                 msgs = await self._up_to_stop_target(msgs)
             if msgs:
                 if stream == sj.OUT_STREAM:
-                    await self._out_gate.wait()
+                    await self.copies.gate.wait()  # closed while a reader's copy waits for LB_EVENTS
                 highest = await self._commit(stream, msgs)
                 if highest is not None:
                     with contextlib.suppress(Exception):  # a lost ack only means a redelivery
                         await highest.ack()  # AckAll: acknowledges every message up to this one
             if stream == sj.EVENTS_STREAM:
-                await self._serve_snapshots(final=pending is None)
+                await self.copies.serve(self.recorded_through[stream], final=pending is None)
             if pending is None:
                 return
 
@@ -331,91 +330,6 @@ class Recorder:
             await self._db(store.insert_rows, self.con, [rows])
             log.info("%s: filled %d hole(s) in the recorded range", stream, len(rows))
 
-    # -- live copies for readers ----------------------------------------------------------------
-
-    async def _on_snapshot_request(self, msg: Msg) -> None:
-        try:
-            request = json.loads(msg.data)
-            owner = Path(request["db"]).resolve() == self.options.db_path.resolve()
-            target = Path(request["to"])
-        except (ValueError, KeyError, TypeError):
-            await msg.respond(json.dumps({"error": "request must be {\"db\": path, \"to\": path}"}).encode())
-            return
-        if not owner:
-            return  # another recorder's file: let its owner answer
-        refused = self._refuse_target(target)
-        if refused is not None:
-            log.warning("refused a copy request: %s", refused)
-            await msg.respond(json.dumps({"error": refused}).encode())
-            return
-        self._out_gate.clear()
-        async with self._db_lock:  # a LB_OUT commit in progress ends before we read the target
-            pass
-        last = (await self.js.stream_info(sj.EVENTS_STREAM)).state.last_seq
-        future: asyncio.Future[dict[str, str]] = asyncio.get_running_loop().create_future()
-        self._snapshots.append((last, target, future))
-        reply = await future
-        with contextlib.suppress(Exception):
-            await msg.respond(json.dumps(reply).encode())
-
-    def _refuse_target(self, target: Path) -> str | None:
-        """Why a copy may not be written at ``target`` (None: it may). Copies go only inside the
-        data directory (symbolic links resolved), never over an existing file."""
-        home = self.options.data_dir.resolve()
-        resolved = target.resolve()
-        if not resolved.is_relative_to(home) or resolved == home:
-            return f"{target} is not inside the recorder's data directory {home}"
-        if resolved.exists() or not resolved.parent.is_dir():
-            return f"{target} exists or its directory does not"
-        return None
-
-    async def _serve_snapshots(self, final: bool = False) -> None:
-        ready = [s for s in self._snapshots if final or self.recorded_through[sj.EVENTS_STREAM] >= s[0]]
-        for item in ready:
-            self._snapshots.remove(item)
-            _, target, future = item
-            try:
-                await self._db(copy_database, self.con, target)
-                future.set_result({"path": str(target)})
-                log.info("copied the log to %s for a reader", target)
-            except Exception as exc:  # noqa: BLE001 - reported to the reader, never fatal here
-                future.set_result({"error": f"copy failed: {exc}"})
-        if not self._snapshots:
-            self._out_gate.set()
-
-
-def copy_from_recorder(nats_url: str, timeout_s: float = 60.0, auth: NatsAuth | None = None) -> store.CopyLocked:
-    """``store.open_read``'s ``copy_locked`` for a file that a running recorder holds: ask it,
-    over ``lb.recorder.snapshot`` on ``nats_url``, for a consistent copy (blocking)."""
-
-    def copy_locked(db: Path, target: Path) -> None:
-        try:
-            reply = asyncio.run(_request_copy(nats_url, db, target, timeout_s, auth))
-        except Exception as exc:  # noqa: BLE001 - any NATS failure becomes the one-line explanation
-            raise store.StoreError(
-                f"{db} is locked by another process and no recorder answered {sj.RECORDER_SNAPSHOT} on "
-                f"{redact_url(nats_url)} ({store.first_line(exc) or type(exc).__name__}); "
-                f"pass --nats-url of the running stack, or stop the recorder") from None
-        if "error" in reply:
-            raise store.StoreError(f"{db} is locked by a running recorder, which could not copy it: {reply['error']}")
-
-    return copy_locked
-
-
-async def _request_copy(nats_url: str, db: Path, target: Path, timeout_s: float,
-                        auth: NatsAuth | None = None) -> dict[str, str]:
-    async def quiet(exc: Exception) -> None:
-        return None
-
-    nc = await asyncio.wait_for(connect(nats_url, "laswrr-reader", auth, connect_timeout=2, max_reconnect_attempts=0,
-                                        allow_reconnect=False, error_cb=quiet), 3.0)
-    try:
-        body = json.dumps({"db": str(db.resolve()), "to": str(target)}).encode()
-        msg = await nc.request(sj.RECORDER_SNAPSHOT, body, timeout=timeout_s)
-        return dict(json.loads(msg.data))
-    finally:
-        await nc.close()
-
 
 def is_contiguous(seqs: list[int], start: int, top: int) -> bool:
     """True when ``seqs`` holds every seq start..top (the usual batch: exactly that, in order)."""
@@ -435,23 +349,6 @@ def find_holes(con: duckdb.DuckDBPyConnection, stream: str) -> list[tuple[int, i
         "SELECT seq + 1, next_seq - 1 FROM (SELECT seq, lead(seq) OVER (ORDER BY seq) AS next_seq "
         "FROM events WHERE stream = ?) WHERE next_seq > seq + 1 ORDER BY seq", [stream]).fetchall()
     return [(int(a), int(b)) for a, b in rows]
-
-
-def copy_database(con: duckdb.DuckDBPyConnection, target: Path) -> None:
-    """Copy the whole database into a new file at ``target`` through DuckDB itself.
-
-    Never open the live file a second time from this process (e.g. ``shutil.copyfile``): POSIX
-    record locks are per process, and closing any descriptor of the file drops the write lock
-    that keeps other processes out.
-    """
-    literal = str(target).replace("'", "''")
-    source = con.execute("SELECT current_database()").fetchone()
-    assert source is not None
-    con.execute(f"ATTACH '{literal}' AS laswrr_copy")
-    try:
-        con.execute(f'COPY FROM DATABASE "{source[0]}" TO laswrr_copy')
-    finally:
-        con.execute("DETACH laswrr_copy")
 
 
 # -- /metrics (services/service_metrics.py) ------------------------------------------------------

@@ -69,19 +69,18 @@ from laswrr.scheduler import config as config_mod
 from laswrr.scheduler.core import Scheduler, apply_guarded
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope, Output, encode, publishable
-from laswrr.schemas.outputs import Rejected
+from laswrr.schemas.words import RejectCause
 from laswrr.services import settings
 from laswrr.services.jsreader import ConsumerGone, InOrder, PullReader, ack_all_consumer
 from laswrr.services.natsbus import (MSG_ID, NatsAuth, StreamLimits, Throttled, connect, ensure_checkpoint_bucket, ensure_streams,
                                      redact_url)
 from laswrr.services.output_writer import OutputWriter, highest_published_seq
 from laswrr.services.service_metrics import (BATCH_BUCKETS, Buckets, Metric, counter, gauge, histogram, lag,
-                                             reason_class, render, serve_metrics)
+                                             render, serve_metrics)
 
 log = logging.getLogger("laswrr.scheduler")
 
 CHECKPOINT_KEY = "scheduler"
-_REJECTED = msgspec.json.Decoder(Rejected)
 
 
 # -- small pure helpers ---------------------------------------------------------------------------
@@ -126,7 +125,7 @@ class Stats:
     published: int = 0
     rejected_internal: int = 0
     batches: int = 0
-    rejections: Counter[str] = field(default_factory=Counter)  # by reason_class
+    rejections: Counter[RejectCause] = field(default_factory=Counter)  # by Rejected.cause
     batch_seconds: Buckets = field(default_factory=lambda: Buckets(BATCH_BUCKETS))
     checkpointed_at: float = field(default_factory=time.time)  # wall time of the last checkpoint (or start)
 
@@ -287,8 +286,8 @@ class SchedulerService:
             outputs = publishable(self._apply(envelope), envelope.subject, limit)
             self.stats.applied += 1
             for output in outputs:
-                if output.subject == sj.OUT_REJECTED:
-                    self.stats.rejections[reason_class(_REJECTED.decode(output.data).reason)] += 1
+                if output.cause is not None:
+                    self.stats.rejections[output.cause] += 1
             self._writer.note(outputs)
             if envelope.seq > self.publish_floor:
                 to_publish.extend(outputs)
@@ -397,9 +396,10 @@ def _families(service: SchedulerService) -> Iterator[Metric]:
     stats = service.stats
     yield counter("laswrr_scheduler_events_applied", "Events of LB_EVENTS applied to the core", stats.applied)
     yield counter("laswrr_scheduler_outputs_published", "Outputs acknowledged by LB_OUT", stats.published)
-    rejections = CounterMetricFamily("laswrr_scheduler_rejections", "Inputs rejected, by class of reason", labels=["reason"])
-    for reason, n in sorted(stats.rejections.items()):
-        rejections.add_metric([reason], n)
+    rejections = CounterMetricFamily("laswrr_scheduler_rejections", "Inputs rejected, by cause (Rejected.cause)",
+                                     labels=["reason"])
+    for cause in RejectCause:  # every cause, 0 included: a bounded set of series
+        rejections.add_metric([cause.value], stats.rejections[cause])
     yield rejections
     yield gauge("laswrr_scheduler_applied_seq", "Stream seq of the last applied event", service.applied_seq)
     yield gauge("laswrr_scheduler_checkpoint_age_seconds", "Time since the last checkpoint (or start)",

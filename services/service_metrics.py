@@ -7,8 +7,8 @@ the batch loop touches a metric library. On a scrape, ``serve_metrics`` awaits `
 message not yet applied or recorded) and renders a collector over those counters:
 
 scheduler: ``laswrr_scheduler_events_applied_total``, ``_outputs_published_total``,
-``_rejections_total{reason}`` (the reason's class: its text before any ``:``, without quoted
-names or numbers, so ``unknown node 'n9'`` and ``unknown node 'n7'`` are one series),
+``_rejections_total{reason}`` (the rejection's cause code, ``Rejected.cause``: one series per
+``schemas.words.RejectCause``, never cut from the reason text),
 ``_lag_messages`` / ``_lag_seconds`` (LB_EVENTS not yet applied; seconds since the oldest of
 them was stored), ``_applied_seq``, ``_checkpoint_age_seconds`` (since the last checkpoint
 write or, before one, since start), ``_checkpoint_lag_events``, ``_batch_seconds`` (a batch:
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import re
 import time
 from bisect import bisect_left
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -67,15 +66,6 @@ class Buckets:
             cumulative += n
             out.append((bound, float(cumulative)))
         return out
-
-
-_QUOTED_OR_NUMBER = re.compile(r"'[^']*'|\"[^\"]*\"|\d+(\.\d+)?")
-
-
-def reason_class(reason: str) -> str:
-    """A bounded label for a rejection reason (module doc)."""
-    head = _QUOTED_OR_NUMBER.sub("", reason.split(":", 1)[0])
-    return " ".join(head.split())[:80] or "other"
 
 
 async def lag(js: JetStreamContext, stream: str, done_seq: int, now_s: float | None = None) -> tuple[int, float]:

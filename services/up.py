@@ -10,7 +10,9 @@ Start order: NATS (embedded ``nats-server`` under ``<data_dir>/jetstream`` unles
 given; secure by default: one user per role with a random password and the permissions of
 services/accounts.py, written to ``<data_dir>/secrets/<role>.env`` as ``NATS_URL=...``, mode
 0600; ``secure=False`` keeps an open server) -> streams -> scheduler, recorder -> simulated engines (when no nodes file is given:
-one 910C, two 910B, one 910, all in pool ``default`` serving one model id, ``SIM_MODEL``; their nodes file is written to ``<data_dir>/nodes.toml``) ->
+one 910C, two 910B, one 910 and one MindIE-flavoured 910B whose free slots and blocks the collector reads from its
+``/v1/status`` and whose chips it reads through its simulated npu-exporter (docs/ascend.md), all in pool ``default``
+serving one model id, ``SIM_MODEL``; their nodes file is written to ``<data_dir>/nodes.toml``) ->
 registration of every node by publishing ``lb.admin.node.<id>`` (plain JSON, as ``nats pub``
 would), waiting until LB_WEIGHTS shows them -> collector -> proxy (``proxy_workers`` N > 1:
 ``laswrr proxy --workers N``, N processes on the proxy port, proxy ids ``proxy-0`` ..
@@ -30,7 +32,7 @@ keeps dying; ``laswrr up`` then stops the rest in order and exits 1. Otherwise i
 SIGINT or SIGTERM (exit 0). ``--max-restarts 0``: the first death stops the stack. A single
 embedded nats-server is not restarted (every service reconnects to it on its own).
 
-A NATS cluster (``--nats-cluster N``, N >= 2): N embedded nats-servers (``natsbus.NatsCluster``)
+A NATS cluster (``--nats-cluster N``, N >= 2): N embedded nats-servers (``nats_server.NatsCluster``)
 on loopback, joined by routes with their own random password, each with JetStream and its own
 store (``<data_dir>/nats-<i>/jetstream``, logs ``<data_dir>/logs/nats-<i>.log``), all with the
 same users and permissions. ``up`` waits until the cluster has a JetStream meta leader, then
@@ -41,7 +43,8 @@ ports and store: it rejoins and catches up) after the same backoff as any child,
 on: the cluster works on while a majority of it runs. ``--stream-replicas N`` with
 ``--nats-url`` does the same on an external cluster (the operator's servers, listed comma-separated).
 
-Library API (for benchmarks and the demo)::
+Library API: the one way the stack starts (``laswrr up``, the benchmarks' stacks: bench/stack_adapter.py,
+bench/proxy_bench.py, and the demo)::
 
     stack = Stack(data_dir, nats_url=None, proxy_port=8000, config=None, tick_ms=100, secure=True,
                   allow_upstream=(), proxy_args=(), nats_auth=None, nats_cluster=1, stream_replicas=None)
@@ -58,8 +61,10 @@ Library API (for benchmarks and the demo)::
     await stack.register(nodes)                                      # waits for LB_WEIGHTS
     stack.write_nodes_file(nodes); await stack.start_collector()
     url = await stack.start_proxy(port=0, extra_args=("--policy", "rr"))  # call again for replicas;
-                                  # returns once its /healthz reports "ok" (routing on a snapshot)
-    child = await stack.spawn("name", "sub-command", *args, role="other")  # any laswrr command
+                                  # returns once its /healthz reports "ok" (routing on a snapshot);
+                                  # admin_port=P: its --admin-port, probed there
+    child = await stack.spawn("name", "sub-command", *args, role="other")  # any laswrr command;
+                                  # program=(binary,): any other program (bench engines, peer routers)
     failed = await stack.wait_unexpected_exit()   # the first child that died on its own
     await stack.stop()                            # ordered shutdown; idempotent
 
@@ -79,7 +84,7 @@ import shlex
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 from pathlib import Path
 from typing import IO, Any
@@ -93,10 +98,12 @@ from laswrr.schemas import subjects as sj
 from laswrr.services import accounts, settings
 from laswrr.services.dashboard.app import DEFAULT_PORT as DASHBOARD_PORT
 from laswrr.services.children import Child, ChildProcesses, RestartPolicy, StackError
-from laswrr.services.natsbus import (AUTH_ENV, MAX_REPLICAS, EmbeddedNats, NatsAuth, NatsCluster, StreamLimits,
-                                     connect, ensure_streams, redact_url, wait_jetstream)
+from laswrr.services.natsbus import (AUTH_ENV, MAX_REPLICAS, NatsAuth, StreamLimits, connect, ensure_streams,
+                                     redact_url, wait_jetstream)
+from laswrr.services.nats_server import EmbeddedNats, NatsCluster
 from laswrr.services.proxy.config import ProxyConfig
 from laswrr.services.proxy.workers import STOP_MARGIN_S
+from laswrr.schemas.codec import decode_snapshot
 
 log = logging.getLogger("laswrr.up")
 
@@ -108,11 +115,14 @@ STOP_ORDER = ("proxy", "collector", "sim-engine", "other", "scheduler", "recorde
 STOP_TIMEOUT_S = {"proxy": ProxyConfig().grace_s + STOP_MARGIN_S + 5.0, "recorder": 30.0}
 
 
-# Simulated engines of the default stack: (node id, chip, capacity). Engines of one pool serve one
-# model id (compose's SIM_MODEL default too): chips differ in speed, not in what they answer.
+# Simulated engines of the default stack: (node id, chip, capacity[, flavour]). Engines of one pool serve
+# one model id (compose's SIM_MODEL default too): chips differ in speed, not in what they answer. A
+# ``mindie`` engine is read through its /v1/status and its simulated npu-exporter (sim_ascend_keys).
 SIM_MODEL = "sim-llm"
-DEFAULT_SIMS: tuple[tuple[str, str, int], ...] = (
+SimSpec = tuple[str, str, int] | tuple[str, str, int, str]
+DEFAULT_SIMS: tuple[SimSpec, ...] = (
     ("sim-910c-1", "910C", 16), ("sim-910b-1", "910B", 8), ("sim-910b-2", "910B", 8), ("sim-910-1", "910", 4),
+    ("sim-mindie-1", "910B", 8, "mindie"),
 )
 
 
@@ -150,11 +160,20 @@ def render_nodes(nodes: Sequence[Node]) -> str:
     lines = ["# Generated by `laswrr up`: the nodes it started and registered.", ""]
     for node in nodes:
         lines.append("[[node]]")
-        up_keys = {"id": node.id, "url": node.url, "pool": node.pool, "chip": node.chip, "capacity": node.capacity}
+        up_keys = {"id": node.id, "url": node.url, "pool": node.pool, "chip": node.chip, "capacity": node.capacity,
+                   "role": None if node.role == "both" else node.role, "pd_protocol": node.pd_protocol,
+                   "bootstrap_port": node.bootstrap_port}
         fields = {**{key: value for key, value in up_keys.items() if value is not None}, **node.extra}
         lines.extend(f"{key} = {_toml_value(value)}" for key, value in fields.items())
         lines.append("")
     return "\n".join(lines)
+
+
+def sim_ascend_keys(url: str) -> dict[str, str]:
+    """The node keys that read a MindIE-flavoured simulated engine the Ascend way: its status on
+    ``/v1/status`` and its chips through its simulated npu-exporter (docs/ascend.md)."""
+    base = url.rstrip("/")
+    return {"status_url": f"{base}/v1/status", "npu_exporter": f"{base}/sim/npu-exporter"}
 
 
 def sim_npu_smi_command(url: str, python: str = sys.executable) -> str:
@@ -256,7 +275,8 @@ class Stack:
     def allow_hosts(self, nodes: Sequence[Node], sims: bool = False) -> None:
         """Add the hosts of ``nodes``' URLs (and, for simulated engines, 127.0.0.1, where they
         listen) to the scheduler's ``--allow-upstream``; call before ``start_core``."""
-        urls = [url for node in nodes for url in (node.url, node.metrics_url, node.health_url)]
+        urls = [url for node in nodes for url in (node.url, node.metrics_url, node.health_url, node.status_url,
+                                                   node.npu_exporter) if url]
         hosts = [urlsplit(url).hostname for url in urls] + (["127.0.0.1"] if sims else [])
         for host in hosts:
             if host and host not in self.allow_upstream:
@@ -352,21 +372,33 @@ class Stack:
         """``--stream-replicas`` for a child that creates missing streams (none when 1, the default)."""
         return ("--stream-replicas", str(self.stream_replicas)) if self.stream_replicas != 1 else ()
 
-    async def start_sim_engines(self, sims: Sequence[tuple[str, str, int]] = DEFAULT_SIMS, speed: float = 1.0,
+    async def start_sim_engines(self, sims: Sequence[SimSpec] = DEFAULT_SIMS, speed: float = 1.0,
                                 pool: str = "default", npu_smi: bool = True,
-                                model: str = SIM_MODEL, kv_tokens: int | None = None) -> list[Node]:
+                                model: str = SIM_MODEL, kv_tokens: int | None = None,
+                                engine_args: Mapping[str, Sequence[str]] | None = None) -> list[Node]:
         """One ``laswrr sim-engine`` per ``(node id, chip, capacity)``, each serving ``model``; their
         Nodes (not yet registered). ``npu_smi``: the collector samples each one's simulated
-        npu-smi (``sim_npu_smi_command``). ``kv_tokens``: every engine's KV room (default: the chip's)."""
+        npu-smi (``sim_npu_smi_command``). ``kv_tokens``: every engine's KV room (default: the chip's).
+        ``engine_args``: more sim-engine flags per node id (e.g. ``--pd-role``)."""
+        more = engine_args or {}
         kv_args = () if kv_tokens is None else ("--kv-tokens", str(kv_tokens))
+        flavours = [spec[3] if len(spec) > 3 else "vllm" for spec in sims]  # type: ignore[misc]
         children = await asyncio.gather(*(
-            self.spawn(node_id, "sim-engine", "--port", "0", "--chip", chip, "--capacity", str(capacity),
-                       "--node-id", node_id, "--speed", str(speed), "--model", model, *kv_args, role="sim-engine",
-                       wait_listening=True)
-            for node_id, chip, capacity in sims))
+            self.spawn(spec[0], "sim-engine", "--port", "0", "--chip", spec[1], "--capacity", str(spec[2]),
+                       "--node-id", spec[0], "--speed", str(speed), "--model", model, *kv_args, *more.get(spec[0], ()),
+                       *(("--flavour", flavour) if flavour != "vllm" else ()), role="sim-engine", wait_listening=True)
+            for spec, flavour in zip(sims, flavours)))
         specs = []
-        for child, (node_id, chip, capacity) in zip(children, sims):
+        for child, spec, flavour in zip(children, sims, flavours):
+            node_id, chip, capacity = spec[0], spec[1], spec[2]
             assert child.url is not None
+            if flavour == "mindie":
+                keys = sim_ascend_keys(child.url)
+                extra: dict[str, str] = {"engine": "mindie", **keys} if npu_smi else {"status_url": keys["status_url"]}
+                specs.append(Node(id=node_id, url=child.url, pool=pool, chip=chip, capacity=capacity, engine="mindie",
+                                  status_url=keys["status_url"], npu_exporter=keys["npu_exporter"] if npu_smi else None,
+                                  extra=extra))
+                continue
             extra = {"npu_smi": sim_npu_smi_command(child.url, self.python)}
             specs.append(Node(id=node_id, url=child.url, pool=pool, chip=chip, capacity=capacity,
                               npu_smi=extra["npu_smi"] if npu_smi else None, extra=extra if npu_smi else {}))
@@ -399,9 +431,9 @@ class Stack:
         while missing:
             for pool in sorted({n.pool for n in nodes}):
                 with contextlib.suppress(KeyNotFoundError):
-                    snapshot = json.loads((await kv.get(pool)).value or b"{}")
-                    if snapshot.get("as_of_seq", 0) >= seq:
-                        missing -= {v["node"] for v in snapshot.get("nodes", [])}
+                    snapshot = decode_snapshot((await kv.get(pool)).value or b"")
+                    if snapshot.as_of_seq >= seq:
+                        missing -= {v.node for v in snapshot.nodes}
             if missing and time.monotonic() > deadline:
                 raise StackError(f"nodes {', '.join(sorted(missing))} not in {sj.WEIGHTS_BUCKET} after {wait_s:g} s: "
                                  f"is the scheduler running? (see {self.log_dir / 'scheduler.log'})")
@@ -420,7 +452,7 @@ class Stack:
         StackError (logged) when it cannot start (its port taken, say)."""
         try:
             child = await self.spawn("dashboard", "dashboard", "--host", self.proxy_host, "--port", str(port),
-                                     role="other", wait_listening=True)  # reads as the operator
+                                     role="viewer", wait_listening=True)  # read-only credentials
         except StackError as exc:
             log.warning("dashboard not started: %s", exc)
             raise
@@ -429,22 +461,26 @@ class Stack:
         return child.url
 
     async def start_proxy(self, port: int | None = None, extra_args: Sequence[str] = (),
-                          name: str | None = None) -> str:
-        """One proxy replica; returns its URL (port 0 picks a free one). Call again for more."""
+                          name: str | None = None, admin_port: int | None = None) -> str:
+        """One proxy replica; returns its URL (port 0 picks a free one). Call again for more.
+        ``admin_port``: its ``--admin-port`` (/metrics and the probes there; with workers, worker
+        k's on ``admin_port + k``)."""
         replicas = sum(1 for c in self.children if c.role == "proxy")
         name = name or ("proxy" if replicas == 0 else f"proxy-{replicas + 1}")
         port = self.proxy_port if port is None else port
         workers = ("--workers", str(self.proxy_workers)) if self.proxy_workers > 1 else ()
+        admin = ("--admin-port", str(admin_port)) if admin_port is not None else ()
         child = await self.spawn(name, "proxy", "--host", self.proxy_host, "--port", str(port), "--proxy-id", name,
-                                 *self._replicas_args(), *workers, *self.proxy_args, *extra_args, role="proxy",
+                                 *self._replicas_args(), *workers, *admin, *self.proxy_args, *extra_args, role="proxy",
                                  wait_listening=True)
         assert child.url is not None
-        await self._wait_routing(child)
+        probes = child.url if admin_port is None else f"http://{urlsplit(child.url).netloc.rsplit(':', 1)[0]}:{admin_port}"
+        await self._wait_routing(child, probes)
         self.proxy_url = self.proxy_url or child.url
         return child.url
 
-    async def _wait_routing(self, child: Child, timeout_s: float = 10.0) -> None:
-        """Until the proxy's /healthz says it routes on a snapshot ("ok"); a warning if not."""
+    async def _wait_routing(self, child: Child, probes: str, timeout_s: float = 10.0) -> None:
+        """Until the proxy's /healthz (at ``probes``) says it routes on a snapshot ("ok"); a warning if not."""
         import aiohttp
 
         deadline = time.monotonic() + timeout_s
@@ -452,7 +488,7 @@ class Stack:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
             while time.monotonic() < deadline and child.process.returncode is None:
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                    async with session.get(f"{child.url}/healthz") as response:
+                    async with session.get(f"{probes}/healthz") as response:
                         status = str((await response.json(content_type=None)).get("status"))
                 if status == "ok" or (status == "no_snapshot" and not self.nodes):
                     return
@@ -466,12 +502,13 @@ class Stack:
         return self.processes.children
 
     async def spawn(self, name: str, command: str, *args: str, role: str = "other",
-                    wait_listening: bool = False) -> Child:
-        """Start ``python -m laswrr COMMAND ARGS`` as a child; with ``wait_listening``, wait
-        for its ``... listening on URL`` stdout line and record the URL (services/children.py).
-        Its NATS credentials come in its environment (``child_env``), never in its arguments."""
+                    wait_listening: bool = False, program: Sequence[str] | None = None) -> Child:
+        """Start ``python -m laswrr COMMAND ARGS`` (``program``: ``PROGRAM COMMAND ARGS``) as a
+        child; with ``wait_listening``, wait for its ``... listening on URL`` stdout line and
+        record the URL (services/children.py). Its NATS credentials come in its environment
+        (``child_env``), never in its arguments."""
         return await self.processes.spawn(name, command, *args, role=role, wait_listening=wait_listening,
-                                          env=self.child_env(role))
+                                          env=self.child_env(role), program=program)
 
     def child_env(self, role: str) -> dict[str, str]:
         """The environment of a child: ``NATS_URL`` of its role (``other``: the operator's; an
@@ -508,6 +545,20 @@ class Stack:
 # -- laswrr up ------------------------------------------------------------------------------------------
 
 
+def laswrr_command() -> str:
+    """How to run this laswrr from a shell: ``laswrr`` when that is on PATH and is this one,
+    else the script beside this Python (``.venv/bin/laswrr``: a venv that is not activated)."""
+    beside = Path(sys.executable).parent / "laswrr"
+    on_path = shutil.which("laswrr")
+    if on_path and (not beside.exists() or Path(on_path).resolve() == beside.resolve()):
+        return "laswrr"
+    if beside.exists():
+        with contextlib.suppress(ValueError):
+            return str(beside.relative_to(Path.cwd()))
+        return str(beside)
+    return f"{sys.executable} -m laswrr"
+
+
 def banner(stack: Stack, out: IO[str]) -> None:
     where = f"embedded, JetStream store in {stack.data_dir / 'jetstream'}" if stack.embedded else "external"
     if stack.cluster is not None:
@@ -520,7 +571,8 @@ def banner(stack: Stack, out: IO[str]) -> None:
     if stack.secure:
         print(f"  NATS:      {redact_url(stack.nats_url)}  ({where}; one user per role, credentials in "
               f"{stack.secrets_dir}/<role>.env)", file=out)
-        print(f"  operator:  NATS_URL={stack.nats_url}", file=out)
+        print(f"  operator:  {redact_url(stack.nats_url)}  (password in {operator_env}: "
+              f"export $(cat {operator_env}))", file=out)
     else:
         print(f"  NATS URL:  {redact_url(stack.nats_url)}  ({where}{', open: no authentication' if stack.embedded else ''})",
               file=out)
@@ -550,10 +602,11 @@ def banner(stack: Stack, out: IO[str]) -> None:
     else:
         print(f"  export NATS_URL={redact_url(stack.nats_url)}", file=out)
     print(f"  nats -s \"$NATS_URL\" pub lb.admin.capacity.{node} '{{\"capacity\": 1}}'", file=out)
-    print("  nats -s \"$NATS_URL\" sub 'lb.out.>'", file=out)
+    print(f"  nats -s \"$NATS_URL\" sub '{sj.OUT_ALL}'", file=out)
     print(f"  nats -s \"$NATS_URL\" kv get LB_WEIGHTS {pool}", file=out)
-    print("  laswrr nodes", file=out)
-    print(f"  laswrr capacity {node} 1   (also: drain, undrain, remove, register)", file=out)
+    cli = laswrr_command()
+    print(f"  {cli} nodes", file=out)
+    print(f"  {cli} capacity {node} 1   (also: drain, undrain, remove, register, config)", file=out)
     print("Ctrl-C (SIGINT) or SIGTERM stops everything.", file=out, flush=True)
 
 

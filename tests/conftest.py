@@ -13,7 +13,8 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from laswrr.services.natsbus import EmbeddedNats, connect, ensure_streams
+from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.services.nats_server import EmbeddedNats
 from laswrr.services.sim_engine.app import RunningServer, start_server
 from laswrr.services.sim_engine.config import SimConfig
 

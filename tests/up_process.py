@@ -1,8 +1,9 @@
 """Test helper: `laswrr up` as a real child process, its banner, and a load of real clients.
 
 ``start_up(*args)`` runs ``python -m laswrr up ARGS`` in its own session and returns the
-process and the banner's ``name: value`` lines (``banner["pid scheduler"]`` and so on) once it
-is printed; ``up_stderr`` keeps reading its stderr afterwards (a full pipe would block it).
+process and the banner's ``name: value`` lines (``banner["pid scheduler"]`` and so on, and
+``banner["operator URL"]``, read from the secrets file the banner names) once it is printed;
+``up_stderr`` keeps reading its stderr afterwards (a full pipe would block it).
 ``no_leftover_stack`` (use it as an autouse fixture) stops every `laswrr up` a failed test left
 behind, by its own pid. ``Load`` runs ``workers`` clients that post chat completions to a proxy
 until stopped, counting what was served and what failed (with the first reasons); with
@@ -13,12 +14,14 @@ but ended without it counts as ``cut`` too.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 
@@ -43,11 +46,13 @@ async def no_leftover_stack() -> AsyncIterator[None]:
         await interrupt(STARTED.pop())
 
 
-async def start_up(*args: str) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
-    """Run `laswrr up ARGS`; returns the process and the banner's "name: value" lines once printed."""
+async def start_up(*args: str, env: dict[str, str] | None = None) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
+    """Run `laswrr up ARGS` (``env``: added to this process's environment); returns the process
+    and the banner's "name: value" lines once printed."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "laswrr", "up", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+        env={**os.environ, **env} if env else None)
     STARTED.append(proc)
     assert proc.stdout is not None
     banner: dict[str, str] = {}
@@ -63,6 +68,9 @@ async def start_up(*args: str) -> tuple[asyncio.subprocess.Process, dict[str, st
         match = re.match(r"\s+(\w[\w-]*)\s+(\S+)\s+pid (\d+)", line)
         if match:
             banner[f"pid {match.group(2)}"] = match.group(3)
+    secrets = re.search(r"\(password in (.+?): export ", banner.get("operator", ""))
+    if secrets:  # the banner masks the password and names the file that holds it: read that
+        banner["operator URL"] = Path(secrets.group(1)).read_text().strip().removeprefix("NATS_URL=")
     return proc, banner
 
 

@@ -7,7 +7,7 @@ the peer routers (SGLang router, vllm-router: ``round_robin``, ``power_of_two``,
 
 from __future__ import annotations
 
-from laswrr.scheduler.policies.base import WEIGHT_UNIT, Candidate, Policy
+from laswrr.scheduler.policies.base import WEIGHT_UNIT, Candidate, PickContext, Policy
 from laswrr.scheduler.policies.la_swrr import LaSwrr
 from laswrr.scheduler.policies.least_request import LeastRequest
 from laswrr.scheduler.policies.p2c import PowerOfTwo
@@ -38,4 +38,4 @@ def make_policy(name: str, seed: int = 0) -> Policy:
     return POLICIES[canonical_policy(name)](Rng(seed))
 
 
-__all__ = ["Candidate", "Policy", "POLICIES", "POLICY_ALIASES", "WEIGHT_UNIT", "canonical_policy", "make_policy"]
+__all__ = ["Candidate", "PickContext", "Policy", "POLICIES", "POLICY_ALIASES", "WEIGHT_UNIT", "canonical_policy", "make_policy"]

@@ -18,6 +18,14 @@ deepest matched key and the node name (rendezvous hashing), so replicas that hol
 entries rank them the same way. A prefix every eligible node holds (one system prompt for all)
 tells nothing and prefers nobody: the pick is then exactly LA-SWRR's.
 
+**Sparse records** (``grid``, 0: off; the channel between proxies, docs/design.md): another
+proxy tells this one only the keys at the *grid positions* of a prompt it routed (block p with
+p + 1 a power of two below ``grid``, or a multiple of ``grid``: ``grid_positions``), a few keys
+where the whole chain would be dozens. A key is the hash of the whole prefix up to its block, so
+a node holding the key at position p holds the whole prefix up to p: with ``grid`` set, ``match``
+also looks the request's own keys up at the grid positions and gives each node the deeper of its
+contiguous depth and its deepest grid hit. With ``grid`` 0 (one proxy) nothing of this runs.
+
 **The work measure** (``Affinity``, built by the proxy for a request whose size it knows).
 Tokens in flight count what makes a request wait for its first token: a node's *load* is its
 prefill backlog (the prompt tokens, less the prefix the index says it holds, of the requests
@@ -46,6 +54,7 @@ from __future__ import annotations
 
 import zlib
 from collections import OrderedDict
+from functools import lru_cache
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -64,6 +73,19 @@ def prefix_keys(text: bytes, block_chars: int = BLOCK_CHARS, max_blocks: int = M
         running = zlib.crc32(view[i * block_chars:(i + 1) * block_chars], running)
         keys.append(running)
     return keys
+
+
+@lru_cache(maxsize=1024)
+def grid_positions(count: int, grid: int) -> tuple[int, ...]:
+    """The block positions below ``count`` that sparse records carry (module doc): p with p + 1 a
+    power of two below ``grid``, or a multiple of ``grid``."""
+    positions: list[int] = []
+    step = 1
+    while step < grid and step <= count:
+        positions.append(step - 1)
+        step *= 2
+    positions += range(grid - 1, count, grid)
+    return tuple(positions)
 
 
 def rendezvous(key: int, node: str) -> int:
@@ -97,7 +119,7 @@ class Affinity:
 
 
 class PrefixIndex:
-    __slots__ = ("block_chars", "max_prompt_blocks", "blocks_per_node", "holders", "lru")
+    __slots__ = ("block_chars", "max_prompt_blocks", "blocks_per_node", "holders", "lru", "grid")
 
     def __init__(self, block_chars: int = BLOCK_CHARS, max_prompt_blocks: int = MAX_PROMPT_BLOCKS,
                  blocks_per_node: int = BLOCKS_PER_NODE) -> None:
@@ -108,6 +130,7 @@ class PrefixIndex:
         self.blocks_per_node = blocks_per_node
         self.holders: dict[int, set[str]] = {}  # key -> nodes that hold the prefix ending there
         self.lru: dict[str, OrderedDict[int, None]] = {}  # node -> its keys, least recently routed first
+        self.grid = 0  # > 0 once sparse records may be held: ``match`` also looks at the grid positions
 
     def keys(self, text: bytes) -> list[int]:
         return prefix_keys(text, self.block_chars, self.max_prompt_blocks)
@@ -152,6 +175,8 @@ class PrefixIndex:
         floor = 0
         while floor < len(levels) and len(levels[floor]) == len(everyone):
             floor += 1
+        if self.grid and self._grid_adds(keys, everyone, levels):
+            return self._match_sparse(keys, everyone, levels)
         ranked: list[str] = []
         depth: dict[str, int] = {}
         for level in range(len(levels), floor, -1):
@@ -164,6 +189,36 @@ class PrefixIndex:
             for n in fresh:
                 depth[n] = level
         return ranked, depth, floor
+
+    def _grid_adds(self, keys: Sequence[int], everyone: set[str], levels: list[set[str]]) -> bool:
+        """Some eligible node holds a grid key of the request deeper than its contiguous depth
+        (else the sparse match is the contiguous one, and cheaper)."""
+        holders, reached = self.holders, len(levels)
+        for p in grid_positions(len(keys), self.grid):
+            held = holders.get(keys[p])
+            if held and (held - levels[p] if p < reached else held) & everyone:
+                return True
+        return False
+
+    def _match_sparse(self, keys: Sequence[int], everyone: set[str],
+                      levels: list[set[str]]) -> tuple[list[str], dict[str, int], int]:
+        """``match`` with sparse records: each node's depth is the deeper of its contiguous one and
+        its deepest grid hit; the same ranking (deepest first, rendezvous on the deepest key held)."""
+        reach = dict.fromkeys(everyone, 0)
+        for level, alive in enumerate(levels, 1):
+            for node in alive:
+                reach[node] = level
+        holders = self.holders
+        for p in grid_positions(len(keys), self.grid):
+            held = holders.get(keys[p])
+            if held:
+                for node in held & everyone:
+                    if reach[node] <= p:
+                        reach[node] = p + 1
+        floor = min(reach.values())
+        ranked = sorted((n for n, d in reach.items() if d > floor),
+                        key=lambda n: (-reach[n], -rendezvous(keys[reach[n] - 1], n), n))
+        return ranked, {n: reach[n] for n in ranked}, floor
 
     def record(self, node: str, keys: Sequence[int]) -> None:
         """``node`` was sent a prompt with these keys: it holds them now (most recently)."""

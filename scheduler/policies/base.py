@@ -1,17 +1,29 @@
-"""The protocol every pick policy implements, and the unit of weight proxies pass in.
+"""The protocol every pick policy implements, the context of a pick, and the unit of weight.
 
 A policy is a small stateful object owned by one proxy: ``set_candidates`` takes the routable
-nodes of the newest snapshot (weights in milli-units, integers), ``pick`` chooses one node given
-the proxy's own live in-flight counts and the nodes already tried for this request. Randomness
-comes only from the ``Rng`` the caller seeded. A candidate of weight 0 is never picked.
+nodes of the newest snapshot (weights in milli-units, integers), ``pick(ctx)`` chooses one node.
+Every policy has that one call; the ``PickContext`` (Envoy's ``LoadBalancerContext``) carries
+everything a pick may look at, and a policy reads what it uses and ignores the rest:
+
+* ``inflight``: each node's in-flight count (the proxy's pool-wide estimate,
+  ``scheduler.routing.router``); every policy but round robin reads it;
+* ``exclude``: nodes the pick must not return (tried for this request, or over a limit);
+* ``affinity``: the request's work and prefix preference (``policies.affinity.Affinity``), or
+  None; only policies with ``uses_affinity`` read it, and the router builds it only for them.
+
+A new field (a request's priority) is a field here with a default: the policies that do not use
+it need no change. Prefill/decode roles are not a field: a P/D pool's route holds one policy per
+role (``scheduler.routing.router``). Randomness comes only from the ``Rng`` the caller
+seeded. A candidate of weight 0 is never picked.
 """
 
 from __future__ import annotations
 
 from collections.abc import Container, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
+from laswrr.scheduler.policies.affinity import Affinity
 from laswrr.scheduler.rng import Rng
 
 WEIGHT_UNIT = 1000  # snapshot weights have three decimals; policies work on integers
@@ -27,12 +39,22 @@ class Candidate:
         return cls(node, max(0, round(effective_weight * WEIGHT_UNIT)))
 
 
+@dataclass(frozen=True, slots=True)
+class PickContext:
+    """What one pick may look at (module docstring); a policy may ignore any of it."""
+
+    inflight: Mapping[str, int] = field(default_factory=dict)
+    exclude: Container[str] = ()
+    affinity: Affinity | None = None
+
+
 class Policy(Protocol):
     name: ClassVar[str]
+    uses_affinity: ClassVar[bool]  # reads ``PickContext.affinity`` (the router keeps a prefix index for it)
 
     def set_candidates(self, candidates: Sequence[Candidate]) -> None: ...
 
-    def pick(self, inflight: Mapping[str, int], exclude: Container[str] = ()) -> str | None: ...
+    def pick(self, ctx: PickContext) -> str | None: ...
 
 
 def eligible_names(candidates: Sequence[Candidate]) -> list[str]:
@@ -43,6 +65,8 @@ def eligible_names(candidates: Sequence[Candidate]) -> list[str]:
 class WeightBlind:
     """What the policies that ignore weights beyond eligibility share: the caller's Rng and the
     eligible node names of the newest snapshot, in candidate order."""
+
+    uses_affinity: ClassVar[bool] = False
 
     def __init__(self, rng: Rng) -> None:
         self.rng = rng

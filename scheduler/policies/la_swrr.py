@@ -3,7 +3,7 @@
 Each pick runs one nginx SWRR add step over the eligible nodes; the node with the highest
 accumulator is the leader L. The challenger C is the eligible node that would be lightest per
 unit of weight after taking the request (least ``(inflight + 1) / w``; ties: higher accumulator,
-then list order). In-flight counts are the proxy's pool-wide estimate (services/proxy/routing.py):
+then list order). In-flight counts are the proxy's pool-wide estimate (scheduler/routing/router.py):
 its own requests live, never stale, plus the other replicas' as of the snapshot; snapshot
 weights (and those other replicas' counts) may be a tick (100 ms) old. The referee:
 
@@ -23,8 +23,8 @@ leader was passed over, its credit above one full round (total) is forfeited to 
 a node that stays busy cannot hoard credit and burst when it frees up. A seed-dependent number
 of warm-up passes at the first snapshot desynchronises replicas (Envoy's createWithPicks).
 
-**Work** (optional: ``affinity``, an ``policies.affinity.Affinity``, given when the proxy knows the
-request's size and affinity is on). The referee then weighs work instead of requests: each node's
+**Work** (optional: the pick context's ``affinity``, a ``policies.affinity.Affinity``, given when
+the proxy knows the request's size and affinity is on; ``uses_affinity`` says LA-SWRR reads it). The referee then weighs work instead of requests: each node's
 load L (prefill backlog plus one mean prompt per request in flight) and the request's cost k on
 it (its uncached prompt there plus one mean prompt), both after taking the request:
 
@@ -44,17 +44,18 @@ affinity picks only: without them every accumulator moves exactly as above). Wit
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 from laswrr.scheduler.policies.affinity import Affinity, guard_allows
-from laswrr.scheduler.policies.base import Candidate
+from laswrr.scheduler.policies.base import Candidate, PickContext
 from laswrr.scheduler.rng import Rng
 from laswrr.scheduler.swrr import Swrr
 
 
 class LaSwrr:
     name: ClassVar[str] = "la-swrr"
+    uses_affinity: ClassVar[bool] = True
 
     def __init__(self, rng: Rng, warmup: bool = True) -> None:
         self.rng = rng
@@ -68,15 +69,15 @@ class LaSwrr:
             for _ in range(self.rng.below(max(1, len(candidates)))):
                 self.swrr.pick()
 
-    def pick(self, inflight: Mapping[str, int], exclude: Container[str] = (),
-             affinity: Affinity | None = None) -> str | None:
+    def pick(self, ctx: PickContext) -> str | None:
         swrr = self.swrr
-        lead, total, active = swrr.add_step(exclude)
+        lead, total, active = swrr.add_step(ctx.exclude)
         if lead < 0:
             return None
         nodes, cw = swrr.nodes, swrr.cw
+        affinity = ctx.affinity
         if affinity is None:
-            chosen = refereed = self._referee(inflight, lead, active)
+            chosen = refereed = self._referee(ctx.inflight, lead, active)
         else:
             chosen, refereed = self._weigh(affinity, lead, active)
         cw[chosen] -= total

@@ -6,17 +6,16 @@ ignored beyond eligibility (this is the popular routers' default, our baseline).
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
 from typing import ClassVar
 
-from laswrr.scheduler.policies.base import WeightBlind, without
+from laswrr.scheduler.policies.base import PickContext, WeightBlind, without
 
 
 class PowerOfTwo(WeightBlind):
     name: ClassVar[str] = "p2c"
 
-    def pick(self, inflight: Mapping[str, int], exclude: Container[str] = ()) -> str | None:
-        names = without(self.names, exclude)
+    def pick(self, ctx: PickContext) -> str | None:
+        names = without(self.names, ctx.exclude)
         if len(names) <= 1:
             return names[0] if names else None
         first = self.rng.below(len(names))
@@ -24,4 +23,5 @@ class PowerOfTwo(WeightBlind):
         if second >= first:
             second += 1
         a, b = names[first], names[second]
+        inflight = ctx.inflight
         return b if inflight.get(b, 0) < inflight.get(a, 0) else a

@@ -6,10 +6,9 @@ rr_index randomly for the same reason).
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
 from typing import ClassVar
 
-from laswrr.scheduler.policies.base import WeightBlind, without
+from laswrr.scheduler.policies.base import PickContext, WeightBlind, without
 from laswrr.scheduler.rng import Rng
 
 
@@ -20,8 +19,8 @@ class RoundRobin(WeightBlind):
         super().__init__(rng)
         self.index = rng.below(1 << 16)
 
-    def pick(self, inflight: Mapping[str, int], exclude: Container[str] = ()) -> str | None:
-        names = without(self.names, exclude)
+    def pick(self, ctx: PickContext) -> str | None:
+        names = without(self.names, ctx.exclude)
         if not names:
             return None
         self.index += 1

@@ -4,7 +4,8 @@ Theory of operation. A ``Board`` (board.py) holds what the page shows. Its sourc
 
 * **live** (``--nats-url``): ordered JetStream consumers, from ``--keep-s`` ago, on LB_OUT
   (``lb.out.>``: snapshots, phase changes, rejections) and on LB_EVENTS (``lb.admin.>``,
-  ``lb.req.finished.>``, ``lb.req.batch.>``, ``lb.metrics.npu.>``); every message goes through ``Board.apply`` and
+  ``lb.req.finished.>``, ``lb.req.batch.>`` (the proxies' request events, flow control's
+  ``lb.req.queued`` among them), ``lb.metrics.npu.>``); every message goes through ``Board.apply`` and
   what it returns is pushed to every connected page over Server-Sent Events
   (``GET /api/events``: ``snapshot`` and ``mark`` events, a ``requests`` event per pool each
   second, ``hello`` on connect so a page that reconnects refetches the history it missed). A
@@ -15,7 +16,8 @@ Theory of operation. A ``Board`` (board.py) holds what the page shows. Its sourc
   recorder holds is read through a consistent copy it makes, as ``laswrr report --db`` does).
 
 HTTP, all GET: ``/`` the page (static files inside this package: no CDN, no build step),
-``/api/state[?at=<ms>]`` the node table of every pool with its request statistics, as of now or
+``/api/ws`` the same live push over a WebSocket (what the page uses: it does not hold the page's
+load, so a headless screenshot returns), ``/api/state[?at=<ms>]`` the node table of every pool with its request statistics, as of now or
 of ``at`` (plus ``mode`` and the log's ``range_ms``), ``/api/history?at=<ms>&window=<s>`` the
 curves and marks before ``at``, ``/api/events`` the live push. Nothing here publishes to NATS.
 """
@@ -53,7 +55,7 @@ STATIC = Path(__file__).parent / "static"
 DEFAULT_PORT = 8090
 LISTEN_PREFIX = "dashboard listening on "
 CLIENT_QUEUE = 2000  # pushes waiting for one page before it is dropped
-LIVE_SUBJECTS = ((sj.OUT_STREAM, "lb.out.>"), (sj.EVENTS_STREAM, sj.ADMIN_ALL),
+LIVE_SUBJECTS = ((sj.OUT_STREAM, sj.OUT_ALL), (sj.EVENTS_STREAM, sj.ADMIN_ALL),
                  (sj.EVENTS_STREAM, f"{sj.REQ_FINISHED}.>"), (sj.EVENTS_STREAM, f"{sj.REQ_BATCH}.>"),
                  (sj.EVENTS_STREAM, f"{sj.METRICS_NPU}.>"))
 
@@ -177,6 +179,37 @@ async def api_events(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def api_ws(request: web.Request) -> web.StreamResponse:
+    """The same pushes as ``/api/events``, over a WebSocket: what the page uses. An open
+    EventSource counts as a network fetch still loading, so a headless capture
+    (``chromium --headless=new --virtual-time-budget=8000 --screenshot URL``) waited for it for
+    ever; a WebSocket does not hold the page's load, so the capture returns with the page drawn."""
+    dash = request.app[DASHBOARD]
+    if not dash.live:
+        return web.json_response({"error": "a recorded log has no live events"}, status=404)
+    ws = web.WebSocketResponse(heartbeat=15.0)
+    await ws.prepare(request)
+    queue: asyncio.Queue[tuple[str, str] | None] = asyncio.Queue(CLIENT_QUEUE)
+    dash.hub.clients.add(queue)
+    try:
+        await ws.send_str(_frame("hello", json.dumps({"started_ms": dash.started_ms})))
+        while not ws.closed:
+            item = await queue.get()
+            if item is None:
+                break
+            await ws.send_str(_frame(*item))
+    except (ConnectionResetError, asyncio.CancelledError):
+        pass
+    finally:
+        dash.hub.clients.discard(queue)
+        await ws.close()
+    return ws
+
+
+def _frame(event: str, data: str) -> str:
+    return f'{{"event":{json.dumps(event)},"data":{data}}}'
+
+
 def _sse(event: str, data: str) -> bytes:
     return f"event: {event}\ndata: {data}\n\n".encode()
 
@@ -188,6 +221,7 @@ def init_app(dash: Dashboard) -> web.Application:
     app.router.add_get("/api/state", api_state)
     app.router.add_get("/api/history", api_history)
     app.router.add_get("/api/events", api_events)
+    app.router.add_get("/api/ws", api_ws)
     app.router.add_static("/static/", STATIC, show_index=False)
     if dash.live:
         app.cleanup_ctx.append(_live_source)
@@ -234,7 +268,8 @@ async def follow_live(dash: Dashboard) -> None:
             for pool in dash.board.pools:
                 stats = dash.board.request_stats(pool, now)
                 bins = dash.board.rate_bins(pool, now - 2 * S, now)
-                dash.hub.publish("requests", {"pool": pool, "at_ms": now // MS, **stats, "rate": bins})
+                dash.hub.publish("requests", {"pool": pool, "at_ms": now // MS, **stats, "rate": bins,
+                                              "queue": dash.board.queue_depth(pool, now)})
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
@@ -246,15 +281,15 @@ async def _quiet(exc: Exception) -> None:
 
 RECORDED_SQL = f"""
 SELECT ts_ns, subject, {store.PAYLOAD_SQL} AS payload FROM events
-WHERE subject LIKE 'lb.out.%' OR subject LIKE 'lb.admin.%' OR subject LIKE 'lb.req.finished.%'
-   OR subject LIKE 'lb.req.batch.%' OR subject LIKE 'lb.metrics.npu.%'
+WHERE {" OR ".join(f"subject LIKE '{family}.%'" for family in (sj.OUT, sj.ADMIN, sj.REQ_FINISHED,
+                                                                  sj.REQ_BATCH, sj.METRICS_NPU))}
 ORDER BY ts_ns, stream, seq
 """
 
 
 def load_recorded(db: Path, nats_url: str, auth: NatsAuth | None = None) -> Board:
     """The board of a whole recorded log (StoreError when it cannot be read)."""
-    from laswrr.services.recorder import copy_from_recorder
+    from laswrr.services.recorder_copy import copy_from_recorder
 
     board = Board()
     with store.open_read(db, copy_from_recorder(nats_url, auth=auth)) as con:

@@ -9,16 +9,22 @@ per pool, in time order:
 * marks on the time axis: capacity changes and other admin actions (``lb.admin.*``), phase
   changes (``lb.out.phase.*``: drains, ejections, slow start, ...) and rejections
   (``lb.out.rejected``, in the pool of the node its subject names, else every pool);
-* request outcomes (``lb.req.finished.<node>``: outcome, TTFT, duration, alone or inside a
-  proxy's ``lb.req.batch.<proxy>``, at the batch's time; an event of a batch that does not
-  decode is counted as undecodable, its neighbours still count);
-* per node, npu-smi health (the worst chip of ``lb.metrics.npu.<node>``) whenever it changes.
+* request outcomes (``lb.req.finished.<node>``: outcome, TTFT, duration, the engine's status
+  class, alone or inside a proxy's ``lb.req.batch.<proxy>``, at the batch's time; an event of
+  a batch that does not decode is counted as undecodable, its neighbours still count), and the
+  proxies' own refusals (``lb.req.refused.<proxy>``: outcome ``refused``, "router 4xx"/"5xx");
+* per node, npu-smi health (the worst chip of ``lb.metrics.npu.<node>``) whenever it changes;
+* flow control's queue depth per band (``queued``): a request held (``lb.req.queued.<proxy>``)
+  counts in its pool and band from then until the event that ends it, ``lb.req.started`` (it was
+  dispatched) or ``lb.req.refused`` (expired, no node, client gone) with the same request id,
+  whichever proxy held it: the depth is the whole pool's, every proxy's queue summed.
 
 Queries take the moment ``at_ns`` (now, or the scrubber's position over a recorded log):
-``state(at)`` is the node table of every pool as of then, with the request statistics of the
-sliding window before it (rate, outcomes, TTFT and E2E P50/P99 over completed requests);
+``state(at)`` is the node table of every pool as of then, its queue depth per band (``queue``),
+with the request statistics of the sliding window before it (rate, outcomes, answers by who gave them and status class, TTFT and
+E2E P50/P99 over completed requests);
 ``history(at, window_s)`` the curves of the window before it (effective and target weight,
-in-flight and phase per node, request counts per second) and the marks. ``trim(before)`` drops
+in-flight and phase per node, request counts per second, queue depth per band) and the marks. ``trim(before)`` drops
 what a live board no longer shows. A message that does not decode is counted
 (``undecodable``) and skipped: the dashboard shows the log, it never judges it.
 """
@@ -35,23 +41,26 @@ import msgspec
 
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import SchemaError, decode_batch, decode_event
-from laswrr.schemas.events import CapacitySet, NodeRegistered, NpuSampled, RequestFinished
+from laswrr.schemas.events import (
+    CapacitySet, NodeRegistered, NpuSampled, RequestFinished, RequestQueued, RequestRefused, RequestStarted,
+)
 from laswrr.schemas.outputs import PhaseChanged, Rejected, WeightSnapshot
+from laswrr.schemas.words import NPU_SEVERITY, NpuHealth, Phase
 
 MS = 1_000_000
 S = 1_000_000_000
 ALL_POOLS = "*"
 REQUEST_WINDOW_S = 60.0  # the sliding window of the request statistics
+BANDS = ("interactive", "default", "batch")  # flow control's priority bands (scheduler.routing.flow)
 MAX_POINTS = 1500  # per node and query: denser curves are thinned (marks never are)
-SEVERITY = {"OK": 0, "Warning": 1, "Alarm": 2, "Critical": 3, "UNKNOWN": 4}
 
 _SNAPSHOT = msgspec.json.Decoder(WeightSnapshot)
 _PHASE = msgspec.json.Decoder(PhaseChanged)
 _REJECTED = msgspec.json.Decoder(Rejected)
 
 # A phase change's mark kind, by the phase entered.
-PHASE_MARKS = {"draining": "drain", "drained": "drain", "ejected": "ejected", "recovering": "slow start",
-               "active": "active", "removed": "removed"}
+PHASE_MARKS = {Phase.DRAINING: "drain", Phase.DRAINED: "drain", Phase.EJECTED: "ejected", Phase.RECOVERING: "slow start",
+               Phase.ACTIVE: "active", Phase.REMOVED: "removed"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +85,10 @@ class _Pool:
     snapshots: list[_Snapshot] = field(default_factory=list)
     snapshot_ts: list[int] = field(default_factory=list)
     marks: list[tuple[int, str, str, str]] = field(default_factory=list)  # ts_ns, node, kind, text
-    requests: list[tuple[int, str, float | None, float | None]] = field(default_factory=list)
+    # (ts_ns, outcome, ttft_ms, duration_ms, who answered and the status class: "engine 2xx", "router 4xx", ...)
+    requests: list[tuple[int, str, float | None, float | None, str]] = field(default_factory=list)
+    # flow control's held requests: per band, (ts_ns, depth) at each change, in time order
+    queued: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: {band: [] for band in BANDS})
 
 
 def _ts(entry: tuple[Any, ...]) -> int:
@@ -90,7 +102,8 @@ def row_of(view: Any) -> dict[str, Any]:
             "slots": view.capacity if load.slots is None else load.slots, "chip": view.chip,
             "target_weight": view.target_weight, "effective_weight": view.effective_weight,
             "inflight": view.inflight, "health": view.health, "load": load.load,
-            "sample_age_ms": load.sample_age_ms, "stale": load.stale, "phase_reason": view.phase_reason}
+            "sample_age_ms": load.sample_age_ms, "stale": load.stale, "phase_reason": view.phase_reason,
+            "free_slots": load.free_slots, "free_blocks": load.free_blocks}
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:
@@ -107,6 +120,7 @@ class Board:
         self.node_pool: dict[str, str] = {}
         self.npu: dict[str, list[tuple[int, str]]] = {}  # node -> (ts_ns, worst health) at each change
         self.undecodable = 0
+        self.held: dict[str, tuple[str, str, int]] = {}  # request id -> (pool, band, queued at) while held
         self.first_ns: int | None = None
         self.last_ns: int | None = None
 
@@ -122,7 +136,8 @@ class Board:
                 return self._phase(ts_ns, _PHASE.decode(data))
             if subject == sj.OUT_REJECTED:
                 return self._rejected(ts_ns, _REJECTED.decode(data))
-            if subject.startswith(("lb.admin.", sj.REQ_FINISHED + ".", sj.METRICS_NPU + ".")):
+            if subject.startswith((sj.ADMIN + ".", sj.REQ_FINISHED + ".", sj.REQ_REFUSED + ".", sj.METRICS_NPU + ".",
+                                   sj.REQ_QUEUED + ".", sj.REQ_STARTED + ".")):
                 return self._input(subject, ts_ns, data)
             if subject.startswith(sj.REQ_BATCH + "."):
                 return self._batch(subject, ts_ns, data)
@@ -165,29 +180,65 @@ class Board:
         _, node = sj.split(rejected.subject)
         return self._mark(ts_ns, node, "rejected", f"{rejected.subject} rejected: {rejected.reason}")
 
-    def _finished(self, ts_ns: int, event: RequestFinished) -> None:
-        pool = self._pool(event.pool)
-        entry = (ts_ns, event.outcome, event.ttft_ms, event.duration_ms)
+    def _finished(self, ts_ns: int, event: RequestFinished | RequestRefused) -> None:
+        if isinstance(event, RequestRefused):  # the proxy's own answer: no node, no attempt
+            pool = self._pool(event.pool or "default")
+            entry = (ts_ns, "refused", None, None, f"router {event.status // 100}xx")
+        else:
+            pool = self._pool(event.pool)
+            answer = "engine none" if event.status is None else f"engine {event.status // 100}xx"
+            entry = (ts_ns, event.outcome, event.ttft_ms, event.duration_ms, answer)
         if pool.requests and pool.requests[-1][0] > ts_ns:
             insort(pool.requests, entry, key=_ts)
         else:
             pool.requests.append(entry)
 
+    def _queue(self, ts_ns: int, event: RequestQueued | RequestStarted | RequestRefused) -> None:
+        """A request held, or the end of one held (dispatched or answered): the pool's depth."""
+        if isinstance(event, RequestQueued):
+            if event.request_id in self.held:
+                return
+            self.held[event.request_id] = (event.pool, event.band, ts_ns)
+            pool, band, step = event.pool, event.band, 1
+        else:
+            found = self.held.pop(event.request_id, None)
+            if found is None:
+                return
+            pool, band, step = found[0], found[1], -1
+        self._step(pool, band, ts_ns, step)
+
+    def _step(self, pool: str, band: str, ts_ns: int, step: int) -> None:
+        changes = self._pool(pool).queued[band]
+        at = bisect_right(changes, (ts_ns, math.inf)) if changes and changes[-1][0] > ts_ns else len(changes)
+        before = changes[at - 1][1] if at else 0
+        changes.insert(at, (ts_ns, max(0, before + step)))
+        for i in range(at + 1, len(changes)):  # an event folded out of time order: the later depths move too
+            changes[i] = (changes[i][0], max(0, changes[i][1] + step))
+
+    def _request(self, ts_ns: int, event: Any) -> None:
+        if isinstance(event, (RequestQueued, RequestStarted)):
+            self._queue(ts_ns, event)
+            return
+        if isinstance(event, RequestRefused):
+            self._queue(ts_ns, event)
+        self._finished(ts_ns, event)
+
     def _batch(self, subject: str, ts_ns: int, data: bytes) -> list[Push]:
         for item in decode_batch(subject, data)[1]:
             if item.error is not None:
                 self.undecodable += 1
-            elif isinstance(item.event, RequestFinished):
-                self._finished(ts_ns, item.event)
+            elif isinstance(item.event, (RequestFinished, RequestRefused, RequestQueued, RequestStarted)):
+                self._request(ts_ns, item.event)
         return []
 
     def _input(self, subject: str, ts_ns: int, data: bytes) -> list[Push]:
         node, event = decode_event(subject, data)
-        if isinstance(event, RequestFinished):
-            self._finished(ts_ns, event)
+        if isinstance(event, (RequestFinished, RequestRefused, RequestQueued, RequestStarted)):
+            self._request(ts_ns, event)
             return []
         if isinstance(event, NpuSampled):
-            worst = max((c.health or "UNKNOWN" for c in event.chips), key=lambda h: SEVERITY.get(h, 4), default="UNKNOWN")
+            worst = max((NpuHealth.of(c.health) for c in event.chips), key=NPU_SEVERITY.__getitem__,
+                        default=NpuHealth.UNKNOWN)
             changes = self.npu.setdefault(node or "", [])
             if not changes or changes[-1][1] != worst:
                 changes.append((ts_ns, worst))
@@ -215,22 +266,50 @@ class Board:
         requests = self.pools[pool].requests if pool in self.pools else []
         window = requests[bisect_left(requests, at_ns - int(window_s * S), key=_ts):
                           bisect_right(requests, at_ns, key=_ts)]
-        outcomes = Counter(outcome for _, outcome, _, _ in window)
-        ttft = sorted(t for _, o, t, _ in window if o == "completed" and t is not None)
-        e2e = sorted(d for _, o, _, d in window if o == "completed" and d is not None)
+        outcomes = Counter(entry[1] for entry in window)
+        answers = Counter(entry[4] for entry in window)
+        ttft = sorted(t for _, o, t, _, _ in window if o == "completed" and t is not None)
+        e2e = sorted(d for _, o, _, d, _ in window if o == "completed" and d is not None)
         return {"window_s": window_s, "count": len(window), "rate_per_s": round(len(window) / window_s, 3),
-                "outcomes": dict(sorted(outcomes.items())),
+                "outcomes": dict(sorted(outcomes.items())), "answers": dict(sorted(answers.items())),
                 "ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
                 "e2e_ms": {"p50": percentile(e2e, 50), "p99": percentile(e2e, 99)}}
 
+    def queue_depth(self, pool: str, at_ns: int) -> dict[str, int]:
+        """Flow control's held requests of ``pool`` per band as of ``at_ns`` (every proxy's)."""
+        found = self.pools.get(pool)
+        depth = {}
+        for band in BANDS:
+            changes = found.queued[band] if found is not None else []
+            i = bisect_right(changes, (at_ns, math.inf))
+            depth[band] = changes[i - 1][1] if i else 0
+        return depth
+
     def state(self, at_ns: int) -> dict[str, Any]:
-        """The node table of every pool as of ``at_ns`` and its request statistics."""
+        """The node table of every pool as of ``at_ns``, its queue depth per band and its request statistics."""
         pools = {}
         for name, pool in sorted(self.pools.items()):
             i = bisect_right(pool.snapshot_ts, at_ns)
             snap = self._snapshot_json(pool.snapshots[i - 1]) if i else {"ts_ms": None, "nodes": []}
-            pools[name] = {**snap, "requests": self.request_stats(name, at_ns)}
+            pools[name] = {**snap, "queue": self.queue_depth(name, at_ns), "requests": self.request_stats(name, at_ns)}
         return {"at_ms": at_ns // MS, "pools": pools}
+
+    def queue_series(self, pool: str, start_ns: int, end_ns: int) -> dict[str, list[list[int]]]:
+        """Per band, ``[ts_ms, depth]`` at each change in the range, from the depth at its start
+        (a point at ``start``), thinned to ``MAX_POINTS`` (each kept point is a real change)."""
+        found = self.pools.get(pool)
+        series: dict[str, list[list[int]]] = {}
+        for band in BANDS:
+            changes = found.queued[band] if found is not None else []
+            lo, hi = bisect_right(changes, (start_ns, math.inf)), bisect_right(changes, (end_ns, math.inf))
+            points = [[start_ns // MS, changes[lo - 1][1] if lo else 0]]
+            window = changes[lo:hi]
+            step = max(1, math.ceil(len(window) / MAX_POINTS))
+            points += [[ts // MS, depth] for ts, depth in window[::step]]
+            if window and (len(window) - 1) % step:
+                points.append([window[-1][0] // MS, window[-1][1]])
+            series[band] = points
+        return series
 
     def history(self, at_ns: int, window_s: float) -> dict[str, Any]:
         """Curves and marks of the ``window_s`` before ``at_ns``, per pool."""
@@ -249,7 +328,8 @@ class Board:
                         [snap.ts_ns // MS, row["effective_weight"], row["target_weight"], row["inflight"], row["phase"]])
             marks = [[ts // MS, node, kind, text] for ts, node, kind, text in
                      pool.marks[bisect_left(pool.marks, (start,)):bisect_right(pool.marks, (at_ns, "\uffff"))]]
-            pools[name] = {"series": series, "marks": marks, "rate": self.rate_bins(name, start, at_ns)}
+            pools[name] = {"series": series, "marks": marks, "rate": self.rate_bins(name, start, at_ns),
+                           "queue": self.queue_series(name, start, at_ns)}
         return {"at_ms": at_ns // MS, "window_s": window_s, "pools": pools}
 
     def rate_bins(self, pool: str, start_ns: int, end_ns: int, bin_s: int = 1) -> list[list[int]]:
@@ -257,7 +337,7 @@ class Board:
         requests = self.pools[pool].requests if pool in self.pools else []
         width = bin_s * S
         bins: dict[int, list[int]] = {}
-        for ts, outcome, _, _ in requests[bisect_left(requests, start_ns, key=_ts):
+        for ts, outcome, _, _, _ in requests[bisect_left(requests, start_ns, key=_ts):
                                           bisect_right(requests, end_ns, key=_ts)]:
             counts = bins.setdefault(ts // width, [0, 0])
             counts[0 if outcome == "completed" else 1] += 1
@@ -271,5 +351,11 @@ class Board:
             del pool.snapshots[:cut], pool.snapshot_ts[:cut]
             del pool.marks[:bisect_left(pool.marks, (before_ns,))]
             del pool.requests[:bisect_left(pool.requests, before_ns, key=_ts)]
+            for changes in pool.queued.values():
+                del changes[:max(0, bisect_left(changes, (before_ns,)) - 1)]  # the depth at the cut stays
         for changes in self.npu.values():
             del changes[:max(0, bisect_left(changes, (before_ns,)) - 1)]
+        # a request held since before the kept past whose end never came (its proxy died): forgotten
+        for request_id in [r for r, (_, _, at) in self.held.items() if at < before_ns]:
+            pool_name, band, _ = self.held.pop(request_id)
+            self._step(pool_name, band, before_ns, -1)

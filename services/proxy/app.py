@@ -33,19 +33,26 @@ flight (429 ``rate_limit_exceeded``); the key's name goes on ``lb.req.started`` 
 ``/metrics``. ``--admin-port`` moves ``/metrics`` and the probes to a second listener (they
 stay unauthenticated wherever they are: a load balancer probes them).
 
-Model -> pool: a pool with that exact name; else the pool whose engines list that model id on
-their ``/v1/models``; else the pool ``default`` if it exists; else 404. A request that names a
-pool (``"model": "default"``) is forwarded with the model id that pool's engines serve, so the
-pool name works as an alias with engines that only know their own model id.
+Model -> pool and nodes (``scheduler.routing.models``, from each node's ``NodeView.models``): a
+pool with that exact name, forwarded as the id of the node each attempt goes to; else the pool
+whose nodes list that model id, and only those nodes; else the pool ``default``, forwarded as
+the picked node's id when its nodes serve one model id, the router's own 404 when they serve
+several. The router never sends a node a model id it did not list.
+
+Refusals. Every answer the proxy gives itself (401, 400, 408, 413, 404, 429, 503) is also an
+``lb.req.refused.<proxy>`` event (``_refuse``: cause, status, the client's model and key name)
+and counted in ``/metrics`` by cause and status class.
 
 Server. aiohttp's low-level server (``web.Server``) with one handler, ``Dispatch``: a dict from
 (method, path) to the handler, which is what the application router did here (exact paths,
 HEAD with every GET, a catch-all for the rest) without resolving a route, building match info
 or running the application's machinery per request; the request is aiohttp's ``BaseRequest``
-(its C parser, ``client_max_size`` = ``max_body_bytes``).
+(its C parser, ``client_max_size`` = ``max_body_bytes``), made by
+``engine_client.request_factory``: constructing ``BaseRequest`` is one of aiohttp's private
+parts, which all live in services/proxy/engine_client.py.
 
-Lifecycle. ``build_state`` makes the proxy's state; ``_resources`` owns the engine connections
-(``engine_client.EnginePool``), the client session of ``/v1/models``, the NATS link (background
+Lifecycle. ``build_state`` makes the proxy's state; ``_resources`` owns the engine transport
+(``engine_client.EnginePool``: forwarded requests and the ``/v1/models`` listings), the NATS link (background
 connect + LB_WEIGHTS watch), the event publisher and the heartbeat.
 ``start`` / ``RunningProxy.stop`` run them: stop closes the listening socket first, lets
 in-flight requests finish within ``grace_s`` (requests still running then are cancelled:
@@ -64,32 +71,45 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from laswrr.services.natsbus import StreamLimits, Throttled
 from laswrr.services.proxy.bus import BusLink
 from laswrr.services.proxy.config import ProxyConfig
-from laswrr.services.proxy.engine_client import EnginePool
+from laswrr.services.proxy.engine_client import EnginePool, HttpProcessingError, request_factory
 from laswrr.services.proxy.events import EventPublisher
-from laswrr.services.proxy.keys import ApiKeys, UpstreamAuth
+from laswrr.services.proxy.keys import NO_LIMITS, ApiKeys, UpstreamAuth
 from laswrr.services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from laswrr.services.proxy.models import ModelCatalog
-from laswrr.services.proxy.prompt import prompt_text, request_size
-from laswrr.services.proxy.routing import Router
+from laswrr.scheduler.routing.flow import BANDS, NO_TENANT, FlowConfig, FlowError, Refused, band_of, ttl_s, work_of
+from laswrr.scheduler.routing.prompt import RequestSize, prompt_text, request_size
+from laswrr.services.proxy.flow import FlowAnswer, FlowCollector, FlowGate
+from laswrr.scheduler.routing.models import ModelPlan, Unknown, mixed_models, plan, pool_ids
+from laswrr.scheduler.routing.router import Refusal, Router
+from laswrr.schemas.outputs import WeightSnapshot
+from laswrr.schemas.words import RefusalCause
 from laswrr.services.proxy.tasks import stop_task
-from laswrr.services.proxy.upstream import Exchange, Forwarder, error_response, forward_headers
+from laswrr.services.proxy.upstream import (
+    REQUEST_ID_HEADER,
+    Exchange,
+    Forwarder,
+    error_body,
+    error_response,
+    forward_headers,
+)
 
 log = logging.getLogger("laswrr.proxy")
 
 EVENT_FLUSH_TIMEOUT_S = 5.0
+PRIORITY_HEADER = "x-laswrr-priority"  # interactive | default | batch (scheduler.routing.flow.band_of)
+TTL_HEADER = "x-laswrr-ttl-ms"  # how long flow control may hold the request
+MODEL_CHARS = 256  # of a request's "model", kept on its lb.req.refused event
 
 
 class RequestPeek(msgspec.Struct):
     """The only fields the proxy reads from a request body; the body itself is forwarded as is.
-    ``messages``/``prompt`` and the output limits feed prefix affinity (``proxy.prompt``)."""
+    ``messages``/``prompt`` and the output limits feed prefix affinity (``scheduler.routing.prompt``)."""
 
     model: str | None = None
     messages: Any = None
@@ -99,7 +119,6 @@ class RequestPeek(msgspec.Struct):
 
 
 _PEEK = msgspec.json.Decoder(RequestPeek)
-_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])  # a body's top level, values kept as their bytes
 
 OPENAI_POST_ROUTES: tuple[str, ...] = (
     "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/rerank", "/v1/score",
@@ -118,12 +137,14 @@ class ProxyState:
     upstream_auth: UpstreamAuth = field(default_factory=UpstreamAuth)
     forwarder: Forwarder | None = None
     catalog: ModelCatalog | None = None
+    flow: FlowGate | None = None  # --flow-control
     stopping: bool = False
     aborting: bool = False
     active: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     handlers: set[asyncio.Task[object]] = field(default_factory=set)
     ids: count[int] = field(default_factory=lambda: count(1))
+    models_seen: dict[str, tuple[WeightSnapshot, Any]] = field(default_factory=dict)  # pool -> (snapshot, mixed ids)
 
     def next_request_id(self) -> str:
         return f"{self.config.proxy_id}-{self.events.boot_id}-{next(self.ids)}"
@@ -138,10 +159,9 @@ async def forward_by_model(request: web.BaseRequest, state: ProxyState) -> web.S
     """Every OpenAI POST route: the body's ``model`` picks the pool; then admission and forwarding."""
     arrived = time.perf_counter()
     if state.stopping:
-        state.metrics.rejected.labels(reason="stopping").inc()
         state.metrics.count_response(503)
-        return error_response(503, "proxy is shutting down", "service_unavailable", "shutting_down",
-                              headers={"Retry-After": "1", "Connection": "close"})
+        return _refuse(state, 503, RefusalCause.STOPPING, "proxy is shutting down", "service_unavailable",
+                       "shutting_down", headers={"Retry-After": "1", "Connection": "close"})
     key_name = None
     if state.keys is not None:
         key_name = state.keys.identify(request.headers.get("Authorization"))
@@ -166,67 +186,170 @@ async def forward_by_model(request: web.BaseRequest, state: ProxyState) -> web.S
             state.keys.release(key_name)
 
 
+def _refuse(state: ProxyState, status: int, cause: RefusalCause, message: str, err_type: str, code: str,
+            headers: dict[str, str] | None = None, pool: str | None = None, model: str | None = None,
+            key_name: str | None = None, param: str | None = None, request_id: str | None = None) -> web.Response:
+    """The proxy answers a request itself (``status``, an OpenAI-style error): counted in
+    ``/metrics`` by cause and status class, and recorded as ``lb.req.refused.<proxy>`` with a
+    request id of its own (or ``request_id``: a held request's, named by its ``lb.req.queued``),
+    which the answer names in ``x-laswrr-request-id``."""
+    request_id = request_id or state.next_request_id()
+    state.metrics.count_refusal(cause, status)
+    state.events.refused(request_id, status, cause, message, pool=pool, model=model, key_name=key_name)
+    body = error_body(message, err_type, code)
+    body["error"]["param"] = param
+    return web.json_response(body, status=status, headers={**(headers or {}), REQUEST_ID_HEADER: request_id})
+
+
 def _refuse_key(state: ProxyState, keys: ApiKeys, key_name: str | None) -> web.Response | None:
     """None when the request may go on (its key now counted in flight); else the 401 or 429 to answer."""
     if key_name is None:
-        state.metrics.rejected.labels(reason="invalid_api_key").inc()
         state.metrics.count_response(401)
-        return error_response(401, "Incorrect or missing API key: send Authorization: Bearer <key>",
-                              "invalid_request_error", "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return _refuse(state, 401, RefusalCause.INVALID_API_KEY,
+                       "Incorrect or missing API key: send Authorization: Bearer <key>", "invalid_request_error",
+                       "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     if not keys.acquire(key_name):
-        state.metrics.rejected.labels(reason="key_max_inflight").inc()
         state.metrics.count_response(429)
-        return error_response(429, f"Rate limit reached: {keys.max_inflight} requests in flight for this key",
-                              "requests", "rate_limit_exceeded", headers={"Retry-After": "1"})
+        return _refuse(state, 429, RefusalCause.KEY_MAX_INFLIGHT,
+                       f"Rate limit reached: {keys.max_inflight} requests in flight for this key", "requests",
+                       "rate_limit_exceeded", headers={"Retry-After": "1"}, key_name=key_name)
     return None
 
 
 async def _forward(request: web.BaseRequest, state: ProxyState, arrived: float,
                    key_name: str | None = None) -> web.StreamResponse:
-    body_or_error = await _read_body(request, state)
+    body_or_error = await _read_body(request, state, key_name)
     if isinstance(body_or_error, web.Response):
         return body_or_error
     body = body_or_error
     try:
         peek = _PEEK.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        state.metrics.rejected.labels(reason="bad_json").inc()
-        return error_response(400, f"invalid JSON body: {exc}", "invalid_request_error", "invalid_json")
+        return _refuse(state, 400, RefusalCause.BAD_JSON, f"invalid JSON body: {exc}", "invalid_request_error",
+                       "invalid_json", key_name=key_name)
     router = state.router
+    model = None if peek.model is None else peek.model[:MODEL_CHARS]
     if not router.pools:  # cold start with NATS not (yet) reachable: nothing to route on
-        state.metrics.rejected.labels(reason="no_snapshot").inc()
-        return error_response(503, "no routing snapshot yet (is the scheduler running?)", "service_unavailable",
-                              "no_snapshot", headers={"Retry-After": "1"})
-    hint = None
-    if peek.model is not None and peek.model not in router.pools and state.catalog is not None:
-        hint = await state.catalog.pool_hint()
-    pool = router.resolve_pool(peek.model, hint)
-    if pool is None:
-        state.metrics.rejected.labels(reason="unknown_model").inc()
-        return _unknown_model(peek.model, router)
-    if peek.model == pool and state.catalog is not None:  # the pool's name as an alias of its model
-        served = await state.catalog.served_model(pool)
-        if served is not None and served != pool:
-            body = with_model(body, served)
+        return _refuse(state, 503, RefusalCause.NO_SNAPSHOT, "no routing snapshot yet (is the scheduler running?)",
+                       "service_unavailable", "no_snapshot", headers={"Retry-After": "1"}, model=model,
+                       key_name=key_name)
+    decision = await _plan(state, peek.model)
+    if isinstance(decision, Unknown):
+        return _refuse(state, 404, RefusalCause.UNKNOWN_MODEL, _unknown_model(decision, router),
+                       "invalid_request_error", "model_not_found", pool=decision.pool, model=model,
+                       key_name=key_name, param="model")
+    pool = decision.pool
     text = prompt_text(peek.messages, peek.prompt)
-    admission = router.admit(pool, prompt=text, size=request_size(text, peek.max_tokens, peek.max_completion_tokens))
+    size = request_size(text, peek.max_tokens, peek.max_completion_tokens)
+    gate = state.flow
+    if gate is not None:
+        return await _flow_forward(request, state, gate, arrived, key_name, pool, body, text, size, decision, model)
+    admission = router.admit(pool, decision.exclude, prompt=text, size=size)
     if admission is None:
-        state.metrics.rejected.labels(reason="no_routable_node").inc()
-        return error_response(503, f"no routable node in pool {pool!r}", "service_unavailable", "no_routable_node",
-                              headers={"Retry-After": "1"})
+        saturated = router.refusal(pool, decision.exclude) is Refusal.SATURATED
+        serving = f" serving `{peek.model}`" if decision.exclude else ""
+        why = f"every routable node{serving} is at its in-flight cap" if saturated else f"no routable node{serving}"
+        return _refuse(state, 503, RefusalCause.NO_ROUTABLE_NODE, f"{why} in pool {pool!r}", "service_unavailable",
+                       "no_routable_node", headers={"Retry-After": "1"}, pool=pool, model=model, key_name=key_name)
     request_id = state.next_request_id()
     headers = forward_headers(request.headers, request_id)
     state.upstream_auth.apply(headers)
     exchange = Exchange(request_id=request_id, pool=pool, path_qs=request.path_qs, method=request.method, body=body,
-                        headers=headers, arrived=arrived, key_name=key_name)
+                        headers=headers, arrived=arrived, key_name=key_name, exclude=decision.exclude,
+                        alias=peek.model if decision.alias else None)
     assert state.forwarder is not None
     return await state.forwarder.forward(request, exchange, admission)
 
 
-async def _read_body(request: web.BaseRequest, state: ProxyState) -> bytes | web.Response:
+async def _flow_forward(request: web.BaseRequest, state: ProxyState, gate: FlowGate, arrived: float,
+                        key_name: str | None, pool: str, body: bytes, text: bytes,
+                        size: RequestSize, decision: ModelPlan, model: str | None) -> web.StreamResponse:
+    """With flow control (services/proxy/flow.py): the request's band, TTL and work, the key's rate
+    limits, then admission now or after being held (only on nodes serving its model: ``decision``);
+    the slot goes to the next held request when done. Its refusals are ``lb.req.refused`` too."""
+    limits = state.keys.limits_of(key_name) if state.keys is not None else NO_LIMITS
+    try:
+        band = band_of(request.headers.get(PRIORITY_HEADER), limits.max_band)
+        ttl = ttl_s(request.headers.get(TTL_HEADER), gate.ttl_default_s, gate.ttl_max_s)
+    except FlowError as exc:
+        return _refuse(state, 400, RefusalCause.BAD_FLOW_HEADER, str(exc), "invalid_request_error", "invalid_header",
+                       pool=pool, model=model, key_name=key_name)
+    work = work_of(size.prompt_tokens, size.max_tokens, gate.queue.config.default_max_tokens)
+    request_id = state.next_request_id()  # one id from lb.req.queued to lb.req.started or lb.req.refused
+    held: list[str] = []
+
+    def on_hold(cause: str) -> None:
+        held.append(cause)
+        state.events.queued(request_id, pool, BANDS[band], key_name, work, round(ttl * 1000), cause)
+
+    result = gate.charge(key_name, limits, work)
+    if result is None:
+        try:
+            result = await gate.admit(pool, band, key_name or NO_TENANT, work, ttl, text, size, decision.exclude,
+                                      on_hold)
+        except asyncio.CancelledError:
+            if held:  # the client left while its request was held: recorded, nobody to answer
+                state.metrics.count_refusal(RefusalCause.CLIENT_DISCONNECTED, 499)
+                state.events.refused(request_id, 499, RefusalCause.CLIENT_DISCONNECTED,
+                                     "the client closed its connection while the request was held", pool=pool,
+                                     model=model, key_name=key_name)
+            raise
+    if isinstance(result, FlowAnswer):
+        err_type = "service_unavailable" if result.status == 503 else \
+            "tokens" if result.code is Refused.RATE_TPM else "requests"
+        return _refuse(state, result.status, RefusalCause(result.code.value), result.message, err_type,
+                       result.code.value, headers=dict(result.headers), pool=pool, model=model,
+                       key_name=key_name, request_id=request_id)
+    headers = forward_headers(request.headers, request_id)
+    state.upstream_auth.apply(headers)
+    exchange = Exchange(request_id=request_id, pool=pool, path_qs=request.path_qs, method=request.method, body=body,
+                        headers=headers, arrived=arrived, key_name=key_name, exclude=decision.exclude,
+                        alias=model if decision.alias else None)
+    assert state.forwarder is not None
+    try:
+        return await state.forwarder.forward(request, exchange, result)
+    finally:
+        gate.released(pool)
+        gate.settle(key_name, limits, work, exchange.used_tokens)
+
+
+async def _plan(state: ProxyState, model: str | None) -> ModelPlan | Unknown:
+    """The request's pool, eligible nodes and model rewriting (``scheduler.routing.models``), from
+    the snapshots' model lists; the proxy's ``/v1/models`` cache is asked only for a name no
+    snapshot lists (nodes the collector has not listed)."""
+    snapshots = {pool: route.snapshot for pool, route in state.router.pools.items()}
+    hint = None
+    if (model is not None and model not in snapshots and state.catalog is not None
+            and not any(model in pool_ids(snapshot.nodes) for snapshot in snapshots.values())):
+        hint = await state.catalog.pool_hint()
+    decision = plan(snapshots, model, hint)
+    _warn_mixed(state, snapshots)
+    return decision
+
+
+def _warn_mixed(state: ProxyState, snapshots: dict[str, WeightSnapshot]) -> None:
+    """Log once per change when a pool's nodes list different model ids (``laswrr nodes`` shows
+    it too); each snapshot is looked at once."""
+    for pool, snapshot in snapshots.items():
+        seen = state.models_seen.get(pool)
+        if seen is not None and seen[0] is snapshot:
+            continue
+        mixed = mixed_models(snapshot)
+        key = tuple(sorted((node, tuple(ids)) for node, ids in (mixed or {}).items()))
+        changed = seen is None or seen[1] != key
+        state.models_seen[pool] = (snapshot, key)
+        if changed:
+            if mixed:
+                log.warning("pool %s mixes model ids: %s; a pool name goes to every node as its own id, a model id "
+                            "only to the nodes listing it", pool,
+                            "; ".join(f"{node}: {', '.join(ids)}" for node, ids in sorted(mixed.items())))
+
+
+async def _read_body(request: web.BaseRequest, state: ProxyState,
+                     key_name: str | None = None) -> bytes | web.Response:
     limit = state.config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
-        return _too_large(state, limit)
+        return _too_large(state, limit, key_name)
     try:
         if request.content.is_eof():  # the usual case: the whole body came with the head, nothing to wait for
             body = await request.read()
@@ -234,18 +357,17 @@ async def _read_body(request: web.BaseRequest, state: ProxyState) -> bytes | web
             async with asyncio.timeout(state.config.body_timeout_s):  # no task per request, unlike wait_for
                 body = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        return _too_large(state, limit)
+        return _too_large(state, limit, key_name)
     except asyncio.TimeoutError:
-        state.metrics.rejected.labels(reason="body_timeout").inc()
-        return error_response(408, f"request body not received within {state.config.body_timeout_s:g} s",
-                              "invalid_request_error", "request_timeout", headers={"Connection": "close"})
+        return _refuse(state, 408, RefusalCause.BODY_TIMEOUT,
+                       f"request body not received within {state.config.body_timeout_s:g} s", "invalid_request_error",
+                       "request_timeout", headers={"Connection": "close"}, key_name=key_name)
     if not body.isascii():  # JSON is UTF-8 (RFC 8259): a field the peek skips must be too
         try:
             body.decode("utf-8")
         except UnicodeDecodeError as exc:
-            state.metrics.rejected.labels(reason="bad_json").inc()
-            return error_response(400, f"invalid JSON body: not UTF-8 at byte {exc.start}", "invalid_request_error",
-                                  "invalid_json")
+            return _refuse(state, 400, RefusalCause.BAD_JSON, f"invalid JSON body: not UTF-8 at byte {exc.start}",
+                           "invalid_request_error", "invalid_json", key_name=key_name)
     return body
 
 
@@ -268,25 +390,19 @@ class quiet_parser_errors(logging.Filter):
 _QUIET = quiet_parser_errors()
 
 
-def with_model(body: bytes, model: str) -> bytes:
-    """``body`` with its top-level ``model`` set to ``model``; every other value byte for byte."""
-    fields = _FIELDS.decode(body)
-    fields["model"] = msgspec.Raw(msgspec.json.encode(model))
-    return msgspec.json.encode(fields)
+def _too_large(state: ProxyState, limit: int, key_name: str | None) -> web.Response:
+    return _refuse(state, 413, RefusalCause.BODY_TOO_LARGE, f"request body exceeds the {limit}-byte limit",
+                   "invalid_request_error", "request_too_large", headers={"Connection": "close"}, key_name=key_name)
 
 
-def _too_large(state: ProxyState, limit: int) -> web.Response:
-    state.metrics.rejected.labels(reason="body_too_large").inc()
-    return error_response(413, f"request body exceeds the {limit}-byte limit", "invalid_request_error",
-                          "request_too_large", headers={"Connection": "close"})
-
-
-def _unknown_model(model: str | None, router: Router) -> web.Response:
+def _unknown_model(unknown: Unknown, router: Router) -> str:
     pools = ", ".join(sorted(router.pools)) or "none yet"
-    message = f"The model `{model}` does not exist (pools: {pools})" if model else \
-        f"no model given and no pool 'default' (pools: {pools})"
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "param": "model",
-                                        "code": "model_not_found"}}, status=404)
+    if unknown.model is None:
+        return f"no model given and no pool 'default' (pools: {pools})"
+    if unknown.ids:
+        return (f"The model `{unknown.model}` does not exist: no node of pool {unknown.pool!r} serves it "
+                f"(its nodes serve: {', '.join(unknown.ids)}; pools: {pools})")
+    return f"The model `{unknown.model}` does not exist (pools: {pools})"
 
 
 async def list_models(request: web.BaseRequest, state: ProxyState) -> web.Response:
@@ -369,13 +485,12 @@ async def _heartbeats(state: ProxyState) -> None:
 @contextlib.asynccontextmanager
 async def _resources(state: ProxyState) -> AsyncIterator[None]:
     config = state.config
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
-    session = aiohttp.ClientSession(connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
     engines = EnginePool(config.connect_timeout_s, config.upstream_timeout_s, keepalive_s=30.0)
+    state.catalog = ModelCatalog(engines, state.router, ttl_s=config.models_ttl_s, auth=state.upstream_auth)
     state.forwarder = Forwarder(engines, state.router, state.events, state.metrics, config.max_retries,
                                 aborting=lambda: state.aborting, continue_limit=config.continue_limit,
-                                stall_timeout_s=config.stall_timeout_s)
-    state.catalog = ModelCatalog(session, state.router, ttl_s=config.models_ttl_s)
+                                stall_timeout_s=config.stall_timeout_s, catalog=state.catalog,
+                                decode_only_tokens=config.pd_decode_only_tokens)
     publisher = asyncio.create_task(state.events.run(), name="proxy-events")
     heartbeat = asyncio.create_task(_heartbeats(state), name="proxy-heartbeat")
     state.bus.start()
@@ -383,6 +498,8 @@ async def _resources(state: ProxyState) -> AsyncIterator[None]:
         yield
     finally:
         await stop_task(heartbeat)
+        if state.flow is not None:
+            await state.flow.close()
         state.events.stopped()
         if not await state.events.flush(EVENT_FLUSH_TIMEOUT_S):
             log.warning("%d event(s) not published at shutdown (NATS unreachable?)", state.events.buffered)
@@ -390,20 +507,29 @@ async def _resources(state: ProxyState) -> AsyncIterator[None]:
         await state.catalog.close()
         await state.bus.close()  # stops the watch, then drains NATS
         await engines.close()
-        await session.close()
 
 
 def build_state(config: ProxyConfig) -> ProxyState:
     config.validate()
     router = Router(config.policy, config.seed, config.inflight_cap_per_capacity, config.affinity,
-                    config.affinity_blocks, proxy_id=config.proxy_id)
+                    config.affinity_blocks, proxy_id=config.proxy_id, flow_limits=config.flow_control,
+                    share=config.peer_interval_ms > 0, peer_stale_s=config.peer_stale_ms / 1000)
     events = EventPublisher(config.proxy_id, capacity=config.event_buffer, batch_max=config.event_batch_max,
                             flush_s=config.event_flush_ms / 1000)
     keys = ApiKeys.load(config.api_keys_file, config.key_max_inflight) if config.api_keys_file else None
     state = ProxyState(config=config, router=router, events=events, metrics=ProxyMetrics(config.proxy_id, keys),
                        bus=BusLink(config.nats_url, f"laswrr-proxy-{config.proxy_id}", router, events,
-                                   auth=config.nats_auth, limits=StreamLimits(replicas=config.stream_replicas)),
+                                   auth=config.nats_auth, limits=StreamLimits(replicas=config.stream_replicas),
+                                   peer_interval_s=config.peer_interval_ms / 1000),
                        keys=keys, upstream_auth=UpstreamAuth(config.forward_authorization, config.upstream_api_key))
+    if config.flow_control:
+        state.flow = FlowGate(router, FlowConfig(bound=config.queue_bound, quantum=config.flow_quantum,
+                                                 batch_every=config.flow_batch_every,
+                                                 retry_after_cap_s=config.retry_after_cap_s,
+                                                 interactive_reserve=config.interactive_reserve),
+                              config.queue_ttl_ms / 1000, config.queue_ttl_max_ms / 1000, config.no_node_wait_ms / 1000)
+        state.metrics.registry.register(FlowCollector(state.flow))
+        state.bus.on_view = state.flow.wake  # a snapshot or a peer's message may free a slot for held requests
     state.idle.set()
     return state
 
@@ -444,12 +570,7 @@ def proxy_dispatch(state: ProxyState, probes: bool = True) -> Dispatch:
 
 def web_server(dispatch: Dispatch, max_body_bytes: int, **kwargs: Any) -> web.Server:
     """aiohttp's low-level server on ``dispatch``, requests allowed bodies up to ``max_body_bytes``."""
-    loop = asyncio.get_running_loop()
-
-    def make_request(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
-        return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=max_body_bytes)
-
-    return web.Server(dispatch, request_factory=make_request, access_log=None, **kwargs)
+    return web.Server(dispatch, request_factory=request_factory(max_body_bytes), access_log=None, **kwargs)
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -524,7 +645,7 @@ async def _listen(config: ProxyConfig, state: ProxyState,
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port or None)
     await site.start()
-    port = _bound_port(site, config.port)
+    port = _bound_port(runner, config.port)
     log.info("proxy %s listening on %s:%d (policy %s%s)", config.proxy_id, config.host, port, config.policy,
              ", API keys required" if state.keys is not None else "")
     proxy = RunningProxy(state=state, runner=runner, site=site, host=config.host, port=port, resources=resources)
@@ -534,13 +655,12 @@ async def _listen(config: ProxyConfig, state: ProxyState,
         await proxy.admin_runner.setup()
         admin_site = web.TCPSite(proxy.admin_runner, config.host, config.admin_port)
         await admin_site.start()
-        proxy.admin_port = _bound_port(admin_site, config.admin_port)
+        proxy.admin_port = _bound_port(proxy.admin_runner, config.admin_port)
         log.info("proxy %s: /metrics and probes on %s:%d", config.proxy_id, config.host, proxy.admin_port)
     return proxy
 
 
-def _bound_port(site: web.TCPSite, fallback: int) -> int:
-    server = site._server  # aiohttp keeps the asyncio Server here; the only way to learn port 0's choice
-    if server is not None and getattr(server, "sockets", None):
-        return int(server.sockets[0].getsockname()[1])
-    return fallback
+def _bound_port(runner: web.ServerRunner, fallback: int) -> int:
+    """The port the runner's one site listens on (what port 0 chose): ``BaseRunner.addresses``."""
+    addresses = runner.addresses
+    return int(addresses[0][1]) if addresses else fallback

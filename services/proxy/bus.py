@@ -26,6 +26,21 @@ Self-healing: if the watcher has been silent for ``rewatch_s`` (the scheduler ti
 often) or fails, it is re-created; the new watcher first re-delivers the newest value of each
 key, so nothing published during an outage is missed, and older ones are ignored by the router.
 
+The channel between proxies (docs/design.md, "The channel between proxies"; with a router that
+``share``s, ``--peer-interval-ms`` > 0). Once connected, the link subscribes ``lb.peer.>`` (plain
+core NATS: nothing is stored) and hands every other proxy's ``PeerState`` to
+``Router.peer_update``. Each admission (``Router.on_pick``) wakes its ``_picks`` task, which
+publishes the pool's ``Router.peer_state`` on ``lb.peer.<pool>.<proxy>`` at once (the picks of
+one turn of the event loop in one message): the peers count a pick within the bus's delivery,
+not an interval later, which is what keeps replicas from all sending one burst to the node that
+looked lightest to each. Its ``_peers`` task wakes every ``peer_interval_s``, drops the peers
+silent for ``peer_stale_ms`` and publishes, for each pool whose own counts changed otherwise (a
+first byte, a release) or whose last message is half ``peer_stale_ms`` old (the heartbeat), the
+same message. A bad message is counted and skipped; with
+NATS away nothing is sent and the peers fall back to the snapshots' counts of this proxy.
+``on_view(pool)`` (flow control's wake-up, when set) is called after each snapshot installed,
+each peer message taken and each peer dropped: a slot another proxy freed is seen at once.
+
 Stopping: ``start`` runs ``run`` as a task; ``close`` sets ``closing`` (every loop of ``run``
 checks it), stops that task with ``tasks.stop_task`` (which cancels again when Python 3.11's
 ``wait_for`` inside nats-py swallowed a cancel: a run that outlived one cancel would otherwise
@@ -40,21 +55,24 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from datetime import datetime
 
 import msgspec
 import nats.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.outputs import WeightSnapshot
+from laswrr.schemas.peers import PEER_DECODER, PEER_ENCODER
 from laswrr.services.natsbus import NatsAuth, StreamLimits, connect, ensure_streams, redact_url
 from laswrr.services.service_metrics import Buckets
 from laswrr.services.proxy.events import EventPublisher
-from laswrr.services.proxy.routing import Router
+from laswrr.scheduler.routing.router import Router
 from laswrr.services.proxy.tasks import bounded, stop_task
 
 log = logging.getLogger("laswrr.proxy.bus")
@@ -68,7 +86,7 @@ class BusLink:
     def __init__(self, url: str, name: str, router: Router, publisher: EventPublisher,
                  rewatch_s: float = 10.0, retry_s: float = 0.5, max_retry_s: float = 5.0,
                  stream_check_s: float = 1.0, auth: NatsAuth | None = None,
-                 limits: StreamLimits | None = None) -> None:
+                 limits: StreamLimits | None = None, peer_interval_s: float = 0.0) -> None:
         self.url = url
         self.limits = limits
         self.auth = auth
@@ -87,8 +105,19 @@ class BusLink:
         self._task: asyncio.Task[None] | None = None
         self.last_update = 0.0
         # wall clock now - event time of each snapshot installed: how old the other replicas'
-        # in-flight counts are when routing starts on them (routing.py, "One load view")
+        # in-flight counts are when routing starts on them (scheduler/routing/router.py, "One load view")
         self.view_lag = Buckets(VIEW_LAG_BUCKETS)
+        self.peer_interval_s = peer_interval_s
+        self._peer_task: asyncio.Task[None] | None = None
+        self._picks_task: asyncio.Task[None] | None = None
+        self._picked: set[str] = set()  # pools with an admission not told to the peers yet
+        self._pick = asyncio.Event()
+        self._peer_seq = 0
+        self._peer_sent_at: dict[str, float] = {}
+        self.peer_sent = self.peer_sent_bytes = self.peer_received = self.peer_bad = 0
+        # called with a pool's name when its view changed (a snapshot installed, a peer's message
+        # taken, a peer dropped): flow control's held requests may go now (services/proxy/flow.py)
+        self.on_view: Callable[[str], None] | None = None
 
     @property
     def connected(self) -> bool:
@@ -105,6 +134,11 @@ class BusLink:
             return
         self.nc = nc
         self.publisher.attach(nc)
+        if self.router.share and self.peer_interval_s > 0:
+            await nc.subscribe(sj.PEER_ALL, cb=self._peer_message)
+            self.router.on_pick = self._on_pick
+            self._peer_task = asyncio.create_task(self._peers(nc), name="proxy-peers")
+            self._picks_task = asyncio.create_task(self._picks(nc), name="proxy-peer-picks")
         js = nc.jetstream()
         await self._bootstrap(js)
         failures = 0
@@ -224,11 +258,81 @@ class BusLink:
             self.refused = snapshot
             return True
         self.view_lag.observe(max(0.0, (time.time_ns() - snapshot.ts_ns) / 1e9))
+        self._viewed(snapshot.pool)
         return False
+
+    def _viewed(self, pool: str) -> None:
+        if self.on_view is not None:
+            try:
+                self.on_view(pool)
+            except Exception:  # a bug there must not stop the watch or the channel
+                log.exception("waking pool %s after a view change failed", pool)
+
+    async def _peer_message(self, msg: Msg) -> None:
+        try:
+            state = PEER_DECODER.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.peer_bad += 1
+            log.debug("ignoring a bad message on %s: %s", msg.subject, exc)
+            return
+        if self.router.peer_update(state, time.monotonic()):
+            self.peer_received += 1
+            self._viewed(state.pool)
+
+    def _on_pick(self, pool: str) -> None:
+        self._picked.add(pool)
+        self._pick.set()
+
+    async def _picks(self, nc: Client) -> None:
+        """At each admission: publish its pool's view at once (module docstring)."""
+        while not self.closing:
+            await self._pick.wait()
+            self._pick.clear()
+            pools, self._picked = self._picked, set()
+            if nc.is_connected:
+                now = time.monotonic()
+                for pool in pools:
+                    await self._send(nc, pool, now)
+
+    async def _peers(self, nc: Client) -> None:
+        """Every ``peer_interval_s``: drop the stale peers, publish each pool's changed view."""
+        router = self.router
+        while not self.closing:
+            await asyncio.sleep(self.peer_interval_s)
+            now = time.monotonic()
+            if router.expire_peers(now):
+                for pool in list(router.pools):
+                    self._viewed(pool)
+            if not nc.is_connected:
+                continue
+            for pool in list(router.pools):
+                if router.peer_due(pool, now - self._peer_sent_at.get(pool, -math.inf)):
+                    await self._send(nc, pool, now)
+
+    async def _send(self, nc: Client, pool: str, now: float) -> None:
+        self._peer_seq += 1
+        state = self.router.peer_state(pool, self.publisher.boot_id, self._peer_seq, time.time_ns())
+        if state is None:
+            return
+        data = PEER_ENCODER.encode(state)
+        try:
+            await nc.publish(sj.peer(pool, state.proxy), data)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.debug("peer message for %s not sent: %s", pool, exc)
+            return
+        self._peer_sent_at[pool] = now
+        self.peer_sent += 1
+        self.peer_sent_bytes += len(data)
 
     async def close(self, drain_timeout_s: float = 5.0) -> None:
         """Stop ``run``, then drain the connection (bounded); close it when the drain fails or is late."""
         self.closing = True
+        self.router.on_pick = None
+        for task in (self._peer_task, self._picks_task):
+            if task is not None:
+                await stop_task(task)
         if self._task is not None:
             await stop_task(self._task)
         nc = self.nc

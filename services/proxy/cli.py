@@ -91,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--continue-limit", type=int, default=DEFAULTS.continue_limit, metavar="N",
                         help="continue a stream broken after its first byte on up to N other nodes; 0: off "
                              "(default %(default)s)")
+    parser.add_argument("--pd-decode-only-tokens", type=int, default=DEFAULTS.pd_decode_only_tokens, metavar="N",
+                        help="a vllm prefill/decode pool: a request whose prompt is at most N tokens (estimated) "
+                             "goes to its decode node alone, no prefill leg; 0: off (default %(default)s)")
     parser.add_argument("--stall-timeout-s", type=settings.duration("s"), default=DEFAULTS.stall_timeout_s,
                         help="a continuable stream silent this long has broken (default %(default)s)")
     parser.add_argument("--idle-timeout-s", type=settings.duration("s"), default=_DEFAULTS.idle_timeout_s,
@@ -109,6 +112,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--affinity-blocks", type=int, default=_DEFAULTS.affinity_blocks, metavar="N",
                         help="prefix-index keys kept per node, 512 characters (~128 tokens) each; set it to the "
                              "engines' KV room (default %(default)s, ~2 M tokens)")
+    flow = parser.add_argument_group("flow control (docs/design.md, \"Flow control\")")
+    flow.add_argument("--flow-control", action=argparse.BooleanOptionalAction, default=_DEFAULTS.flow_control,
+                      help="hold requests no node can take yet (each node's concurrency_limit from the snapshot), "
+                           "by priority band and fair between API keys (default: off)")
+    flow.add_argument("--queue-bound", type=int, default=_DEFAULTS.queue_bound, metavar="N",
+                      help="requests held per pool and band; beyond it 429 queue_full (default %(default)s)")
+    flow.add_argument("--queue-ttl-ms", type=settings.duration("ms"), default=_DEFAULTS.queue_ttl_ms, metavar="MS",
+                      help="a held request's time to live without x-laswrr-ttl-ms (default %(default)s)")
+    flow.add_argument("--queue-ttl-max-ms", type=settings.duration("ms"), default=_DEFAULTS.queue_ttl_max_ms,
+                      metavar="MS", help="the most x-laswrr-ttl-ms may ask for (default %(default)s)")
+    flow.add_argument("--no-node-wait-ms", type=settings.duration("ms"), default=_DEFAULTS.no_node_wait_ms,
+                      metavar="MS", help="no routable node in a pool this long: 503 (default %(default)s)")
+    flow.add_argument("--flow-batch-every", type=int, default=_DEFAULTS.flow_batch_every, metavar="N",
+                      help="starvation guard: 1 dispatch in N goes to the waiting batch band (default %(default)s)")
+    flow.add_argument("--flow-quantum", type=int, default=_DEFAULTS.flow_quantum, metavar="TOKENS",
+                      help="deficit round robin between API keys: work a key gains per turn (default %(default)s)")
+    flow.add_argument("--retry-after-cap-s", type=settings.duration("s"), default=_DEFAULTS.retry_after_cap_s, metavar="S",
+                      help="the largest Retry-After flow control sends (default %(default)s)")
+    flow.add_argument("--interactive-reserve", type=float, default=_DEFAULTS.interactive_reserve, metavar="F",
+                      help="share of each node's limit only interactive requests may use: default and batch see "
+                           "limit - floor(F x limit) (default %(default)s)")
+    peers = parser.add_argument_group("the channel between proxies (docs/design.md, \"The channel between proxies\")")
+    peers.add_argument("--peer-interval-ms", type=settings.duration("ms"), default=_DEFAULTS.peer_interval_ms,
+                       metavar="MS", help="share this proxy's in-flight counts, prefill backlog and prefix records "
+                                          "with the other proxies on lb.peer.<pool>.<proxy>: at each pick at once, "
+                                          "otherwise at most once per MS when they changed; 0: off (default "
+                                          "%(default)s)")
+    peers.add_argument("--peer-stale-ms", type=settings.duration("ms"), default=_DEFAULTS.peer_stale_ms,
+                       metavar="MS", help="a peer's message is used this long after it arrived (each proxy's "
+                                          "heartbeat is half of it); silent longer, the snapshot's counts of it are "
+                                          "used (default %(default)s)")
     keys = parser.add_argument_group("client API keys and upstream credentials (services/proxy/keys.py)")
     keys.add_argument("--api-keys", default=os.environ.get("LASWRR_API_KEYS_FILE") or _DEFAULTS.api_keys_file,
                       metavar="FILE", help="clients must send Authorization: Bearer <one of its keys>; one key "
@@ -143,6 +177,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         inflight_cap_per_capacity=args.inflight_cap_per_capacity, event_buffer=args.event_buffer,
         event_flush_ms=args.event_flush_ms, event_batch_max=args.event_batch_max,
         reuse_port=args.reuse_port, extra_routes=args.extra_routes, continue_limit=args.continue_limit,
+        pd_decode_only_tokens=args.pd_decode_only_tokens,
         stall_timeout_s=args.stall_timeout_s,
         affinity=args.affinity, affinity_blocks=args.affinity_blocks,
         nats_auth=settings.nats_auth(args),
@@ -150,7 +185,12 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         forward_authorization=args.forward_authorization, upstream_api_key=args.upstream_api_key,
         admin_port=args.admin_port, stream_replicas=args.stream_replicas, idle_timeout_s=args.idle_timeout_s,
         body_timeout_s=args.body_timeout_s,
-        workers=args.workers,
+        workers=args.workers, flow_control=args.flow_control, queue_bound=args.queue_bound,
+        queue_ttl_ms=int(args.queue_ttl_ms), queue_ttl_max_ms=int(args.queue_ttl_max_ms),
+        no_node_wait_ms=int(args.no_node_wait_ms), flow_batch_every=args.flow_batch_every,
+        flow_quantum=args.flow_quantum, retry_after_cap_s=args.retry_after_cap_s,
+        interactive_reserve=args.interactive_reserve,
+        peer_interval_ms=int(args.peer_interval_ms), peer_stale_ms=int(args.peer_stale_ms),
     ).validate()
 
 

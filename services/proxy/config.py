@@ -58,6 +58,9 @@ class ProxyConfig:
     reuse_port: bool = False  # several replicas may share one port (SO_REUSEPORT)
     extra_routes: tuple[str, ...] = ()  # POST paths routed by body ``model`` beside app.OPENAI_POST_ROUTES
     continue_limit: int = 1  # continuations of one broken stream on other nodes; 0 turns them off
+    # a vllm P/D pool: a request whose prompt estimate is at most this many tokens goes to its decode
+    # node alone (the engine prefills it locally), no prefill leg; 0: off (every request is a pair)
+    pd_decode_only_tokens: int = 0
     stall_timeout_s: float = 30.0  # a continuable stream silent this long has broken
     affinity: str = "prefix"  # la-swrr: prefer the node holding the prompt's prefix, under the guard; "none": off
     affinity_blocks: int = BLOCKS_PER_NODE  # prefix-index keys kept per node (512-character blocks)
@@ -71,6 +74,19 @@ class ProxyConfig:
     idle_timeout_s: float = 60.0  # a connection without a complete request head this long is closed
     body_timeout_s: float = 60.0  # a request body not received within this: 408
     workers: int = 1  # processes on ``port`` (services/proxy/workers.py); each worker's own config says 1
+    # Flow control (services/proxy/flow.py, scheduler/routing/flow.py): hold what no node can take yet.
+    flow_control: bool = False
+    queue_bound: int = 1024  # requests held per pool and band; beyond: 429 queue_full
+    queue_ttl_ms: int = 30_000  # a held request's time to live without x-laswrr-ttl-ms; then 429 queue_timeout
+    queue_ttl_max_ms: int = 300_000  # the most x-laswrr-ttl-ms may ask for
+    no_node_wait_ms: int = 2_000  # no routable node in the pool this long: 503 no_routable_node
+    flow_batch_every: int = 10  # starvation guard: 1 dispatch in this many goes to the waiting batch band
+    flow_quantum: int = 1024  # DRR: work units (tokens) a tenant gains per turn
+    retry_after_cap_s: float = 60.0  # the largest Retry-After flow control sends
+    interactive_reserve: float = 0.1  # share of each node's limit only interactive requests may use
+    # The channel between proxies (lb.peer.<pool>.<proxy>, docs/design.md): 0 turns it off.
+    peer_interval_ms: int = 20  # at most one message per pool this often, when something changed
+    peer_stale_ms: int = 2000  # a peer's message is used this long; the heartbeat is half of it
 
     def validate(self) -> "ProxyConfig":
         sj.check_token(self.proxy_id, "proxy name")
@@ -88,6 +104,7 @@ class ProxyConfig:
             (1 <= self.event_batch_max <= MAX_BATCH_EVENTS, f"--event-batch-max must be 1..{MAX_BATCH_EVENTS}"),
             (0 <= self.port < 65536, "--port must be 0..65535"),
             (self.continue_limit >= 0, "--continue-limit must be >= 0"),
+            (self.pd_decode_only_tokens >= 0, "--pd-decode-only-tokens must be >= 0"),
             (self.stall_timeout_s > 0, "--stall-timeout-s must be > 0"),
             (self.idle_timeout_s > 0, "--idle-timeout-s must be > 0"),
             (self.body_timeout_s > 0, "--body-timeout-s must be > 0"),
@@ -97,6 +114,15 @@ class ProxyConfig:
             (self.key_max_inflight is None or self.key_max_inflight > 0, "--key-max-inflight must be > 0"),
             (self.key_max_inflight is None or self.api_keys_file is not None, "--key-max-inflight needs --api-keys"),
             (self.workers >= 1, "--workers must be >= 1"),
+            (self.queue_bound >= 1, "--queue-bound must be >= 1"),
+            (0 < self.queue_ttl_ms <= self.queue_ttl_max_ms, "--queue-ttl-ms must be > 0 and <= --queue-ttl-max-ms"),
+            (self.no_node_wait_ms >= 0, "--no-node-wait-ms must be >= 0"),
+            (self.flow_batch_every >= 1, "--flow-batch-every must be >= 1"),
+            (self.flow_quantum >= 1, "--flow-quantum must be >= 1"),
+            (self.retry_after_cap_s >= 1, "--retry-after-cap-s must be >= 1"),
+            (0 <= self.interactive_reserve < 1, "--interactive-reserve must be within 0..1 (1 excluded)"),
+            (self.peer_interval_ms >= 0, "--peer-interval-ms must be >= 0"),
+            (self.peer_stale_ms > 2 * self.peer_interval_ms, "--peer-stale-ms must exceed 2 x --peer-interval-ms"),
         ]
         checks += [(path.startswith("/") and " " not in path, f"--extra-routes: {path!r} is not a path like /v1/x")
                    for path in self.extra_routes]

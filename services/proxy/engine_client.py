@@ -1,11 +1,13 @@
-"""The proxy's HTTP/1.1 client for the engines: aiohttp's connection-level parts, no session.
+"""The proxy's engine transport (``services.proxy.transport.EngineTransport``), and the one
+module that uses aiohttp's non-public parts.
 
 Why. ``aiohttp.ClientSession.request`` builds, per request, a ``ClientRequest`` (URL parsing,
 header defaults, a payload object), a body-writer task, a ``ClientResponse``, timers and trace
 hooks, and goes through the connector's per-host bookkeeping; on the proxy's path that was the
-largest single cost after the socket writes (docs/design.md §4, "Figures behind choices in the
-code"). The forwarder needs far less: one request head it formats itself and one write, and the
-response's status, headers and body stream.
+largest single cost after the socket writes: 851k -> 592k instructions per request in the proxy
+(callgrind; docs/design.md §4, "Figures behind choices in the code"). The forwarder needs far
+less: one request head it formats itself and one write, and the response's status, headers and
+body stream.
 
 What it keeps from aiohttp. The connection protocol (``aiohttp.client_proto.ResponseHandler``:
 aiohttp's C response parser, the ``sock_read`` timeout restarted by every byte, flow control,
@@ -21,6 +23,19 @@ what the caller stripped, plus ``Host`` and ``Content-Length`` (no ``User-Agent`
 ``Accept`` of its own). ``EngineResponse.close()`` returns the connection to the pool when the
 body was read to its end and neither side asked to close, else closes it, which aborts the
 engine's work; the caller always calls it. HTTPS engines get the default TLS context.
+
+aiohttp's private parts, all of them here (and nowhere else: tests/proxy/test_aiohttp_private.py
+checks both that they still exist with the signatures and behaviour used, and that no other
+module imports them; pyproject pins aiohttp's minor release because of them):
+
+* client: ``aiohttp.client_proto.ResponseHandler`` (subclassed; ``set_response_params``,
+  ``start_timeout``, ``read``, ``should_close``, ``is_connected``, ``transport``) and
+  ``aiohttp.streams.StreamReader`` (the body: ``read``, ``readany``, ``read_nowait``,
+  ``at_eof``, ``is_eof``);
+* server (services/proxy/app.py): ``request_factory`` constructs ``web.BaseRequest`` itself, to
+  give every request ``client_max_size`` without ``web.Application``, and
+  ``aiohttp.http_exceptions.HttpProcessingError`` is what aiohttp's server logs when its parser
+  refuses a request (``app.quiet_parser_errors``).
 """
 
 from __future__ import annotations
@@ -30,40 +45,20 @@ import contextlib
 import ssl
 import time
 from collections.abc import Mapping
-from typing import NamedTuple
-from urllib.parse import urlsplit
+from typing import Any
 
+from aiohttp import web
 from aiohttp.client_proto import ResponseHandler
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.streams import StreamReader
 from multidict import CIMultiDictProxy
 
+from laswrr.services.proxy.transport import Target, parse_target
+
+__all__ = ["EnginePool", "EngineResponse", "EngineConnection", "HttpProcessingError", "request_factory"]
+
 READ_BUFSIZE = 2**16  # what aiohttp's session reads at a time
 MAX_LINE = MAX_FIELD = 8190  # aiohttp's limits on a status line and a header
-
-
-class Target(NamedTuple):
-    """Where a node's base URL points: the connection's key and the request target's prefix."""
-
-    host: str
-    port: int
-    tls: bool
-    host_header: str
-    prefix: str  # the base URL's path without a trailing "/" or "/v1" (upstream.upstream_url's rule)
-
-
-def parse_target(base: str) -> Target:
-    base = base.rstrip("/")
-    if base.endswith("/v1"):
-        base = base[:-3]
-    parts = urlsplit(base)
-    tls = parts.scheme == "https"
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not an http(s) URL: {base!r}")
-    port = parts.port or (443 if tls else 80)
-    host = parts.hostname
-    shown = f"[{host}]" if ":" in host else host
-    default = 443 if tls else 80
-    return Target(host, port, tls, shown if port == default else f"{shown}:{port}", parts.path.rstrip("/"))
 
 
 class EngineConnection(ResponseHandler):
@@ -211,3 +206,17 @@ class EnginePool:
                 with contextlib.suppress(Exception):
                     protocol.close()
         self._idle.clear()
+
+
+# -- the server side's private part (services/proxy/app.py) -------------------------------------
+
+
+def request_factory(max_body_bytes: int) -> Any:
+    """``web.Server``'s ``request_factory``: aiohttp's ``BaseRequest`` with ``client_max_size``
+    = ``max_body_bytes`` (the default factory allows 1 MiB and has no setting for it)."""
+    loop = asyncio.get_running_loop()
+
+    def make_request(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
+        return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=max_body_bytes)
+
+    return make_request

@@ -32,8 +32,9 @@ Event semantics (what analysts count):
   ``<request id>.<k>``, so the scheduler's in-flight bookkeeping (keyed by request id) moves
   from node to node with the attempts. A client request is the set of attempts sharing the id before the first '.'.
 * ``snapshot_seq`` on started is the ``as_of_seq`` of the snapshot the pick used.
-* ``finished.outcome`` (``schemas.words.RequestOutcome``): ``completed`` (the engine answered with a status below 500 and the whole
-  answer reached the client), ``client_cancelled`` (the client went away; the upstream request
+* ``finished.outcome`` (``schemas.words.RequestOutcome``): ``completed`` (the engine answered 2xx and the whole
+  answer reached the client), ``engine_error`` (it answered another status below 500, a 4xx or a 3xx, and that
+  answer reached the client whole; ``status`` says which), ``client_cancelled`` (the client went away; the upstream request
   was cancelled), ``upstream_error`` (connection failure, timeout, a 5xx, or a stream cut after
   its first byte and not continued), ``router_aborted`` (still running when the shutdown grace
   period ended), ``continued`` (a stream broke after the client got part of it and went on at
@@ -45,6 +46,9 @@ Event semantics (what analysts count):
   client; null when none was) and ``duration_ms`` count from the client request's arrival at
   the proxy, so a retried request's figures include its failed attempts; ``status`` is the
   engine's HTTP status (null when it never answered).
+* ``lb.req.refused.<proxy>``: a request the proxy answered itself (401, 400, 408, 413, 404,
+  429, 503) before binding it to a node, with its own request id, ``status``, ``cause``
+  (``schemas.words.RefusalCause``), the client's ``model`` and key name, and the message sent.
 * ``lb.proxy.heartbeat.<proxy>`` every ``heartbeat_s`` with this proxy's in-flight count, and
   ``lb.proxy.stopped.<proxy>`` at clean shutdown, after the last request finished.
 * Every event carries ``boot_id``, random per process (``new_boot_id``): a proxy restarted
@@ -64,16 +68,18 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from msgspec import UNSET
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from laswrr.schemas import events as ev
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import MAX_PAYLOAD_BYTES, batch_item, batch_item_head, batch_payload, encode
-from laswrr.schemas.words import RequestOutcome
+from laswrr.schemas.outputs import clip
+from laswrr.schemas.words import NodeRole, RefusalCause, RequestOutcome
 from laswrr.services.natsbus import publish_acked
 from laswrr.services.service_metrics import Buckets
-from laswrr.services.proxy.prompt import RequestSize
+from laswrr.scheduler.routing.prompt import RequestSize
 
 log = logging.getLogger("laswrr.proxy.events")
 
@@ -151,24 +157,44 @@ class EventPublisher:
         self._last_drop_log = 0.0
         self._heads: dict[str, tuple[bytes, bytes]] = {}  # node -> (started, finished) item heads
         self._heartbeat_head = batch_item_head(ev.ProxyHeartbeat.KIND, None)
+        self._refused_head = batch_item_head(ev.RequestRefused.KIND, None)
+        self._queued_head = batch_item_head(ev.RequestQueued.KIND, None)
 
     # -- producers (synchronous, never block) ------------------------------------------------
 
     def started(self, request_id: str, node: str, pool: str, snapshot_seq: int,
-                size: RequestSize | None = None, key_name: str | None = None) -> None:
+                size: RequestSize | None = None, key_name: str | None = None, role: NodeRole | None = None) -> None:
         event = ev.RequestStarted(request_id=request_id, proxy=self.proxy_id, pool=pool,
                                   snapshot_seq=snapshot_seq, ts_ns=time.time_ns(), boot_id=self.boot_id,
                                   prompt_tokens=None if size is None else size.prompt_tokens,
-                                  max_tokens=None if size is None else size.max_tokens, key_name=key_name)
+                                  max_tokens=None if size is None else size.max_tokens, key_name=key_name,
+                                  role=UNSET if role is None else role)
         self._put(self._heads_of(node)[0] + encode(event) + b"]")
 
-    def finished(self, request_id: str, node: str, pool: str, attempt: Attempt) -> None:
+    def finished(self, request_id: str, node: str, pool: str, attempt: Attempt, role: NodeRole | None = None) -> None:
         event = ev.RequestFinished(
             request_id=request_id, proxy=self.proxy_id, outcome=attempt.outcome, pool=pool,
             ttft_ms=attempt.ttft_ms, duration_ms=attempt.duration_ms, prompt_tokens=attempt.prompt_tokens,
             completion_tokens=attempt.completion_tokens, status=attempt.status, error=attempt.error,
-            ts_ns=time.time_ns(), next_attempt=attempt.next_attempt, boot_id=self.boot_id)
+            ts_ns=time.time_ns(), next_attempt=attempt.next_attempt, boot_id=self.boot_id,
+            role=UNSET if role is None else role)
         self._put(self._heads_of(node)[1] + encode(event) + b"]")
+
+    def refused(self, request_id: str, status: int, cause: RefusalCause, error: str, pool: str | None = None,
+                model: str | None = None, key_name: str | None = None) -> None:
+        """The proxy answered a request itself (``lb.req.refused``, keyed by this proxy like a heartbeat)."""
+        event = ev.RequestRefused(request_id=request_id, proxy=self.proxy_id, status=status, cause=cause, pool=pool,
+                                  model=model, key_name=key_name, error=clip(error), ts_ns=time.time_ns(),
+                                  boot_id=self.boot_id)
+        self._put(self._refused_head + encode(event) + b"]")
+
+    def queued(self, request_id: str, pool: str, band: str, key_name: str | None, work: int, ttl_ms: int,
+               cause: str) -> None:
+        """Flow control held a request (``lb.req.queued``, keyed by this proxy like a heartbeat)."""
+        event = ev.RequestQueued(request_id=request_id, proxy=self.proxy_id, pool=pool, band=band,  # type: ignore[arg-type]
+                                 key_name=key_name, work=work, ttl_ms=ttl_ms, cause=cause,  # type: ignore[arg-type]
+                                 ts_ns=time.time_ns(), boot_id=self.boot_id)
+        self._put(self._queued_head + encode(event) + b"]")
 
     def _heads_of(self, node: str) -> tuple[bytes, bytes]:
         heads = self._heads.get(node)

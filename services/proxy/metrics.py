@@ -15,7 +15,7 @@ scraped. So are the routing decisions of the snapshots in force, per ``{pool, no
 ``laswrr_node_phase{phase}`` (1 for the current phase, 0 for the others) and
 ``laswrr_node_inflight`` (this proxy's own live count, the router's), ``laswrr_node_inflight_estimate``
 (the pool-wide estimate the pick uses: the other replicas' requests as of the snapshot plus this
-proxy's own, services/proxy/routing.py), and the event publisher's counters
+proxy's own, scheduler/routing/router.py), and the event publisher's counters
 (``laswrr_proxy_events_published_total``, ``laswrr_proxy_events_dropped_total``,
 ``laswrr_proxy_event_batches_published_total``, ``laswrr_proxy_event_batches_resent_total``) and its
 batch sizes (the histogram ``laswrr_proxy_event_batch_size``: events per acknowledged
@@ -39,11 +39,16 @@ from laswrr.scheduler.phases import Phase
 from laswrr.services.proxy.events import EventPublisher
 from laswrr.services.proxy.keys import ApiKeys
 from laswrr.services.service_metrics import Buckets, register_build_info
-from laswrr.services.proxy.routing import Router
+from laswrr.scheduler.routing.router import Router
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def status_class(status: int | None) -> str:
+    """``"2xx"`` ... ``"5xx"`` for an HTTP status, ``"none"`` for no answer (the views' ``status_class``)."""
+    return "none" if status is None else f"{status // 100}xx"
 
 
 class _RequestCollector(Collector):
@@ -72,6 +77,13 @@ class _RequestCollector(Collector):
         for code, n in sorted(m.responses.items()):
             responses.add_metric([str(code)], n)
         yield responses
+        answers = CounterMetricFamily(
+            "laswrr_proxy_answers", "Answers by who gave them (engine: each attempt's status; router: the proxy's own "
+            "refusals, lb.req.refused) and status class (2xx, 3xx, 4xx, 5xx; none: the engine never answered)",
+            labels=["by", "class"])
+        for (by, klass), n in sorted(m.answers.items()):
+            answers.add_metric([by, klass], n)
+        yield answers
         if m.publisher is not None:
             yield CounterMetricFamily("laswrr_proxy_events_published", "Events acknowledged by JetStream",
                                       value=m.publisher.published)
@@ -143,6 +155,7 @@ class ProxyMetrics:
         self.duration: dict[str, Buckets] = {}
         self.overhead = Buckets(OVERHEAD_BUCKETS)
         self.responses: dict[int, int] = {}
+        self.answers: dict[tuple[str, str], int] = {}  # (by, status class) -> count
         self.router: Router | None = None  # set by refresh, read when /metrics is rendered
         self.publisher: EventPublisher | None = None
         self.view_lag: Buckets | None = None
@@ -168,9 +181,17 @@ class ProxyMetrics:
     def count_response(self, status: int) -> None:
         self.responses[status] = self.responses.get(status, 0) + 1
 
-    def count_request(self, pool: str, node: str, outcome: str) -> None:
+    def count_request(self, pool: str, node: str, outcome: str, status: int | None = None) -> None:
         key = (pool, node, outcome)
         self.requests[key] = self.requests.get(key, 0) + 1
+        answer = ("engine", status_class(status))
+        self.answers[answer] = self.answers.get(answer, 0) + 1
+
+    def count_refusal(self, cause: str, status: int) -> None:
+        """The proxy answered a request itself (``lb.req.refused``)."""
+        self.rejected.labels(reason=cause).inc()
+        answer = ("router", status_class(status))
+        self.answers[answer] = self.answers.get(answer, 0) + 1
 
     def observe_latency(self, pool: str, ttft_s: float | None, duration_s: float, overhead_s: float | None) -> None:
         if ttft_s is not None:

@@ -1,41 +1,46 @@
 """``GET /v1/models``: the union of the model ids the routable engines report, cached briefly.
 
 Each routable node's own ``/v1/models`` is asked (concurrently, short timeout; an engine that
-fails is skipped). The answer is cached for ``ttl_s``; while it is fresh nothing is fetched. The
-same listing maps a model id to the pool whose engines serve it, so a request for
-``Qwen/Qwen2.5-7B`` reaches the pool serving it even though pool names are single tokens; and
-a pool to the model id its engines serve (``served_model``), so a request naming the pool
-(``"model": "default"``) can be forwarded with the id the engines know. When no engine reports
+fails is skipped), through the proxy's engine transport (``transport.list_models``: the same
+connections, URL rule and ``Authorization`` toward engines as forwarded requests). The answer is cached for ``ttl_s``; while it is fresh nothing is fetched. When no engine reports
 anything the listing falls back to the pool names.
+
+Routing reads each node's model ids from the snapshot (``NodeView.models``, listed by the
+collector: ``scheduler.routing.models``). This cache is the fallback for nodes the collector
+has not listed: ``pool_hint`` (model id -> pool) and ``node_models`` (a node URL's own ids, so
+a pool name is forwarded as the id of the node picked, never another node's).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Any
 
-import aiohttp
+from multidict import CIMultiDict
 
-from laswrr.services.proxy.routing import Router
+from laswrr.services.proxy.keys import UpstreamAuth
+from laswrr.scheduler.routing.router import Router
 from laswrr.services.proxy.tasks import stop_task
-from laswrr.services.proxy.upstream import upstream_url
+from laswrr.services.proxy.transport import EngineTransport, list_models
 
 log = logging.getLogger("laswrr.proxy.models")
 
 
 class ModelCatalog:
-    def __init__(self, session: aiohttp.ClientSession, router: Router, ttl_s: float = 5.0,
-                 timeout_s: float = 2.0) -> None:
-        self.session = session
+    def __init__(self, engines: EngineTransport, router: Router, ttl_s: float = 5.0,
+                 timeout_s: float = 2.0, auth: UpstreamAuth | None = None) -> None:
+        self.engines = engines
         self.router = router
         self.ttl_s = ttl_s
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.timeout_s = timeout_s
+        headers: CIMultiDict[str] = CIMultiDict()
+        (auth or UpstreamAuth()).apply(headers)  # --upstream-api-key, as on forwarded requests
+        self.headers = headers
         self.entries: list[dict[str, Any]] = []
         self.model_pools: dict[str, str] = {}
-        self.pool_models: dict[str, str] = {}  # pool -> the (first, by node URL) model id its engines serve
+        self.url_models: dict[str, list[str]] = {}  # node URL -> the model ids it listed, in its order
         self.fetched_at: float | None = None
         self._refresh: asyncio.Task[None] | None = None
 
@@ -55,10 +60,10 @@ class ModelCatalog:
         await self._current()
         return self.model_pools
 
-    async def served_model(self, pool: str) -> str | None:
-        """The model id the engines of ``pool`` serve (None when none reported one)."""
+    async def node_models(self, url: str) -> list[str]:
+        """The model ids the node at ``url`` listed (empty when it listed none, or failed)."""
         await self._current()
-        return self.pool_models.get(pool)
+        return self.url_models.get(url, [])
 
     async def _current(self) -> None:
         if self.fetched_at is None:
@@ -71,26 +76,21 @@ class ModelCatalog:
         answers = await asyncio.gather(*(self._fetch(url) for _, url in targets))
         entries: dict[str, dict[str, Any]] = {}
         model_pools: dict[str, str] = {}
-        pool_models: dict[str, str] = {}
-        for (pool, _), models in zip(targets, answers):
+        url_models: dict[str, list[str]] = {}
+        for (pool, url), models in zip(targets, answers):
+            url_models[url] = [model["id"] for model in models]
             for model in models:
                 entries.setdefault(model["id"], model)
                 model_pools.setdefault(model["id"], pool)
-                pool_models.setdefault(pool, model["id"])
         self.entries = [entries[k] for k in sorted(entries)]
-        self.model_pools, self.pool_models = model_pools, pool_models
+        self.model_pools, self.url_models = model_pools, url_models
         self.fetched_at = time.monotonic()
 
     async def _fetch(self, base_url: str) -> list[dict[str, Any]]:
-        with contextlib.suppress(Exception):
-            async with self.session.get(upstream_url(base_url, "/v1/models"), timeout=self.timeout) as resp:
-                if resp.status != 200:
-                    return []
-                body = await resp.json(content_type=None)
-                data = body.get("data") if isinstance(body, dict) else None
-                return [m for m in data or [] if isinstance(m, dict) and isinstance(m.get("id"), str)]
-        log.debug("no model list from %s", base_url)
-        return []
+        models = await list_models(self.engines, base_url, self.timeout_s, self.headers)
+        if not models:
+            log.debug("no model list from %s", base_url)
+        return models
 
     async def close(self) -> None:
         if self._refresh is not None:

@@ -2,7 +2,7 @@
 
 Rules ("never cut", docs/design.md):
 
-* The upstream URL is bound when the request is admitted (``routing.Admission``); nothing that
+* The upstream URL is bound when the request is admitted (``scheduler.routing.router.Admission``); nothing that
   happens to snapshots afterwards reaches an admitted request.
 * An attempt may be retried on another node (never one already tried) only while **no byte has
   reached the client**: on a connection failure, a timeout, a 5xx status, or a body that breaks
@@ -13,7 +13,7 @@ Rules ("never cut", docs/design.md):
 * After the first byte a break (connection reset, an engine error event, an undecodable event,
   the stream ending before its finish, or no byte for ``stall_timeout_s``) of a continuable
   stream is **continued**: the proxy admits another node (never one already tried, through the
-  normal policy), sends it the continuation request of ``services.proxy.continuation`` and goes
+  normal policy), sends it the continuation request of ``scheduler.routing.continuation`` and goes
   on writing the same SSE response; the broken attempt's outcome is ``continued`` and names
   the next attempt. At most ``continue_limit`` continuations per request (0: none); a
   continuation that fails before its first event is retried like any attempt (``max_retries``),
@@ -30,9 +30,9 @@ Rules ("never cut", docs/design.md):
   is retried whole) and lets the proxy read ``usage``.
 * Engine response headers pass through, minus hop-by-hop ones and the length (the proxy
   re-frames); ``x-laswrr-node`` names the node. Bodies pass byte for byte (no decompression).
-  Redirects pass through to the client too (never followed), and the engine client
-  (``services.proxy.engine_client``, keep-alive connections on aiohttp's connection protocol)
-  keeps no cookies: one client's ``Set-Cookie`` must never reach another client's request.
+  Redirects pass through to the client too (never followed), and the engine transport
+  (``services.proxy.transport``; its implementation ``services.proxy.engine_client``) keeps no
+  cookies: one client's ``Set-Cookie`` must never reach another client's request.
 * Client gone (aiohttp cancels the handler, or a write fails) -> the upstream response is
   closed, which cancels the engine's work; outcome ``client_cancelled``. A cancel during
   shutdown after the grace period is ``router_aborted``.
@@ -45,19 +45,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-import aiohttp
 import msgspec
 from aiohttp import web
 from multidict import CIMultiDict
 
-from laswrr.schemas.words import RequestOutcome
-from laswrr.services.proxy.continuation import (
+from laswrr.schemas.words import NodeRole, PdProtocol, RefusalCause, RequestOutcome
+from laswrr.scheduler.routing import pd
+from laswrr.scheduler.routing.continuation import (
     Broken as EngineBroke,
     SseFramer,
     StreamText,
@@ -65,10 +66,11 @@ from laswrr.services.proxy.continuation import (
     not_continuable,
     route_kind,
 )
-from laswrr.services.proxy.engine_client import EnginePool, EngineResponse
 from laswrr.services.proxy.events import RETRIED_PREFIX, Attempt, EventPublisher
 from laswrr.services.proxy.metrics import ProxyMetrics
-from laswrr.services.proxy.routing import Admission, Router
+from laswrr.scheduler.routing.models import node_model
+from laswrr.scheduler.routing.router import Admission, Router
+from laswrr.services.proxy.transport import TRANSPORT_ERRORS, EngineReply, EngineTransport
 
 NODE_HEADER = "x-laswrr-node"
 REQUEST_ID_HEADER = "x-laswrr-request-id"
@@ -80,6 +82,18 @@ REQUEST_DROP = tuple(HOP_BY_HOP | {"host", "content-length", "expect"})  # the b
 RESPONSE_DROP = tuple(HOP_BY_HOP | {"content-length"})
 SSE_ERROR_TYPE = "upstream_error"
 _TAIL_CHUNKS = 4
+# an sglang pair whose decode leg ended: how long its prefill leg may still take to answer before it is cancelled
+PREFILL_GRACE_S = 1.0
+
+
+_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])  # a body's top level, values kept as their bytes
+
+
+def with_model(body: bytes, model: str) -> bytes:
+    """``body`` with its top-level ``model`` set to ``model``; every other value byte for byte."""
+    fields = _FIELDS.decode(body)
+    fields["model"] = msgspec.Raw(msgspec.json.encode(model))
+    return msgspec.json.encode(fields)
 
 
 def error_body(message: str, err_type: str, code: str | int | None) -> dict[str, Any]:
@@ -89,6 +103,12 @@ def error_body(message: str, err_type: str, code: str | int | None) -> dict[str,
 def error_response(status: int, message: str, err_type: str, code: str | int | None,
                    headers: Mapping[str, str] | None = None) -> web.Response:
     return web.json_response(error_body(message, err_type, code), status=status, headers=headers)
+
+
+class NodeModels(Protocol):
+    """Where the forwarder finds a node's model ids the snapshot does not list (``models.ModelCatalog``)."""
+
+    async def node_models(self, url: str) -> list[str]: ...
 
 
 class ClientGone(Exception):
@@ -120,6 +140,18 @@ class Exchange:
     client: ClientStream | None = None
     continuation: bytes | None = None  # the body of the next attempt after a break
     key_name: str | None = None  # the client's API key, by name (lb.req.started)
+    used_tokens: int | None = None  # prompt + completion tokens of the last attempt's usage (flow control's tpm)
+    exclude: frozenset[str] = frozenset()  # nodes of the pool that do not list the request's model id
+    alias: str | None = None  # the client's name for the model, forwarded as each attempt's node's own id
+    leg_body: bytes | None = None  # a P/D decode leg's body (vllm: with the prefill's kv_transfer_params; sglang: bootstrap)
+    pair: PairLeg | None = None  # an sglang pair's prefill leg, running beside its decode leg
+    decoding: bool = False  # the current decode leg's first byte came: its KV is there, a prefill failure no longer matters
+    partner_failed: Failed | None = None  # why the running decode leg is being cancelled (its prefill leg failed)
+    suspect: list[str] = field(default_factory=list)  # prefill nodes of sglang pairs whose decode leg failed beside them
+
+    def avoid(self) -> list[str]:
+        """The nodes a retry or continuation may not go to: tried, or not serving the model."""
+        return [*self.tried, *self.exclude] if self.exclude else self.tried
 
 
 @dataclass(slots=True)
@@ -130,6 +162,7 @@ class AttemptState:
     sent: float | None = None  # upstream request issued
     first_byte: float | None = None  # first byte of this attempt written to the client
     overhead: float = 0.0
+    status: int | None = None  # the engine's status, once its answer's head is in
 
 
 @dataclass(slots=True)
@@ -140,6 +173,7 @@ class Failed:
     status: int | None = None
     response: web.Response | None = None  # the engine's 5xx, passed through if no retry is left
     retryable: bool = True
+    partner: bool = False  # a decode leg cancelled because its pair's prefill leg failed (its node is not at fault)
 
     def to_response(self, node: str) -> web.Response:
         if self.response is not None:
@@ -162,11 +196,23 @@ class Done:
     attempt: Attempt
 
 
+@dataclass(slots=True, eq=False)
+class PairLeg:
+    """An ``sglang`` pair's prefill leg: its own task, beside the decode leg the forwarder runs."""
+
+    admission: Admission
+    attempt_id: str
+    state: AttemptState
+    task: asyncio.Task[Failed | None] | None = None  # None: the leg completed; a Failed: why not
+    cancel_reason: str | None = None  # set before the forwarder cancels it (its decode leg failed)
+
+
 class Forwarder:
-    def __init__(self, engines: EnginePool, router: Router, events: EventPublisher,
+    def __init__(self, engines: EngineTransport, router: Router, events: EventPublisher,
                  metrics: ProxyMetrics, max_retries: int,
-                 aborting: Callable[[], bool], continue_limit: int = 1, stall_timeout_s: float = 30.0) -> None:
-        self.engines = engines  # the upstream connections (services/proxy/engine_client.py)
+                 aborting: Callable[[], bool], continue_limit: int = 1, stall_timeout_s: float = 30.0,
+                 catalog: NodeModels | None = None, decode_only_tokens: int = 0) -> None:
+        self.engines = engines  # the engine transport (services/proxy/transport.py)
         self.router = router
         self.events = events
         self.metrics = metrics
@@ -174,18 +220,40 @@ class Forwarder:
         self.aborting = aborting
         self.continue_limit = continue_limit
         self.stall_timeout_s = stall_timeout_s
+        self.catalog = catalog  # model ids of nodes the snapshot has no list for
+        self.decode_only_tokens = decode_only_tokens  # a vllm pair's short prompt: its decode node alone (0: off)
 
-    async def forward(self, request: web.Request, exchange: Exchange, admission: Admission) -> web.StreamResponse:
-        """Run attempts until one answers, or retries and continuations run out; ``admission`` is the first node."""
+    async def forward(self, request: web.BaseRequest, exchange: Exchange, admission: Admission) -> web.StreamResponse:
+        """Run attempts until one answers, or retries and continuations run out; ``admission`` is the first node.
+        In a P/D pool it is a pair's prefill leg, and so is every admission that starts a new pair (a
+        retried ``sglang`` pair, a broken stream continued): ``_pair`` runs it (``vllm``) or starts it
+        beside the decode leg (``sglang``), and the decode leg is the attempt here."""
         attempt_no = retries = continuations = 0
+        decode: Admission | None = None  # a new pair's decode node, admitted with its prefill node
         while True:
+            if admission.role == NodeRole.PREFILL and attempt_no == 0 and self._decode_only(admission):
+                alone = self.router.admit(exchange.pool, exchange.avoid(), role=NodeRole.DECODE)
+                if alone is not None:  # none: the pair's own refusal below answers
+                    self.router.release(admission)
+                    admission = alone
+            if admission.role == NodeRole.PREFILL:
+                paired = await self._pair(exchange, admission, decode, attempt_no, retries)
+                if not isinstance(paired, tuple):
+                    return paired
+                admission, attempt_no, retries = paired
             attempt_id = exchange.request_id if attempt_no == 0 else f"{exchange.request_id}.{attempt_no}"
             exchange.tried.append(admission.node)
-            result = await self._attempt_with_events(request, exchange, admission, attempt_id)
+            if exchange.pair is None:
+                result = await self._attempt_with_events(request, exchange, admission, attempt_id)
+            else:
+                result = await self._paired_attempt(request, exchange, admission, attempt_id)
             if isinstance(result, Done):
                 return result.response
+            if isinstance(result, Failed) and result.partner:
+                exchange.tried.remove(admission.node)  # cancelled for its prefill's failure: the node may serve
             broken = isinstance(result, Broken)
-            attempt, next_admission = self._take_over(result, exchange, continuations if broken else retries)
+            attempt, next_admission, decode = self._take_over(result, exchange, continuations if broken else retries,
+                                                              admission)
             if next_admission is not None:
                 attempt.next_attempt = f"{exchange.request_id}.{attempt_no + 1}"
             self._finish(attempt_id, admission, attempt)
@@ -199,6 +267,11 @@ class Forwarder:
                 self.metrics.retries.labels(pool=exchange.pool).inc()
             admission, attempt_no = next_admission, attempt_no + 1
 
+    def _decode_only(self, admission: Admission) -> bool:
+        """A vllm pair's request short enough for its decode node to prefill alone (``decode_only_tokens``)."""
+        return (admission.protocol == PdProtocol.VLLM and self.decode_only_tokens > 0 and admission.size is not None
+                and admission.size.prompt_tokens <= self.decode_only_tokens)
+
     def _why_not(self, broken: bool, continuations: int) -> str:
         if not broken:
             return "the continuation failed and no retry was left"
@@ -206,18 +279,45 @@ class Forwarder:
             return f"--continue-limit {self.continue_limit} reached"
         return "no untried node to continue on"
 
-    def _take_over(self, result: Failed | Broken, exchange: Exchange, used: int) -> tuple[Attempt, Admission | None]:
-        """The failed attempt's record and the node that takes over, if the budget (``used`` of it) allows."""
+    def _take_over(self, result: Failed | Broken, exchange: Exchange, used: int,
+                   failed: Admission) -> tuple[Attempt, Admission | None, Admission | None]:
+        """The failed attempt's record and the node that takes over, if the budget (``used`` of it)
+        allows; in a P/D pool, a new pair (its prefill and decode admissions) for a broken stream or a
+        failed ``sglang`` decode leg, another decode node with the same KV params for a ``vllm`` one."""
         if isinstance(result, Broken):
-            next_admission = self.router.admit(exchange.pool, exchange.tried) if used < self.continue_limit else None
+            next_admission = self._admit_next(exchange) if used < self.continue_limit else None
+            next_admission, decode = self._with_decode(next_admission, exchange)
             if next_admission is not None:
                 result.attempt.outcome = RequestOutcome.CONTINUED
-            return result.attempt, next_admission
+            return result.attempt, next_admission, decode
         retry = result.retryable and used < self.max_retries
-        next_admission = self.router.admit(exchange.pool, exchange.tried) if retry else None
+        role = NodeRole.DECODE if failed.role == NodeRole.DECODE and failed.protocol == PdProtocol.VLLM else None
+        next_admission = self._admit_next(exchange, role) if retry else None
+        next_admission, decode = self._with_decode(next_admission, exchange)
         return Attempt(outcome=RequestOutcome.UPSTREAM_ERROR, status=result.status,
                        duration_ms=_ms(time.perf_counter() - exchange.arrived),
-                       error=(RETRIED_PREFIX if next_admission is not None else "") + result.reason), next_admission
+                       error=(RETRIED_PREFIX if next_admission is not None else "") + result.reason), next_admission, decode
+
+    def _admit_next(self, exchange: Exchange, role: NodeRole | None = None) -> Admission | None:
+        """The node that takes over; a new sglang pair avoids the prefill nodes whose pair's decode
+        leg failed beside them while another prefill node can serve (the decode's failure may have
+        been its bootstrap with a prefill engine that died), else takes them again."""
+        if exchange.suspect and role is None:
+            admission = self.router.admit(exchange.pool, [*exchange.avoid(), *exchange.suspect])
+            if admission is not None:
+                return admission
+        return self.router.admit(exchange.pool, exchange.avoid(), role=role)
+
+    def _with_decode(self, admission: Admission | None,
+                     exchange: Exchange) -> tuple[Admission | None, Admission | None]:
+        """A new pair's decode node beside its prefill ``admission`` (neither when there is none)."""
+        if admission is None or admission.role != NodeRole.PREFILL:
+            return admission, None
+        decode = self.router.admit(exchange.pool, exchange.avoid(), role=NodeRole.DECODE)
+        if decode is None:
+            self.router.release(admission)
+            return None, None
+        return admission, decode
 
     async def _give_up(self, result: Failed | Broken, admission: Admission, exchange: Exchange,
                        why: str) -> web.StreamResponse:
@@ -233,20 +333,217 @@ class Forwarder:
             await client.response.write_eof()
         return client.response
 
-    async def _attempt_with_events(self, request: web.Request, exchange: Exchange, admission: Admission,
+    # -- a P/D pool's pairs (scheduler.routing.pd; docs/design.md) --------------------------------
+
+    async def _pair(self, exchange: Exchange, admission: Admission, decode: Admission | None, attempt_no: int,
+                    retries: int) -> tuple[Admission, int, int] | web.StreamResponse:
+        """A pair for the request (its first, or a new one after a failure or a break): the decode
+        node (picked here for the first pair), then the protocol's prefill leg; the decode leg's
+        admission, attempt number and the retries used, or the answer when no pair can serve."""
+        if decode is None:
+            decode = self.router.admit(exchange.pool, exchange.avoid(), role=NodeRole.DECODE)
+        if decode is None:
+            self.router.release(admission)
+            message = f"no routable decode node in pool {exchange.pool} for the prefill/decode pair"
+            self.events.refused(exchange.request_id, 503, RefusalCause.NO_ROUTABLE_NODE, message, pool=exchange.pool,
+                                key_name=exchange.key_name)
+            return error_response(503, message, "service_unavailable", RefusalCause.NO_ROUTABLE_NODE.value,
+                                  headers={REQUEST_ID_HEADER: exchange.request_id})
+        exchange.headers.setdefault("X-Request-Id", exchange.request_id)  # one id for both legs (vLLM's KV lookup)
+        exchange.decoding = False
+        base = exchange.body if exchange.continuation is None else exchange.continuation
+        if admission.protocol == PdProtocol.SGLANG:
+            return self._sglang_pair(exchange, admission, decode, attempt_no, retries, base)
+        return await self._vllm_pair(exchange, admission, decode, attempt_no, retries, base)
+
+    async def _vllm_pair(self, exchange: Exchange, admission: Admission, decode: Admission, attempt_no: int,
+                         retries: int, base: bytes) -> tuple[Admission, int, int] | web.StreamResponse:
+        """Run the prefill leg (retried on another prefill node while it fails, up to ``max_retries``);
+        the decode body is ``exchange.leg_body``."""
+        body = pd.prefill_body(base)  # the proxy admitted a JSON object (app.py)
+        while True:
+            attempt_id = exchange.request_id if attempt_no == 0 else f"{exchange.request_id}.{attempt_no}"
+            self.events.started(attempt_id, admission.node, admission.pool, admission.snapshot_seq, admission.size,
+                                exchange.key_name, admission.role)
+            state = AttemptState(started=time.perf_counter())
+            try:
+                result = await self._prefill_leg(exchange, admission, state, body)
+            except asyncio.CancelledError:
+                outcome = RequestOutcome.ROUTER_ABORTED if self.aborting() else RequestOutcome.CLIENT_CANCELLED
+                self._finish(attempt_id, admission, self._record(exchange, state, outcome, state.status, error="cancelled"))
+                self.router.release(decode)
+                raise
+            finally:
+                self.router.release(admission)
+            duration = _ms(time.perf_counter() - exchange.arrived)
+            if not isinstance(result, Failed):
+                try:
+                    params = pd.kv_transfer_params(result[0])
+                except pd.PdBodyError as exc:  # a prefill engine without its KV connector: another may have one
+                    result = Failed(reason=str(exc), status=state.status)
+            if not isinstance(result, Failed):
+                usage = result[1]
+                self._finish(attempt_id, admission, Attempt(outcome=RequestOutcome.COMPLETED, status=state.status,
+                                                            duration_ms=duration, prompt_tokens=usage[0],
+                                                            completion_tokens=usage[1]))
+                exchange.leg_body = pd.decode_body(base, params)
+                return decode, attempt_no + 1, retries
+            exchange.tried.append(admission.node)
+            retry = result.retryable and retries < self.max_retries
+            next_admission = self.router.admit(exchange.pool, exchange.avoid()) if retry else None
+            attempt = Attempt(outcome=_leg_outcome(result), status=result.status, duration_ms=duration,
+                              error=(RETRIED_PREFIX if next_admission is not None else "") + result.reason)
+            if next_admission is not None:
+                attempt.next_attempt = f"{exchange.request_id}.{attempt_no + 1}"
+            self._finish(attempt_id, admission, attempt)
+            if next_admission is None:
+                self.router.release(decode)
+                return await self._give_up(result, admission, exchange, "no prefill node left for a new pair")
+            retries += 1
+            self.metrics.retries.labels(pool=exchange.pool).inc()
+            admission, attempt_no = next_admission, attempt_no + 1
+
+    def _sglang_pair(self, exchange: Exchange, admission: Admission, decode: Admission, attempt_no: int,
+                     retries: int, base: bytes) -> tuple[Admission, int, int]:
+        """Start the prefill leg with a fresh bootstrap room; the decode leg (the same body) runs beside it."""
+        room = secrets.randbits(pd.BOOTSTRAP_ROOM_BITS)
+        exchange.leg_body = body = pd.sglang_body(base, pd.bootstrap_host(admission.url), admission.bootstrap_port,
+                                                  room)
+        attempt_id = exchange.request_id if attempt_no == 0 else f"{exchange.request_id}.{attempt_no}"
+        self.events.started(attempt_id, admission.node, admission.pool, admission.snapshot_seq, admission.size,
+                            exchange.key_name, admission.role)
+        leg = PairLeg(admission, attempt_id, AttemptState(started=time.perf_counter()))
+        leg.task = asyncio.create_task(self._sglang_prefill(exchange, leg, body))
+        exchange.pair = leg
+        return decode, attempt_no + 1, retries
+
+    async def _sglang_prefill(self, exchange: Exchange, leg: PairLeg, body: bytes) -> Failed | None:
+        """An sglang pair's prefill leg, recorded; its failure (None: completed)."""
+        admission, state = leg.admission, leg.state
+        try:
+            result = await self._prefill_leg(exchange, admission, state, body)
+        except asyncio.CancelledError:
+            if leg.cancel_reason is None:  # the client went, or the proxy stops
+                outcome = RequestOutcome.ROUTER_ABORTED if self.aborting() else RequestOutcome.CLIENT_CANCELLED
+                self._finish(leg.attempt_id, admission, self._record(exchange, state, outcome, state.status,
+                                                                     error="cancelled"))
+                raise
+            failed = Failed(reason=f"cancelled: {leg.cancel_reason}", status=state.status)
+            self._finish(leg.attempt_id, admission, self._record(exchange, state, RequestOutcome.UPSTREAM_ERROR,
+                                                                 state.status, error=failed.reason))
+            return failed
+        finally:
+            self.router.release(admission)
+        if isinstance(result, Failed):
+            exchange.tried.append(admission.node)
+            self._finish(leg.attempt_id, admission, Attempt(outcome=_leg_outcome(result), status=result.status,
+                                                            duration_ms=_ms(time.perf_counter() - exchange.arrived),
+                                                            error=result.reason))
+            return result
+        usage = result[1]
+        self._finish(leg.attempt_id, admission, Attempt(outcome=RequestOutcome.COMPLETED, status=state.status,
+                                                        duration_ms=_ms(time.perf_counter() - exchange.arrived),
+                                                        prompt_tokens=usage[0], completion_tokens=usage[1]))
+        return None
+
+    async def _paired_attempt(self, request: web.BaseRequest, exchange: Exchange, admission: Admission,
+                              attempt_id: str) -> Done | Failed | Broken:
+        """An sglang pair's decode leg beside its prefill leg: when either fails first, the other is
+        cancelled at once (a decode leg whose first byte came keeps its KV: a later prefill failure
+        no longer matters); a completed decode leg gives its prefill leg ``PREFILL_GRACE_S`` to answer."""
+        leg = exchange.pair
+        assert leg is not None and leg.task is not None
+        prefill = leg.task
+        decode = asyncio.create_task(self._attempt_with_events(request, exchange, admission, attempt_id))
+        try:
+            await asyncio.wait((decode, prefill), return_when=asyncio.FIRST_COMPLETED)
+            if prefill.done() and not decode.done():
+                failure = prefill.result()
+                if failure is not None and not exchange.decoding:
+                    exchange.partner_failed = failure
+                    decode.cancel()
+            result = await decode
+            failure = prefill.result() if prefill.done() else None
+            if isinstance(result, Failed) and failure is not None and not result.partner and not exchange.decoding:
+                # both ended in the same turn: the decode leg's failure is its prefill's (its bootstrap broke)
+                result = Failed(reason=f"{result.reason} beside its failed prefill leg ({failure.reason})",
+                                status=result.status, response=None if failure.retryable else failure.response,
+                                retryable=failure.retryable, partner=True)
+            if not prefill.done():
+                if isinstance(result, Done):
+                    await asyncio.wait((prefill,), timeout=PREFILL_GRACE_S)
+                    why = f"its decode leg on {admission.node} ended {PREFILL_GRACE_S:g} s before it"
+                else:
+                    why = f"its decode leg on {admission.node} failed: " + (
+                        result.reason if isinstance(result, Failed) else result.attempt.error or "broken")
+                    if isinstance(result, Failed):
+                        exchange.suspect.append(leg.admission.node)
+                if not prefill.done():
+                    leg.cancel_reason = why
+                    prefill.cancel()
+            await asyncio.wait((prefill,))
+            return result
+        except asyncio.CancelledError:  # the client went, or the proxy stops: both legs end with it
+            decode.cancel()
+            prefill.cancel()
+            await asyncio.gather(decode, prefill, return_exceptions=True)
+            raise
+        finally:
+            exchange.pair = None
+
+    async def _prefill_leg(self, exchange: Exchange, admission: Admission, state: AttemptState,
+                           body: bytes) -> tuple[bytes, tuple[int | None, int | None]] | Failed:
+        """One prefill leg: its engine's 2xx answer (read whole) and its usage, or why it failed (an
+        engine's 4xx is not retried: it is the client's request, answered as the engine said)."""
+        if exchange.alias is not None:
+            body = await self._as_node_model(body, exchange.alias, admission)
+        state.sent = time.perf_counter()
+        state.overhead = state.sent - exchange.arrived
+        try:
+            reply = await self.engines.request(exchange.method, admission.url, exchange.path_qs, exchange.headers, body)
+        except (*TRANSPORT_ERRORS, ValueError) as exc:
+            return Failed(reason=describe(exc))
+        state.status = reply.status
+        try:
+            if reply.status >= 500:
+                return await self._failed_status(reply, admission, exchange)
+            try:
+                answer = await reply.read()
+            except TRANSPORT_ERRORS as exc:
+                return Failed(reason=describe(exc), status=reply.status)
+            if not 200 <= reply.status < 300:
+                response = web.Response(status=reply.status, body=answer, headers=reply.headers)
+                return Failed(reason=f"prefill leg answered HTTP {reply.status}", status=reply.status,
+                              response=self._tag(response, admission, exchange), retryable=False)  # type: ignore[arg-type]
+            return answer, usage_from_json(answer)
+        finally:
+            reply.close()
+
+    async def _attempt_with_events(self, request: web.BaseRequest, exchange: Exchange, admission: Admission,
                                    attempt_id: str) -> Done | Failed | Broken:
         self.events.started(attempt_id, admission.node, admission.pool, admission.snapshot_seq, admission.size,
-                            exchange.key_name)
+                            exchange.key_name, admission.role)
         state = AttemptState(started=time.perf_counter())
+        result: Done | Failed | Broken
         try:
             result = await self._attempt(request, exchange, admission, state)
         except asyncio.CancelledError:
-            aborted = self.aborting()
-            outcome = RequestOutcome.ROUTER_ABORTED if aborted else RequestOutcome.CLIENT_CANCELLED
-            self._finish(attempt_id, admission, self._record(exchange, state, outcome, None, error="cancelled"))
-            if aborted and exchange.client is not None:
-                await _tell_aborted(exchange.client.response)
-            raise
+            partner = exchange.partner_failed
+            if partner is None:
+                aborted = self.aborting()
+                outcome = RequestOutcome.ROUTER_ABORTED if aborted else RequestOutcome.CLIENT_CANCELLED
+                self._finish(attempt_id, admission, self._record(exchange, state, outcome, state.status,
+                                                                 error="cancelled"))
+                if aborted and exchange.client is not None:
+                    await _tell_aborted(exchange.client.response)
+                raise
+            exchange.partner_failed = None  # cancelled by _paired_attempt: its prefill leg failed
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            result = Failed(reason=f"cancelled: its prefill leg failed: {partner.reason}", status=state.status,
+                            response=None if partner.retryable else partner.response, retryable=partner.retryable,
+                            partner=True)
         finally:
             self.router.release(admission)
         if isinstance(result, Done):
@@ -255,8 +552,8 @@ class Forwarder:
         return result
 
     def _finish(self, attempt_id: str, admission: Admission, attempt: Attempt) -> None:
-        self.events.finished(attempt_id, admission.node, admission.pool, attempt)
-        self.metrics.count_request(admission.pool, admission.node, attempt.outcome)
+        self.events.finished(attempt_id, admission.node, admission.pool, attempt, admission.role)
+        self.metrics.count_request(admission.pool, admission.node, attempt.outcome, attempt.status)
 
     def _observe(self, exchange: Exchange, state: AttemptState) -> None:
         first_byte = exchange.client.first_byte if exchange.client is not None else state.first_byte
@@ -267,6 +564,8 @@ class Forwarder:
     def _record(self, exchange: Exchange, state: AttemptState, outcome: str, status: int | None,
                 usage: tuple[int | None, int | None] = (None, None), error: str | None = None) -> Attempt:
         now = time.perf_counter()
+        if usage[0] is not None or usage[1] is not None:
+            exchange.used_tokens = (usage[0] or 0) + (usage[1] or 0)
         ttft = None if state.first_byte is None else _ms(state.first_byte - exchange.arrived)
         return Attempt(outcome=outcome, status=status, ttft_ms=ttft, duration_ms=_ms(now - exchange.arrived),
                        prompt_tokens=usage[0], completion_tokens=usage[1], error=error)
@@ -281,16 +580,20 @@ class Forwarder:
 
     # -- one attempt ----------------------------------------------------------------------------
 
-    async def _attempt(self, request: web.Request, exchange: Exchange, admission: Admission,
+    async def _attempt(self, request: web.BaseRequest, exchange: Exchange, admission: Admission,
                        state: AttemptState) -> Done | Failed | Broken:
-        body = exchange.body if exchange.continuation is None else exchange.continuation
+        body = exchange.leg_body if exchange.leg_body is not None else (
+            exchange.body if exchange.continuation is None else exchange.continuation)
+        if exchange.alias is not None:  # a pool's name: this node's own model id (never another node's)
+            body = await self._as_node_model(body, exchange.alias, admission)
         state.sent = time.perf_counter()
         state.overhead = state.sent - exchange.arrived
         try:
             engine_response = await self.engines.request(exchange.method, admission.url, exchange.path_qs,
                                                          exchange.headers, body)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:  # ValueError: a bad URL
+        except (*TRANSPORT_ERRORS, ValueError) as exc:  # ValueError: a bad URL
             return Failed(reason=describe(exc))
+        state.status = engine_response.status  # recorded on every attempt the engine answered, cancelled ones too
         try:
             if engine_response.status >= 500:
                 return await self._failed_status(engine_response, admission, exchange)
@@ -304,21 +607,28 @@ class Forwarder:
         finally:
             engine_response.close()  # no-op after a full read; on cancel or error it aborts the engine's work
 
-    async def _failed_status(self, engine_response: EngineResponse, admission: Admission,
+    async def _as_node_model(self, body: bytes, alias: str, admission: Admission) -> bytes:
+        ids = admission.models
+        if ids is None and self.catalog is not None:  # not listed by the collector: the proxy's own cache
+            ids = await self.catalog.node_models(admission.url)
+        model = node_model(ids, alias)
+        return body if model is None else with_model(body, model)
+
+    async def _failed_status(self, engine_response: EngineReply, admission: Admission,
                              exchange: Exchange) -> Failed:
         try:
             body = await engine_response.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except TRANSPORT_ERRORS:
             body = b""
         response = web.Response(status=engine_response.status, body=body, headers=engine_response.headers)
         self._tag(response, admission, exchange)
         return Failed(reason=f"HTTP {engine_response.status}", status=engine_response.status, response=response)
 
-    async def _buffered(self, request: web.Request, exchange: Exchange, admission: Admission, state: AttemptState,
-                        engine_response: EngineResponse) -> Done | Failed:
+    async def _buffered(self, request: web.BaseRequest, exchange: Exchange, admission: Admission, state: AttemptState,
+                        engine_response: EngineReply) -> Done | Failed:
         try:
             body = await engine_response.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except TRANSPORT_ERRORS as exc:
             return Failed(reason=describe(exc), status=engine_response.status)
         received = time.perf_counter()
         response = web.Response(status=engine_response.status, body=body, headers=engine_response.headers)
@@ -332,15 +642,17 @@ class Forwarder:
             return Done(response, self._record(exchange, state, RequestOutcome.CLIENT_CANCELLED, engine_response.status,
                                                error=describe(exc)))
         usage = usage_from_json(body) if engine_response.content_type == "application/json" else (None, None)
-        return Done(response, self._record(exchange, state, RequestOutcome.COMPLETED, engine_response.status, usage))
+        return Done(response, self._record(exchange, state, answered(engine_response.status), engine_response.status,
+                                           usage))
 
-    async def _stream(self, request: web.Request, exchange: Exchange, admission: Admission, state: AttemptState,
-                      engine_response: EngineResponse) -> Done | Failed | Broken:
+    async def _stream(self, request: web.BaseRequest, exchange: Exchange, admission: Admission, state: AttemptState,
+                      engine_response: EngineReply) -> Done | Failed | Broken:
         try:
             first = await engine_response.content.readany()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except TRANSPORT_ERRORS as exc:
             return Failed(reason=describe(exc), status=engine_response.status)
         self.router.prefilled(admission)  # the engine's first token: the prompt is no longer its backlog
+        exchange.decoding = True
         received = time.perf_counter()
         status = engine_response.status
         try:
@@ -364,10 +676,10 @@ class Forwarder:
                         self._record(exchange, state, RequestOutcome.CLIENT_CANCELLED, status, error=describe(exc)))
         if error is not None:
             return Done(client.response, self._record(exchange, state, RequestOutcome.UPSTREAM_ERROR, status, error=error))
-        return Done(client.response, self._record(exchange, state, RequestOutcome.COMPLETED, status, usage or (None, None)))
+        return Done(client.response, self._record(exchange, state, answered(status), status, usage or (None, None)))
 
-    async def _open(self, request: web.Request, exchange: Exchange, admission: Admission,
-                    engine_response: EngineResponse, state: AttemptState) -> ClientStream:
+    async def _open(self, request: web.BaseRequest, exchange: Exchange, admission: Admission,
+                    engine_response: EngineReply, state: AttemptState) -> ClientStream:
         """Send the client the response headers: the first attempt to answer SSE opens its stream."""
         response = web.StreamResponse(status=engine_response.status, headers=engine_response.headers)
         self._tag(response, admission, exchange)
@@ -395,7 +707,7 @@ class Forwarder:
         text.next_attempt()
         return Broken(self._record(exchange, state, RequestOutcome.UPSTREAM_ERROR, status, usage, error=error))
 
-    async def _relay(self, engine_response: EngineResponse, client: ClientStream, first: bytes,
+    async def _relay(self, engine_response: EngineReply, client: ClientStream, first: bytes,
                      state: AttemptState) -> str | None:
         """Forward whole events as they complete, reading each; the break, if the stream broke."""
         text, response, content = client.text, client.response, engine_response.content
@@ -426,11 +738,11 @@ class Forwarder:
                         chunk = await content.readany()
             except asyncio.TimeoutError:
                 return None if text.done else f"stalled: no byte for {self.stall_timeout_s:g} s"
-            except (aiohttp.ClientError, OSError) as exc:
+            except TRANSPORT_ERRORS as exc:
                 return None if text.done else describe(exc)
 
     @staticmethod
-    async def _pump(engine_response: EngineResponse, response: web.StreamResponse,
+    async def _pump(engine_response: EngineReply, response: web.StreamResponse,
                     first: bytes) -> tuple[str | None, bytes]:
         """Copy the stream as it arrives: the upstream error that cut it, if any, and its last chunks (``usage``)."""
         tail: deque[bytes] = deque(maxlen=_TAIL_CHUNKS)
@@ -440,7 +752,7 @@ class Forwarder:
             tail.append(chunk)
             try:
                 chunk = await content.readany()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except TRANSPORT_ERRORS as exc:
                 return describe(exc), b""
         return None, b"".join(tail)
 
@@ -454,22 +766,27 @@ async def _tell_aborted(response: web.StreamResponse) -> None:
         pass
 
 
+def _leg_outcome(result: Failed) -> RequestOutcome:
+    """A failed prefill leg's outcome: the engine's 4xx answer is ``engine_error``, anything else ``upstream_error``."""
+    answered_4xx = not result.retryable and result.status is not None and result.status < 500
+    return RequestOutcome.ENGINE_ERROR if answered_4xx else RequestOutcome.UPSTREAM_ERROR
+
+
+def answered(status: int) -> RequestOutcome:
+    """The outcome of an engine's answer (below 500) that reached the client whole: ``completed``
+    for a 2xx, ``engine_error`` for anything else (a 4xx, a 3xx): docs/design.md §6, "Engine errors"."""
+    return RequestOutcome.COMPLETED if 200 <= status < 300 else RequestOutcome.ENGINE_ERROR
+
+
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
 
 
-def upstream_url(base: str, path_qs: str) -> str:
-    """The engine URL of a client path. A node URL may end in ``/v1`` (the OpenAI base); the
-    client's path is taken from the server root either way: ``/v1/...`` once, ``/tokenize`` at the root."""
-    base = base.rstrip("/")
-    if base.endswith("/v1"):
-        base = base[:-3]
-    return base + path_qs
-
-
 def forward_headers(headers: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
-    """The client's headers for the engine. A client that asked for no encoding gets none: ``identity``
-    (else aiohttp would offer gzip for it, and the proxy passes bodies through undecoded)."""
+    """The client's headers for the engine, minus hop-by-hop ones and what the transport sets.
+    A client that named no ``Accept-Encoding`` gets ``identity``: without the header an engine
+    may pick any coding (RFC 9110 §12.5.3), but the proxy passes bodies through undecoded to a
+    client that never said it can decode them, and reads ``usage`` from JSON and SSE events."""
     out: CIMultiDict[str] = CIMultiDict(headers)
     strip(out, REQUEST_DROP)
     out.setdefault("Accept-Encoding", "identity")

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from laswrr.services import settings
 from laswrr.services.sim_engine import npu_smi
 from laswrr.services.sim_engine.app import start_server
-from laswrr.services.sim_engine.config import SimConfig
+from laswrr.services.sim_engine.config import FLAVOURS, PD_PROTOCOLS, PD_ROLES, SimConfig
 from laswrr.services.sim_engine.profiles import PROFILES
 
 LISTEN_PREFIX = "sim-engine listening on "
@@ -37,6 +37,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     engine.add_argument("--speed", type=float, default=_DEFAULTS.speed, help="multiplies every speed (tests: 20)")
     engine.add_argument("--kv-tokens", type=int, default=_DEFAULTS.kv_tokens,
                         help="KV-cache room in tokens (default: profile)")
+    engine.add_argument("--pd-role", choices=PD_ROLES, default=_DEFAULTS.pd_role,
+                        help="prefill/decode disaggregation: play the prefill or the decode side of "
+                             "--pd-protocol (default %(default)s: whole requests)")
+    engine.add_argument("--pd-protocol", choices=PD_PROTOCOLS, default=_DEFAULTS.pd_protocol,
+                        help="vllm: a prefill answers kv_transfer_params do_remote_decode after its prefill, a "
+                             "decode serves only requests carrying a prefill's kv_transfer_params; sglang: both "
+                             "legs get bootstrap_host/port/room, the decode pulls the KV from the prefill's "
+                             "bootstrap port (default %(default)s)")
+    engine.add_argument("--pd-local-prefill", action="store_true",
+                        help="a vllm decode instance serves a request without kv_transfer_params whole, "
+                             "prefilling it itself (a vLLM decode engine with a kv_both connector); default: "
+                             "refused with 400")
+    engine.add_argument("--bootstrap-port", type=int, default=_DEFAULTS.bootstrap_port,
+                        help="an sglang prefill instance's bootstrap server port (required for one)")
+    engine.add_argument("--bootstrap-timeout-s", type=settings.duration("s"), default=_DEFAULTS.bootstrap_timeout_s,
+                        help="sglang: how long a decode waits for its bootstrap room and a prefill for its "
+                             "decode to take the KV, then fails (default %(default)s)")
+    engine.add_argument("--flavour", choices=FLAVOURS, default=_DEFAULTS.flavour,
+                        help="vllm, or mindie: MindIE's /metrics names, /v1/status, /v2/status, /metrics-json "
+                             "(default %(default)s)")
+    engine.add_argument("--exporter-update-s", type=settings.duration("s"), default=_DEFAULTS.exporter_update_s,
+                        help="refresh of the simulated npu-exporter's cache, GET /sim/npu-exporter "
+                             "(default %(default)s)")
     settings.add_logging(engine)
     engine.set_defaults(func=run_engine)
 
@@ -48,7 +71,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(chip=args.chip, capacity=args.capacity, host=args.host, port=args.port, model=args.model,
-                     seed=args.seed, node_id=args.node_id, speed=args.speed, kv_tokens=args.kv_tokens)
+                     seed=args.seed, node_id=args.node_id, speed=args.speed, kv_tokens=args.kv_tokens,
+                     flavour=args.flavour, exporter_update_s=args.exporter_update_s, pd_role=args.pd_role,
+                     pd_protocol=args.pd_protocol, bootstrap_port=args.bootstrap_port,
+                     pd_local_prefill=args.pd_local_prefill,
+                     bootstrap_timeout_s=args.bootstrap_timeout_s)
 
 
 async def serve(config: SimConfig) -> None:

@@ -5,14 +5,24 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
+from laswrr.schemas.words import NpuHealth
 from laswrr.services.sim_engine.profiles import ChipProfile, get_profile
 
 FailMode = Literal["none", "refuse", "http500", "cut_stream", "stall_stream"]
-Health = Literal["OK", "Warning", "Alarm", "Critical"]
+Flavour = Literal["vllm", "mindie"]
+PdRole = Literal["both", "prefill", "decode"]
+PD_ROLES: tuple[str, ...] = get_args(PdRole)
+PdProtocolName = Literal["vllm", "sglang"]
+PD_PROTOCOLS: tuple[str, ...] = get_args(PdProtocolName)
+# A P/D decode instance "transfers" a prompt's KV from its prefill instance at this rate (tokens/s,
+# times --speed) before decoding it: ~ a 64 KB-per-token model's KV over a 25 GB/s link.
+KV_TRANSFER_TOKENS_PER_S = 400_000.0
+FLAVOURS: tuple[str, ...] = get_args(Flavour)
 FAIL_MODES: tuple[str, ...] = get_args(FailMode)
-HEALTH_STATES: tuple[str, ...] = get_args(Health)
+# The chip healths POST /admin may set (npu-smi's words but UNKNOWN, which npu-smi prints for none).
+HEALTH_STATES: tuple[NpuHealth, ...] = tuple(h for h in NpuHealth if h != NpuHealth.UNKNOWN)
 # Chip health values for which the engine's own /health answers 503.
-UNHEALTHY_STATES = frozenset({"Alarm", "Critical"})
+UNHEALTHY_STATES = frozenset({NpuHealth.ALARM, NpuHealth.CRITICAL})
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +39,13 @@ class SimConfig:
     speed: float = 1.0
     kv_tokens: int | None = None  # default: the chip profile's KV room
     npu_id: int = 0
+    flavour: Flavour = "vllm"  # mindie: MindIE's /metrics names, /v1/status, /v2/status, /metrics-json
+    exporter_update_s: float = 5.0  # the simulated npu-exporter's cache refresh (its -updateTime)
+    pd_role: PdRole = "both"  # prefill/decode disaggregation (docs/design.md)
+    pd_protocol: PdProtocolName = "vllm"  # the P/D protocol a prefill or decode instance speaks
+    pd_local_prefill: bool = False  # a vllm decode instance serves a request without kv_transfer_params whole
+    bootstrap_port: int = 0  # an sglang prefill instance's bootstrap server port (required for one)
+    bootstrap_timeout_s: float = 30.0  # sglang: a decode waits this long for its room, a prefill for its decode
 
     @property
     def profile(self) -> ChipProfile:
@@ -46,6 +63,24 @@ class SimConfig:
             raise ValueError(f"--speed must be > 0, got {self.speed}")
         if self.kv_tokens is not None and self.kv_tokens < 1:
             raise ValueError(f"--kv-tokens must be >= 1, got {self.kv_tokens}")
+        if self.flavour not in FLAVOURS:
+            raise ValueError(f"--flavour must be one of {', '.join(FLAVOURS)}, got {self.flavour!r}")
+        if not 1.0 <= self.exporter_update_s <= 60.0:
+            raise ValueError(f"--exporter-update-s must be within 1..60 (npu-exporter's -updateTime), "
+                             f"got {self.exporter_update_s}")
+        if self.pd_role not in PD_ROLES:
+            raise ValueError(f"--pd-role must be one of {', '.join(PD_ROLES)}, got {self.pd_role!r}")
+        if self.pd_protocol not in PD_PROTOCOLS:
+            raise ValueError(f"--pd-protocol must be one of {', '.join(PD_PROTOCOLS)}, got {self.pd_protocol!r}")
+        sglang_prefill = self.pd_role == "prefill" and self.pd_protocol == "sglang"
+        if sglang_prefill and not 1 <= self.bootstrap_port <= 65535:
+            raise ValueError(f"an sglang prefill instance needs --bootstrap-port (1..65535), got {self.bootstrap_port}")
+        if not sglang_prefill and self.bootstrap_port:
+            raise ValueError("--bootstrap-port is only for --pd-role prefill --pd-protocol sglang")
+        if self.pd_local_prefill and (self.pd_role, self.pd_protocol) != ("decode", "vllm"):
+            raise ValueError("--pd-local-prefill is only for --pd-role decode --pd-protocol vllm")
+        if not self.bootstrap_timeout_s > 0:
+            raise ValueError(f"--bootstrap-timeout-s must be > 0, got {self.bootstrap_timeout_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
 
@@ -55,8 +90,9 @@ class FaultState:
     """What POST /admin can change besides capacity and slowdown (those live in the physics)."""
 
     fail: FailMode = "none"
-    health: Health = "OK"
+    health: NpuHealth = NpuHealth.OK
     cut_after: int = 2  # tokens streamed before a cut_stream abort or a stall_stream stall
+    fault_code: str = ""  # a MindCluster fault code (8 hex digits) its npu-exporter reports; "" none
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -49,9 +49,9 @@ class EngineDriver:
             self._task = None
 
     def submit(self, prompt_tokens: int, output_tokens: int, finish_reason: str,
-               prompt_text: str = "") -> RequestHandle:
+               prompt_text: str = "", kv_received: bool = False) -> RequestHandle:
         """Queue a request (ValueError if it can never fit); tokens arrive on handle.queue."""
-        req = self.sim.submit(prompt_tokens, output_tokens, self.now(), prompt_text)
+        req = self.sim.submit(prompt_tokens, output_tokens, self.now(), prompt_text, kv_received)
         handle = RequestHandle(req, finish_reason)
         self._handles[req.req_id] = handle
         self._kick.set()

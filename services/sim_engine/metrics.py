@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from laswrr.services.sim_engine.mindie import Timings
 from laswrr.services.sim_engine.physics import EngineSnapshot, SimRequest
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -25,30 +26,34 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class SimMetrics:
     """The metric objects plus the hooks the engine driver calls."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, flavour: str = "vllm") -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
+        self.timings = Timings()  # MindIE's /metrics-json means
         r, labels = self.registry, ["model_name"]
-        self.running = Gauge("vllm:num_requests_running", "Number of requests currently running on GPU.", labels, registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels, registry=r)
-        self.gpu_cache = Gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", labels, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=r)
-        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+        # MindIE (docs/ascend.md): the same series without the vllm: prefix, KV as npu_cache_usage_perc.
+        p = "" if flavour == "mindie" else "vllm:"
+        kv_name = "npu_cache_usage_perc" if flavour == "mindie" else "vllm:kv_cache_usage_perc"
+        self.running = Gauge(f"{p}num_requests_running", "Number of requests currently running on GPU.", labels, registry=r)
+        self.waiting = Gauge(f"{p}num_requests_waiting", "Number of requests waiting to be processed.", labels, registry=r)
+        self.kv_usage = Gauge(kv_name, "KV-cache usage. 1 means 100 percent usage.", labels, registry=r)
+        self.gpu_cache = Gauge(f"{p}gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", labels, registry=r)
+        self.prompt_tokens = Counter(f"{p}prompt_tokens", "Number of prefill tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter(f"{p}generation_tokens", "Number of generation tokens processed.", labels, registry=r)
+        self.success = Counter(f"{p}request_success", "Count of successfully processed requests.",
                                ["finished_reason", "model_name"], registry=r)
-        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels, registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+        self.preemptions = Counter(f"{p}num_preemptions", "Cumulative number of preemption from the engine.", labels, registry=r)
+        self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               labels, buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+        self.tpot = Histogram(f"{p}time_per_output_token_seconds", "Histogram of time per output token in seconds.",
                               labels, buckets=TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+        self.e2e = Histogram(f"{p}e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
                              labels, buckets=REQUEST_BUCKETS, registry=r)
-        self.queue = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+        self.queue = Histogram(f"{p}request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
                                labels, buckets=REQUEST_BUCKETS, registry=r)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+        self.prefix_queries = Counter(f"{p}prefix_cache_queries", "Prefix cache queries, in terms of number of "
                                       "queried tokens.", labels, registry=r)
-        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+        self.prefix_hits = Counter(f"{p}prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
                                    "tokens.", labels, registry=r)
         self._prefix_seen = (0, 0)
         for metric in (self.prefix_queries, self.prefix_hits, self.running, self.waiting, self.kv_usage, self.gpu_cache, self.prompt_tokens,
@@ -68,6 +73,10 @@ class SimMetrics:
 
     def on_finished(self, req: SimRequest, finish_reason: str) -> None:
         assert req.finished_at is not None
+        ttft = None if req.first_token_at is None else req.first_token_at - req.arrival
+        tbt = None if req.first_token_at is None or req.generated < 2 else \
+            (req.finished_at - req.first_token_at) / (req.generated - 1)
+        self.timings.add(ttft, tbt)
         self.e2e.labels(self.model_name).observe(req.finished_at - req.arrival)
         self.success.labels(finish_reason, self.model_name).inc()
 

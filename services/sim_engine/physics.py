@@ -85,6 +85,7 @@ class SimRequest:
     block_keys: tuple[bytes, ...] = ()  # prefix-chain keys of the prompt's full blocks
     held_blocks: int = 0  # leading block_keys this request references in the prefix cache
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    kv_received: bool = False  # a P/D decode instance's request: its prompt's KV came from a prefill node
 
     @property
     def kv_reserve(self) -> int:
@@ -198,9 +199,12 @@ class EngineSim:
         return seconds * self._slowdown / self.speed
 
     # -- requests ----------------------------------------------------------------------
-    def submit(self, prompt_tokens: int, output_tokens: int, now: float, prompt_text: str = "") -> SimRequest:
+    def submit(self, prompt_tokens: int, output_tokens: int, now: float, prompt_text: str = "",
+               kv_received: bool = False) -> SimRequest:
         """Queue a request; ValueError if it can never fit in the KV cache. ``prompt_text``
-        (optional) is what the prefix cache hashes; without it the request never hits."""
+        (optional) is what the prefix cache hashes; without it the request never hits.
+        ``kv_received``: its prompt's KV was transferred from a prefill instance (P/D decode): it
+        holds its KV but its first step computes no prefill."""
         if prompt_tokens < 1 or output_tokens < 1:
             raise ValueError("prompt_tokens and output_tokens must be >= 1")
         if prompt_tokens + output_tokens > self.kv_tokens_total:
@@ -211,7 +215,8 @@ class EngineSim:
         self._next_id += 1
         ready_at = now + self.params.frontend_s / self.speed
         keys = block_keys(prompt_text, self.params.kv_block_tokens, prompt_tokens // self.params.kv_block_tokens)
-        req = SimRequest(self._next_id, prompt_tokens, output_tokens, now, ready_at, block_keys=keys)
+        req = SimRequest(self._next_id, prompt_tokens, output_tokens, now, ready_at, block_keys=keys,
+                         kv_received=kv_received)
         self._waiting.append(req)
         return req
 
@@ -272,7 +277,8 @@ class EngineSim:
             self._running[req.req_id] = req
             self._kv_reserved += req.kv_reserve
             req.held_blocks, req.cached_tokens = self.prefix_cache.admit(req.block_keys, req.prompt_tokens)
-            prefill_tokens += req.prompt_tokens - req.cached_tokens
+            if not req.kv_received:
+                prefill_tokens += req.prompt_tokens - req.cached_tokens
         self.prefix_cache.evict_to(self.kv_tokens_total - self._kv_reserved)
         return prefill_tokens
 

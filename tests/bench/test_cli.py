@@ -52,6 +52,20 @@ def test_policies_default_and_peer_names() -> None:
         parse_policies("nginx:cache_aware")
 
 
+def test_overload_runs_every_row_in_one_run_by_default() -> None:
+    from laswrr.bench.cli import DEFAULT_POLICIES, parse_policies, scenario_policies
+    from laswrr.bench.scenarios import get_scenario
+
+    overload, drop = get_scenario("overload"), get_scenario("announced-drop")
+    default = parse_policies(None, peers=False)
+    assert scenario_policies(overload, default, named=False) == [
+        "la-swrr+flow", "la-swrr", "la-swrr+cap", *DEFAULT_POLICIES[1:]]
+    assert scenario_policies(overload, [*default, "vllm-router:power_of_two"], named=False)[-1] == \
+        "vllm-router:power_of_two"
+    assert scenario_policies(overload, ["rr", "la-swrr"], named=True) == ["rr", "la-swrr"]  # --policies as given
+    assert scenario_policies(drop, default, named=False) == default
+
+
 def test_peer_names_map_to_their_routers() -> None:
     from laswrr.bench.stack_adapter import is_peer, peer_of, request_model
 

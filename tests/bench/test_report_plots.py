@@ -54,3 +54,19 @@ def test_admission_to_a_weightless_node_is_counted() -> None:
                RequestResult(1, 1.5, 1.9, 0.1, 0.4, "n1", "completed"),
                RequestResult(2, 1.6, 1.7, None, None, None, "error")]
     assert admitted_to_draining_from_snapshots(results, snaps) == 1
+
+
+def test_status_goals_compare_the_focus_tails_on_e2e_and_on_ttft() -> None:
+    from laswrr.bench.report import status_goals
+    from laswrr.bench.scenarios import get_scenario
+
+    def row(e2e: float, ttft: float, reaction: float | None = None) -> dict[str, object]:
+        return {"slowed_node": {"weight_reaction_s": reaction}, "phases": {"slow": {"e2e_p99": e2e, "ttft_p99": ttft}}}
+
+    goals = status_goals(get_scenario("silent-slowdown-mindie"), {
+        "la-swrr": row(6.0, 0.2, 0.3), "la-swrr+no-status": row(6.5, 0.8, 1.7),
+        "vllm-router:power_of_two": row(6.2, 2.5), "sglang-router:cache_aware": row(7.0, 1.0)})
+    assert goals["loss_believed_s"]["met"] and not goals["focus_p99_vs_best_peer"]["met"]
+    assert goals["focus_ttft_p99_vs_best_peer"] == {"value": 0.2, "best": "sglang-router:cache_aware", "goal": 0.5,
+                                                    "met": True}
+    assert goals["focus_ttft_p99_vs_no_status"] == {"value": 0.25, "goal": 0.9, "met": True}

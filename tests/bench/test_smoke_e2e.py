@@ -72,3 +72,25 @@ async def test_smoke_through_two_proxy_replicas(tmp_path: Path) -> None:
     # both replicas installed snapshots and said how old each was (the other replica's counts' age)
     lag = s["view_lag"]
     assert lag["snapshots"] > 0 and 0 <= lag["mean_s"] <= lag["p99_le_s"] or lag["p99_le_s"] == float("inf"), lag
+
+
+async def test_a_peer_that_will_not_start_costs_its_row_not_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from laswrr.bench import stack_adapter
+    from laswrr.bench.report import print_table
+
+    router = tmp_path / "broken-router"  # a real process that dies at start, as a peer with a bad flag does
+    router.write_text("#!/bin/sh\necho 'error: unexpected argument' >&2\nexit 3\n")
+    router.chmod(0o755)
+    monkeypatch.setattr(stack_adapter, "peer_binary", lambda _router: str(router))
+    summary, _ = await bench_scenario(SMOKE, ["sglang-router:round_robin", "la-swrr"], seed=3,
+                                      out_dir=tmp_path / "out", plots=False)
+    reason = summary["not_run"]["sglang-router:round_robin"]
+    assert "exited with 3" in reason and "sglang-router.log" in reason, reason
+    assert list(summary["policies"]) == ["la-swrr"]
+    s = summary["policies"]["la-swrr"]
+    assert s["overall"]["completed"] > 0 and s["interrupted"] == 0 and s["replay"]["ok"]
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["not_run"] == summary["not_run"]
+    print_table(summary)
+    assert "sglang-router:round_robin: did not run: sglang-router exited with 3" in capsys.readouterr().out

@@ -59,7 +59,7 @@ def test_first_token_eta_counts_the_queue_and_the_cached_prefix() -> None:
     assert engine.first_token_eta(4000, "a" * 16000, now=0.0) > alone + 0.9  # the waiting prompt first
 
 
-def test_the_command_writes_its_rows_and_refuses_a_non_trace_scenario(tmp_path: Path) -> None:
+def test_the_command_writes_its_rows_and_refuses_what_virtual_time_does_not_model(tmp_path: Path) -> None:
     run = [sys.executable, "-m", "laswrr", "bench", "--virtual", "--out", str(tmp_path)]
     done = subprocess.run([*run, "--scenario", "smoke-trace", "--policies", "la-swrr"], capture_output=True,
                           text=True, timeout=120)
@@ -67,5 +67,8 @@ def test_the_command_writes_its_rows_and_refuses_a_non_trace_scenario(tmp_path: 
     assert "oracle" in done.stdout and "virtual time" in done.stdout
     rows = json.loads((tmp_path / "smoke-trace" / "virtual.json").read_text())
     assert [(r["policy"], r["affinity"]) for r in rows] == [("la-swrr", "prefix"), ("la-swrr", "none"), (ORACLE, "-")]
-    refused = subprocess.run([*run, "--scenario", "smoke"], capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2 and "not a trace scenario" in refused.stderr
+    refused = subprocess.run([*run, "--scenario", "crash-return"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--virtual models the actions" in refused.stderr
+    refused = subprocess.run([*run, "--scenario", "smoke-trace", "--policies", "la-swrr+no-status"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "its weights are fixed" in refused.stderr

@@ -157,3 +157,43 @@ capacity = 2
     assert bare.registration() == {"url": "http://h:3", "pool": "default", "capacity": 2}  # no defaults sent
     with pytest.raises(NodesConfigError, match="capacity must be given"):
         Node(id="c", url="http://h:4").registration()
+
+
+def test_role_and_pd_protocol_are_registered_and_checked() -> None:
+    (prefill, both), warnings = parse("""
+[[node]]
+id = "p1"
+url = "http://h:1"
+capacity = 4
+role = "prefill"
+pd_protocol = "vllm"
+[[node]]
+id = "b1"
+url = "http://h:2"
+capacity = 4
+role = "both"
+""")
+    assert warnings == []
+    assert prefill.registration() == {"url": "http://h:1", "pool": "default", "capacity": 4, "role": "prefill",
+                                      "pd_protocol": "vllm"}
+    assert both.registration() == {"url": "http://h:2", "pool": "default", "capacity": 4}  # the default is not sent
+    with pytest.raises(NodesConfigError, match="node 'd1': a decode node needs pd_protocol"):
+        parse('[[node]]\nid = "d1"\nurl = "http://h:1"\nrole = "decode"\n')
+    with pytest.raises(NodesConfigError, match="node 'd1': role must be one of both, prefill, decode, got 'leader'"):
+        parse('[[node]]\nid = "d1"\nurl = "http://h:1"\nrole = "leader"\n')
+    with pytest.raises(NodesConfigError, match="pd_protocol must be one of vllm, sglang"):
+        parse('[[node]]\nid = "d1"\nurl = "http://h:1"\nrole = "decode"\npd_protocol = "mooncake"\n')
+
+
+def test_an_sglang_prefill_node_names_its_bootstrap_port() -> None:
+    (prefill,), warnings = parse('[[node]]\nid = "p1"\nurl = "http://h:1"\ncapacity = 4\nrole = "prefill"\n'
+                                 'pd_protocol = "sglang"\nbootstrap_port = 8998\n')
+    assert warnings == [] and prefill.registration() == {
+        "url": "http://h:1", "pool": "default", "capacity": 4, "role": "prefill", "pd_protocol": "sglang",
+        "bootstrap_port": 8998}
+    with pytest.raises(NodesConfigError, match="node 'p1': an sglang prefill node needs bootstrap_port"):
+        parse('[[node]]\nid = "p1"\nurl = "http://h:1"\nrole = "prefill"\npd_protocol = "sglang"\n')
+    with pytest.raises(NodesConfigError, match="node 'd1': bootstrap_port is only for an sglang prefill node"):
+        parse('[[node]]\nid = "d1"\nurl = "http://h:1"\nrole = "decode"\npd_protocol = "sglang"\nbootstrap_port = 1\n')
+    with pytest.raises(NodesConfigError, match="bootstrap_port must be a port number 1..65535, got 0"):
+        parse('[[node]]\nid = "p1"\nurl = "http://h:1"\nrole = "prefill"\npd_protocol = "sglang"\nbootstrap_port = 0\n')

@@ -90,6 +90,21 @@ def test_request_statistics_over_the_sliding_window() -> None:
     assert sum(ok for _, ok, _ in bins) == 100 and sum(bad for _, _, bad in bins) == 1
 
 
+def test_engine_errors_and_refusals_are_answers_by_class_never_completed() -> None:
+    log = pool_log()
+    log.send(sj.req_started("n1"), {"request_id": "ok", "proxy": "p"}, dt_ms=10)
+    log.send(sj.req_finished("n1"), {"request_id": "ok", "proxy": "p", "outcome": "completed", "status": 200})
+    log.send(sj.req_started("n1"), {"request_id": "e", "proxy": "p"}, dt_ms=10)
+    log.send(sj.req_finished("n1"), {"request_id": "e", "proxy": "p", "outcome": "engine_error", "status": 404})
+    log.send(sj.req_refused("p"), {"request_id": "r", "proxy": "p", "status": 404, "cause": "unknown_model",
+                                   "pool": "default"}, dt_ms=10)
+    stats = log.board.state(log.ts_ns)["pools"]["default"]["requests"]
+    assert stats["outcomes"] == {"completed": 1, "engine_error": 1, "refused": 1}
+    assert stats["answers"] == {"engine 2xx": 1, "engine 4xx": 1, "router 4xx": 1}
+    bins = log.board.rate_bins("default", T0, log.ts_ns)
+    assert sum(ok for _, ok, _ in bins) == 1 and sum(bad for _, _, bad in bins) == 2  # no green spike
+
+
 def test_batched_request_events_count_as_they_would_alone() -> None:
     alone, batched = pool_log(), pool_log()
     for i in range(1, 41):
@@ -129,3 +144,36 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile([], 50) is None
     assert percentile([3.0], 99) == 3.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.0 and percentile([1.0, 2.0, 3.0, 4.0], 99) == 4.0
+
+
+def test_queue_depth_per_band_from_queued_to_started_or_refused() -> None:
+    """Flow control's held requests: each counts in its pool and band from ``lb.req.queued``
+    until the ``lb.req.started`` or ``lb.req.refused`` with its id (alone or in a batch, any proxy)."""
+    log = pool_log()
+    t_start = log.ts_ns
+    held = [("i1", "interactive", "p1"), ("b1", "batch", "p1"), ("b2", "batch", "p2"), ("d1", "default", "p2")]
+    for rid, band, proxy in held:
+        log.send(sj.req_queued(proxy), {"request_id": rid, "proxy": proxy, "pool": "default", "band": band,
+                                        "work": 100, "ttl_ms": 30000, "cause": "saturated"}, dt_ms=10)
+    log.send(sj.req_queued("p1"), {"request_id": "i1", "proxy": "p1", "band": "interactive"}, dt_ms=1)  # again: once
+    t_full = log.ts_ns
+    assert log.board.state(t_full)["pools"]["default"]["queue"] == {"interactive": 1, "default": 1, "batch": 2}
+    log.send(sj.req_started("n1"), {"request_id": "i1", "proxy": "p1"}, dt_ms=10)  # dispatched
+    expired = {"request_id": "b2", "proxy": "p2", "status": 429, "cause": "queue_timeout", "pool": "default"}
+    started = {"request_id": "d1", "proxy": "p2", "pool": "default"}
+    log.send(sj.req_batch("p2"), batch_payload("b", 1, [batch_item("req.refused", None, json.dumps(expired).encode()),
+                                                         batch_item("req.started", "n2", json.dumps(started).encode())]),
+             dt_ms=10)
+    log.send(sj.req_started("n1"), {"request_id": "never-held", "proxy": "p1"}, dt_ms=10)  # not a held one
+    state = log.board.state(log.ts_ns)["pools"]["default"]
+    assert state["queue"] == {"interactive": 0, "default": 0, "batch": 1}
+    assert log.board.state(t_full)["pools"]["default"]["queue"]["batch"] == 2  # the scrubber's past stays
+    assert state["requests"]["outcomes"] == {"refused": 1}  # the expiry is still a refusal
+    assert not [p for p in log.pushes if p.kind == "mark" and "req" in p.data["text"]]  # no admin marks
+    series = log.board.history(log.ts_ns, 60)["pools"]["default"]["queue"]
+    assert [d for _, d in series["batch"]][-3:] == [1, 2, 1] and series["batch"][0][1] == 0
+    assert [d for _, d in series["interactive"]] == [0, 1, 0]
+    assert series["interactive"][0][0] <= t_start // MS
+    log.board.trim(log.ts_ns + 1)  # b1's end never came (its proxy died): forgotten, the depth back to 0
+    assert log.board.queue_depth("default", log.ts_ns + 2) == {"interactive": 0, "default": 0, "batch": 0}
+    assert log.board.held == {} and log.board.undecodable == 0

@@ -142,7 +142,7 @@ def test_health_checks_restart_policies_and_environment(services: dict[str, Any]
         assert health_test(spec), f"{name} has no health check"
         assert spec["restart"] == "unless-stopped", name
     roles = {"scheduler-a": "scheduler", "scheduler-b": "scheduler", "recorder": "recorder", "collector": "collector",
-             "register": "operator", "proxy-a": "proxy", "proxy-b": "proxy", "dashboard": "operator"}
+             "register": "operator", "proxy-a": "proxy", "proxy-b": "proxy", "dashboard": "viewer"}
     for name, spec in laswrr_services(services).items():
         if name in roles:  # each service is its role's NATS user; the simulated engines use no NATS
             assert spec["environment"]["NATS_URL"] == f"nats://{roles[name]}:pw-{roles[name]}@nats:4222", name

@@ -12,7 +12,8 @@ from pathlib import Path
 import nats
 import pytest
 
-from laswrr.services.natsbus import ensure_streams, free_port, nats_server_binary
+from laswrr.services.natsbus import ensure_streams
+from laswrr.services.nats_server import free_port, nats_server_binary
 
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "healthcheck.py"
 

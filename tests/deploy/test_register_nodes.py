@@ -6,6 +6,7 @@ here: the file's errors are one-line usage errors (exit 2) before anything is pu
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -56,3 +57,22 @@ def test_cli_errors_are_one_line_usage_errors(tmp_path: Path) -> None:
     assert mixed.returncode == 2 and "takes no NODE" in mixed.stderr
     incomplete = register("n1", "--url", "http://a:1")
     assert incomplete.returncode == 2 and "needs NODE, --url and --capacity" in incomplete.stderr
+
+
+def test_register_flags_carry_role_and_pd_protocol() -> None:
+    from laswrr.services.operator import _register_body
+    args = argparse.Namespace(node="p1", url="http://10.0.0.5:8000", pool="pd", chip=None, capacity=4,
+                              role="prefill", pd_protocol="vllm", metrics_url=None, health_url=None,
+                              status_url=None, npu_exporter=None, engine=None, bootstrap_port=None)
+    assert _register_body(args) == {"url": "http://10.0.0.5:8000", "pool": "pd", "capacity": 4, "role": "prefill",
+                                    "pd_protocol": "vllm"}
+    args.pd_protocol, args.bootstrap_port = "sglang", 8998
+    assert _register_body(args)["bootstrap_port"] == 8998
+    missing = register("p1", "--url", "http://a:1", "--capacity", "4", "--role", "decode")
+    assert missing.returncode == 2 and missing.stderr.strip() == (
+        "laswrr: register --role decode needs --pd-protocol (vllm or sglang)")
+    no_port = register("p1", "--url", "http://a:1", "--capacity", "4", "--role", "prefill", "--pd-protocol", "sglang")
+    assert no_port.returncode == 2 and "needs --bootstrap-port" in no_port.stderr
+    stray = register("d1", "--url", "http://a:1", "--capacity", "4", "--role", "decode", "--pd-protocol", "sglang",
+                     "--bootstrap-port", "8998")
+    assert stray.returncode == 2 and "only for an sglang prefill node" in stray.stderr

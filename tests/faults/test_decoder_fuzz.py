@@ -69,9 +69,65 @@ def test_the_core_never_raises_on_any_payload(inputs: list[tuple[str, bytes]]) -
         for output in scheduler.apply(Envelope(seq, seq * 1_000_000, subject, data)):
             if output.subject == sj.OUT_REJECTED:
                 rejected = msgspec.json.decode(output.data)
-                assert rejected["seq"] == seq and len(rejected["reason"]) <= TEXT_MAX_CHARS
+                assert rejected["as_of_seq"] == seq and len(rejected["reason"]) <= TEXT_MAX_CHARS
 
 
 @given(subject=st.sampled_from([f"{p}.{k}" for p in KEYED for k in ("", "a.b", "*", ">", "x" * 300, "é")]))
 def test_bad_subject_keys_are_schema_errors(subject: str) -> None:
     assert decode_or_schema_error(subject, b"{}") is None
+
+
+# -- the collector parsers: text in, a value or ParseError out, nothing else ------------------------
+
+from pathlib import Path  # noqa: E402
+
+from laswrr.collectors.errors import ParseError  # noqa: E402
+from laswrr.collectors.faultcodes import fault_table  # noqa: E402
+from laswrr.collectors.mindie import parse_metrics_json, parse_status  # noqa: E402
+from laswrr.collectors.npu_exporter import chip_health, parse_exporter, to_npu_chip  # noqa: E402
+from laswrr.collectors.npu_smi import parse_info  # noqa: E402
+from laswrr.collectors.prometheus import parse_engine_metrics  # noqa: E402
+
+_ROOT = Path(__file__).resolve().parents[2]
+_ASCEND = _ROOT / "tests" / "fixtures" / "ascend"
+_REAL = _ROOT / "tests" / "fixtures" / "real"
+_TABLE = fault_table((_ROOT / "collectors" / "faultcodes.toml").read_text(encoding="utf-8"))
+
+
+def _seeds(directory: Path, pattern: str) -> list[str]:
+    return [p.read_text(encoding="utf-8") for p in sorted(directory.glob(pattern))]
+
+
+def _mutated(seeds: list[str]) -> st.SearchStrategy[str]:
+    """A seed cut at a random point, with a random slice replaced by random text or numbers."""
+    def mutate(seed: str, cut: int, at: int, size: int, junk: str) -> str:
+        text = seed[: cut % (len(seed) + 1)]
+        start = at % (len(text) + 1)
+        return text[:start] + junk + text[start + size:]
+    junk = st.one_of(st.text(max_size=12), st.sampled_from(['"', "{", "}", "NaN", "-1", "1e999", "\n", " 0 ", "[[", "null",
+                                                             "4294967295", 'id="x"', "\x00"]))
+    return st.builds(mutate, st.sampled_from(seeds), st.integers(0, 10**6), st.integers(0, 10**6),
+                     st.integers(0, 40), junk)
+
+
+_PARSERS = {
+    "npu-exporter": (lambda t: [to_npu_chip(c, _TABLE, 2) for c in parse_exporter(t, 1764680003.0, 15.0).chips]
+                     + [chip_health(c, _TABLE) for c in parse_exporter(t).chips],
+                     _seeds(_ASCEND, "npu-exporter_*.txt")),
+    "mindie-status": (parse_status, _seeds(_ASCEND, "mindie-status-*.json")),
+    "mindie-metrics-json": (parse_metrics_json, _seeds(_ASCEND, "mindie-metrics-json.json")),
+    "engine-metrics": (parse_engine_metrics, _seeds(_REAL, "*-metrics_*.txt")),
+    "npu-smi-info": (parse_info, _seeds(_REAL, "npu-smi-info_*.txt")),
+    "fault-table": (fault_table, [(_ROOT / "collectors" / "faultcodes.toml").read_text(encoding="utf-8")[:4000]]),
+}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), which=st.sampled_from(sorted(_PARSERS)))
+def test_every_parser_raises_only_parse_error(data: st.DataObject, which: str) -> None:
+    parse, seeds = _PARSERS[which]
+    text = data.draw(st.one_of(_mutated(seeds), st.text(max_size=300), JSON.map(json.dumps)))
+    try:
+        parse(text)
+    except ParseError as exc:
+        assert str(exc)

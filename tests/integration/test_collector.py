@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import pytest
 from aiohttp import web
 from nats.aio.client import Client
@@ -26,7 +27,7 @@ from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope, decode_event, encode
 from laswrr.schemas.events import ClockTicked, EngineSampled, Event, HealthProbed, NodeRegistered, NpuChip, NpuSampled
 from laswrr.collectors.poller import Collector, Settings
-from laswrr.services.natsbus import free_port
+from laswrr.services.nats_server import free_port
 from laswrr.services.sim_engine.app import RunningServer
 from laswrr.services.sim_engine.config import SimConfig
 
@@ -403,3 +404,224 @@ async def test_cli_rejects_a_bad_nodes_file_in_one_line(tmp_path: Path) -> None:
     out, err = await proc.communicate()
     assert proc.returncode == 2 and out == b""
     assert err.decode().count("\n") == 1 and "invalid node id 'n 1'" in err.decode()
+
+
+# --------------------------------------------------------------------------- Ascend sources
+
+
+ASCEND = REPO / "tests" / "fixtures" / "ascend"
+
+
+async def test_mindie_status_and_simulated_exporter_of_a_mindie_engine(
+        nc: Client, start_engine: Callable[..., Awaitable[RunningServer]]) -> None:
+    """A MindIE-flavoured sim engine: its /v1/status folds free slots and blocks into the engine
+    samples (a silent slot loss shows in the next one), its simulated npu-exporter gives the chips,
+    and a Critical NPU reaches the samples with its fault code once the exporter refreshes."""
+    engine = await start_engine(chip="910C", capacity=6, flavour="mindie", exporter_update_s=1.0, npu_id=3)
+    js = nc.jetstream()
+    settings = replace(FAST, exporter_interval_s=1.0)
+    mindie = node("m1", engine.url, engine="mindie", status_url=f"{engine.url}/v1/status",
+                  npu_exporter=f"{engine.url}/sim/npu-exporter", chips_per_npu=2, selector=ChipSelector(npu_ids=(3,)))
+    running = Running([mindie], js, settings)
+    log = EventLog(js)
+    try:
+        first = await log.wait_for(lambda s: bool(of(s, NpuSampled, "m1")) and bool(of(s, EngineSampled, "m1")))
+        sample = of(first, EngineSampled, "m1")[-1]
+        assert isinstance(sample, EngineSampled) and sample.engine == "mindie"
+        assert (sample.free_slots, sample.running) == (6, 0) and sample.total_blocks and sample.free_blocks == sample.total_blocks
+        npu = of(first, NpuSampled, "m1")[-1]
+        assert isinstance(npu, NpuSampled) and [(c.npu_id, c.chip_id, c.health) for c in npu.chips] == \
+            [(3, 0, "OK"), (3, 1, "OK")]
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{engine.url}/admin", json={"capacity": 2, "health": "Critical"}) as response:
+                assert response.status == 200
+            changed = time.time_ns()
+        def lost(s: list[Sample]) -> bool:
+            return any(isinstance(e, EngineSampled) and (e.ts_ns or 0) > changed and e.free_slots == 2
+                       for e in of(s, EngineSampled, "m1"))
+        samples = await log.wait_for(lost, timeout=5.0)
+        slots_at = min(e.ts_ns or 0 for e in of(samples, EngineSampled, "m1")
+                       if isinstance(e, EngineSampled) and (e.ts_ns or 0) > changed and e.free_slots == 2)
+        assert slots_at - changed < 1.5e9  # the next status poll (0.2 s here), not queue evidence
+        def critical(s: list[Sample]) -> bool:
+            return any(isinstance(e, NpuSampled) and e.chips[0].health == "Critical" for e in of(s, NpuSampled, "m1"))
+        samples = await log.wait_for(critical, timeout=6.0)
+    finally:
+        await running.stop()
+    bad = next(e for e in of(samples, NpuSampled, "m1") if isinstance(e, NpuSampled) and e.chips[0].health == "Critical")
+    assert bad.chips[0].fault == "fault 80E18402 SeparateNPU"
+    stats = running.collector.stats
+    assert stats.total("status_polls", outcome="ok") >= 3 and stats.total("publish_errors") == 0
+
+
+async def test_one_exporter_scrape_per_host_serves_every_node_on_it_and_status_alone_makes_a_sample(
+        nc: Client, tiny_apps: Callable[[web.Application], Awaitable[str]]) -> None:
+    """Two nodes on one npu-exporter (chips by pod labels, one by npu_ids): one scrape per
+    exporter interval for both. A MindIE whose /metrics is off (monitor mode) is sampled from
+    /v1/status and /metrics-json; a status that is not RoleReady gives no sample."""
+    hits = {"exporter": 0}
+    template = (ASCEND / "npu-exporter_910B3-8chip_pods_fault.txt").read_text()
+
+    async def exporter(_: web.Request) -> web.Response:
+        hits["exporter"] += 1
+        return web.Response(text=template.replace(" 1764680000000", f" {int(time.time() * 1000)}"))
+
+    status = {"body": (ASCEND / "mindie-status-v1_single-node.json").read_text()}
+
+    async def v1_status(_: web.Request) -> web.Response:
+        return web.Response(text=status["body"], content_type="application/json")
+
+    async def metrics_json(_: web.Request) -> web.Response:
+        return web.Response(text=(ASCEND / "mindie-metrics-json.json").read_text(), content_type="application/json")
+
+    async def ok(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_get("/metrics", exporter)
+    host = await tiny_apps(app)
+    engine_app = web.Application()
+    engine_app.router.add_get("/v1/status", v1_status)
+    engine_app.router.add_get("/metrics-json", metrics_json)
+    engine_app.router.add_get("/health", ok)
+    engine = await tiny_apps(engine_app)
+    js = nc.jetstream()
+    settings = replace(FAST, exporter_interval_s=1.0)
+    nodes = [node("a", engine, npu_exporter=f"{host}/metrics", pod=("default", "mindie-a-0"),
+                  status_url=f"{engine}/v1/status", engine="mindie"),
+             node("b", engine, npu_exporter=f"{host}/metrics", pod=("", "mindie-b-0")),
+             node("six", engine, npu_exporter=f"{host}/metrics", selector=ChipSelector(npu_ids=(6,)))]
+    running = Running(nodes, js, settings)
+    started = time.monotonic()
+    log = EventLog(js)
+    try:
+        samples = await log.wait_for(lambda s: all(len(of(s, NpuSampled, n)) >= 2 for n in ("a", "b", "six"))
+                                     and bool(of(s, EngineSampled, "a")))
+        elapsed = time.monotonic() - started
+        assert hits["exporter"] <= elapsed / 1.0 + 1  # one scrape per interval, for all three nodes
+        status["body"] = (ASCEND / "mindie-status-v1_switching_flex.json").read_text()
+        await asyncio.sleep(0.6)
+        switched = len(of(await log.read(), EngineSampled, "a"))
+        await asyncio.sleep(0.6)
+        after = len(of(await log.read(), EngineSampled, "a"))
+    finally:
+        await running.stop()
+    chips = {n: [(c.npu_id, c.health) for c in e.chips] for n in ("a", "b", "six")
+             for e in of(samples, NpuSampled, n)[-1:] if isinstance(e, NpuSampled)}
+    assert chips == {"a": [(0, "OK"), (1, "OK")], "b": [(2, "OK"), (3, "OK")], "six": [(6, "Critical")]}
+    sample = of(samples, EngineSampled, "a")[0]
+    assert isinstance(sample, EngineSampled)
+    assert (sample.running, sample.waiting, sample.free_slots, sample.free_blocks, sample.total_blocks) == \
+        (50, 0, 150, 2310, 4096)
+    assert sample.kv_cache_usage == round(1 - 2310 / 4096, 6) and sample.ttft_ms == 412.0
+    assert after == switched  # not ready: no sample
+    stats = running.collector.stats
+    assert stats.total("status_polls", outcome="not_ready") >= 1 and stats.total("scrapes", outcome="http_error") >= 1
+
+
+async def test_model_ids_are_published_when_they_change_and_a_bad_listing_publishes_nothing(
+        nc: Client, start_engine: Callable[..., Awaitable[RunningServer]],
+        tiny_apps: Callable[[web.Application], Awaitable[str]]) -> None:
+    from laswrr.schemas.events import ModelsListed
+
+    sim = await start_engine(chip="910B", capacity=4)
+    served = ["base-model"]
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in served]})
+
+    async def junk(request: web.Request) -> web.Response:
+        return web.Response(text="<html>not a model list</html>")
+
+    changing, broken = web.Application(), web.Application()
+    changing.router.add_get("/v1/models", models)
+    broken.router.add_get("/v1/models", junk)
+    changing_url, broken_url = await tiny_apps(changing), await tiny_apps(broken)
+    js = nc.jetstream()
+    settings = replace(FAST, models_interval_s=0.2, models_refresh_s=60.0)
+    running = Running([node("sim", sim.url), node("lora", changing_url + "/v1"), node("junk", broken_url)], js, settings)
+    try:
+        log = EventLog(js)
+        await log.wait_for(lambda s: bool(of(s, ModelsListed, "sim")) and bool(of(s, ModelsListed, "lora")))
+        await asyncio.sleep(1.0)  # five more listings each: unchanged, so nothing more is published
+        served.append("lora-adapter-1")
+        samples = await log.wait_for(lambda s: len(of(s, ModelsListed, "lora")) == 2)
+        await asyncio.sleep(0.6)
+        samples = await log.read()
+    finally:
+        await running.stop()
+    assert [e.models for e in of(samples, ModelsListed, "sim")] == [["sim-910B"]]  # type: ignore[attr-defined]
+    assert [e.models for e in of(samples, ModelsListed, "lora")] == [  # type: ignore[attr-defined]
+        ["base-model"], ["base-model", "lora-adapter-1"]]  # the node URL's /v1 taken once
+    assert of(samples, ModelsListed, "junk") == []
+    stats = running.collector.stats
+    assert stats.total("model_listings", node="junk", outcome="garbage") >= 3
+    assert stats.total("model_listings", node="sim", outcome="ok") >= 5
+
+
+async def test_exporter_samples_carry_their_refresh_and_the_core_believes_them_until_the_next(
+        nats_url: str, nc: Client, tiny_apps: Callable[[web.Application], Awaitable[str]], tmp_path: Path) -> None:
+    """The real `laswrr collector` process, at its default 5 s exporter interval, scraping a real
+    HTTP server that serves the npu-exporter fixture as the exporter's cache does (the cache time
+    refreshed every 5 s): each sample says it stands for 10 s (two refreshes), and the core, fed
+    the samples as recorded (JetStream times) with 100 ms ticks between, keeps the node's npu
+    signal at the chips' utilisation through every gap, where without the field (a log recorded
+    before it) the signal drifts toward unknown after 3 s of each gap."""
+    template = (ASCEND / "npu-exporter_910B3-8chip_pods_fault.txt").read_text()
+
+    async def exporter(_: web.Request) -> web.Response:
+        cached_ms = int(time.time() // 5 * 5 * 1000)  # the exporter's cache, refreshed every 5 s
+        return web.Response(text=template.replace(" 1764680000000", f" {cached_ms}"))
+
+    async def ok(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_get("/metrics", exporter)
+    app.router.add_get("/health", ok)
+    host = await tiny_apps(app)
+    nodes_toml = tmp_path / "nodes.toml"
+    nodes_toml.write_text(f'[[node]]\nid = "a"\nurl = "{host}"\npool = "default"\nchip = "910B3"\ncapacity = 10\n'
+                          f'npu_exporter = "{host}/metrics"\npod = "default/mindie-a-0"\n')
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "laswrr", "collector", "--nats-url", nats_url, "--nodes", str(nodes_toml),
+        cwd=REPO, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        log = EventLog(nc.jetstream())
+        samples = await log.wait_for(lambda s: len(of(s, NpuSampled, "a")) >= 3, timeout=30.0)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    npu = [s for s in samples if isinstance(s.event, NpuSampled) and s.node == "a"][:3]
+    assert [s.event.max_age_ms for s in npu] == [10_000] * 3  # type: ignore[attr-defined]
+    gaps = [(b.ts_ns - a.ts_ns) / 1e9 for a, b in zip(npu, npu[1:])]
+    assert all(4.0 < gap < 6.5 for gap in gaps), gaps  # one scrape per exporter refresh
+
+    def npu_signal(strip: bool) -> list[float]:
+        core = Scheduler()
+        seq = 1
+        core.apply(Envelope(seq, npu[0].ts_ns - 1, sj.admin_node("a"),
+                            encode(NodeRegistered(url=host, capacity=10, chip="910B3"))))
+        signal_at: list[float] = []
+        tick = 0
+        for sample, until in zip(npu, [s.ts_ns for s in npu[1:]] + [npu[-1].ts_ns + 5 * 10**9]):
+            raw = log.raw[sample.seq]
+            if strip:
+                raw = encode(msgspec.structs.replace(sample.event, max_age_ms=None))  # type: ignore[type-var]
+            seq += 1
+            assert [o.subject for o in core.apply(Envelope(seq, sample.ts_ns, sample.subject, raw))
+                    if o.subject == sj.OUT_REJECTED] == []
+            at = sample.ts_ns
+            while (at := at + 100_000_000) < until:
+                seq, tick = seq + 1, tick + 1
+                core.apply(Envelope(seq, at, sj.CLOCK_TICK, encode(ClockTicked(tick=tick))))
+                (view,) = core.snapshot("default").nodes
+                signal_at.append(view.load.npu)
+        return signal_at
+
+    believed, drifting = npu_signal(strip=False), npu_signal(strip=True)
+    assert set(believed) == {0.405}  # chips 0 and 1 of pod default/mindie-a-0: 41 % and 40 %
+    assert min(drifting) == 0.405 and max(drifting) > 0.405 + 0.02  # toward unknown (0.5) in every gap

@@ -1,6 +1,7 @@
-"""The collector follows registrations: a real ``laswrr collector`` and a real ``laswrr sim-engine``
-(child processes) on a real nats-server; a node registered at runtime with ``laswrr register``
-gets engine and health samples within two collector intervals, a removed one gets none."""
+"""The collector follows what the scheduler applied: a real ``laswrr scheduler``, ``laswrr collector``
+and ``laswrr sim-engine`` (child processes) on a real nats-server; a node registered at runtime
+with ``laswrr register`` gets engine and health samples within two collector intervals, a removed
+one gets none, and one the scheduler rejected is never probed."""
 
 from __future__ import annotations
 
@@ -21,10 +22,13 @@ INTERVAL_MS = 500  # the collector's default
 
 
 @pytest.fixture
-async def children(tmp_path: Path) -> AsyncIterator[ChildProcesses]:
+async def children(tmp_path: Path, nats_url: str) -> AsyncIterator[ChildProcesses]:
+    """The scheduler (only 127.0.0.1 engines allowed) already running; a test adds the rest."""
     processes = ChildProcesses(tmp_path / "logs")
+    await processes.spawn("scheduler", "scheduler", "--nats-url", nats_url, "--allow-upstream", "127.0.0.1",
+                          role="scheduler")
     yield processes
-    await processes.stop(("collector", "sim-engine"))
+    await processes.stop(("collector", "sim-engine", "scheduler"))
 
 
 async def stream_times(nc: Client, subject: str) -> list[float]:
@@ -50,9 +54,9 @@ async def first_after(nc: Client, subject: str, after: float, timeout_s: float =
 
 
 def register(nats_url: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "laswrr", "register", *args, "--nats-url", nats_url, "--wait", "0.5"],
+    done = subprocess.run([sys.executable, "-m", "laswrr", "register", *args, "--nats-url", nats_url, "--wait", "10"],
                           capture_output=True, text=True, timeout=30)
-    assert done.returncode in (0, 3), done.stderr  # 3: no scheduler runs here; the event is in the log
+    assert done.returncode in (0, 1) and done.stdout.startswith(("applied: ", "rejected: ")), done.stderr
     return done.stdout
 
 
@@ -68,7 +72,8 @@ async def test_a_node_registered_at_runtime_is_polled_and_a_removed_one_is_not(
     assert await stream_times(nc, sj.metrics_engine("n5")) == []
 
     assert engine.url is not None
-    await asyncio.to_thread(register, nats_url, "n5", "--url", engine.url, "--capacity", "4", "--engine", "vllm")
+    out = await asyncio.to_thread(register, nats_url, "n5", "--url", engine.url, "--capacity", "4", "--engine", "vllm")
+    assert out.startswith("applied: "), out
     (registered,) = await stream_times(nc, sj.admin_node("n5"))
     engine_at = await first_after(nc, sj.metrics_engine("n5"), registered)
     health_at = await first_after(nc, sj.health("n5"), registered)
@@ -84,7 +89,7 @@ async def test_a_node_registered_at_runtime_is_polled_and_a_removed_one_is_not(
     assert len(await stream_times(nc, sj.metrics_engine("n5"))) == before  # nothing parsed from port 1
     assert len(await stream_times(nc, sj.health("n5"))) > 0
 
-    subprocess.run([sys.executable, "-m", "laswrr", "remove", "n5", "--nats-url", nats_url, "--wait", "0.5"],
+    subprocess.run([sys.executable, "-m", "laswrr", "remove", "n5", "--nats-url", nats_url, "--wait", "10"],
                    capture_output=True, timeout=30)
     await asyncio.sleep(2 * interval_s)
     health = len(await stream_times(nc, sj.health("n5")))
@@ -101,7 +106,7 @@ async def test_a_collector_started_after_registration_polls_the_registered_node(
     assert engine.url is not None
     await asyncio.to_thread(register, nats_url, "n6", "--url", engine.url, "--capacity", "2")
     await asyncio.to_thread(register, nats_url, "n7", "--url", "http://127.0.0.1:1", "--capacity", "2")
-    subprocess.run([sys.executable, "-m", "laswrr", "remove", "n7", "--nats-url", nats_url, "--wait", "0.5"],
+    subprocess.run([sys.executable, "-m", "laswrr", "remove", "n7", "--nats-url", nats_url, "--wait", "10"],
                    capture_output=True, timeout=30)
     empty = tmp_path / "nodes.toml"
     empty.write_text("")
@@ -110,3 +115,28 @@ async def test_a_collector_started_after_registration_polls_the_registered_node(
     await first_after(nc, sj.metrics_engine("n6"), started)
     await asyncio.sleep(1.0)
     assert await stream_times(nc, sj.health("n7")) == []  # removed before the collector started
+
+
+async def test_a_registration_the_scheduler_rejected_is_never_polled(
+        nats_url: str, nc: Client, children: ChildProcesses, tmp_path: Path) -> None:
+    """The allow-list refuses 10.255.0.9: before, the collector probed it every interval anyway,
+    each probe one more lb.health rejection, until the node was removed (and `remove` then said
+    "unknown node")."""
+    empty = tmp_path / "nodes.toml"
+    empty.write_text("")
+    await children.spawn("collector", "collector", "--nats-url", nats_url, "--nodes", str(empty),
+                         "--interval-ms", str(INTERVAL_MS), role="collector")
+    engine = await children.spawn("n9", "sim-engine", "--port", "0", "--chip", "910B", "--capacity", "2",
+                                  "--node-id", "n9", role="sim-engine", wait_listening=True)
+    assert engine.url is not None
+    out = await asyncio.to_thread(register, nats_url, "n8", "--url", "http://10.255.0.9:8000", "--capacity", "4")
+    assert out.startswith("rejected: ") and "10.255.0.9" in out, out
+    out = await asyncio.to_thread(register, nats_url, "n9", "--url", engine.url, "--capacity", "2")
+    assert out.startswith("applied: "), out
+    (registered,) = await stream_times(nc, sj.admin_node("n9"))
+    await first_after(nc, sj.health("n9"), registered)  # the applied one is polled
+    await asyncio.sleep(4 * INTERVAL_MS / 1000)
+    assert await stream_times(nc, sj.health("n8")) == []
+    assert await stream_times(nc, sj.metrics_engine("n8")) == []
+    log = (tmp_path / "logs" / "collector.log").read_text()
+    assert "node n9 registered: polling" in log and "node n8" not in log

@@ -1,4 +1,4 @@
-"""A real three-node NATS cluster (``natsbus.NatsCluster``): routes on loopback with their own
+"""A real three-node NATS cluster (``nats_server.NatsCluster``): routes on loopback with their own
 password, JetStream on each node, streams and buckets with three replicas, clients that carry
 every node's URL and fail over when theirs dies (killed by its own pid). Also the URL plumbing
 that makes that work (``server_pool``, ``redact_url``) and `laswrr up`'s checks of the flags."""
@@ -16,8 +16,9 @@ import pytest
 
 from laswrr.schemas import subjects as sj
 from laswrr.services import accounts
-from laswrr.services.natsbus import (NatsCluster, StreamLimits, connect, ensure_checkpoint_bucket, ensure_streams,
-                                     redact_url, server_pool, wait_jetstream)
+from laswrr.services.natsbus import (StreamLimits, connect, ensure_checkpoint_bucket, ensure_streams, redact_url,
+                                     server_pool, wait_jetstream)
+from laswrr.services.nats_server import NatsCluster
 
 pytestmark = pytest.mark.timeout(120)
 

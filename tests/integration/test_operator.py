@@ -17,6 +17,9 @@ import pytest
 from nats.js import JetStreamContext
 
 from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import encode
+from laswrr.schemas.outputs import LoadView, NodeView, Rejected, WeightSnapshot
+from laswrr.schemas.words import Phase, RejectCause
 from laswrr.services.natsbus import connect
 from laswrr.services.operator import Outcome, publish_and_wait
 from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService
@@ -104,32 +107,34 @@ async def test_timeout_bad_node_id_and_unreachable_nats(nats_url: str, js: JetSt
     assert code == 2 and err.count("\n") == 1 and "cannot connect" in err
 
 
+def _rejected(as_of_seq: int, reason: str) -> bytes:
+    return encode(Rejected(as_of_seq=as_of_seq, subject="x", cause=RejectCause.UNKNOWN_NODE, reason=reason))
+
+
+def _snapshot(pool: str, as_of_seq: int, node: str) -> bytes:
+    load = LoadView(queue=0, running=0, kv=0, npu=0, latency=0, load=0, sample_age_ms=None, stale=False)
+    view = NodeView(node=node, url="http://x", phase=Phase.ACTIVE, routable=True, capacity=4, target_weight=4,
+                    effective_weight=4, inflight=0, chip="c", health=1, load=load)
+    return encode(WeightSnapshot(pool=pool, as_of_seq=as_of_seq, tick=1, ts_ns=1, panic=False, nodes=[view]))
+
+
 def test_outcome_folds_outputs_in_order() -> None:
     outcome = Outcome(seq=10, node="n1")
-    outcome.observe(sj.OUT_REJECTED, {"seq": 9, "subject": "x", "reason": "older"})
-    outcome.observe("lb.out.snapshot.default", {"as_of_seq": 9, "nodes": [{"node": "n1"}]})
+    outcome.observe(sj.OUT_REJECTED, _rejected(9, "older"))
+    outcome.observe(sj.out_snapshot("default"), _snapshot("default", 9, "n1"))
     assert not outcome.applied and outcome.rejected is None
-    outcome.observe(sj.OUT_REJECTED, {"seq": 10, "subject": "x", "reason": "bad"})
+    outcome.observe(sj.OUT_REJECTED, b'{"as_of_seq": 10, "reason": "not a rejection: no cause"}')  # ignored
+    assert outcome.rejected is None
+    outcome.observe(sj.OUT_REJECTED, _rejected(10, "bad"))
     assert outcome.rejected == "bad" and outcome.summary("x") == "rejected: bad"
 
     later = Outcome(seq=10, node="n1")
-    later.observe(sj.OUT_REJECTED, {"seq": 11, "subject": "y", "reason": "someone else's"})
+    later.observe(sj.OUT_REJECTED, _rejected(11, "someone else's"))
     assert later.applied and not later.described  # 10 went through; no view of n1 yet
-    later.observe("lb.out.snapshot.other", {"as_of_seq": 12, "pool": "other", "nodes": [{"node": "x"}]})
+    later.observe(sj.out_snapshot("other"), _snapshot("other", 12, "x"))
     assert not later.described
-
-
-def test_outcome_reads_a_rejection_by_its_as_of_seq() -> None:
-    """Rejections name their input by as_of_seq like every output; the folds above use the
-    older form (only seq), which a scheduler from before as_of_seq still sends."""
-    outcome = Outcome(seq=10, node="n1")
-    outcome.observe(sj.OUT_REJECTED, {"seq": 9, "subject": "x", "reason": "older", "as_of_seq": 9})
-    assert not outcome.applied and outcome.rejected is None
-    outcome.observe(sj.OUT_REJECTED, {"seq": 10, "subject": "x", "reason": "bad", "as_of_seq": 10})
-    assert outcome.rejected == "bad" and outcome.described
-    later = Outcome(seq=10, node="n1")
-    later.observe(sj.OUT_REJECTED, {"seq": 11, "subject": "y", "reason": "someone else's", "as_of_seq": 11})
-    assert later.applied and later.rejected is None
+    later.observe(sj.out_snapshot("default"), _snapshot("default", 12, "n1"))
+    assert later.described and later.pool == "default" and later.view is not None and later.view.phase == Phase.ACTIVE
 
 
 async def test_nodes_watch_prints_json_lines_when_not_a_terminal(nats_url: str, js: JetStreamContext,

@@ -26,12 +26,13 @@ from laswrr.replay import store
 from laswrr.replay.replay import replay_db
 from tests.replay_cli import replay_exact
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.codec import UNPUBLISHABLE
+from laswrr.schemas.words import RejectCause
 from laswrr.schemas.outputs import TEXT_MAX_CHARS
-from laswrr.services.natsbus import EmbeddedNats, connect, ensure_streams
+from laswrr.services.natsbus import connect, ensure_streams
+from laswrr.services.nats_server import EmbeddedNats
 from laswrr.services.operator import publish_and_wait
 from laswrr.services.recorder import Recorder, RecorderOptions
-from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService
+from laswrr.services.scheduler_service import HEADER_MARGIN_BYTES, SchedulerOptions, SchedulerService
 
 pytestmark = pytest.mark.timeout(90)
 MB_ERROR = "connection reset; body: " + "E" * 1_000_000
@@ -154,9 +155,11 @@ async def test_an_output_over_the_max_payload_becomes_a_rejection_of_its_input(t
             tick = await stack.publish(sj.CLOCK_TICK, b'{"tick": 1}')
             await stack.applied(tick)
             await _until(lambda: stack.snapshot_after("small", tick) is not None)
-            rejected = {p["seq"]: p for s, p in stack.outputs if s == sj.OUT_REJECTED}
+            rejected = {p["as_of_seq"]: p for s, p in stack.outputs if s == sj.OUT_REJECTED}
             assert rejected[tick]["subject"] == sj.CLOCK_TICK
-            assert rejected[tick]["reason"].startswith(f"{UNPUBLISHABLE}: {sj.out_snapshot('big')} of ")
+            assert rejected[tick]["cause"] == RejectCause.UNPUBLISHABLE_OUTPUT
+            assert rejected[tick]["limit"] == stack.client.max_payload - HEADER_MARGIN_BYTES
+            assert sj.out_snapshot("big") in rejected[tick]["reason"]
             assert rejected[last]["subject"] == sj.admin_node("n199")  # the registration that tipped it over
             assert stack.snapshot_after("big", last) is None
             await stack.recorded()

@@ -1,4 +1,4 @@
-"""The README works as written: its command blocks run against a real `laswrr up`.
+"""The README and docs/ work as written: their command blocks run against a real `laswrr up`.
 
 The blocks are read from README.md when the test runs, so an edit to the README is tested as
 it stands. Every ```sh block line is one command (``\\`` continuations joined). What runs:
@@ -7,10 +7,11 @@ it stands. Every ```sh block line is one command (``\\`` continuations joined). 
   (it listens on a free port) and ``--fail-with-body -sS`` added so an HTTP error fails;
 * ``nats`` lines (the operator examples): the real ``nats`` CLI when installed, else the same
   operation done here with nats-py (``pub``, ``sub`` until the first message, ``kv get``);
-* ``laswrr`` lines except ``up`` (the test's own stack), ``bench`` and ``demo`` (minutes long):
-  the operator CLI, ``nodes``, ``report``, ``replay``, ``export``.
+* ``laswrr`` lines except ``up`` (the test's own stack), ``bench`` and ``demo`` (minutes long)
+  and the long-running services (``scheduler``, ``proxy``, ...): the operator CLI, ``nodes``,
+  ``report``, ``replay``, ``export``, ``history``.
 
-They run in README order, in a scratch directory laid out as a checkout after ``make venv``
+The README's run first, then those of every docs/*.md file (name order). They run in that order, in a scratch directory laid out as a checkout after ``make venv``
 (``.venv`` and ``docs`` linked, ``.laswrr`` the stack's data dir, ``nodes.toml`` the stack's
 nodes), with ``NATS_URL`` set. Each must exit 0, and nothing the README sends may be rejected
 (``lb.out.rejected`` stays empty). Every ``laswrr`` invocation of any block (Docker ones too)
@@ -40,7 +41,14 @@ from laswrr.schemas import subjects as sj
 from tests.up_process import interrupt
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_RUN = {"up", "bench", "demo"}  # the stack itself; runs that take minutes
+NOT_RUN = {"up", "bench", "demo",  # the stack itself; runs that take minutes
+           "scheduler", "recorder", "collector", "proxy", "sim-engine", "dashboard"}  # services: they never exit
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def document_commands() -> list[tuple[str, str]]:
+    """(file name, command) of every ```sh block of the README, then of each docs/*.md."""
+    return [(path.name, command) for path in DOCUMENTS for command in readme_commands(path.read_text())]
 COMMAND_TIMEOUT_S = 60.0
 
 
@@ -73,16 +81,15 @@ def laswrr_invocations(command: str) -> list[list[str]]:
     return calls
 
 
-def test_every_laswrr_command_in_the_readme_parses() -> None:
+def test_every_laswrr_command_in_the_readme_and_docs_parses() -> None:
     parser = build_parser()
-    calls = [call for command in readme_commands((ROOT / "README.md").read_text())
-             for call in laswrr_invocations(command)]
-    assert len(calls) > 10
-    for call in calls:
+    calls = [(name, call) for name, command in document_commands() for call in laswrr_invocations(command)]
+    assert len(calls) > 20 and {name for name, _ in calls} >= {"README.md", "analysts.md", "configuration.md"}
+    for name, call in calls:
         try:
             parser.parse_args(call)
         except SystemExit as exc:
-            raise AssertionError(f"README: `laswrr {shlex.join(call)}` does not parse") from exc
+            raise AssertionError(f"{name}: `laswrr {shlex.join(call)}` does not parse") from exc
 
 
 def test_readme_commands_are_split_as_a_shell_would() -> None:
@@ -130,7 +137,11 @@ async def stack(tmp_path: Path) -> AsyncIterator[Running]:
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
     try:
         banner = await _banner(proc)
-        nats_url = banner["operator"].removeprefix("NATS_URL=")  # secure by default: the operator's line
+        masked, _, file = banner["operator"].partition("  (password in ")
+        assert ":***@" in masked, banner["operator"]  # the banner never shows the password
+        nats_url = (workdir / ".laswrr" / "secrets" / "operator.env").read_text().strip().removeprefix("NATS_URL=")
+        assert file.startswith(str(workdir / ".laswrr" / "secrets" / "operator.env")) or file.startswith(
+            ".laswrr/secrets/operator.env"), banner["operator"]
         proxy = banner["proxy URL"].split()[0].removeprefix("http://")
         shutil.copy(workdir / ".laswrr" / "nodes.toml", workdir / "nodes.toml")
         yield Running(workdir, nats_url, proxy, dict(env, NATS_URL=nats_url))
@@ -187,6 +198,9 @@ async def _nats_here(command: str, env: dict[str, str]) -> tuple[int, str]:
             sub = await nc.subscribe(words[1])
             msg = await sub.next_msg(timeout=10)
             return 0, f"[#1] Received on {msg.subject}\n{msg.data.decode()}"
+        if words[:2] == ["stream", "info"]:
+            info = await nc.jetstream().stream_info(words[2])
+            return 0, f"Information for Stream {info.config.name}\nReplicas: {info.config.num_replicas}"
         if words[:2] == ["kv", "get"]:
             entry = await (await nc.jetstream().key_value(words[2])).get(words[3])
             return 0, (entry.value or b"").decode()
@@ -212,10 +226,10 @@ async def _run_one(command: str, stack: Running) -> tuple[int, str]:
 
 
 @pytest.mark.timeout(600)  # ~40 s alone; some twenty CLI start-ups take longer on a shared, busy machine
-async def test_readme_command_blocks_run_against_laswrr_up(stack: Running) -> None:
-    commands = [c for c in readme_commands((ROOT / "README.md").read_text()) if _runnable(c)]
-    kinds = {shlex.split(c)[0].rsplit("/", 1)[-1] for c in commands}
-    assert {"curl", "nats", "laswrr"} <= kinds
+async def test_readme_and_docs_command_blocks_run_against_laswrr_up(stack: Running) -> None:
+    commands = [(name, c) for name, c in document_commands() if _runnable(c)]
+    kinds = {shlex.split(c)[0].rsplit("/", 1)[-1] for _, c in commands}
+    assert {"curl", "nats", "laswrr"} <= kinds and {name for name, _ in commands} >= {"README.md", "analysts.md"}
     nc = await nats.connect(stack.nats_url)
     rejected: list[str] = []
 
@@ -229,18 +243,18 @@ async def test_readme_command_blocks_run_against_laswrr_up(stack: Running) -> No
     await nc.subscribe(sj.OUT_REJECTED, cb=on_rejected)
     failures = []
     try:
-        for command in commands:
+        for name, command in commands:
             started = time.monotonic()
             code, out = await _run_one(command, stack)
             took = f"{time.monotonic() - started:.1f} s"
             if code != 0:
-                failures.append(f"$ {command}\n(exit {code} after {took})\n{out[-1500:]}")
+                failures.append(f"{name}: $ {command}\n(exit {code} after {took})\n{out[-1500:]}")
             elif command.startswith("curl") and ('"error"' in out or
                                                  ('"stream": true' in command and "data: [DONE]" not in out)):
-                failures.append(f"$ {command}\nanswered an error or an unfinished stream:\n{out[-1500:]}")
+                failures.append(f"{name}: $ {command}\nanswered an error or an unfinished stream:\n{out[-1500:]}")
         await nc.flush()
         await asyncio.sleep(0.5)  # the scheduler's verdict on the last admin message
     finally:
         await nc.close()
-    assert not failures, "README commands failed:\n\n" + "\n\n".join(failures)
-    assert not rejected, f"the scheduler rejected what the README sent: {json.dumps(rejected, indent=1)}"
+    assert not failures, "README or docs commands failed:\n\n" + "\n\n".join(failures)
+    assert not rejected, f"the scheduler rejected what the README or docs sent: {json.dumps(rejected, indent=1)}"

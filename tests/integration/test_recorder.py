@@ -19,7 +19,7 @@ import pytest
 from laswrr.replay import store
 from laswrr.schemas import subjects as sj
 from laswrr.services.natsbus import connect, ensure_streams
-from laswrr.services.recorder import copy_from_recorder
+from laswrr.services.recorder_copy import copy_from_recorder
 
 pytestmark = pytest.mark.timeout(60)
 STARTED: list[subprocess.Popen[bytes]] = []

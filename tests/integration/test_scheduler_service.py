@@ -63,7 +63,7 @@ def test_parse_rejects_non_ack_subjects(reply: str) -> None:
 
 def test_small_helpers() -> None:
     assert as_of_seq_of("17:lb.out.snapshot.default", None) == 17
-    assert as_of_seq_of(None, b'{"seq": 5, "subject": "x", "reason": "r"}') == 5
+    assert as_of_seq_of(None, b'{"as_of_seq": 5, "subject": "x", "cause": "unknown_node", "reason": "r"}') == 5
     assert as_of_seq_of(None, b"garbage") == 0
     assert tick_number(1_000_250_000_000, 100_000_000) == 10_002
     wanted = SchedulerConfig(ease_alpha=0.25)
@@ -228,7 +228,7 @@ async def test_each_bad_admin_input_is_rejected_with_a_reason(
     assert node_view(snapshot, "n1")["capacity"] == 3  # type: ignore[arg-type]  # still running
     rejected = [msgspec.json.decode(env.data) for env, _ in await read_stream(js, sj.OUT_STREAM)
                 if env.subject == sj.OUT_REJECTED]
-    assert [r["seq"] for r in rejected] == list(range(2, 2 + len(BAD_ADMIN)))
+    assert [r["as_of_seq"] for r in rejected] == list(range(2, 2 + len(BAD_ADMIN)))
     for record, (subject, _, reason) in zip(rejected, BAD_ADMIN):
         assert record["subject"] == subject
         assert reason in record["reason"], record

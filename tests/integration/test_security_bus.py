@@ -23,7 +23,8 @@ from nats.aio.client import Client
 
 from laswrr.schemas import subjects as sj
 from laswrr.services import accounts
-from laswrr.services.natsbus import EmbeddedNats, NatsAuth, connect, ensure_streams
+from laswrr.services.natsbus import NatsAuth, connect, ensure_streams
+from laswrr.services.nats_server import EmbeddedNats
 from laswrr.services.recorder import Recorder, RecorderOptions
 from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService
 
@@ -135,6 +136,30 @@ async def test_the_proxy_publishes_its_batches(bus: SecureBus) -> None:
     assert ack.stream == sj.EVENTS_STREAM and await events_in_log(bus) == 1
 
 
+async def test_proxies_talk_on_lb_peer_and_a_collector_cannot(bus: SecureBus) -> None:
+    """The channel between proxies: one proxy's message reaches another (and a viewer), is stored
+    nowhere, and a collector (or the viewer) publishing there is refused."""
+    await set_up_streams(bus)
+    subject = sj.peer("default", "proxy-a")
+    async with as_role(bus, "proxy") as a, as_role(bus, "proxy") as b, as_role(bus, "viewer") as viewer:
+        got_b, got_viewer = await b.subscribe(sj.PEER_ALL), await viewer.subscribe(sj.PEER_ALL)
+        await b.flush()
+        await viewer.flush()
+        await a.publish(subject, b'{"proxy": "proxy-a"}')
+        await a.flush()
+        assert (await got_b.next_msg(timeout=5)).subject == subject
+        assert (await got_viewer.next_msg(timeout=5)).subject == subject
+        for role in ("collector", "viewer"):
+            errors = Errors()
+            async with as_role(bus, role, errors) as forger:
+                await forger.publish(sj.peer("default", "proxy-b"), b'{"proxy": "proxy-b"}')
+                await forger.flush()
+                await errors.wait_for('Permissions Violation for Publish to "lb.peer.default.proxy-b"')
+        with pytest.raises(nats.errors.TimeoutError):
+            await got_b.next_msg(timeout=0.3)  # the forged ones never arrived
+    assert await events_in_log(bus) == 0  # nothing on lb.peer is stored
+
+
 @pytest.mark.parametrize(("role", "subject"), [
     ("collector", sj.admin_node("n1")), ("proxy", "lb.out.snapshot.default"), ("recorder", sj.req_started("n1")),
     ("collector", f"$KV.{sj.WEIGHTS_BUCKET}.default"), ("proxy", f"$KV.{sj.CHECKPOINT_BUCKET}.scheduler"),
@@ -185,7 +210,12 @@ async def test_the_operator_changes_capacity_and_a_disallowed_node_is_rejected(b
             snapshot = await next_output(outputs, sj.OUT_SNAPSHOT)
             if snapshot["nodes"][0]["capacity"] == 1:  # type: ignore[index]
                 break
-        entry = await (await nc.jetstream().key_value(sj.WEIGHTS_BUCKET)).get("default")  # `nats kv get`
+        bucket = await nc.jetstream().key_value(sj.WEIGHTS_BUCKET)
+        for _ in range(100):  # the bucket's put may land just after the lb.out snapshot (CI saw 8 once)
+            entry = await bucket.get("default")  # `nats kv get`
+            if json.loads(entry.value or b"{}")["nodes"][0]["capacity"] == 1:
+                break
+            await asyncio.sleep(0.1)
         assert json.loads(entry.value or b"{}")["nodes"][0]["capacity"] == 1
         info = await nc.jetstream().stream_info(sj.EVENTS_STREAM)  # `nats stream info LB_EVENTS`
         assert info.state.messages >= 2

@@ -13,16 +13,8 @@ from nats.aio.client import Client
 
 from laswrr.schemas import subjects as sj
 from laswrr.services.children import ChildProcesses
-from laswrr.services.natsbus import free_port
-from laswrr.services.service_metrics import reason_class
-
-
-def test_reason_classes_are_bounded() -> None:
-    assert reason_class("unknown node 'n9': register it first with lb.admin.node.n9") == "unknown node"
-    assert reason_class("unknown node 'n7': register it first") == "unknown node"
-    assert reason_class("payload is not valid JSON: unexpected character") == "payload is not valid JSON"
-    assert reason_class("payload of 70000 bytes exceeds the 65536-byte limit") == "payload of bytes exceeds the -byte limit"
-    assert reason_class("") == "other"
+from laswrr.services.nats_server import free_port
+from laswrr.schemas.words import RejectCause
 
 
 def value(text: str, series: str) -> float:
@@ -63,8 +55,11 @@ async def test_scheduler_and_recorder_export_their_progress(nats_url: str, nc: C
         await js.publish(sj.admin_capacity("n1"), b"not json")
         text = await scrape_until(f"http://127.0.0.1:{sched_port}/metrics", "laswrr_scheduler_events_applied_total 4.0",
                                   also="laswrr_scheduler_batch_seconds_count")
-        assert value(text, 'laswrr_scheduler_rejections_total{reason="unknown node"}') == 2
-        assert value(text, 'laswrr_scheduler_rejections_total{reason="payload is not valid JSON"}') == 1
+        assert value(text, 'laswrr_scheduler_rejections_total{reason="unknown_node"}') == 2
+        assert value(text, 'laswrr_scheduler_rejections_total{reason="not_json"}') == 1
+        for cause in RejectCause:  # one series per cause, whatever the reasons said
+            expected = {RejectCause.UNKNOWN_NODE: 2, RejectCause.NOT_JSON: 1}.get(cause, 0)
+            assert value(text, f'laswrr_scheduler_rejections_total{{reason="{cause}"}}') == expected
         assert value(text, "laswrr_scheduler_lag_messages") == 0
         assert value(text, "laswrr_scheduler_applied_seq") == 4
         assert value(text, "laswrr_scheduler_checkpoint_lag_events") == 4

@@ -10,6 +10,7 @@ import signal
 import sys
 import tomllib
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import nats
 import pytest
@@ -17,6 +18,7 @@ import pytest
 from laswrr.collectors.nodes import Node
 from laswrr.collectors.npu import ChipSelector
 from laswrr.schemas import subjects as sj
+from laswrr.services.natsbus import redact_url
 from laswrr.services.up import (Stack, StackError, load_nodes, parse_nodes, render_nodes,
                          sim_npu_smi_command)
 from tests.up_process import finish, no_leftover_stack, start_up
@@ -41,7 +43,9 @@ def test_nodes_file_round_trips_and_keeps_collector_keys() -> None:
 
 def test_example_nodes_file_is_valid() -> None:
     nodes = load_nodes(Path(__file__).parents[2] / "nodes.example.toml")
-    assert [n.chip for n in nodes] == ["910C", "910B", "910B", "910"]
+    assert [n.chip for n in nodes] == ["910C", "910B", "910B", "910", "910C"]
+    mindie = nodes[-1]
+    assert mindie.status_url and mindie.npu_exporter  # the MindIE example names both Ascend sources
 
 
 @pytest.mark.parametrize("text, message", [
@@ -68,11 +72,14 @@ async def test_up_runs_the_stack_and_stops_cleanly_on_sigint(tmp_path: Path) -> 
     (tmp_path / "nodes.toml").write_text(NODES)
     proc, banner = await start_up("--nodes", str(tmp_path / "nodes.toml"), "--data-dir", str(tmp_path / "data"),
                                   "--proxy-port", "0", "--dashboard-port", "0")
-    nats_url = banner["operator"].removeprefix("NATS_URL=")  # secure by default: the operator's credentials
     secrets = tmp_path / "data" / "secrets"
-    assert (secrets / "operator.env").read_text() == f"NATS_URL={nats_url}\n"
+    nats_url = (secrets / "operator.env").read_text().strip().removeprefix("NATS_URL=")  # secure by default
+    password = urlsplit(nats_url).password
+    assert password and password not in banner["operator"] and password not in "".join(v for k, v in banner.items() if k != "operator URL")  # that one start_up read from the secrets file
+    assert banner["operator"] == f"{redact_url(nats_url)}  (password in {secrets / 'operator.env'}: " \
+                                 f"export $(cat {secrets / 'operator.env'}))"
     assert {p.name: p.stat().st_mode & 0o777 for p in secrets.glob("*.env")} == {
-        f"{role}.env": 0o600 for role in ("operator", "scheduler", "proxy", "collector", "recorder")}
+        f"{role}.env": 0o600 for role in ("operator", "scheduler", "proxy", "collector", "recorder", "viewer")}
     assert banner["proxy URL"].startswith("http://127.0.0.1:")
     assert re.fullmatch(r"http://127\.0\.0\.1:\d+/", banner["dashboard"])
     nc = await nats.connect(nats_url)

@@ -115,7 +115,7 @@ class EchoEngine:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = self.runner.addresses[0][1]
         self.url = f"http://127.0.0.1:{port}"
         return self
 

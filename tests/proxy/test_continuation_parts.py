@@ -1,4 +1,4 @@
-"""The pure parts of continuation (services/proxy/continuation.py): framing, reading, rewriting, bodies."""
+"""The pure parts of continuation (scheduler/routing/continuation.py): framing, reading, rewriting, bodies."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from laswrr.services.proxy.continuation import (
+from laswrr.scheduler.routing.continuation import (
     Broken,
     SseFramer,
     StreamText,

@@ -11,7 +11,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from laswrr.services.proxy.engine_client import EnginePool, parse_target
+from laswrr.services.proxy.engine_client import EnginePool
+from laswrr.services.proxy.transport import parse_target
 
 
 class Engine:

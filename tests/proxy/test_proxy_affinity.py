@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import msgspec
 
-from laswrr.services.proxy.prompt import RequestSize, prompt_text, request_size
-from laswrr.services.proxy.routing import Router
+from laswrr.scheduler.routing.prompt import RequestSize, prompt_text, request_size
+from laswrr.scheduler.routing.router import Router
 from tests.proxy.test_proxy_routing import node, snap
 
 

@@ -9,7 +9,7 @@ import aiohttp
 
 from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
 from laswrr.schemas import subjects as sj
-from laswrr.services.natsbus import free_port
+from laswrr.services.nats_server import free_port
 
 CHAT = "/v1/chat/completions"
 STREAM = {"model": "m", "stream": True, "messages": []}
@@ -167,6 +167,8 @@ async def test_inflight_cap_excludes_a_node_at_cap(engines, core: CoreDriver, st
     held = [await http.post(proxy.url + CHAT, json=slow) for _ in range(2)]
     async with http.post(proxy.url + CHAT, json=slow) as resp:
         assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+        error = (await resp.json())["error"]
+        assert error["code"] == "no_routable_node" and "at its in-flight cap" in error["message"]
     for resp in held:
         assert resp.status == 200 and (await resp.read()).endswith(b"[DONE]\n\n")
     async with http.post(proxy.url + CHAT, json=slow) as resp:

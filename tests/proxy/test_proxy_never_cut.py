@@ -16,7 +16,7 @@ from proxy_support import CoreDriver, EventTap, StartProxy, batch_events, stored
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.events import RequestBatch
 from laswrr.services.proxy.events import Batch
-from laswrr.services.natsbus import EmbeddedNats
+from laswrr.services.nats_server import EmbeddedNats
 
 CHAT = "/v1/chat/completions"
 

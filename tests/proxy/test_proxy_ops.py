@@ -6,7 +6,7 @@ import aiohttp
 
 from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
 from laswrr.schemas import subjects as sj
-from laswrr.services.natsbus import free_port
+from laswrr.services.nats_server import free_port
 
 CHAT = "/v1/chat/completions"
 
@@ -80,6 +80,9 @@ async def test_replicas_side_by_side_heartbeat_and_share_snapshots(engines, core
     replicas = [await start_proxy(proxy_id=f"replica-{i}", heartbeat_s=0.2) for i in range(2)]
     for proxy in replicas:
         await wait_seq(proxy, "default", seq)
+        # the replicas share their in-flight (lb.peer): a release is told within --peer-interval-ms,
+        # so the second one starts once it has heard the first one's last release
+        await wait_for(lambda p=proxy: not p.state.router.pools["default"].others, what="the other replica idle")
         for _ in range(4):
             async with http.post(proxy.url + CHAT, json={"model": "m", "messages": []}) as resp:
                 assert resp.status == 200

@@ -1,5 +1,5 @@
 """One load view across replicas: each proxy picks on the pool-wide in-flight estimate
-``others + own`` (services/proxy/routing.py), where ``others`` comes from the snapshot's
+``others + own`` (scheduler/routing/router.py), where ``others`` comes from the snapshot's
 ``inflight`` less the snapshot's own share (``proxy_inflight[proxy_id]``).
 
 Pure tests of the estimator (two real proxies on one bus: test_proxy_replicas.py).
@@ -12,9 +12,9 @@ import zlib
 
 import pytest
 
-from laswrr.scheduler.policies import Candidate, make_policy
+from laswrr.scheduler.policies import Candidate, PickContext, make_policy
 from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
-from laswrr.services.proxy.routing import Admission, Router, others_inflight
+from laswrr.scheduler.routing.router import Admission, Router, others_inflight
 
 LOAD = LoadView(queue=0, running=0, kv=0, npu=0, latency=0, load=0, sample_age_ms=None, stale=False)
 
@@ -89,7 +89,7 @@ class OldReferee:
         self.policy.set_candidates([Candidate.from_weight(n.node, n.effective_weight) for n in snapshot.nodes])
 
     def admit(self, exclude: set[str]) -> str | None:
-        node = self.policy.pick(self.own, exclude)
+        node = self.policy.pick(PickContext(self.own, exclude))
         if node is not None:
             self.own[node] = self.own.get(node, 0) + 1
         return node

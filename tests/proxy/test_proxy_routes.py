@@ -19,7 +19,7 @@ from aiohttp import web
 from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
 from laswrr.schemas import subjects as sj
 from laswrr.services.proxy.app import OPENAI_POST_ROUTES
-from laswrr.services.proxy.upstream import upstream_url
+from laswrr.services.proxy.transport import engine_url
 from laswrr.services.sim_engine.app import RunningServer, start_server
 from laswrr.services.sim_engine.config import SimConfig
 
@@ -76,9 +76,10 @@ async def test_the_pool_name_is_an_alias_of_the_model_its_engines_serve(
         async with http.post(proxy.url + "/v1/chat/completions", json=body) as response:
             assert response.status == 200, await response.text()
             assert (await response.json())["model"] == "sim-llm"
+    # not a pool, not served, in a pool whose engines serve one model: forwarded as that model (docs/design.md §6)
     async with http.post(proxy.url + "/v1/chat/completions", json=dict(body, model="sim-910C")) as response:
-        assert response.status == 404  # not a pool, not served: the engine's own answer passes through
-        assert (await response.json())["error"]["code"] == "model_not_found"
+        assert response.status == 200, await response.text()
+        assert (await response.json())["model"] == "sim-llm"
 
 
 @pytest.fixture
@@ -97,7 +98,7 @@ async def echo_path() -> AsyncIterator[tuple[str, list[tuple[str, dict[str, Any]
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = runner.addresses[0][1]
     yield f"http://127.0.0.1:{port}", seen
     await runner.cleanup()
 
@@ -154,6 +155,6 @@ async def test_readiness_waits_for_a_snapshot_with_a_routable_node(
 
 def test_root_routes_reach_the_server_root_whatever_the_node_url() -> None:
     for base in ("http://e:1", "http://e:1/", "http://e:1/v1", "http://e:1/v1/"):
-        assert upstream_url(base, "/tokenize") == "http://e:1/tokenize"
-        assert upstream_url(base, "/v1/embeddings?x=1") == "http://e:1/v1/embeddings?x=1"
-    assert upstream_url("http://gw/engine-a/v1", "/detokenize") == "http://gw/engine-a/detokenize"
+        assert engine_url(base, "/tokenize") == "http://e:1/tokenize"
+        assert engine_url(base, "/v1/embeddings?x=1") == "http://e:1/v1/embeddings?x=1"
+    assert engine_url("http://gw/engine-a/v1", "/detokenize") == "http://gw/engine-a/detokenize"

@@ -6,8 +6,9 @@ import pytest
 
 from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
 from laswrr.services.proxy.config import parse_size, seed_of
-from laswrr.services.proxy.routing import Router
-from laswrr.services.proxy.upstream import upstream_url, usage_from_json, usage_from_sse
+from laswrr.scheduler.routing.router import Router
+from laswrr.services.proxy.transport import engine_url
+from laswrr.services.proxy.upstream import usage_from_json, usage_from_sse
 
 LOAD = LoadView(queue=0, running=0, kv=0, npu=0, latency=0, load=0, sample_age_ms=None, stale=False)
 
@@ -107,26 +108,14 @@ def test_replicas_with_different_ids_do_not_move_in_lockstep() -> None:
     assert seed_of("proxy-1") == seed_of("proxy-1") != seed_of("proxy-2")
 
 
-def test_model_resolution() -> None:
-    router = Router("rr", seed=0)
-    router.offer(snap(1, node("a", 1), pool="big"), now=0)
-    assert router.resolve_pool("big") == "big"
-    assert router.resolve_pool("org/big-model", {"org/big-model": "big"}) == "big"
-    assert router.resolve_pool("unknown") is None
-    router.offer(snap(1, node("b", 1)), now=0)
-    assert router.resolve_pool("unknown") == "default" and router.resolve_pool(None) == "default"
-    router.forget("default")
-    assert router.resolve_pool(None) is None
-
-
 def test_unknown_policy_fails_fast() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         Router("fastest", seed=0)
 
 
 def test_helpers() -> None:
-    assert upstream_url("http://e:1/", "/v1/models") == "http://e:1/v1/models"
-    assert upstream_url("http://e:1/v1", "/v1/chat/completions?x=1") == "http://e:1/v1/chat/completions?x=1"
+    assert engine_url("http://e:1/", "/v1/models") == "http://e:1/v1/models"
+    assert engine_url("http://e:1/v1", "/v1/chat/completions?x=1") == "http://e:1/v1/chat/completions?x=1"
     assert usage_from_json(b'{"usage": {"prompt_tokens": 3, "completion_tokens": 4}}') == (3, 4)
     assert usage_from_json(b"not json") == (None, None)
     sse = (b'data: {"choices": [], "usage": null}\n\n'

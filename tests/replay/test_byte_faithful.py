@@ -6,23 +6,18 @@ scheduler rejects it), a NUL byte, a ~1 MB payload and a payload that is not JSO
 rows give back each payload exactly (``store.PAYLOAD_SQL``), ``replay_db`` reproduces every
 output with no divergence, the portable form carries them too, and the views treat the non-UTF-8
 row as unreadable (``j`` NULL) instead of as the valid message its U+FFFD rendering would be.
-
-A log recorded before the ``raw`` column existed (the old five-column table) still replays,
-read-only and after a recorder opened it (which adds the column).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import duckdb
 import msgspec
 from live_recording import live_recording
 
 from laswrr.replay import store
 from laswrr.replay.portable import input_line, read_events
 from laswrr.replay.replay import replay_db
-from laswrr.replay.synthetic import LogBuilder
 from tests.replay_cli import replay_exact
 from laswrr.schemas import subjects as sj
 
@@ -61,7 +56,7 @@ async def test_odd_payloads_are_recorded_exactly_and_replay_exactly(nats_url: st
         bad_seq = next(seq for seq, body in published.items() if b"c\xff" in body)
         (j, raw), = con.execute("SELECT j, raw FROM input_events WHERE seq = ?", [bad_seq]).fetchall()
         assert j is None and raw == published[bad_seq]  # unreadable, not a valid capacity of 2
-        rejected = [msgspec.json.decode(d)["seq"] for (d,) in con.execute(
+        rejected = [msgspec.json.decode(d)["as_of_seq"] for (d,) in con.execute(
             "SELECT data FROM events WHERE subject = 'lb.out.rejected'").fetchall()]
         assert bad_seq in rejected  # the live scheduler rejected the invalid UTF-8
 
@@ -72,35 +67,3 @@ async def test_odd_payloads_are_recorded_exactly_and_replay_exactly(nats_url: st
         lines = [input_line(*row) for row in rows]
     replay_exact(tmp_path / store.DB_FILE)  # `laswrr replay --db`, as an operator runs it
     assert [e.data for e in read_events(lines)] == [payload for *_, payload in rows]  # type: ignore[union-attr]
-
-
-OLD_DDL = """CREATE TABLE events (stream VARCHAR NOT NULL, seq BIGINT NOT NULL, ts_ns BIGINT NOT NULL,
-                                  subject VARCHAR NOT NULL, data VARCHAR NOT NULL, PRIMARY KEY (stream, seq))"""
-
-
-def test_a_log_recorded_before_the_raw_column_still_replays(tmp_path: Path) -> None:
-    log = LogBuilder()
-    log.node("a", 8)
-    log.node("b", 4)
-    log.tick()
-    log.add(sj.admin_capacity("a"), b"not json")
-    log.add(sj.admin_capacity("a"), {"capacity": 2})
-    log.started("a", "r1")
-    log.tick()
-    path = tmp_path / "old.duckdb"
-    con = duckdb.connect(str(path))
-    con.execute(OLD_DDL)
-    for cols in (log.inputs, log.outputs):
-        for i in range(len(cols)):
-            con.execute("INSERT INTO events VALUES (?, ?, ?, ?, ?)",
-                        [cols.stream, cols.seq[i], cols.ts_ns[i], cols.subject[i], cols.data[i]])
-    con.close()
-    with store.open_read(path) as con:  # read-only: events seen through a view that adds raw
-        result = replay_db(con)
-        assert result.identical and result.outputs_compared == len(log.outputs)
-        assert con.execute("SELECT count(*) FROM requests").fetchone() == (1,)
-    store.open_writer(path).close()  # a recorder opening the old file adds the column
-    with store.open_read(path) as con:
-        assert ("raw",) in con.execute("SELECT column_name FROM (DESCRIBE events)").fetchall()
-        assert replay_db(con).identical
-    replay_exact(path)

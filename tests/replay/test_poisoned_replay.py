@@ -73,8 +73,8 @@ async def test_a_core_exception_in_a_live_run_is_reproduced_by_every_replay(
     with store.open_read(tmp_path / store.DB_FILE) as con:
         recorded = con.execute("SELECT subject, data FROM events WHERE stream = 'LB_OUT' ORDER BY seq").fetchall()
         rejections = [msgspec.json.decode(data) for subject, data in recorded if subject == sj.OUT_REJECTED]
-        assert rejections == [{"seq": poisoned, "subject": sj.admin_capacity("a"), "reason": REASON,
-                               "as_of_seq": poisoned}]
+        assert rejections == [{"as_of_seq": poisoned, "subject": sj.admin_capacity("a"), "cause": "internal_error",
+                               "reason": REASON}]
 
         exact = replay_db(con)
         assert exact.identical, exact.first and exact.first.describe()

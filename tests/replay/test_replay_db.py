@@ -124,52 +124,11 @@ def test_deleted_tail_is_caught_by_outputs_beyond_the_last_input(db: Path) -> No
     assert result.first is not None and result.first.kind == "beyond" and result.first.seq == 22
 
 
-LEGACY_REJECTIONS = ("UPDATE events SET data = regexp_replace(data, ',\"as_of_seq\":[0-9]+}$', '}') "
-                     "WHERE stream = 'LB_OUT' AND subject = 'lb.out.rejected'")
-
-
-def test_rejections_recorded_before_as_of_seq_still_replay_exactly(db: Path) -> None:
-    tamper(db, LEGACY_REJECTIONS)  # the LB_OUT rows as a scheduler without as_of_seq wrote them
-    with store.open_read(db) as con:
-        rows = con.execute("SELECT data FROM events WHERE subject = 'lb.out.rejected'").fetchall()
-    assert len(rows) == 2 and all("as_of_seq" not in data for (data,) in rows)
-    result = replay_file(db)
-    assert result.identical, result.first and result.first.describe()
-    assert result.legacy_rejections == 2 and "2 rejection(s) recorded before as_of_seq" in result.summary()
-
-
-def test_an_altered_legacy_rejection_is_caught(db: Path) -> None:
-    tamper(db, LEGACY_REJECTIONS)
+def test_an_altered_rejection_is_caught(db: Path) -> None:
     tamper(db, "UPDATE events SET data = replace(data, 'unknown node', 'unknown nodes') "
                "WHERE stream = 'LB_OUT' AND subject = 'lb.out.rejected'")
     result = replay_file(db)
     assert result.first is not None and result.first.kind == "output" and result.first.seq == 20
-
-
-LEGACY_SNAPSHOTS = ("UPDATE events SET data = regexp_replace(data, ',\"proxy_inflight\":\\{.*\\}$', '}') "
-                    "WHERE stream = 'LB_OUT' AND subject LIKE 'lb.out.snapshot.%'")
-
-
-def test_snapshots_recorded_before_proxy_inflight_still_replay_exactly(db: Path) -> None:
-    with store.open_read(db) as con:
-        split = con.execute("SELECT count(*) FROM events WHERE subject LIKE 'lb.out.snapshot.%' "
-                            "AND data LIKE '%\"proxy_inflight\":{%'").fetchone()
-    assert split is not None and split[0] >= 2  # the requests of small_log were open at some snapshots
-    tamper(db, LEGACY_SNAPSHOTS)  # the LB_OUT rows as a scheduler without the field wrote them
-    with store.open_read(db) as con:
-        rows = con.execute("SELECT data FROM events WHERE subject LIKE 'lb.out.snapshot.%'").fetchall()
-    assert all("proxy_inflight" not in data for (data,) in rows)
-    result = replay_file(db)
-    assert result.identical, result.first and result.first.describe()
-    assert result.legacy_snapshots == split[0] and "recorded before proxy_inflight" in result.summary()
-
-
-def test_an_altered_input_is_caught_in_a_legacy_snapshot_log(db: Path) -> None:
-    tamper(db, LEGACY_SNAPSHOTS)
-    tamper(db, "UPDATE events SET subject = 'lb.req.started.a' WHERE stream = 'LB_EVENTS' "
-               "AND seq = (SELECT min(seq) FROM events WHERE stream = 'LB_EVENTS' AND subject = 'lb.req.started.b')")
-    result = replay_file(db)
-    assert result.first is not None and result.first.kind in ("output", "missing", "unexpected")
 
 
 def test_altered_recorded_output_is_caught(db: Path) -> None:
@@ -182,7 +141,7 @@ def test_altered_recorded_output_is_caught(db: Path) -> None:
 
 def test_unverified_tail_when_outputs_stop_early(db: Path) -> None:
     # the scheduler had not processed the last inputs: their outputs were never recorded
-    tamper(db, "DELETE FROM events WHERE stream = 'LB_OUT' AND ((subject = 'lb.out.rejected' AND (data->>'seq')::INT >= 20) "
+    tamper(db, "DELETE FROM events WHERE stream = 'LB_OUT' AND ((subject = 'lb.out.rejected' AND (data->>'as_of_seq')::INT >= 20) "
                "OR (subject <> 'lb.out.rejected' AND (data->>'as_of_seq')::INT >= 20))")
     result = replay_file(db)
     assert result.identical

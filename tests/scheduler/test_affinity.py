@@ -8,7 +8,7 @@ import copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from laswrr.scheduler.policies import Candidate
+from laswrr.scheduler.policies import Candidate, PickContext
 from laswrr.scheduler.policies.affinity import Affinity, PrefixIndex, guard_allows, prefix_keys
 from laswrr.scheduler.policies.la_swrr import LaSwrr
 from laswrr.scheduler.rng import Rng
@@ -94,17 +94,17 @@ def test_affinity_pick_under_the_guard_and_its_charge() -> None:
     p = policy({"a": 1000, "b": 1000, "c": 1000})
     tokens = {"a": 0, "b": 0, "c": 0}
     plain = copy.deepcopy(p)
-    assert plain.pick({}) == "a"  # SWRR would start with a
-    assert p.pick({}, affinity=Affinity(["c"], tokens, 100)) == "c"
+    assert plain.pick(PickContext({})) == "a"  # SWRR would start with a
+    assert p.pick(PickContext({}, affinity=Affinity(["c"], tokens, 100))) == "c"
     assert sum(p.swrr.cw) == 0 and p.swrr.cw[2] == 1000 - 3000  # c charged the round
     # c now carries 100 tokens: a 100-token request still fits (100 < 0 + 100 is false: not allowed)
-    assert p.pick({"c": 1}, affinity=Affinity(["c"], {"c": 100}, 100)) != "c"
+    assert p.pick(PickContext({"c": 1}, affinity=Affinity(["c"], {"c": 100}, 100))) != "c"
 
 
 def test_without_preference_the_pick_is_exactly_la_swrr() -> None:
     a, b = policy({"a": 5000, "b": 1000, "c": 1000}), policy({"a": 5000, "b": 1000, "c": 1000})
-    seq_a = [a.pick({}) for _ in range(7)]
-    seq_b = [b.pick({}, affinity=Affinity([], {}, 10)) for _ in range(7)]
+    seq_a = [a.pick(PickContext({})) for _ in range(7)]
+    seq_b = [b.pick(PickContext({}, affinity=Affinity([], {}, 10))) for _ in range(7)]
     assert seq_a == seq_b == list("aabacaa")
 
 
@@ -129,8 +129,8 @@ def test_adversarial_prefixes_still_spread_and_never_pass_the_guard(weights: lis
     for step, size in enumerate(sizes):
         keys = prompts[step % prefixes]
         preferred = index.preferred(keys, list(nodes))
-        plain = copy.deepcopy(p).pick(inflight)
-        chosen = p.pick(inflight, affinity=Affinity(preferred, tokens, size))
+        plain = copy.deepcopy(p).pick(PickContext(inflight))
+        chosen = p.pick(PickContext(inflight, affinity=Affinity(preferred, tokens, size)))
         assert chosen is not None and plain is not None
         if chosen != plain:
             lightest = min(nodes, key=lambda n: ((tokens.get(n, 0) + size) / nodes[n], list(nodes).index(n)))
@@ -159,7 +159,7 @@ def test_one_shared_prefix_spreads_over_the_pool() -> None:
     tokens: dict[str, int] = {}
     window: list[str] = []
     for _ in range(400):
-        node = p.pick(inflight, affinity=Affinity(index.preferred(keys, list(nodes)), tokens, 1000))
+        node = p.pick(PickContext(inflight, affinity=Affinity(index.preferred(keys, list(nodes)), tokens, 1000)))
         assert node is not None
         index.record(node, keys)
         counts[node] += 1
@@ -185,5 +185,5 @@ def test_the_worked_example_of_the_algorithm_doc() -> None:
             if lead == "b":
                 p.swrr.cw[:] = [-1000, 1000]  # b leads the next SWRR step
             plain = copy.deepcopy(p)
-            assert plain.pick({}, affinity=Affinity([], load, 4000, costs)) == referee, (running, lead)
-            assert p.pick({}, affinity=Affinity(["a"], load, 4000, costs)) == by_guard, (running, lead)
+            assert plain.pick(PickContext({}, affinity=Affinity([], load, 4000, costs))) == referee, (running, lead)
+            assert p.pick(PickContext({}, affinity=Affinity(["a"], load, 4000, costs))) == by_guard, (running, lead)

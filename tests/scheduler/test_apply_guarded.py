@@ -30,6 +30,6 @@ def test_an_exception_becomes_a_rejection_and_moves_the_log_position(monkeypatch
     assert isinstance(exc, ZeroDivisionError)
     assert (output.subject, output.as_of_seq, output.msg_id) == (sj.OUT_REJECTED, 2, f"2:{sj.OUT_REJECTED}")
     reason = "internal error while applying: ZeroDivisionError: division by zero"
-    assert msgspec.json.decode(output.data) == {"seq": 2, "subject": "lb.admin.drain.a", "reason": reason,
-                                                "as_of_seq": 2}
+    assert msgspec.json.decode(output.data) == {"as_of_seq": 2, "subject": "lb.admin.drain.a",
+                                                "cause": "internal_error", "reason": reason}
     assert scheduler.state.last_seq == 2

@@ -86,9 +86,10 @@ def _one_by_one(items: list[tuple[str, str | None, bytes]], seq: int, ts_ns: int
         subject = _alone_subject(kind, key)
         for output in alone.apply(Envelope(seq, ts_ns, subject, data)):
             if output.subject == sj.OUT_REJECTED:
-                reason = json.loads(output.data)["reason"]
-                rejection = Rejected(seq=seq, subject=batch_subject, reason=f"event {index} ({subject}): {reason}",
-                                     as_of_seq=seq, event_index=index)
+                alone_rejection = json.loads(output.data)
+                rejection = Rejected(as_of_seq=seq, subject=batch_subject, cause=alone_rejection["cause"],
+                                     reason=f"event {index} ({subject}): {alone_rejection['reason']}",
+                                     event_index=index)
                 expected.append((sj.OUT_REJECTED, encode(rejection)))
             elif output.subject.startswith(sj.OUT_SNAPSHOT + "."):
                 pools.add(output.subject.rsplit(".", 1)[1])
@@ -141,10 +142,10 @@ def test_bad_events_are_rejected_alone_and_the_rest_applies() -> None:
     batched, outputs = _apply_batch(items, BASE.seq + 1, BASE.ts_ns)
     rejections = [msgspec.json.decode(o.data) for o in outputs if o.subject == sj.OUT_REJECTED]
     assert rejections == [
-        {"seq": BASE.seq + 1, "subject": "lb.req.batch.p1", "as_of_seq": BASE.seq + 1, "event_index": 1,
+        {"subject": "lb.req.batch.p1", "as_of_seq": BASE.seq + 1, "event_index": 1, "cause": "unknown_request",
          "reason": "event 1 (lb.req.finished.n1): unknown request_id 'nope': never started, already finished, or "
                    "expired"},
-        {"seq": BASE.seq + 1, "subject": "lb.req.batch.p1", "as_of_seq": BASE.seq + 1, "event_index": 3,
+        {"subject": "lb.req.batch.p1", "as_of_seq": BASE.seq + 1, "event_index": 3, "cause": "duplicate_request",
          "reason": "event 3 (lb.req.started.n2): duplicate request_id 'r2': already in flight"}]
     assert [o.msg_id for o in outputs] == [f"{BASE.seq + 1}:lb.out.rejected", f"{BASE.seq + 1}:lb.out.rejected:1"]
     assert {"r1", "r2"} <= set(batched.state.open_requests)
@@ -154,7 +155,7 @@ def test_a_batch_that_does_not_decode_is_one_rejection_and_changes_nothing() -> 
     scheduler = Scheduler.restore(BASE_STATE)
     [output] = scheduler.apply(Envelope(BASE.seq + 1, BASE.ts_ns, sj.req_batch(PROXY), b'{"events": []}'))
     assert msgspec.json.decode(output.data) == {
-        "seq": BASE.seq + 1, "subject": "lb.req.batch.p1", "as_of_seq": BASE.seq + 1,
+        "subject": "lb.req.batch.p1", "as_of_seq": BASE.seq + 1, "cause": "invalid_payload",
         "reason": "invalid req.batch payload: Expected `array` of length >= 1 - at `$.events`"}
     assert scheduler.state.open_requests == Scheduler.restore(BASE_STATE).state.open_requests
 

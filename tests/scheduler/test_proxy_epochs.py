@@ -4,7 +4,7 @@ Each proxy process stamps a random ``boot_id`` on its events. A new boot id for 
 the requests the old process left open, at once (not after ``proxy_timeout_ms`` of silence,
 which a restarted proxy's heartbeats would never allow); a late event of the replaced process
 voids nothing; a heartbeat's own in-flight count, where lower, voids the oldest open requests.
-Events without a boot id keep the old rules, so old logs replay unchanged.
+Events without a boot id (published by hand) name no process and void nothing.
 """
 
 from __future__ import annotations

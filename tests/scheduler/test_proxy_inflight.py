@@ -1,7 +1,7 @@
 """The snapshot's ``proxy_inflight``: each proxy's share of every node's in-flight count.
 
 A proxy routes on ``inflight - proxy_inflight[itself] + its own live count`` (the pool-wide
-view, services/proxy/routing.py), so the split must add up to ``inflight`` exactly, follow
+view, scheduler/routing/router.py), so the split must add up to ``inflight`` exactly, follow
 every way a request ends (finished, voided by a heartbeat, a new boot id, the proxy stopping or
 expiring, the node removed), stay sorted (replicas emit the same bytes), and be left out when no
 request is open, so the snapshots of such states are the bytes the core emitted before.
@@ -9,11 +9,8 @@ request is open, so the snapshots of such states are the bytes the core emitted 
 
 from __future__ import annotations
 
-import json
 
-from laswrr.replay.replay import legacy_snapshot
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.codec import encode
 from tests.scheduler.sched_feed import Feed, warm_pool
 
 
@@ -87,17 +84,6 @@ def test_each_pool_carries_only_its_own_nodes() -> None:
     feed.start("a", proxy="p1")
     feed.start("b", proxy="p1")
     assert split(feed, "x") == {"p1": {"a": 1}} and split(feed, "y") == {"p1": {"b": 1}}
-
-
-def test_the_legacy_form_is_the_snapshot_without_the_field() -> None:
-    feed = warm_pool("a")
-    before = encode(feed.scheduler.snapshot("default"))  # nothing open: the old bytes
-    feed.start("a", proxy="p1")
-    with_split = encode(feed.scheduler.snapshot("default"))
-    assert b'"proxy_inflight":{' in with_split
-    legacy = legacy_snapshot(with_split)
-    assert json.loads(legacy) == {k: v for k, v in json.loads(with_split).items() if k != "proxy_inflight"}
-    assert legacy_snapshot(before) == before
 
 
 def test_a_scheduler_restored_from_a_checkpoint_carries_the_same_split() -> None:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from laswrr.replay.portable import LogLine, output_line, replay_lines
 from laswrr.scheduler.core import Scheduler
-from laswrr.scheduler.policies import Candidate, make_policy
+from laswrr.scheduler.policies import Candidate, PickContext, make_policy
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope, Output, encode
 
@@ -86,7 +86,7 @@ def test_malformed_lines_become_rejections_with_their_line_numbers() -> None:
     outputs = [json.loads(line) for line in result.stdout.splitlines()]
     rejected = [o["data"] for o in outputs if o["subject"] == sj.OUT_REJECTED]
     assert [r["reason"].split(":")[0] for r in rejected] == ["line 2", "line 3", "payload is not valid JSON"]
-    assert rejected[2]["seq"] == 4 and rejected[2]["subject"] == "lb.admin.capacity.n1"
+    assert rejected[2]["as_of_seq"] == 4 and rejected[2]["subject"] == "lb.admin.capacity.n1"
     assert outputs[-1]["subject"] == "lb.out.snapshot.default" and outputs[-1]["seq"] == 5  # it went on
     stderr = result.stderr.decode()
     assert "line 2: not a log entry" in stderr and "line 3: not a log entry" in stderr
@@ -243,7 +243,7 @@ def _check_snapshot(output: Output) -> None:
         else:
             routable.add(view["node"])
     for _ in range(2 * len(names)):
-        chosen = policy.pick({})
+        chosen = policy.pick(PickContext({}))
         assert chosen is None or chosen in routable
 
 

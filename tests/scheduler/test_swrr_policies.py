@@ -12,7 +12,7 @@ from collections import Counter, deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from laswrr.scheduler.policies import POLICIES, Candidate, make_policy
+from laswrr.scheduler.policies import POLICIES, Candidate, PickContext, make_policy
 from laswrr.scheduler.policies.la_swrr import LaSwrr
 from laswrr.scheduler.rng import Rng
 from laswrr.scheduler.swrr import Swrr
@@ -113,7 +113,7 @@ def test_la_swrr_sum_of_current_weights_stays_zero_under_any_change(ops: list) -
             weights = dict(arg)
         else:
             exclude, inflight = arg
-            chosen = policy.pick(inflight, exclude)
+            chosen = policy.pick(PickContext(inflight, exclude))
             eligible = {n for n, w in weights.items() if w > 0 and n not in exclude}
             if eligible:
                 assert chosen in eligible
@@ -161,7 +161,7 @@ def test_node_going_to_weight_zero_is_recentred_and_returns_without_a_burst() ->
 
 def test_la_swrr_without_load_is_exactly_nginx() -> None:
     policy = _la(("a", 5000), ("b", 1000), ("c", 1000))
-    assert _picks(lambda: policy.pick({}), 21) == NGINX_517 * 3
+    assert _picks(lambda: policy.pick(PickContext({})), 21) == NGINX_517 * 3
 
 
 @settings(max_examples=150, deadline=None)
@@ -172,7 +172,7 @@ def test_la_swrr_with_equal_per_weight_inflight_reproduces_nginx(weights: list[i
     policy = _la(*zip(names, weights))
     swrr = _swrr(*zip(names, weights))
     total = sum(weights)
-    assert _picks(lambda: policy.pick(inflight) + ",", 3 * total) == _picks(lambda: swrr.pick() + ",", 3 * total)
+    assert _picks(lambda: policy.pick(PickContext(inflight)) + ",", 3 * total) == _picks(lambda: swrr.pick() + ",", 3 * total)
 
 
 def test_la_swrr_moves_picks_off_a_loaded_node_and_keeps_the_sum() -> None:
@@ -180,7 +180,7 @@ def test_la_swrr_moves_picks_off_a_loaded_node_and_keeps_the_sum() -> None:
     inflight = {"a": 100, "b": 0, "c": 0}
     seq = ""
     for _ in range(14):
-        seq += policy.pick(inflight)
+        seq += policy.pick(PickContext(inflight))
         assert _cw_sum(policy) == 0
     # a is SWRR's leader every pass but far busier per unit of weight: the lightest node gets it.
     # Pass 1: a5 b1 c1 -> b is charged 7; pass 2: a10 b-5 c2 -> c is charged 7 and a's 3 above
@@ -190,7 +190,7 @@ def test_la_swrr_moves_picks_off_a_loaded_node_and_keeps_the_sum() -> None:
     # a's credit is capped at one round (forfeit), so when it frees up it gets no burst beyond
     # nginx run: at most 5 in a row, and over 3 periods its share (15) plus the one pick that
     # one round of kept credit is worth.
-    seq = _picks(lambda: policy.pick({}), 21)
+    seq = _picks(lambda: policy.pick(PickContext({})), 21)
     assert "a" * 6 not in seq
     assert seq.count("a") == 16
     assert _cw_sum(policy) == 0
@@ -200,7 +200,7 @@ def test_la_swrr_leader_yields_to_a_lighter_node_anywhere_in_the_rotation() -> N
     # Equal weights: SWRR's leader is a, its runner-up b; d, last in the rotation, is the one
     # with a request fewer in flight, and the one-request gap is enough (">=").
     policy = _la(("a", 1000), ("b", 1000), ("c", 1000), ("d", 1000))
-    assert policy.pick({"a": 1, "b": 1, "c": 1, "d": 0}) == "d"
+    assert policy.pick(PickContext({"a": 1, "b": 1, "c": 1, "d": 0})) == "d"
     assert _cw_sum(policy) == 0
 
 
@@ -218,7 +218,7 @@ def test_la_swrr_with_equal_weights_always_picks_a_least_loaded_node(size: int, 
         node = names[index % size]
         if finish and inflight[node]:
             inflight[node] -= 1
-        chosen = policy.pick(inflight)
+        chosen = policy.pick(PickContext(inflight))
         assert chosen is not None and inflight[chosen] == min(inflight.values()), (chosen, inflight)
         inflight[chosen] += 1
 
@@ -227,10 +227,10 @@ def test_la_swrr_referee_does_not_undo_weights_at_low_concurrency() -> None:
     # One request in flight on the heavy leader (1/5 per weight) vs none on a light node:
     # sending the next request to b would leave b at 1/1 per weight, worse than a. SWRR stands.
     policy = _la(("a", 5000), ("b", 1000))
-    assert policy.pick({"a": 1, "b": 0}) == "a"
+    assert policy.pick(PickContext({"a": 1, "b": 0})) == "a"
     # ... but a leader that is worse off than the runner-up would be after taking it yields.
     policy = _la(("a", 5000), ("b", 1000))
-    assert policy.pick({"a": 6, "b": 0}) == "b"
+    assert policy.pick(PickContext({"a": 6, "b": 0})) == "b"
 
 
 @settings(max_examples=60, deadline=None)
@@ -250,7 +250,7 @@ def test_la_swrr_long_run_shares_match_weights_in_a_closed_loop(weights: list[in
     total = sum(weights)
     picks = 100 * total
     for _ in range(picks):
-        node = policy.pick(inflight)
+        node = policy.pick(PickContext(inflight))
         assert node is not None
         counts[node] += 1
         inflight[node] += 1
@@ -267,12 +267,12 @@ def test_la_swrr_warmup_is_a_seeded_rotation_of_the_nginx_sequence() -> None:
     for seed in range(20):
         policy = make_policy("la-swrr", seed)
         policy.set_candidates([Candidate("a", 5000), Candidate("b", 1000), Candidate("c", 1000)])
-        seq = _picks(lambda: policy.pick({}), 7)  # noqa: B023
+        seq = _picks(lambda: policy.pick(PickContext({})), 7)  # noqa: B023
         assert seq in doubled
         starts.add(doubled.index(seq))
         again = make_policy("la-swrr", seed)
         again.set_candidates([Candidate("a", 5000), Candidate("b", 1000), Candidate("c", 1000)])
-        assert _picks(lambda: again.pick({}), 7) == seq  # noqa: B023
+        assert _picks(lambda: again.pick(PickContext({})), 7) == seq  # noqa: B023
     assert len(starts) > 1  # replicas with different seeds do not start in lockstep
 
 
@@ -285,7 +285,7 @@ def _run(name: str, seed: int, count: int, inflight: dict[str, int] | None = Non
          exclude: frozenset[str] = frozenset(), candidates: list[Candidate] = _FOUR) -> list[str | None]:
     policy = make_policy(name, seed)
     policy.set_candidates(candidates)
-    return [policy.pick(inflight or {}, exclude) for _ in range(count)]
+    return [policy.pick(PickContext(inflight or {}, exclude)) for _ in range(count)]
 
 
 def test_every_policy_is_reproducible_from_its_seed() -> None:

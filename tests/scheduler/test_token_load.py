@@ -1,6 +1,6 @@
 """Token-aware occupancy: a request that carries its size (lb.req.started prompt_tokens and
 max_tokens) weighs its tokens against the pool's mean in flight; without sizes the core counts
-requests exactly as before (old logs replay byte for byte)."""
+requests (each request counts one)."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ def test_core_records_the_reason_and_applies_nothing() -> None:
     outputs = feed.send(sj.admin_node("evil"), {"url": "http://169.254.169.254:80", "capacity": 4})
     assert [o.subject for o in outputs] == [sj.OUT_REJECTED]
     rejected = json.loads(outputs[0].data)
-    assert rejected["seq"] == 1 and "169.254.169.254:80 is not in the allow-list (10.0.0.0/8)" in rejected["reason"]
+    assert rejected["as_of_seq"] == 1 and "169.254.169.254:80 is not in the allow-list (10.0.0.0/8)" in rejected["reason"]
     assert "evil" not in feed.scheduler.state.nodes
     applied = feed.send(sj.admin_node("n1"), {"url": "http://10.0.0.5:8000", "capacity": 4})
     assert sj.OUT_REJECTED not in [o.subject for o in applied] and "n1" in feed.scheduler.state.nodes

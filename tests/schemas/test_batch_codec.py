@@ -49,7 +49,9 @@ def test_the_wire_form_is_the_struct_encoded_with_each_event_unchanged() -> None
 
 def test_every_event_decodes_as_it_would_alone() -> None:
     events = [("req.started", "n1", STARTED), ("req.finished", "n2", FINISHED), ("proxy.heartbeat", None, HEARTBEAT),
-              ("proxy.stopped", None, ev.ProxyStopped(boot_id="b1"))]
+              ("proxy.stopped", None, ev.ProxyStopped(boot_id="b1")),
+              ("req.refused", None, ev.RequestRefused(request_id="p1-b1-9", proxy="p1", status=404,
+                                                      cause="unknown_model", model="nope", boot_id="b1"))]
     payload = batch_payload(None, None, [batch_item(kind, key, encode(event)) for kind, key, event in events])
     for (subject, key, event), (kind, _, original) in zip(_decode(payload), events):
         assert (key, event) == decode_event(subject, encode(original))
@@ -63,7 +65,7 @@ def test_one_bad_event_is_reported_alone_with_its_index() -> None:
         (b'["req.started", "n1"]', "event 1: not a [kind, key, event] array: Expected `array` of at least length 3, got 2"),
         (batch_item("admin.capacity_set", "n1", b'{"capacity": 1}'),
          "event 1: kind 'admin.capacity_set' cannot be batched (one of req.started, req.finished, proxy.heartbeat, "
-         "proxy.stopped)"),
+         "proxy.stopped, req.refused, req.queued)"),
         (batch_item("req.started", None, encode(STARTED)), "event 1 (req.started): a req.started event needs its node"),
         (batch_item("req.started", "bad.node", encode(STARTED)), "event 1 (req.started): invalid node id 'bad.node'"),
         (batch_item("proxy.heartbeat", "p2", encode(HEARTBEAT)),

@@ -11,12 +11,11 @@ import inspect
 import msgspec
 import pytest
 
-from laswrr.replay.replay import legacy_rejection
 from laswrr.schemas import events as ev
 from laswrr.schemas import outputs as out
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import MAX_PAYLOAD_BYTES, Envelope, Output, SchemaError, decode_event, encode, event_type
-from laswrr.schemas.words import RequestOutcome
+from laswrr.schemas.words import Phase, PhaseCause, RejectCause, RequestOutcome
 
 
 def _reason(subject: str, data: bytes) -> str:
@@ -111,12 +110,14 @@ def test_every_event_struct_has_a_unique_stable_kind_and_a_subject() -> None:
         "admin.node_registered", "admin.node_remove_requested", "admin.capacity_set", "admin.drain_requested",
         "admin.undrain_requested", "admin.config_changed", "metrics.engine_sampled", "metrics.npu_sampled",
         "health.probed", "req.started", "req.finished", "req.batch", "proxy.heartbeat", "proxy.stopped",
-        "clock.ticked"])
+        "clock.ticked", "metrics.models_listed", "req.refused", "req.queued"])
     subjects = {
         ev.NodeRegistered: sj.admin_node("x"), ev.NodeRemoveRequested: sj.admin_remove("x"),
         ev.CapacitySet: sj.admin_capacity("x"), ev.DrainRequested: sj.admin_drain("x"),
         ev.UndrainRequested: sj.admin_undrain("x"), ev.ConfigChanged: sj.ADMIN_CONFIG,
         ev.EngineSampled: sj.metrics_engine("x"), ev.NpuSampled: sj.metrics_npu("x"), ev.HealthProbed: sj.health("x"),
+        ev.ModelsListed: sj.metrics_models("x"), ev.RequestRefused: sj.req_refused("x"),
+        ev.RequestQueued: sj.req_queued("x"),
         ev.RequestStarted: sj.req_started("x"), ev.RequestFinished: sj.req_finished("x"), ev.RequestBatch: sj.req_batch("x"),
         ev.ProxyHeartbeat: sj.proxy_heartbeat("x"), ev.ProxyStopped: sj.proxy_stopped("x"), ev.ClockTicked: sj.CLOCK_TICK,
     }
@@ -146,11 +147,11 @@ GOLDEN_SNAPSHOT = (
     b'{"node":"n1","url":"http://10.0.0.1:8000","phase":"active","routable":true,"capacity":10,'
     b'"target_weight":6.4,"effective_weight":6.4,"inflight":3,"chip":"910B","health":1.0,'
     b'"load":{"queue":0.0,"running":0.3,"kv":0.25,"npu":0.5,"latency":0.0,"load":0.185,"sample_age_ms":120,'
-    b'"stale":false},"phase_reason":"registered"},'
+    b'"stale":false},"phase_reason":"registered","phase_cause":"registered","concurrency_limit":10},'
     b'{"node":"n2","url":"http://10.0.0.2:8000","phase":"draining","routable":false,"capacity":0,'
     b'"target_weight":0.0,"effective_weight":0.0,"inflight":1,"chip":"910B","health":0.7,'
     b'"load":{"queue":0.5,"running":0.5,"kv":0.5,"npu":0.5,"latency":0.0,"load":0.4,"sample_age_ms":null,'
-    b'"stale":true},"phase_reason":"capacity set to 0"}]}'
+    b'"stale":true},"phase_reason":"capacity set to 0","phase_cause":"capacity_zero","concurrency_limit":0}]}'
 )
 
 
@@ -159,11 +160,13 @@ def _golden() -> out.WeightSnapshot:
         out.NodeView(node="n1", url="http://10.0.0.1:8000", phase="active", routable=True, capacity=10,
                      target_weight=6.4, effective_weight=6.4, inflight=3, chip="910B", health=1.0,
                      load=out.LoadView(queue=0.0, running=0.3, kv=0.25, npu=0.5, latency=0.0, load=0.185,
-                                       sample_age_ms=120, stale=False), phase_reason="registered"),
+                                       sample_age_ms=120, stale=False), phase_reason="registered",
+                     concurrency_limit=10),
         out.NodeView(node="n2", url="http://10.0.0.2:8000", phase="draining", routable=False, capacity=0,
                      target_weight=0.0, effective_weight=0.0, inflight=1, chip="910B", health=0.7,
                      load=out.LoadView(queue=0.5, running=0.5, kv=0.5, npu=0.5, latency=0.0, load=0.4,
-                                       sample_age_ms=None, stale=True), phase_reason="capacity set to 0"),
+                                       sample_age_ms=None, stale=True), phase_reason="capacity set to 0",
+                     phase_cause=PhaseCause.CAPACITY_ZERO),
     ])
 
 
@@ -173,13 +176,15 @@ def test_snapshot_encoding_is_byte_stable() -> None:
 
 
 def test_phase_and_rejected_encoding() -> None:
-    assert encode(out.PhaseChanged(node="n2", from_="active", to="draining", as_of_seq=41, reason="capacity set to 0")) \
-        == b'{"node":"n2","from":"active","to":"draining","as_of_seq":41,"reason":"capacity set to 0","pool":"default"}'
-    rejected = encode(out.Rejected(seq=5, subject="lb.admin.capacity.n9", reason="unknown node 'n9'", as_of_seq=5))
-    assert rejected == b'{"seq":5,"subject":"lb.admin.capacity.n9","reason":"unknown node \'n9\'","as_of_seq":5}'
-    # the form recorded before as_of_seq (what replay compares an old log's rejection with)
-    assert legacy_rejection(rejected) == b'{"seq":5,"subject":"lb.admin.capacity.n9","reason":"unknown node \'n9\'"}'
-    assert msgspec.json.decode(legacy_rejection(rejected), type=out.Rejected).as_of_seq is None
+    assert encode(out.PhaseChanged(node="n2", from_=Phase.ACTIVE, to=Phase.DRAINING, as_of_seq=41,
+                                   cause=PhaseCause.CAPACITY_ZERO, reason="capacity set to 0")) \
+        == (b'{"node":"n2","from":"active","to":"draining","as_of_seq":41,"cause":"capacity_zero",'
+            b'"reason":"capacity set to 0","pool":"default"}')
+    rejected = encode(out.Rejected(as_of_seq=5, subject="lb.admin.capacity.n9", cause=RejectCause.UNKNOWN_NODE,
+                                   reason="unknown node 'n9'"))
+    assert rejected == (b'{"as_of_seq":5,"subject":"lb.admin.capacity.n9","cause":"unknown_node",'
+                        b'"reason":"unknown node \'n9\'"}')
+    assert msgspec.json.decode(rejected, type=out.Rejected).cause is RejectCause.UNKNOWN_NODE
 
 
 def test_output_msg_id_names_its_cause() -> None:

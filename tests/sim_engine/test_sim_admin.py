@@ -48,7 +48,7 @@ async def test_get_admin_reports_state(engine: RunningServer, http: aiohttp.Clie
     async with http.get(f"{engine.url}/admin") as r:
         st = await r.json()
     assert st | {"speed": 0} == {"node_id": "node-a", "chip": "910B", "model": "sim-910B", "capacity": 4,
-                                 "slowdown": 1.0, "speed": 0, "fail": "none", "health": "OK", "cut_after": 2}
+                                 "slowdown": 1.0, "speed": 0, "fail": "none", "health": "OK", "cut_after": 2, "fault_code": ""}
 
 
 async def test_http500_fault_and_health(make_client: MakeClient, engine: RunningServer, http: aiohttp.ClientSession) -> None:

@@ -270,7 +270,10 @@ class StreamText:
         out = b""
         if not self.finished and self.head is not None:
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length"}
-            choice.update({"text": ""} if self.kind == "completion" else {"delta": {}})
+            if self.kind == "completion":
+                choice["text"] = ""
+            else:
+                choice["delta"] = {}
             out = b"data: " + msgspec.json.encode({**self.head, "choices": [choice]}) + b"\n\n"
         return out + DONE_EVENT
 

@@ -1,0 +1,100 @@
+"""The channel between proxies on real processes around them (a real nats-server, real echo
+engines, two proxies): a prompt admitted through proxy A makes proxy B prefer the same node for
+the same prefix; with the channel off B does not know it; a peer gone silent is dropped after
+``--peer-stale-ms`` and B routes on the snapshot's counts again, today's rule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from proxy_support import CoreDriver, StartProxy, wait_for, wait_seq
+from laswrr.scheduler.routing.prompt import prompt_text
+from laswrr.scheduler.routing.router import others_inflight
+
+CHAT = "/v1/chat/completions"
+NODES = ("a", "b", "c", "d")
+
+
+def conversation(k: int) -> str:
+    return (f"conversation {k}: the user pastes a long document. " * 200)[:6000]
+
+
+async def ask(http: aiohttp.ClientSession, url: str, text: str, test: dict[str, Any] | None = None) -> str:
+    body = {"model": "m", "messages": [{"role": "user", "content": text}], "test": test or {"chunks": 1}}
+    async with http.post(url + CHAT, json=body) as response:
+        assert response.status == 200
+        await response.read()
+        return response.headers["x-laswrr-node"]
+
+
+async def two_proxies(engines: Any, core: CoreDriver, start_proxy: StartProxy, interval_ms: int,
+                      stale_ms: int = 500) -> tuple[Any, Any]:
+    for name in NODES:
+        seq = await core.register(name, (await engines(name)).url)
+    a = await start_proxy(proxy_id="proxy-a", peer_interval_ms=interval_ms, peer_stale_ms=stale_ms)
+    b = await start_proxy(proxy_id="proxy-b", peer_interval_ms=interval_ms, peer_stale_ms=stale_ms)
+    for proxy in (a, b):
+        await wait_seq(proxy, "default", seq)
+    return a, b
+
+
+async def test_a_prompt_admitted_through_one_proxy_steers_the_other_to_the_same_node(
+        engines: Any, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession) -> None:
+    a, b = await two_proxies(engines, core, start_proxy, interval_ms=20)
+    await wait_for(lambda: "proxy-a" in b.state.router.pools["default"].peers, what="B hears A's heartbeat")
+    kept = []
+    for k in range(6):
+        first = await ask(http, a.url, conversation(k))
+        index = b.state.router.pools["default"].index
+        assert index is not None
+        keys = index.keys(prompt_text([{"role": "user", "content": conversation(k)}], None))
+        await wait_for(lambda: first in index.depths(keys, [first]) and index.depths(keys, [first])[first] > 0,
+                       what="B's index holds A's prefix")
+        peers = b.state.router.pools["default"].peers
+        await wait_for(lambda: not peers["proxy-a"].inflight and not peers["proxy-a"].backlog,
+                       what="B hears A's request end (its backlog there would hold B off: the guard)")
+        kept.append(await ask(http, b.url, conversation(k)) == first)
+    assert kept == [True] * 6
+    assert b.state.bus.peer_received > 0 and a.state.bus.peer_sent > 0
+
+
+async def test_without_the_channel_the_other_proxy_goes_elsewhere(
+        engines: Any, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession) -> None:
+    a, b = await two_proxies(engines, core, start_proxy, interval_ms=0)
+    kept = [await ask(http, b.url, conversation(k)) == await ask(http, a.url, conversation(k)) for k in range(6)]
+    assert not all(kept) and b.state.router.pools["default"].peers == {}
+
+
+async def test_a_silent_peer_is_dropped_and_routing_falls_back_to_the_snapshot(
+        engines: Any, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession) -> None:
+    a, b = await two_proxies(engines, core, start_proxy, interval_ms=20, stale_ms=300)
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}],
+            "test": {"chunks": 400, "delay": 0.05}}
+    route = b.state.router.pools["default"]
+    async with http.post(a.url + CHAT, json=body) as stream:
+        node = stream.headers["x-laswrr-node"]
+        await wait_for(lambda: route.others.get(node) == 1, what="B counts A's stream on its node")
+        assert b.state.router.load.get(node) == 1  # the snapshot (no events consumed here) says 0
+        assert a.state.bus.nc is not None
+        await a.state.bus.nc.close()  # A falls silent on the bus (its stream goes on)
+        await wait_for(lambda: "proxy-a" not in route.peers, timeout=5, what="B drops the silent peer")
+        assert route.others == others_inflight(route.snapshot, "proxy-b")  # exactly the snapshot's rule
+        assert b.state.router.load.get(node) is None
+        assert b.state.router.peer_backlog == {}
+        stream.close()
+
+
+async def test_a_pick_reaches_the_peer_at_once_not_an_interval_later(
+        engines: Any, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession) -> None:
+    # an interval and a heartbeat far beyond the test: only the message sent at the pick can tell B
+    a, b = await two_proxies(engines, core, start_proxy, interval_ms=60_000, stale_ms=600_000)
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}],
+            "test": {"chunks": 400, "delay": 0.05}}
+    route = b.state.router.pools["default"]
+    async with http.post(a.url + CHAT, json=body) as stream:
+        node = stream.headers["x-laswrr-node"]
+        await wait_for(lambda: route.others.get(node) == 1, timeout=5, what="B counts A's stream at its pick")
+        assert a.state.bus.peer_sent >= 1
+        stream.close()

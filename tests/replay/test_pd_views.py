@@ -1,0 +1,54 @@
+"""A prefill/decode pair in the views: one request of two attempts, each with its role; the
+completed prefill leg is neither a retry nor a continuation, a failed prefill leg retried on
+another prefill node is a retry; the request's outcome is its decode leg's. The log is built
+through the real core (roles registered) and replays exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from laswrr.replay import store
+from laswrr.replay.replay import replay_db
+from laswrr.replay.synthetic import LogBuilder
+from laswrr.schemas import subjects as sj
+
+
+def _leg(log: LogBuilder, node: str, attempt: str, role: str, outcome: str = "completed", **finished: Any) -> None:
+    log.add(sj.req_started(node), {"request_id": attempt, "proxy": "px", "role": role})
+    log.add(sj.req_finished(node), {"request_id": attempt, "proxy": "px", "outcome": outcome, "role": role,
+                                    **finished}, after_ms=50)
+
+
+def test_a_pair_is_one_request_of_two_attempts_with_roles(tmp_path: Path) -> None:
+    log = LogBuilder()
+    for node, role in (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode")):
+        log.add(sj.admin_node(node), {"url": f"http://{node}:8000", "capacity": 4, "role": role, "pd_protocol": "vllm"})
+    log.tick()
+    _leg(log, "p1", "r1", "prefill", completion_tokens=1)
+    _leg(log, "d1", "r1.1", "decode", ttft_ms=120.0, completion_tokens=16)
+    _leg(log, "p1", "r2", "prefill", "upstream_error", next_attempt="r2.1", error="retried: connection reset")
+    _leg(log, "p2", "r2.1", "prefill", completion_tokens=1)
+    _leg(log, "d1", "r2.2", "decode", ttft_ms=300.0, completion_tokens=16)
+    log.tick()
+    path = tmp_path / "pd.duckdb"
+    log.write_db(path)
+    with store.open_read(path) as con:
+        assert replay_db(con).identical
+        attempts = con.execute("SELECT attempt_id, node, role, outcome FROM attempts ORDER BY attempt_id").fetchall()
+        requests = con.execute("SELECT request_id, node, outcome, attempts, continued, ttft_ms FROM requests "
+                               "ORDER BY request_id").fetchall()
+        taken_over = con.execute("SELECT attempt_id, next_attempt, kind FROM continuations").fetchall()
+    assert attempts == [("r1", "p1", "prefill", "completed"), ("r1.1", "d1", "decode", "completed"),
+                        ("r2", "p1", "prefill", "upstream_error"), ("r2.1", "p2", "prefill", "completed"),
+                        ("r2.2", "d1", "decode", "completed")]
+    assert requests == [("r1", "d1", "completed", 2, 0, 120.0), ("r2", "d1", "completed", 3, 0, 300.0)]
+    assert taken_over == [("r2", "r2.1", "retried")]  # the completed prefill legs are no retry
+    with store.open_read(path) as con:
+        from laswrr.replay.report import gather
+
+        report = gather(con)
+    assert (report["requests"], report["completed"], report["attempts"], report["retried_attempts"]) == (2, 2, 5, 1)
+    assert report["pd"] == {"pair_requests": 2, "decode_only_requests": 0, "prefill_legs": 3,
+                            "prefill_legs_not_completed": 1, "decode_legs": 2, "decode_legs_not_completed": 0}
+    assert report["zero_interruptions"]

@@ -1,0 +1,224 @@
+"""The channel between proxies, pure (scheduler/routing/router.py, "the channel between proxies";
+docs/design.md): a peer's message replaces the snapshot's view of that peer while fresh and newer,
+its prefix records steer this proxy to the same node, and a stale or missing peer falls back to
+the snapshot's counts, exactly the rule without the channel."""
+
+from __future__ import annotations
+
+import msgspec
+
+from laswrr.scheduler.routing.prompt import prompt_text, request_size
+from laswrr.scheduler.routing.router import DEFAULT_POOL, PEER_STALE_S, Router
+from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
+from laswrr.scheduler.policies.affinity import grid_positions
+from laswrr.schemas.peers import PEER_DECODER, PEER_ENCODER, PeerState, PrefixRecord, pack_keys, unpack_keys
+from laswrr.schemas import subjects as sj
+
+LOAD = LoadView(queue=0, running=0, kv=0, npu=0, latency=0, load=0, sample_age_ms=None, stale=False)
+NODES = ("a", "b", "c", "d")
+
+
+def view(name: str, inflight: int = 0) -> NodeView:
+    return NodeView(node=name, url=f"http://{name}:8000", phase="active", routable=True, capacity=4,
+                    target_weight=1000.0, effective_weight=1000.0, inflight=inflight, chip="910B", health=1.0,
+                    load=LOAD)
+
+
+def snap(seq: int, ts_ns: int = 0, inflight: dict[str, int] | None = None,
+         proxy_inflight: dict[str, dict[str, int]] | None = None) -> WeightSnapshot:
+    counts = inflight or {}
+    return WeightSnapshot(pool=DEFAULT_POOL, as_of_seq=seq, tick=seq, ts_ns=ts_ns, panic=False,
+                          nodes=[view(n, counts.get(n, 0)) for n in NODES], proxy_inflight=proxy_inflight or {})
+
+
+def router(proxy: str, share: bool = True) -> Router:
+    r = Router("la-swrr", 7 + ord(proxy[0]), proxy_id=proxy, share=share)  # seeded by its id, as proxies are
+    r.offer(snap(1), now=0.0)
+    return r
+
+
+def ask(r: Router, text: str, done: bool = False) -> str:
+    seen = prompt_text([{"role": "user", "content": text}], None)
+    admission = r.admit(DEFAULT_POOL, prompt=seen, size=request_size(seen, 16, None))
+    assert admission is not None
+    if done:
+        r.release(admission)
+    return admission.node
+
+
+def long_prompt(seed: str) -> str:
+    return (seed * 4000)[:6000]
+
+
+def test_a_prompt_admitted_by_a_peer_makes_this_proxy_prefer_the_same_node() -> None:
+    a, b = router("A"), router("B")
+    node = ask(a, long_prompt("conversation one "))
+    state = a.peer_state(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
+    assert state is not None and state.prefixes and state.prefixes[0].node == node
+    assert state.inflight == {node: 1} and state.backlog[node] > 1000  # its whole prompt, not prefilled yet
+    assert b.peer_update(PEER_DECODER.decode(PEER_ENCODER.encode(state)), now=0.01)
+    assert b.pools[DEFAULT_POOL].others == {node: 1} and b.load == {node: 1}  # A's request counted on B at once
+    assert b.peer_backlog == state.backlog
+    # A's request is still prefilling there: B's guard sends the same prompt elsewhere
+    assert ask(b, long_prompt("conversation one "), done=True) != node
+    # A's request finished: B now goes where A's prefix is
+    c, d = router("A"), router("C")
+    node = ask(c, long_prompt("conversation two "), done=True)
+    state = c.peer_state(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
+    assert state is not None and state.inflight == {} and state.backlog == {}
+    d.peer_update(state, now=0.0)
+    assert ask(d, long_prompt("conversation two ")) == node
+
+
+def test_without_the_channel_the_other_proxy_does_not_know_the_prefix() -> None:
+    picks = set()
+    a, b = router("A", share=False), router("B", share=False)
+    ask(a, long_prompt("another user "), done=True)  # A has served one request more than B
+    for k in range(8):
+        first = ask(a, long_prompt(f"conversation {k} "), done=True)
+        picks.add(ask(b, long_prompt(f"conversation {k} "), done=True) == first)
+    assert picks != {True}  # some conversation lands elsewhere: what the channel fixes
+    a, b = router("A"), router("B")
+    ask(a, long_prompt("another user "), done=True)
+    for k in range(8):
+        first = ask(a, long_prompt(f"conversation {k} "), done=True)
+        state = a.peer_state(DEFAULT_POOL, "boot", k + 1, ts_ns=k + 1)
+        assert state is not None
+        b.peer_update(state, now=0.0)
+        assert ask(b, long_prompt(f"conversation {k} "), done=True) == first
+
+
+def test_a_stale_or_missing_peer_falls_back_to_the_snapshot_counts() -> None:
+    b = router("B")
+    b.offer(snap(2, ts_ns=5, inflight={"a": 3}, proxy_inflight={"A": {"a": 3}}), now=0.0)
+    assert b.pools[DEFAULT_POOL].others == {"a": 3}  # the snapshot's view of A
+    state = PeerState(proxy="A", pool=DEFAULT_POOL, boot_id="x", seq=1, ts_ns=6, inflight={"c": 2},
+                      backlog={"c": 900})
+    assert b.peer_update(state, now=1.0)
+    assert b.pools[DEFAULT_POOL].others == {"c": 2}  # A's newer message replaces the snapshot's view of A
+    assert b.load == {"c": 2} and b.peer_backlog == {"c": 900}
+    assert b.expire_peers(now=1.0 + PEER_STALE_S / 2) == 0
+    assert b.expire_peers(now=1.0 + PEER_STALE_S + 0.01) == 1
+    assert b.pools[DEFAULT_POOL].others == {"a": 3} and b.load == {"a": 3} and b.peer_backlog == {}
+    # a message older than the snapshot's view of that peer is not used either
+    assert b.peer_update(PeerState(proxy="A", pool=DEFAULT_POOL, boot_id="x", seq=2, ts_ns=4, inflight={"c": 2}),
+                         now=2.0)
+    assert b.pools[DEFAULT_POOL].others == {"a": 3}
+
+
+def test_an_older_message_is_ignored_and_a_new_boot_replaces_the_peer() -> None:
+    b = router("B")
+    assert b.peer_update(PeerState(proxy="A", pool=DEFAULT_POOL, boot_id="1", seq=5, ts_ns=1, inflight={"a": 1}), 0.0)
+    assert not b.peer_update(PeerState(proxy="A", pool=DEFAULT_POOL, boot_id="1", seq=4, ts_ns=2,
+                                       inflight={"a": 9}), 0.0)
+    assert b.load == {"a": 1}
+    assert b.peer_update(PeerState(proxy="A", pool=DEFAULT_POOL, boot_id="2", seq=1, ts_ns=3, inflight={"b": 1}), 0.0)
+    assert b.load == {"b": 1}
+    assert not b.peer_update(PeerState(proxy="B", pool=DEFAULT_POOL, boot_id="9", seq=1, ts_ns=3), 0.0)  # its own
+    assert not b.peer_update(PeerState(proxy="A", pool="other", boot_id="2", seq=2, ts_ns=3), 0.0)  # unknown pool
+
+
+def test_prefix_records_are_capped_newest_first() -> None:
+    a = Router("la-swrr", 7, proxy_id="A", share=True, peer_max_keys=20, peer_grid=0)  # every key told
+    a.offer(snap(1), now=0.0)
+    for k in range(4):
+        ask(a, long_prompt(f"prompt {k} "))  # 11 keys each (6000 chars / 512)
+    state = a.peer_state(DEFAULT_POOL, "b", 1, 1)
+    assert state is not None
+    assert [r.count for r in state.prefixes] == [9, 11]  # the newest whole, the one before cut to its lead
+    again = a.peer_state(DEFAULT_POOL, "b", 2, 2)
+    assert again is not None and again.prefixes == [] and not a.changed
+
+
+def test_one_proxy_without_the_channel_is_unchanged() -> None:
+    texts = [long_prompt(f"c{k % 5} ") for k in range(40)]
+    plain, shared = Router("la-swrr", 3, proxy_id="A"), Router("la-swrr", 3, proxy_id="A", share=True)
+    for r in (plain, shared):
+        r.offer(snap(1), now=0.0)
+    assert [ask(plain, t) for t in texts] == [ask(shared, t) for t in texts]
+
+
+def test_the_subject_and_the_record_encoding() -> None:
+    assert sj.peer("default", "proxy-1") == "lb.peer.default.proxy-1"
+    data = PEER_ENCODER.encode(PeerState(proxy="p", pool="default", boot_id="b", seq=1, ts_ns=2,
+                                         prefixes=[PrefixRecord("a", pack_keys([1, 2]))]))
+    # MessagePack arrays, no field names; the keys packed 4 bytes each
+    assert msgspec.msgpack.decode(data) == ["p", "default", "b", 1, 2, {}, {}, {}, {},
+                                            [["a", b"\x01\x00\x00\x00\x02\x00\x00\x00"]]]
+    assert len(PEER_ENCODER.encode(PeerState(proxy="p", pool="default", boot_id="b", seq=1, ts_ns=2))) == 20  # 1 + 2 + 8 + 2 + 1 + 1 + 5
+    assert unpack_keys(PEER_DECODER.decode(data).prefixes[0].keys) == [1, 2]
+
+
+def test_records_never_sent_stay_bounded() -> None:
+    a = Router("la-swrr", 7, proxy_id="A", share=True, peer_max_keys=5)
+    a.offer(snap(1), now=0.0)
+    for k in range(40):  # NATS away: nobody calls peer_state
+        ask(a, long_prompt(f"prompt {k} "), done=True)
+    assert len(a.pools[DEFAULT_POOL].outbox) == 5
+
+
+def test_held_counts_travel_and_the_free_slots_are_the_pool_wide_ones() -> None:
+    a, b = router("A"), router("B")
+    limited = WeightSnapshot(pool=DEFAULT_POOL, as_of_seq=2, tick=2, ts_ns=0, panic=False,
+                             nodes=[msgspec.structs.replace(view(n), concurrency_limit=2) for n in NODES])
+    a.offer(limited, now=0.0)
+    b.offer(limited, now=0.0)
+    assert b.free_slots(DEFAULT_POOL) == 8 and b.free_slots("nowhere") == 0
+    wide = WeightSnapshot(pool="wide", as_of_seq=2, tick=2, ts_ns=0, panic=False,
+                          nodes=[msgspec.structs.replace(view(n), concurrency_limit=10) for n in NODES])
+    b.offer(wide, now=0.0)
+    assert (b.free_slots("wide"), b.free_slots("wide", reserve=0.1)) == (40, 36)  # 9 of each 10 outside the reserve
+    a.changed.clear()
+    a.note_held(DEFAULT_POOL, {"interactive": 2, "batch": 7}, {"interactive": 40, "batch": 900})
+    assert DEFAULT_POOL in a.changed  # a changed count goes out within one interval
+    for _ in range(3):
+        ask(a, "x")
+    state = a.peer_state(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
+    assert state is not None and state.held == {"interactive": 2, "batch": 7}
+    assert state.held_oldest_ms == {"interactive": 40, "batch": 900}
+    a.note_held(DEFAULT_POOL, {"interactive": 2, "batch": 7}, {"interactive": 60, "batch": 950})
+    assert DEFAULT_POOL not in a.changed  # only the ages moved: the next message or heartbeat carries them
+    assert b.peer_update(PEER_DECODER.decode(PEER_ENCODER.encode(state)), now=0.01)
+    assert b.peer_held(DEFAULT_POOL) == {"interactive": 2, "batch": 7}
+    assert b.free_slots(DEFAULT_POOL) == 5  # A's three requests, counted through its message
+    a.note_held(DEFAULT_POOL, {}, {})
+    assert DEFAULT_POOL in a.changed and a.peer_state(DEFAULT_POOL, "boot-a", 2, ts_ns=20).held == {}  # type: ignore[union-attr]
+    b.expire_peers(now=0.01 + PEER_STALE_S + 0.1)
+    assert b.peer_held(DEFAULT_POOL) == {}  # a silent peer's held requests are forgotten with it
+    unlimited = WeightSnapshot(pool=DEFAULT_POOL, as_of_seq=3, tick=3, ts_ns=0, panic=False, nodes=[view("a")])
+    b.offer(unlimited, now=0.02)
+    assert b.free_slots(DEFAULT_POOL) is None  # a node without a slot limit: never saturated
+
+
+def test_grid_positions() -> None:
+    assert grid_positions(100, 16) == (0, 1, 3, 7, 15, 31, 47, 63, 79, 95)
+    assert grid_positions(3, 16) == (0, 1)
+    assert grid_positions(0, 16) == ()
+
+
+def test_a_peer_tells_a_few_keys_of_a_long_prompt_and_its_continuation_follows_them() -> None:
+    a, b = router("A"), router("B")
+    first = (long_prompt("a long conversation ") * 6)[:30000]  # 58 blocks
+    node = ask(a, first, done=True)
+    state = a.peer_state(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
+    assert state is not None and [r.count for r in state.prefixes] == [7]  # blocks 0, 1, 3, 7, 15, 31, 47
+    assert b.peer_update(PEER_DECODER.decode(PEER_ENCODER.encode(state)), now=0.01)
+    index = b.pools[DEFAULT_POOL].index
+    assert index is not None and index.grid == 16
+    keys = index.keys(prompt_text([{"role": "user", "content": first + " and the next turn"}], None))
+    preferred, depth, floor = index.match(keys, list(NODES))
+    assert preferred == [node] and depth == {node: 48} and floor == 0  # the deepest grid key held: block 47
+    assert ask(b, first + " and the next turn") == node
+    # the same prompt again through A: the node holds it already, nothing more to tell
+    ask(a, first, done=True)
+    again = a.peer_state(DEFAULT_POOL, "boot-a", 2, ts_ns=11)
+    assert again is not None and again.prefixes == []
+
+
+def test_a_record_with_torn_keys_is_a_hint_lost() -> None:
+    b = router("B")
+    bad = PeerState(proxy="A", pool=DEFAULT_POOL, boot_id="x", seq=1, ts_ns=1, inflight={"a": 1},
+                    prefixes=[PrefixRecord("a", b"\x01\x02\x03")])
+    assert b.peer_update(bad, now=0.0) and b.load == {"a": 1}
+    index = b.pools[DEFAULT_POOL].index
+    assert index is not None and index.entries() == 0
