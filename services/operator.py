@@ -31,7 +31,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 
 from laswrr.collectors.nodes import REGISTERED_COLLECTOR_KEYS, Node, NodesConfigError, load_nodes
 from laswrr.schemas import subjects as sj
@@ -312,13 +312,17 @@ async def read_snapshots(url: str, auth: NatsAuth | None = None) -> dict[str, We
 
 async def _snapshots(nc: Client, url: str) -> dict[str, WeightSnapshot]:
     """Every pool's latest snapshot in KV LB_WEIGHTS (OperatorError when there is no bucket)."""
+    # The keys come from the bucket's stream (one subject per key) rather than nats-py's
+    # KeyValue.keys(): that one watches the bucket and, when the consumer has delivered every
+    # key before the client has handled the first, ends at once with no keys.
+    js = nc.jetstream()
     try:
-        kv = await nc.jetstream().key_value(sj.WEIGHTS_BUCKET)
-        keys = await kv.keys()
+        kv = await js.key_value(sj.WEIGHTS_BUCKET)
+        info = await js.stream_info(f"KV_{sj.WEIGHTS_BUCKET}", subjects_filter=f"$KV.{sj.WEIGHTS_BUCKET}.>")
     except (BucketNotFoundError, NotFoundError):
         raise OperatorError(f"no KV bucket {sj.WEIGHTS_BUCKET} on {redact_url(url)}: has a scheduler ever run there?") from None
-    except NoKeysError:
-        return {}
+    prefix = f"$KV.{sj.WEIGHTS_BUCKET}."
+    keys = [subject[len(prefix):] for subject in (info.state.subjects or {})]
     snapshots: dict[str, WeightSnapshot] = {}
     for key in sorted(keys):
         with contextlib.suppress(KeyNotFoundError, msgspec.DecodeError, msgspec.ValidationError):

@@ -204,9 +204,9 @@ async def test_nodes_and_watch_never_cut_a_node_id(up: Up) -> None:
     try:
         for columns in (80, 120):
             for watch in ((), ("--watch", "--interval-s", "200ms")):
-                screen = await _on_terminal(["nodes", *watch, "--nats-url", up.url("viewer")], columns)
+                screen, errors = await _on_terminal(["nodes", *watch, "--nats-url", up.url("viewer")], columns)
                 for node in (*up.nodes, LONG_ID):
-                    assert node in screen, (columns, watch, node, screen)
+                    assert node in screen, (columns, watch, node, screen, errors)
                 assert "…" not in screen.split("┏")[1] if "┏" in screen else True
                 flat = " ".join(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen).split())
                 assert f"hidden at {columns} columns" in flat  # what gave way instead, said
@@ -214,8 +214,9 @@ async def test_nodes_and_watch_never_cut_a_node_id(up: Up) -> None:
         assert laswrr("remove", LONG_ID, url=up.url("operator")).returncode == 0
 
 
-async def _on_terminal(args: list[str], columns: int) -> str:
-    """``laswrr ARGS`` on a pseudo-terminal ``columns`` wide; the screen text once a table is whole."""
+async def _on_terminal(args: list[str], columns: int) -> tuple[str, str]:
+    """``laswrr ARGS`` on a pseudo-terminal ``columns`` wide: the screen text once a table is whole,
+    and what it wrote to stderr."""
     master, slave = pty.openpty()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "laswrr", *args, stdout=slave, stderr=asyncio.subprocess.PIPE,
@@ -239,7 +240,8 @@ async def _on_terminal(args: list[str], columns: int) -> str:
             proc.kill()
             await proc.wait()
         os.close(master)
-    return screen.decode(errors="replace")
+    assert proc.stderr is not None
+    return screen.decode(errors="replace"), (await proc.stderr.read()).decode(errors="replace")
 
 
 # -- item 9: the analyst views tell applied from rejected; what happened to node X --------------------
