@@ -305,6 +305,7 @@ class Scheduler:
             node.effective = 0.0
             if new == Phase.DRAINING:
                 node.drain_deadline_ns = now + self.config.drain_deadline_ms * MS
+                node.drain_seq = self._seq
         elif new == Phase.RECOVERING:
             self._start_slow_start(node, floor)
 
@@ -336,10 +337,33 @@ class Scheduler:
         node.remove_pending = False
 
     def _check_drained(self, node: NodeState) -> None:
-        if node.phase == Phase.DRAINING and node.inflight == 0:
+        """Draining -> drained when no request is in flight on the node *and* every live proxy that
+        says which snapshot it routes on (``ProxyHeartbeat.snapshot_seq``) routes on one from the
+        drain on: its admissions from before the drain were reported before that heartbeat (one
+        ordered buffer), so an in-flight count of 0 is no longer a start still in transit."""
+        if node.phase == Phase.DRAINING and node.inflight == 0 and not self._unaware(node.drain_seq):
             self._transition(node, Trigger.DRAINED, PhaseCause.INFLIGHT_ZERO, "in-flight reached 0")
         if node.phase == Phase.DRAINED and node.remove_pending:
             self._transition(node, Trigger.FORGET, PhaseCause.REMOVED, "removed after drain")
+
+    def _unaware(self, seq: int) -> bool:
+        """A live proxy's last heartbeat named a snapshot older than input ``seq``."""
+        return any(seen < seq for seen in self.state.proxy_seen.values())
+
+    def _proxy_saw(self, proxy: str, seq: int | None) -> None:
+        """``proxy`` routes on the snapshot as of ``seq`` now (None: forget what it said); drains
+        that waited for it may end."""
+        seen = self.state.proxy_seen
+        if seq is None:
+            if seen.pop(proxy, None) is None:
+                return
+        elif seq <= seen.get(proxy, -1):
+            return
+        else:
+            seen[proxy] = seq
+        for node in self.state.nodes.values():
+            if node.phase == Phase.DRAINING:
+                self._check_drained(node)
 
     def _eject(self, node: NodeState, held_by: EjectCause, cause: PhaseCause, reason: str, until_ns: int = 0) -> None:
         self._transition(node, Trigger.EJECT, cause, reason)
@@ -625,6 +649,7 @@ class Scheduler:
         mine = [rid for rid, req in self.state.open_requests.items() if req.proxy == key]
         if event.inflight < len(mine):  # the proxy knows better: the oldest are phantoms (lost finished)
             self._void(mine[:len(mine) - event.inflight])
+        self._proxy_saw(key, event.snapshot_seq)
 
     def _on_proxy_stopped(self, key: str, event: events.ProxyStopped) -> None:
         self._expire_proxy(key)
@@ -646,6 +671,7 @@ class Scheduler:
         if current is not None:
             state.retired_boots[proxy] = [*retired, current][-RETIRED_BOOTS:]
         state.proxy_boots[proxy] = boot
+        self._proxy_saw(proxy, None)  # what the replaced process saw is not this one's
         self._void([rid for rid, req in state.open_requests.items() if req.proxy == proxy and req.boot != boot])
         return True
 
@@ -655,6 +681,7 @@ class Scheduler:
         self.state.proxy_boots.pop(proxy, None)
         self.state.retired_boots.pop(proxy, None)
         self._void([rid for rid, req in self.state.open_requests.items() if req.proxy == proxy])
+        self._proxy_saw(proxy, None)
 
     def _void(self, request_ids: list[str]) -> None:
         open_requests = self.state.open_requests

@@ -64,6 +64,7 @@ class NodeState(msgspec.Struct, kw_only=True):
     # the configuration's stale_after_ms (weights.staleness)
     npu_max_age_ms: int | None = None
     bootstrap_port: int | None = None  # an sglang prefill node's bootstrap server port (lb.admin.node)
+    drain_seq: int = 0  # the input seq that put it in draining: each proxy's heartbeat must reach it
 
 
 class OpenRequest(msgspec.Struct, frozen=True):
@@ -83,3 +84,5 @@ class CoreState(msgspec.Struct, kw_only=True):
     last_seq: int = 0
     proxy_boots: dict[str, str] = msgspec.field(default_factory=dict)  # proxy -> boot id of its live process
     retired_boots: dict[str, list[str]] = msgspec.field(default_factory=dict)  # proxy -> boot ids it replaced
+    # proxy -> the newest snapshot (as_of_seq) its live process said it routes on (ProxyHeartbeat.snapshot_seq)
+    proxy_seen: dict[str, int] = msgspec.field(default_factory=dict)

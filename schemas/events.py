@@ -259,7 +259,8 @@ class RequestQueued(Event, frozen=True, kw_only=True):
 
 
 class ProxyHeartbeat(Event, frozen=True, kw_only=True):
-    """``lb.proxy.heartbeat.<proxy>``: a proxy is alive; ``inflight`` is its own count.
+    """``lb.proxy.heartbeat.<proxy>``: a proxy is alive; ``inflight`` is its own count;
+    ``snapshot_seq`` the newest snapshot it routes on (a draining node waits for it: docs/design.md).
 
     ``boot_id`` names the proxy *process* (random at its start, whatever its ``--proxy-id``),
     on every heartbeat and request event: a new boot id for a proxy id tells the scheduler that
@@ -270,6 +271,10 @@ class ProxyHeartbeat(Event, frozen=True, kw_only=True):
     inflight: NonNegInt = 0
     ts_ns: int | None = None
     boot_id: Name | None = None
+    # the newest LB_WEIGHTS ``as_of_seq`` the proxy has applied (any pool): a node drained at that
+    # seq or before has had its last admission from this proxy reported already (the events before
+    # this one). None: not said; such a proxy never holds a drain back.
+    snapshot_seq: NonNegInt | None = None
 
 
 class ProxyStopped(Event, frozen=True, kw_only=True):

@@ -278,6 +278,11 @@ class Router:
             self._reload(before.keys() | route.others.keys())
         return True
 
+    def applied_seq(self) -> int | None:
+        """The newest ``as_of_seq`` this router routes on, any pool of the current stream (the
+        heartbeat's ``snapshot_seq``: a drain waits until it reaches the drain's seq); None: none yet."""
+        return max((route.snapshot.as_of_seq for route in self.pools.values() if not route.superseded), default=None)
+
     def _reload(self, nodes: Iterable[str]) -> None:
         """``load`` of ``nodes`` again from the own counts and every pool's others."""
         for node in nodes:

@@ -479,7 +479,7 @@ async def metrics(request: web.BaseRequest, state: ProxyState) -> web.Response:
 async def _heartbeats(state: ProxyState) -> None:
     while True:
         await asyncio.sleep(state.config.heartbeat_s)
-        state.events.heartbeat(state.router.total_inflight)
+        state.events.heartbeat(state.router.total_inflight, state.router.applied_seq())
 
 
 @contextlib.asynccontextmanager

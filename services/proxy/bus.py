@@ -254,9 +254,15 @@ class BusLink:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("ignoring bad snapshot under %s/%s: %s", sj.WEIGHTS_BUCKET, entry.key, exc)
             return False
+        held = self.router.pools.get(snapshot.pool)
+        before = None if held is None else held.targets.keys() | held.decode_targets.keys()
         if not self.router.offer(snapshot, time.monotonic()):
             self.refused = snapshot
             return True
+        if before and before - {view.node for view in snapshot.nodes if view.routable and view.effective_weight > 0}:
+            # a node left rotation (a drain): say at once which snapshot this proxy routes on, after
+            # the events of every admission it made before (the scheduler's drained waits for it)
+            self.publisher.heartbeat(self.router.total_inflight, self.router.applied_seq())
         self.view_lag.observe(max(0.0, (time.time_ns() - snapshot.ts_ns) / 1e9))
         self._viewed(snapshot.pool)
         return False

@@ -49,8 +49,10 @@ Event semantics (what analysts count):
 * ``lb.req.refused.<proxy>``: a request the proxy answered itself (401, 400, 408, 413, 404,
   429, 503) before binding it to a node, with its own request id, ``status``, ``cause``
   (``schemas.words.RefusalCause``), the client's ``model`` and key name, and the message sent.
-* ``lb.proxy.heartbeat.<proxy>`` every ``heartbeat_s`` with this proxy's in-flight count, and
-  ``lb.proxy.stopped.<proxy>`` at clean shutdown, after the last request finished.
+* ``lb.proxy.heartbeat.<proxy>`` every ``heartbeat_s`` with this proxy's in-flight count and
+  the newest snapshot it routes on (``snapshot_seq``; also at once when a snapshot takes a node
+  out of rotation, so a drain need not wait for the next one), and ``lb.proxy.stopped.<proxy>``
+  at clean shutdown, after the last request finished.
 * Every event carries ``boot_id``, random per process (``new_boot_id``): a proxy restarted
   with the same ``--proxy-id`` is a new process to the scheduler, which voids what the old one
   left open. Heartbeats (and the stop) go through the same ordered buffer, into the same
@@ -206,8 +208,9 @@ class EventPublisher:
                                          batch_item_head(ev.RequestFinished.KIND, node))
         return heads
 
-    def heartbeat(self, inflight: int) -> None:
-        event = ev.ProxyHeartbeat(inflight=inflight, ts_ns=time.time_ns(), boot_id=self.boot_id)
+    def heartbeat(self, inflight: int, snapshot_seq: int | None = None) -> None:
+        event = ev.ProxyHeartbeat(inflight=inflight, ts_ns=time.time_ns(), boot_id=self.boot_id,
+                                  snapshot_seq=snapshot_seq)
         self._put(self._heartbeat_head + encode(event) + b"]")
 
     def stopped(self) -> None:

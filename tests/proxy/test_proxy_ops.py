@@ -92,3 +92,27 @@ async def test_replicas_side_by_side_heartbeat_and_share_snapshots(engines, core
     assert all(d["inflight"] == 0 for _, d in tap.of(sj.PROXY_HEARTBEAT))
     proxies = {d["proxy"] for _, d in tap.of(sj.REQ_STARTED)}
     assert proxies == {"replica-0", "replica-1"}
+
+
+async def test_a_drain_snapshot_is_acknowledged_at_once_after_the_admissions_before_it(
+        engines, core: CoreDriver, start_proxy: StartProxy, tap: EventTap, http: aiohttp.ClientSession) -> None:
+    """The scheduler's drained waits for each proxy to say it routes on the drain's snapshot
+    (scheduler/core.py ``_check_drained``): the proxy says so as soon as a snapshot takes a node out
+    of rotation, not at its next heartbeat, and after the events of what it admitted before."""
+    a, b = await engines("a"), await engines("b")
+    await core.register("a", a.url)
+    proxy = await start_proxy(heartbeat_s=600)  # no periodic heartbeat within this test
+    seq = await core.register("b", b.url)
+    await wait_seq(proxy, "default", seq)
+    for _ in range(2):
+        async with http.post(proxy.url + CHAT, json={"model": "m", "messages": []}) as resp:
+            assert resp.status == 200
+    await wait_seq(proxy, "default", await core.capacity("b", 6))  # both stay in rotation: no heartbeat
+    drain = await core.send(sj.admin_drain("a"), {})
+    await wait_for(lambda: any(d.get("snapshot_seq") == drain for _, d in tap.of(sj.PROXY_HEARTBEAT)),
+                   what="a heartbeat naming the drain's snapshot")
+    heartbeats = [d for _, d in tap.of(sj.PROXY_HEARTBEAT)]
+    assert [d["snapshot_seq"] for d in heartbeats] == [drain] and heartbeats[0]["inflight"] == 0
+    order = [subject for subject, _ in tap.messages]
+    starts = [i for i, subject in enumerate(order) if subject.startswith(sj.REQ_STARTED)]
+    assert len(starts) == 2 and order.index(sj.proxy_heartbeat(proxy.state.config.proxy_id)) > max(starts)

@@ -107,10 +107,13 @@ class Feed:
             payload["boot_id"] = boot
         return self.send(sj.req_finished(node), payload)
 
-    def heartbeat(self, proxy: str, inflight: int = 0, boot: str | None = None) -> list[Output]:
+    def heartbeat(self, proxy: str, inflight: int = 0, boot: str | None = None,
+                  snapshot_seq: int | None = None) -> list[Output]:
         payload: dict[str, Any] = {"inflight": inflight}
         if boot is not None:
             payload["boot_id"] = boot
+        if snapshot_seq is not None:
+            payload["snapshot_seq"] = snapshot_seq
         return self.send(sj.proxy_heartbeat(proxy), payload)
 
     # -- time ---------------------------------------------------------------------------------
