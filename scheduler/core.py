@@ -361,9 +361,8 @@ class Scheduler:
             return
         else:
             seen[proxy] = seq
-        for node in self.state.nodes.values():
-            if node.phase == Phase.DRAINING:
-                self._check_drained(node)
+        for node in [n for n in self.state.nodes.values() if n.phase == Phase.DRAINING]:
+            self._check_drained(node)  # a removed node is forgotten once drained: not over the dict itself
 
     def _eject(self, node: NodeState, held_by: EjectCause, cause: PhaseCause, reason: str, until_ns: int = 0) -> None:
         self._transition(node, Trigger.EJECT, cause, reason)

@@ -69,3 +69,13 @@ def test_the_drain_deadline_still_ends_a_drain_a_proxy_never_acknowledges() -> N
         feed.tick()
     assert phase(feed, "a") == Phase.DRAINED
     assert feed.node("a").phase_cause == PhaseCause.DRAIN_DEADLINE
+
+
+def test_a_removed_node_is_forgotten_when_the_last_proxy_acknowledges() -> None:
+    feed = warm_pool("a", "b", "c")
+    feed.heartbeat("p1", boot="A", snapshot_seq=feed.seq)
+    feed.remove("a")
+    feed.remove("b")
+    assert feed.node("a").phase == feed.node("b").phase == Phase.DRAINING
+    feed.heartbeat("p1", boot="A", snapshot_seq=feed.seq)
+    assert set(feed.scheduler.state.nodes) == {"c"}
