@@ -115,6 +115,7 @@ class BusLink:
         self._peer_seq = 0
         self._peer_sent_at: dict[str, float] = {}
         self.peer_sent = self.peer_sent_bytes = self.peer_received = self.peer_bad = 0
+        self.peer_heard = 0  # every message on lb.peer.> delivered here (own ones are not: no_echo)
         # called with a pool's name when its view changed (a snapshot installed, a peer's message
         # taken, a peer dropped): flow control's held requests may go now (services/proxy/flow.py)
         self.on_view: Callable[[str], None] | None = None
@@ -160,7 +161,10 @@ class BusLink:
             try:
                 # Every subject this link publishes on is built by schemas.subjects from checked
                 # tokens: nats-py's per-publish subject regex (two per event) is redundant here.
-                nc = await connect(self.url, self.name, self.auth, skip_subject_validation=True)
+                # no_echo: the server does not send this connection what it published itself, so
+                # a proxy does not get back (and decode) its own lb.peer message of every pick;
+                # the snapshots and publish acks come from the server, never echoes.
+                nc = await connect(self.url, self.name, self.auth, skip_subject_validation=True, no_echo=True)
                 log.info("connected to NATS at %s", redact_url(self.url))
                 return nc
             except asyncio.CancelledError:
@@ -275,6 +279,7 @@ class BusLink:
                 log.exception("waking pool %s after a view change failed", pool)
 
     async def _peer_message(self, msg: Msg) -> None:
+        self.peer_heard += 1
         try:
             state = PEER_DECODER.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

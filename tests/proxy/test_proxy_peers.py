@@ -98,3 +98,19 @@ async def test_a_pick_reaches_the_peer_at_once_not_an_interval_later(
         await wait_for(lambda: route.others.get(node) == 1, timeout=5, what="B counts A's stream at its pick")
         assert a.state.bus.peer_sent >= 1
         stream.close()
+
+
+async def test_a_proxy_is_not_sent_back_its_own_peer_messages(
+        engines: Any, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession) -> None:
+    """Every pick is published at once on lb.peer.<pool>.<proxy>; the proxy's connection is
+    ``no_echo``, so NATS never delivers those back to it to decode and drop (one wasted delivery
+    and decode per request before). The other proxy hears each of them."""
+    a, b = await two_proxies(engines, core, start_proxy, interval_ms=20)
+    await wait_for(lambda: "proxy-a" in b.state.router.pools["default"].peers, what="B hears A")
+    a_heard, b_heard = a.state.bus.peer_heard, b.state.bus.peer_heard
+    for k in range(20):
+        await ask(http, a.url, conversation(k))
+    await wait_for(lambda: b.state.bus.peer_heard - b_heard >= 20, what="B hears A's 20 picks")
+    assert a.state.bus.peer_sent >= 20
+    # A hears only B's heartbeats (a message every half --peer-stale-ms), none of its own 20 picks
+    assert a.state.bus.peer_heard - a_heard < 10
