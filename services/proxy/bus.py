@@ -263,7 +263,8 @@ class BusLink:
         if not self.router.offer(snapshot, time.monotonic()):
             self.refused = snapshot
             return True
-        if before and before - {view.node for view in snapshot.nodes if view.routable and view.effective_weight > 0}:
+        route = self.router.pools[snapshot.pool]  # its candidates, as PoolRoute.install chose them
+        if before and before - (route.targets.keys() | route.decode_targets.keys()):
             # a node left rotation (a drain): say at once which snapshot this proxy routes on, after
             # the events of every admission it made before (the scheduler's drained waits for it)
             self.publisher.heartbeat(self.router.total_inflight, self.router.applied_seq())
