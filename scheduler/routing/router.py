@@ -240,6 +240,7 @@ class Router:
         self.affinity_blocks = affinity_blocks if affinity == "prefix" and uses_affinity else 0
         self.affinity_mode = "prefix" if self.affinity_blocks else "none"
         self.pools: dict[str, PoolRoute] = {}
+        self.views = 0  # counts the snapshots installed and the pools forgotten: what a cache of plans keys on
         self.inflight: dict[str, int] = {}  # node -> this proxy's own live in-flight (> 0 only)
         self.load: dict[str, int] = {}  # node -> others + own: what the policy picks on (> 0 only)
         self.backlog: dict[str, int] = {}  # node -> prefill backlog (tokens) of its admitted requests
@@ -274,6 +275,7 @@ class Router:
             return False
         before = route.others
         route.install(snapshot, now, self.proxy_id)
+        self.views += 1
         if before or route.others:
             self._reload(before.keys() | route.others.keys())
         return True
@@ -300,6 +302,7 @@ class Router:
     def forget(self, pool: str) -> None:
         """The pool's key was deleted from the bucket: the scheduler no longer knows it."""
         route = self.pools.pop(pool, None)
+        self.views += 1
         if route is not None and route.others:
             self._reload(route.others)
         if route is not None and route.peers:

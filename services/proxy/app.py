@@ -105,6 +105,7 @@ EVENT_FLUSH_TIMEOUT_S = 5.0
 PRIORITY_HEADER = "x-laswrr-priority"  # interactive | default | batch (scheduler.routing.flow.band_of)
 TTL_HEADER = "x-laswrr-ttl-ms"  # how long flow control may hold the request
 MODEL_CHARS = 256  # of a request's "model", kept on its lb.req.refused event
+PLANS_KEPT = 256  # model names whose plan is kept (_plan), each of at most MODEL_CHARS characters
 
 
 class RequestPeek(msgspec.Struct):
@@ -145,6 +146,8 @@ class ProxyState:
     handlers: set[asyncio.Task[object]] = field(default_factory=set)
     ids: count[int] = field(default_factory=lambda: count(1))
     models_seen: dict[str, tuple[WeightSnapshot, Any]] = field(default_factory=dict)  # pool -> (snapshot, mixed ids)
+    plans: dict[str | None, ModelPlan | Unknown] = field(default_factory=dict)  # model -> its plan, as of plans_views
+    plans_views: int = -1  # the router's ``views`` the plans were made on
 
     def next_request_id(self) -> str:
         return f"{self.config.proxy_id}-{self.events.boot_id}-{next(self.ids)}"
@@ -316,14 +319,27 @@ async def _flow_forward(request: web.BaseRequest, state: ProxyState, gate: FlowG
 async def _plan(state: ProxyState, model: str | None) -> ModelPlan | Unknown:
     """The request's pool, eligible nodes and model rewriting (``scheduler.routing.models``), from
     the snapshots' model lists; the proxy's ``/v1/models`` cache is asked only for a name no
-    snapshot lists (nodes the collector has not listed)."""
-    snapshots = {pool: route.snapshot for pool, route in state.router.pools.items()}
+    snapshot lists (nodes the collector has not listed). A plan made on the snapshots alone is
+    kept until a snapshot is installed or a pool forgotten (``Router.views``), for at most
+    ``PLANS_KEPT`` names (any a client sends)."""
+    router = state.router
+    if state.plans_views != router.views:
+        state.plans.clear()
+        state.plans_views = router.views
+        _warn_mixed(state, {pool: route.snapshot for pool, route in router.pools.items()})
+    decision = state.plans.get(model)
+    if decision is not None:
+        return decision
+    snapshots = {pool: route.snapshot for pool, route in router.pools.items()}
     hint = None
     if (model is not None and model not in snapshots and state.catalog is not None
             and not any(model in pool_ids(snapshot.nodes) for snapshot in snapshots.values())):
         hint = await state.catalog.pool_hint()
     decision = plan(snapshots, model, hint)
-    _warn_mixed(state, snapshots)
+    if hint is None and state.plans_views == router.views and (model is None or len(model) <= MODEL_CHARS):
+        if len(state.plans) >= PLANS_KEPT:
+            state.plans.clear()
+        state.plans[model] = decision
     return decision
 
 

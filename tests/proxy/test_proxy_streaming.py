@@ -122,6 +122,26 @@ async def test_unknown_model_goes_to_default_pool(engines, core: CoreDriver, sta
             assert resp.headers["x-laswrr-node"] == "a"
 
 
+async def test_a_plan_kept_for_a_name_is_made_again_when_a_snapshot_changes(engines, core: CoreDriver,
+                                                                            start_proxy: StartProxy,
+                                                                            http: aiohttp.ClientSession) -> None:
+    """The proxy keeps each model name's plan until the next snapshot (app._plan): a request
+    with no model, refused while no pool ``default`` exists, is routed once one does."""
+    small = await engines("s")
+    seq = await core.register("s", small.url, pool="small")
+    proxy = await start_proxy()
+    await wait_seq(proxy, "small", seq)
+    for _ in range(2):  # the second is answered from the kept plan
+        async with http.post(proxy.url + CHAT, data=json.dumps({"messages": []})) as resp:
+            assert resp.status == 404, await resp.text()
+    engine = await engines("a")
+    seq = await core.register("a", engine.url)
+    await wait_seq(proxy, "default", seq)
+    async with http.post(proxy.url + CHAT, data=json.dumps({"messages": []})) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["x-laswrr-node"] == "a"
+
+
 async def test_redirects_pass_through_and_engine_cookies_are_not_kept(engines, core: CoreDriver,
                                                                        start_proxy: StartProxy,
                                                                        http: aiohttp.ClientSession) -> None:
