@@ -89,7 +89,7 @@ def bench_affinity_pick(rounds: int) -> tuple[float, float, float]:
         router = Router("la-swrr", seed=1, proxy_id="me", share=peers)
         router.offer(WeightSnapshot(pool="default", as_of_seq=1, tick=1, ts_ns=0, panic=False, nodes=views), now=0)
         for k in range(3 if peers else 0):
-            router.peer_update(PeerState(proxy=f"peer{k}", pool="default", boot_id="b", seq=1, ts_ns=1,
+            router.peer_update(f"peer{k}", "default", PeerState(boot_id="b", seq=1, ts_ns=1,
                                          inflight={n: 1 + k for n in NODES}, backlog={n: 500 * k for n in NODES},
                                          prefixes=[PrefixRecord(NODES[k], pack_keys([k + 1, k + 2]))]),
                                now=0.0)

@@ -51,7 +51,8 @@ from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
 from laswrr.schemas import events as ev
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import batch_item, encode
-from laswrr.schemas.peers import PEER_ENCODER, PeerState
+from laswrr.schemas.peers import PEER_ENCODER, PeerMessage
+from laswrr.bench.virtual_peers import VirtualChannel
 from laswrr.schemas.words import Phase, RequestOutcome
 from laswrr.scheduler.routing.prompt import prompt_text as indexed_text
 from laswrr.scheduler.routing.prompt import request_size
@@ -61,7 +62,7 @@ from laswrr.services.sim_engine.profiles import get_profile
 
 ORACLE = "oracle"
 _STEP, _PEER, _ARRIVE = 0, 1, 2
-_T0_NS = 1_700_000_000_000_000_000  # an event time of today's size (its bytes), for PeerTraffic  # at one instant, steps end, then peers speak, before arrivals are routed
+_T0_NS = 1_700_000_000_000_000_000  # an event time of today's size (its bytes): the peer messages' and PeerTraffic's events
 
 
 @dataclass(slots=True)
@@ -81,13 +82,13 @@ class PeerTraffic:
     requests: int = 0
     event_bytes: int = 0
 
-    def add(self, state: PeerState) -> None:
-        size = len(PEER_ENCODER.encode(state))
+    def add(self, message: PeerMessage, wire_bytes: int) -> None:
+        """One message sent; ``wire_bytes``: its payload and its subject."""
         self.messages += 1
-        self.bytes += size
-        self.wire_bytes += size + len(sj.peer(state.pool, state.proxy))
-        self.records += len(state.prefixes)
-        self.keys += sum(r.count for r in state.prefixes)
+        self.bytes += len(PEER_ENCODER.encode(message))
+        self.wire_bytes += wire_bytes
+        self.records += len(message.prefixes)
+        self.keys += sum(r.count for r in message.prefixes)
 
     def request(self, node: str, spec: RequestSpec, ttft_s: float, e2e_s: float) -> None:
         """Count one finished request's events, encoded as the proxy's publisher encodes them."""
@@ -195,8 +196,7 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
         router.offer(_snapshot(scenario), now=0.0)
     traffic = traffic if traffic is not None else PeerTraffic()
     interval = peer_interval_ms / 1000
-    sent_at = [0.0] * len(routers)
-    seqs = [0] * len(routers)
+    channel = VirtualChannel(routers, traffic.add, ts_ns=lambda now: _T0_NS + round(now * 1e9))
     continuations = Continuations()
     queue: list[tuple[float, int, int, object]] = [(r.offset_s, _ARRIVE, i, r) for i, r in enumerate(requests)]
     order = len(queue)
@@ -219,25 +219,14 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
             heapq.heappush(queue, (max(at, now), _STEP, order, node))
             order += 1
 
-    def speak(k: int, now: float) -> None:
-        """Replica k's message to the others, taken at once (the bus's delay is not modelled)."""
-        seqs[k] += 1
-        state = routers[k].peer_state(DEFAULT_POOL, "virtual", seqs[k], int(now * 1e9))
-        assert state is not None
-        sent_at[k] = now
-        traffic.add(state)
-        for j, other in enumerate(routers):
-            if j != k:
-                other.peer_update(state, now)
-
     while queue:
         now, kind, _, item = heapq.heappop(queue)
         if kind == _PEER:
             assert isinstance(item, int)
             if not pending:
                 continue
-            if routers[item].peer_due(DEFAULT_POOL, now - sent_at[item]):
-                speak(item, now)
+            if channel.due(item, now):
+                channel.speak(item, now)
             heapq.heappush(queue, (now + interval, _PEER, order, item))
             order += 1
             continue
@@ -256,7 +245,7 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
                 assert admission is not None
                 node = admission.node
                 if share:  # a pick is told at once, as the proxy's bus does (Router.on_pick)
-                    speak(item.index % len(routers), now)
+                    channel.speak(item.index % len(routers), now)
             per_node[node] += 1
             continuations.served(item.block_ids, node)
             engine = engines[node]

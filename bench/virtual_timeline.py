@@ -57,6 +57,7 @@ import msgspec
 from laswrr.bench.metrics import ClientOutcome, Phase, RequestResult, by_phase, percentile
 from laswrr.bench.report import silent_loss
 from laswrr.bench.scenarios import Scenario
+from laswrr.bench.virtual_peers import VirtualChannel
 from laswrr.bench.workload import RequestSpec, generate, prompt_text
 from laswrr.scheduler.core import Scheduler, apply_guarded
 from laswrr.scheduler.routing.prompt import prompt_text as indexed_text
@@ -249,8 +250,7 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
                **VARIANTS.get(variant, {}))  # type: ignore[arg-type]
         for k, name in enumerate(names)]
     router = routers[0] if routers else None
-    peer_seq = [0] * len(routers)
-    peer_sent_at = [0.0] * len(routers)
+    channel = VirtualChannel(routers, ts_ns=lambda now: T0_NS + round(now * 1e9))
 
     def owner(spec: RequestSpec) -> int:
         return spec.index % len(names)  # the replica that takes the request
@@ -259,15 +259,6 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
         for snap in snaps:
             for each in routers:
                 each.offer(snap, now)
-
-    def speak(k: int, now: float) -> None:
-        """Replica k's message to the others, taken at once (the bus's delay is not modelled)."""
-        peer_seq[k] += 1
-        state = routers[k].peer_state(DEFAULT_POOL, "virtual", peer_seq[k], T0_NS + round(now * 1e9))
-        peer_sent_at[k] = now
-        for j, other in enumerate(routers):
-            if j != k and state is not None:
-                other.peer_update(state, now)
 
     if scenario.scheduler_config:
         offer(0.0, core.put(0.0, sj.ADMIN_CONFIG, {"set": dict(scenario.scheduler_config)}))
@@ -332,8 +323,8 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
             if now > end_s and not live:
                 continue
             routers[item].expire_peers(now)
-            if routers[item].peer_due(DEFAULT_POOL, now - peer_sent_at[item]):
-                speak(item, now)
+            if channel.due(item, now):
+                channel.speak(item, now)
             push(now + peer_interval_ms / 1000, _PEER, item)
             continue
         if kind == _TICK:
@@ -409,7 +400,7 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
                 assert admission is not None, "a pool with a routable node refused a request"
                 node = admission.node
                 if share:  # a pick is told at once, as the proxy's bus does (Router.on_pick)
-                    speak(owner(item), now)
+                    channel.speak(owner(item), now)
             per_node[node] += 1
             submitted = engines[node].submit(item.prompt_tokens, item.max_tokens, now, prompt_text=text)
             request_id = f"r{item.index}"

@@ -156,3 +156,11 @@ def split(subject: str) -> tuple[str, str | None]:
 def peer(pool: str, proxy: str) -> str:
     """``lb.peer.<pool>.<proxy>``: one proxy's view of one pool for the other proxies (schemas.peers)."""
     return f"{_join(PEER, pool, 'pool')}.{check_token(proxy, 'proxy id')}"
+
+
+def peer_of(subject: str) -> tuple[str, str] | None:
+    """``lb.peer.<pool>.<proxy>`` -> (pool, proxy); None for any other subject."""
+    parts = subject.split(".")
+    if len(parts) != 4 or f"{parts[0]}.{parts[1]}" != PEER or not parts[2] or not parts[3]:
+        return None
+    return parts[2], parts[3]

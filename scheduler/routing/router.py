@@ -56,10 +56,11 @@ Rules:
   the prefix the index says the node holds, plus ``M``. Without a prompt, or with
   ``affinity="none"``, the pick is exactly LA-SWRR's on request counts. The requests in flight
   are the pool-wide ``load``, another replica's counting ``M`` each.
-* **The channel between proxies** (``share``, with a ``proxy_id``; docs/design.md): ``peer_state``
-  is this proxy's absolute view of a pool for the others (own in-flight and prefill backlog per
-  node, flow control's held requests per band as ``note_held`` last set them, the prefix records
-  admitted since the last call, at most ``peer_max_keys`` block keys);
+* **The channel between proxies** (``share``, with a ``proxy_id``; docs/design.md): ``peer_message``
+  is this proxy's view of a pool for the others (own in-flight and prefill backlog per node, flow
+  control's held requests per band as ``note_held`` last set them, the prefix records admitted
+  since the last call, at most ``peer_max_keys`` block keys), whole or as the changes since its
+  last message (``schemas.peers``);
   ``peer_update`` takes another proxy's: its prefix records go into this pool's index (hints),
   its in-flight replaces the snapshot's ``proxy_inflight[peer]`` in ``others`` while its
   ``ts_ns`` is after the snapshot's, and its backlog joins this proxy's in the work referee
@@ -90,7 +91,7 @@ from enum import StrEnum
 from laswrr.scheduler.policies import Candidate, PickContext, Policy, make_policy
 from laswrr.scheduler.policies.affinity import BLOCKS_PER_NODE, Affinity, PrefixIndex, grid_positions
 from laswrr.schemas.outputs import NodeView, WeightSnapshot
-from laswrr.schemas.peers import PeerState, PrefixRecord, pack_keys, unpack_keys
+from laswrr.schemas.peers import PeerDelta, PeerMessage, PeerState, PrefixRecord, pack_keys, unpack_keys
 from laswrr.schemas.words import NodeRole, PdProtocol, Phase
 from laswrr.scheduler.routing.models import DEFAULT_POOL, listed
 from laswrr.scheduler.routing.flow import reserved_limit
@@ -100,6 +101,7 @@ __all__ = ["DEFAULT_POOL", "PEER_MAX_KEYS", "PEER_STALE_S", "Admission", "PeerVi
            "others_inflight"]
 
 PEER_STALE_S = 2.0  # a peer's message is used this long after it arrived (its heartbeat: every second)
+PEER_FULL_S = 5.0  # a busy proxy's messages carry its whole view at least this often (else only changes)
 PEER_MAX_KEYS = 256  # prefix block keys per peer message (a whole indexed prompt); beyond, the oldest records go
 PEER_GRID = 16  # a peer is told the keys at these grid positions only (PrefixIndex, "Sparse records")
 
@@ -155,6 +157,9 @@ class PoolRoute:
     others: dict[str, int] = field(default_factory=dict)  # node -> the other replicas' in-flight (> 0 only)
     peers: dict[str, PeerView] = field(default_factory=dict)  # proxy id -> its last message (the channel)
     outbox: list[PrefixRecord] = field(default_factory=list)  # prefix records for the next peer message
+    # what this proxy's last peer message of the pool made its counts for the peers (in-flight,
+    # backlog) and whether flow control held requests then; None: no message yet (``peer_message``)
+    told: tuple[dict[str, int], dict[str, int], bool] | None = None
     # A P/D pool (docs/design.md, "Prefill/decode disaggregated pools"): its protocol;
     # ``targets``/``policy`` are the prefill role's and these the decode role's (its own LA-SWRR)
     pd_protocol: PdProtocol | None = None
@@ -229,7 +234,7 @@ class Router:
     def __init__(self, policy: str, seed: int, inflight_cap_per_capacity: float | None = None,
                  affinity: str = "prefix", affinity_blocks: int = BLOCKS_PER_NODE,
                  proxy_id: str | None = None, flow_limits: bool = False, share: bool = False,
-                 peer_stale_s: float = PEER_STALE_S, peer_max_keys: int = PEER_MAX_KEYS,
+                 peer_stale_s: float = PEER_STALE_S, peer_max_keys: int = PEER_MAX_KEYS, peer_full_s: float = PEER_FULL_S,
                  peer_grid: int = PEER_GRID) -> None:
         uses_affinity = make_policy(policy, seed).uses_affinity  # and fail fast on an unknown name
         self.proxy_id = proxy_id  # whose share of the snapshot's in-flight is this proxy's own
@@ -247,9 +252,10 @@ class Router:
         self.sized = 0  # sized requests admitted, and their prompt tokens: the mean prompt M
         self.sized_prompt_tokens = 0
         self.total_inflight = 0
-        # the channel between proxies (``peer_update``, ``peer_state``): off, nothing changes
+        # the channel between proxies (``peer_update``, ``peer_message``): off, nothing changes
         self.share = share and proxy_id is not None
         self.peer_stale_s = peer_stale_s
+        self.peer_full_s = peer_full_s
         self.peer_max_keys = peer_max_keys
         self.peer_grid = peer_grid  # 0: every key of a record is sent (no sparse records)
         self.peer_backlog: dict[str, int] = {}  # node -> the fresh peers' prefill backlogs, summed (> 0 only)
@@ -477,10 +483,13 @@ class Router:
 
     # -- the channel between proxies ------------------------------------------------------------
 
-    def peer_state(self, pool: str, boot_id: str, seq: int, ts_ns: int) -> PeerState | None:
-        """This proxy's absolute view of ``pool`` for the other proxies (None: no such pool):
-        its own live in-flight and prefill backlog on the pool's nodes, and the prefix records
-        added since the last call, newest kept within ``peer_max_keys`` block keys."""
+    def peer_message(self, pool: str, boot_id: str, seq: int, ts_ns: int,
+                     full: bool = False) -> PeerMessage | None:
+        """This proxy's view of ``pool`` for the other proxies (None: no such pool), with the
+        prefix records added since the last call, newest kept within ``peer_max_keys`` block
+        keys: a ``PeerDelta`` of its own in-flight and prefill backlog per node since its last
+        message, or the whole view (``PeerState``) when ``full`` (the heartbeat), for its first
+        message, and while flow control holds requests (their ages move without a change)."""
         route = self.pools.get(pool)
         self.changed.discard(pool)
         if route is None:
@@ -496,10 +505,14 @@ class Router:
         route.outbox.clear()
         records.reverse()
         held, oldest = self.held.get(pool, ({}, {}))
-        return PeerState(proxy=self.proxy_id or "", pool=pool, boot_id=boot_id, seq=seq, ts_ns=ts_ns,
-                         inflight={n: c for n, c in self.inflight.items() if n in nodes},
-                         backlog={n: t for n, t in self.backlog.items() if n in nodes},
-                         held=dict(held), held_oldest_ms=dict(oldest), prefixes=records)
+        inflight = {n: c for n, c in self.inflight.items() if n in nodes}
+        backlog = {n: t for n, t in self.backlog.items() if n in nodes}
+        told, route.told = route.told, (inflight, backlog, bool(held))
+        if full or told is None or held or told[2]:
+            return PeerState(boot_id=boot_id, seq=seq, ts_ns=ts_ns, inflight=inflight, backlog=backlog,
+                             held=dict(held), held_oldest_ms=dict(oldest), prefixes=records)
+        return PeerDelta(seq=seq, ts_ns=ts_ns, inflight=_changes(told[0], inflight), backlog=_changes(told[1], backlog),
+                         prefixes=records)
 
     def note_held(self, pool: str, held: dict[str, int], oldest_ms: dict[str, int]) -> None:
         """Flow control's held requests of ``pool`` per band (> 0 only) and the oldest one's age,
@@ -520,23 +533,42 @@ class Router:
         (``on_pick``)."""
         return pool in self.changed or since_s >= self.peer_stale_s / 2
 
-    def peer_update(self, state: PeerState, now: float) -> bool:
-        """Take another proxy's message (``now``: monotonic seconds); False when ignored (this
-        proxy's own, an unknown pool, or not newer than the one held from the same boot)."""
-        route = self.pools.get(state.pool)
-        if route is None or state.proxy == self.proxy_id or not state.proxy:
+    def full_due(self, since_s: float, since_full_s: float) -> bool:
+        """The next message is a whole view: the heartbeat (``since_s``, as ``peer_due``), or the
+        last whole view (``since_full_s`` ago) is ``peer_full_s`` old. A receiver that missed a
+        message is whole again by then."""
+        return since_s >= self.peer_stale_s / 2 or since_full_s >= self.peer_full_s
+
+    def peer_update(self, proxy: str, pool: str, message: PeerMessage, now: float) -> bool:
+        """Take another proxy's message about ``pool`` (``now``: monotonic seconds); False when
+        ignored (this proxy's own, an unknown pool, a state not newer than the one held from the
+        same boot, a delta that does not follow the message held)."""
+        route = self.pools.get(pool)
+        if route is None or proxy == self.proxy_id or not proxy:
             return False
-        held = route.peers.get(state.proxy)
-        if held is not None and held.boot_id == state.boot_id and state.seq <= held.seq:
-            return False
-        route.peers[state.proxy] = PeerView(state.boot_id, state.seq, state.ts_ns, now, dict(state.inflight),
-                                            dict(state.backlog), dict(state.held), dict(state.held_oldest_ms))
+        held = route.peers.get(proxy)
+        if isinstance(message, PeerDelta):
+            if held is None or message.seq != held.seq + 1:
+                return False  # a message was missed: wait for the next whole view
+            held.seq, held.ts_ns, held.received_at = message.seq, message.ts_ns, now
+            _apply(held.inflight, message.inflight)
+            _apply(held.backlog, message.backlog)
+        else:
+            if held is not None and held.boot_id == message.boot_id and message.seq <= held.seq:
+                return False
+            if self.share and (held is None or held.boot_id != message.boot_id):
+                # a peer new to this proxy (started, restarted, or back after a silence) has not
+                # heard its whole view: the next message, within one interval, carries it
+                route.told = None
+                self.changed.add(pool)
+            route.peers[proxy] = PeerView(message.boot_id, message.seq, message.ts_ns, now, dict(message.inflight),
+                                          dict(message.backlog), dict(message.held), dict(message.held_oldest_ms))
         index = route.index
-        if index is not None and state.prefixes:
+        if index is not None and message.prefixes:
             kept = {view.node for view in route.snapshot.nodes if view.phase != Phase.EJECTED}
             if self.peer_grid:
                 index.grid = self.peer_grid  # sparse records from now on: match looks at the grid too
-            for record in state.prefixes:
+            for record in message.prefixes:
                 if record.node in kept and record.keys and len(record.keys) % 4 == 0:  # else a hint lost
                     index.record(record.node, unpack_keys(record.keys)[:index.max_prompt_blocks])
         self._repeer(route)
@@ -581,3 +613,22 @@ class Router:
                     if tokens > 0:
                         backlog[node] = backlog.get(node, 0) + tokens
         self.peer_backlog = backlog
+
+
+def _changes(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Per key, ``after`` less ``before`` (!= 0 only; a missing key counts 0)."""
+    changes = {key: value - before.get(key, 0) for key, value in after.items() if value != before.get(key, 0)}
+    for key, value in before.items():
+        if key not in after:
+            changes[key] = -value
+    return changes
+
+
+def _apply(counts: dict[str, int], changes: dict[str, int]) -> None:
+    """``counts`` plus ``changes``, keeping positive counts only."""
+    for key, change in changes.items():
+        value = counts.get(key, 0) + change
+        if value > 0:
+            counts[key] = value
+        else:
+            counts.pop(key, None)

@@ -28,18 +28,22 @@ key, so nothing published during an outage is missed, and older ones are ignored
 
 The channel between proxies (docs/design.md, "The channel between proxies"; with a router that
 ``share``s, ``--peer-interval-ms`` > 0). Once connected, the link subscribes ``lb.peer.>`` (plain
-core NATS: nothing is stored) and hands every other proxy's ``PeerState`` to
-``Router.peer_update``. Each admission (``Router.on_pick``) wakes its ``_picks`` task, which
-publishes the pool's ``Router.peer_state`` on ``lb.peer.<pool>.<proxy>`` at once (the picks of
-one turn of the event loop in one message): the peers count a pick within the bus's delivery,
-not an interval later, which is what keeps replicas from all sending one burst to the node that
-looked lightest to each. Its ``_peers`` task wakes every ``peer_interval_s``, drops the peers
-silent for ``peer_stale_ms`` and publishes, for each pool whose own counts changed otherwise (a
-first byte, a release) or whose last message is half ``peer_stale_ms`` old (the heartbeat), the
-same message. A bad message is counted and skipped; with
-NATS away nothing is sent and the peers fall back to the snapshots' counts of this proxy.
-``on_view(pool)`` (flow control's wake-up, when set) is called after each snapshot installed,
-each peer message taken and each peer dropped: a slot another proxy freed is seen at once.
+core NATS: nothing is stored) and hands every other proxy's message to ``Router.peer_update``
+with the pool and the sender read from its subject. Each admission (``Router.on_pick``) wakes
+its ``_picks`` task, which publishes the pool's ``Router.peer_message`` on
+``lb.peer.<pool>.<proxy>`` at once (the picks of one turn of the event loop in one message): the
+peers count a pick within the bus's delivery, not an interval later, which is what keeps
+replicas from all sending one burst to the node that looked lightest to each. Its ``_peers``
+task wakes every ``peer_interval_s``, drops the peers silent for ``peer_stale_ms`` and
+publishes, for each pool whose own counts changed otherwise (a first byte, a release) or whose
+last message is half ``peer_stale_ms`` old (the heartbeat), the same message. A message carries
+the pool's whole view at the heartbeat and when the last whole one is ``PEER_FULL_S`` (5 s) old,
+else only the changes since the previous message (``schemas.peers``). Each pool's messages are
+counted apart, so a receiver sees a gap when one was lost. A bad message is counted and
+skipped; with NATS away nothing is sent and the peers fall back to the snapshots' counts of
+this proxy. ``on_view(pool)`` (flow control's wake-up, when set) is called after each snapshot
+installed, each peer message taken and each peer dropped: a slot another proxy freed is seen at
+once.
 
 Stopping: ``start`` runs ``run`` as a task; ``close`` sets ``closing`` (every loop of ``run``
 checks it), stops that task with ``tasks.stop_task`` (which cancels again when Python 3.11's
@@ -68,7 +72,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.outputs import WeightSnapshot
-from laswrr.schemas.peers import PEER_DECODER, PEER_ENCODER
+from laswrr.schemas.peers import PEER_DECODER, PEER_ENCODER, PeerState
 from laswrr.services.natsbus import NatsAuth, StreamLimits, connect, ensure_streams, redact_url
 from laswrr.services.service_metrics import Buckets
 from laswrr.services.proxy.events import EventPublisher
@@ -112,9 +116,12 @@ class BusLink:
         self._picks_task: asyncio.Task[None] | None = None
         self._picked: set[str] = set()  # pools with an admission not told to the peers yet
         self._pick = asyncio.Event()
-        self._peer_seq = 0
-        self._peer_sent_at: dict[str, float] = {}
+        self._peer_seq: dict[str, int] = {}  # pool -> its messages' counter
+        self._peer_sent_at: dict[str, float] = {}  # pool -> when its last message went
+        self._peer_full_at: dict[str, float] = {}  # pool -> when its last whole view (PeerState) went
+        self._sending = asyncio.Lock()
         self.peer_sent = self.peer_sent_bytes = self.peer_received = self.peer_bad = 0
+        self.peer_sent_whole = 0  # of peer_sent, the whole views (PeerState); the others carried changes
         self.peer_heard = 0  # every message on lb.peer.> delivered here (own ones are not: no_echo)
         # called with a pool's name when its view changed (a snapshot installed, a peer's message
         # taken, a peer dropped): flow control's held requests may go now (services/proxy/flow.py)
@@ -281,15 +288,19 @@ class BusLink:
 
     async def _peer_message(self, msg: Msg) -> None:
         self.peer_heard += 1
+        sender = sj.peer_of(msg.subject)
         try:
-            state = PEER_DECODER.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            if sender is None:
+                raise ValueError("not an lb.peer.<pool>.<proxy> subject")
+            message = PEER_DECODER.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             self.peer_bad += 1
             log.debug("ignoring a bad message on %s: %s", msg.subject, exc)
             return
-        if self.router.peer_update(state, time.monotonic()):
+        pool, proxy = sender
+        if self.router.peer_update(proxy, pool, message, time.monotonic()):
             self.peer_received += 1
-            self._viewed(state.pool)
+            self._viewed(pool)
 
     def _on_pick(self, pool: str) -> None:
         self._picked.add(pool)
@@ -322,19 +333,32 @@ class BusLink:
                     await self._send(nc, pool, now)
 
     async def _send(self, nc: Client, pool: str, now: float) -> None:
-        self._peer_seq += 1
-        state = self.router.peer_state(pool, self.publisher.boot_id, self._peer_seq, time.time_ns())
-        if state is None:
+        """The pool's message: whole at the heartbeat, else the changes (``Router.peer_message``).
+        One that cannot be published leaves a gap in the counter, so the peers take no change
+        before the next whole view."""
+        async with self._sending:  # one message at a time: a pool's changes reach NATS in their order
+            await self._send_one(nc, pool, now)
+
+    async def _send_one(self, nc: Client, pool: str, now: float) -> None:
+        router = self.router
+        seq = self._peer_seq[pool] = self._peer_seq.get(pool, 0) + 1
+        full = router.full_due(now - self._peer_sent_at.get(pool, -math.inf),
+                               now - self._peer_full_at.get(pool, -math.inf))
+        message = router.peer_message(pool, self.publisher.boot_id, seq, time.time_ns(), full=full)
+        if message is None or router.proxy_id is None:
             return
-        data = PEER_ENCODER.encode(state)
+        data = PEER_ENCODER.encode(message)
         try:
-            await nc.publish(sj.peer(pool, state.proxy), data)
+            await nc.publish(sj.peer(pool, router.proxy_id), data)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             log.debug("peer message for %s not sent: %s", pool, exc)
             return
         self._peer_sent_at[pool] = now
+        if isinstance(message, PeerState):
+            self._peer_full_at[pool] = now
+            self.peer_sent_whole += 1
         self.peer_sent += 1
         self.peer_sent_bytes += len(data)
 

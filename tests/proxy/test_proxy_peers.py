@@ -114,3 +114,33 @@ async def test_a_proxy_is_not_sent_back_its_own_peer_messages(
     assert a.state.bus.peer_sent >= 20
     # A hears only B's heartbeats (a message every half --peer-stale-ms), none of its own 20 picks
     assert a.state.bus.peer_heard - a_heard < 10
+
+
+async def test_the_peer_follows_the_counts_through_changes_only(
+        engines: Any, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession) -> None:
+    """After its first whole view, A tells B only what changed (schemas.peers ``PeerDelta``): B's
+    count of A's requests follows A's own through picks, first bytes and releases, to zero."""
+    a, b = await two_proxies(engines, core, start_proxy, interval_ms=20, stale_ms=600_000)
+    await wait_for(lambda: "proxy-a" in b.state.router.pools["default"].peers, what="B hears A")
+    await wait_for(lambda: "proxy-b" in a.state.router.pools["default"].peers, what="A hears B")
+    # hearing B, A sent B its whole view again (B may have missed its first): wait until it went
+    await wait_for(lambda: "default" not in a.state.router.changed, what="A's whole view to B sent")
+    whole = a.state.bus.peer_sent_whole
+    sent = a.state.bus.peer_sent
+    peer = b.state.router.pools["default"].peers
+
+    def b_sees_a() -> bool:
+        return peer["proxy-a"].inflight == a.state.router.inflight and \
+            peer["proxy-a"].backlog == a.state.router.backlog
+
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}],
+            "test": {"chunks": 6, "delay": 0.05}}
+    streams = [await http.post(a.url + CHAT, json=body) for _ in range(6)]
+    assert sum(a.state.router.inflight.values()) == 6
+    await wait_for(b_sees_a, timeout=5, what="B counts A's 6 streams")
+    for stream in streams:
+        await stream.read()
+        stream.close()
+    await wait_for(lambda: not a.state.router.inflight and b_sees_a() and not peer["proxy-a"].inflight,
+                   timeout=5, what="B sees A idle")
+    assert a.state.bus.peer_sent - sent >= 2 and a.state.bus.peer_sent_whole == whole  # changes only

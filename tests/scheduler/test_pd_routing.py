@@ -131,7 +131,7 @@ def test_the_prefill_pick_weighs_the_prefill_backlog_the_proxies_share() -> None
         router.offer(snap(1, view("p1", 1.0, NodeRole.PREFILL), view("p2", 1.0, NodeRole.PREFILL),
                           view("d1", 1.0, NodeRole.DECODE), view("d2", 1.0, NodeRole.DECODE)), now=0.0)
         if peer_backlog:
-            assert router.peer_update(PeerState(proxy="a", pool=DEFAULT_POOL, boot_id="x", seq=1, ts_ns=1,
+            assert router.peer_update("a", DEFAULT_POOL, PeerState(boot_id="x", seq=1, ts_ns=1,
                                                 backlog=peer_backlog), now=0.0)
         prefills, decodes = Counter[str](), Counter[str]()
         for i in range(8):

@@ -11,7 +11,7 @@ from laswrr.scheduler.routing.prompt import prompt_text, request_size
 from laswrr.scheduler.routing.router import DEFAULT_POOL, PEER_STALE_S, Router
 from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
 from laswrr.scheduler.policies.affinity import grid_positions
-from laswrr.schemas.peers import PEER_DECODER, PEER_ENCODER, PeerState, PrefixRecord, pack_keys, unpack_keys
+from laswrr.schemas.peers import PEER_DECODER, PEER_ENCODER, PeerDelta, PeerState, PrefixRecord, pack_keys, unpack_keys
 from laswrr.schemas import subjects as sj
 
 LOAD = LoadView(queue=0, running=0, kv=0, npu=0, latency=0, load=0, sample_age_ms=None, stale=False)
@@ -53,10 +53,10 @@ def long_prompt(seed: str) -> str:
 def test_a_prompt_admitted_by_a_peer_makes_this_proxy_prefer_the_same_node() -> None:
     a, b = router("A"), router("B")
     node = ask(a, long_prompt("conversation one "))
-    state = a.peer_state(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
+    state = a.peer_message(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
     assert state is not None and state.prefixes and state.prefixes[0].node == node
     assert state.inflight == {node: 1} and state.backlog[node] > 1000  # its whole prompt, not prefilled yet
-    assert b.peer_update(PEER_DECODER.decode(PEER_ENCODER.encode(state)), now=0.01)
+    assert b.peer_update("A", DEFAULT_POOL, PEER_DECODER.decode(PEER_ENCODER.encode(state)), now=0.01)
     assert b.pools[DEFAULT_POOL].others == {node: 1} and b.load == {node: 1}  # A's request counted on B at once
     assert b.peer_backlog == state.backlog
     # A's request is still prefilling there: B's guard sends the same prompt elsewhere
@@ -64,9 +64,9 @@ def test_a_prompt_admitted_by_a_peer_makes_this_proxy_prefer_the_same_node() -> 
     # A's request finished: B now goes where A's prefix is
     c, d = router("A"), router("C")
     node = ask(c, long_prompt("conversation two "), done=True)
-    state = c.peer_state(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
+    state = c.peer_message(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
     assert state is not None and state.inflight == {} and state.backlog == {}
-    d.peer_update(state, now=0.0)
+    d.peer_update("A", DEFAULT_POOL, state, now=0.0)
     assert ask(d, long_prompt("conversation two ")) == node
 
 
@@ -82,9 +82,9 @@ def test_without_the_channel_the_other_proxy_does_not_know_the_prefix() -> None:
     ask(a, long_prompt("another user "), done=True)
     for k in range(8):
         first = ask(a, long_prompt(f"conversation {k} "), done=True)
-        state = a.peer_state(DEFAULT_POOL, "boot", k + 1, ts_ns=k + 1)
+        state = a.peer_message(DEFAULT_POOL, "boot", k + 1, ts_ns=k + 1)
         assert state is not None
-        b.peer_update(state, now=0.0)
+        b.peer_update("A", DEFAULT_POOL, state, now=0.0)
         assert ask(b, long_prompt(f"conversation {k} "), done=True) == first
 
 
@@ -92,30 +92,30 @@ def test_a_stale_or_missing_peer_falls_back_to_the_snapshot_counts() -> None:
     b = router("B")
     b.offer(snap(2, ts_ns=5, inflight={"a": 3}, proxy_inflight={"A": {"a": 3}}), now=0.0)
     assert b.pools[DEFAULT_POOL].others == {"a": 3}  # the snapshot's view of A
-    state = PeerState(proxy="A", pool=DEFAULT_POOL, boot_id="x", seq=1, ts_ns=6, inflight={"c": 2},
+    state = PeerState(boot_id="x", seq=1, ts_ns=6, inflight={"c": 2},
                       backlog={"c": 900})
-    assert b.peer_update(state, now=1.0)
+    assert b.peer_update("A", DEFAULT_POOL, state, now=1.0)
     assert b.pools[DEFAULT_POOL].others == {"c": 2}  # A's newer message replaces the snapshot's view of A
     assert b.load == {"c": 2} and b.peer_backlog == {"c": 900}
     assert b.expire_peers(now=1.0 + PEER_STALE_S / 2) == 0
     assert b.expire_peers(now=1.0 + PEER_STALE_S + 0.01) == 1
     assert b.pools[DEFAULT_POOL].others == {"a": 3} and b.load == {"a": 3} and b.peer_backlog == {}
     # a message older than the snapshot's view of that peer is not used either
-    assert b.peer_update(PeerState(proxy="A", pool=DEFAULT_POOL, boot_id="x", seq=2, ts_ns=4, inflight={"c": 2}),
+    assert b.peer_update("A", DEFAULT_POOL, PeerState(boot_id="x", seq=2, ts_ns=4, inflight={"c": 2}),
                          now=2.0)
     assert b.pools[DEFAULT_POOL].others == {"a": 3}
 
 
 def test_an_older_message_is_ignored_and_a_new_boot_replaces_the_peer() -> None:
     b = router("B")
-    assert b.peer_update(PeerState(proxy="A", pool=DEFAULT_POOL, boot_id="1", seq=5, ts_ns=1, inflight={"a": 1}), 0.0)
-    assert not b.peer_update(PeerState(proxy="A", pool=DEFAULT_POOL, boot_id="1", seq=4, ts_ns=2,
+    assert b.peer_update("A", DEFAULT_POOL, PeerState(boot_id="1", seq=5, ts_ns=1, inflight={"a": 1}), 0.0)
+    assert not b.peer_update("A", DEFAULT_POOL, PeerState(boot_id="1", seq=4, ts_ns=2,
                                        inflight={"a": 9}), 0.0)
     assert b.load == {"a": 1}
-    assert b.peer_update(PeerState(proxy="A", pool=DEFAULT_POOL, boot_id="2", seq=1, ts_ns=3, inflight={"b": 1}), 0.0)
+    assert b.peer_update("A", DEFAULT_POOL, PeerState(boot_id="2", seq=1, ts_ns=3, inflight={"b": 1}), 0.0)
     assert b.load == {"b": 1}
-    assert not b.peer_update(PeerState(proxy="B", pool=DEFAULT_POOL, boot_id="9", seq=1, ts_ns=3), 0.0)  # its own
-    assert not b.peer_update(PeerState(proxy="A", pool="other", boot_id="2", seq=2, ts_ns=3), 0.0)  # unknown pool
+    assert not b.peer_update("B", DEFAULT_POOL, PeerState(boot_id="9", seq=1, ts_ns=3), 0.0)  # its own
+    assert not b.peer_update("A", "other", PeerState(boot_id="2", seq=2, ts_ns=3), 0.0)  # unknown pool
 
 
 def test_prefix_records_are_capped_newest_first() -> None:
@@ -123,10 +123,10 @@ def test_prefix_records_are_capped_newest_first() -> None:
     a.offer(snap(1), now=0.0)
     for k in range(4):
         ask(a, long_prompt(f"prompt {k} "))  # 11 keys each (6000 chars / 512)
-    state = a.peer_state(DEFAULT_POOL, "b", 1, 1)
+    state = a.peer_message(DEFAULT_POOL, "b", 1, 1)
     assert state is not None
     assert [r.count for r in state.prefixes] == [9, 11]  # the newest whole, the one before cut to its lead
-    again = a.peer_state(DEFAULT_POOL, "b", 2, 2)
+    again = a.peer_message(DEFAULT_POOL, "b", 2, 2)
     assert again is not None and again.prefixes == [] and not a.changed
 
 
@@ -140,19 +140,63 @@ def test_one_proxy_without_the_channel_is_unchanged() -> None:
 
 def test_the_subject_and_the_record_encoding() -> None:
     assert sj.peer("default", "proxy-1") == "lb.peer.default.proxy-1"
-    data = PEER_ENCODER.encode(PeerState(proxy="p", pool="default", boot_id="b", seq=1, ts_ns=2,
-                                         prefixes=[PrefixRecord("a", pack_keys([1, 2]))]))
-    # MessagePack arrays, no field names; the keys packed 4 bytes each
-    assert msgspec.msgpack.decode(data) == ["p", "default", "b", 1, 2, {}, {}, {}, {},
-                                            [["a", b"\x01\x00\x00\x00\x02\x00\x00\x00"]]]
-    assert len(PEER_ENCODER.encode(PeerState(proxy="p", pool="default", boot_id="b", seq=1, ts_ns=2))) == 20  # 1 + 2 + 8 + 2 + 1 + 1 + 5
-    assert unpack_keys(PEER_DECODER.decode(data).prefixes[0].keys) == [1, 2]
+    assert sj.peer_of("lb.peer.default.proxy-1") == ("default", "proxy-1")
+    assert [sj.peer_of(x) for x in ("lb.peer.default", "lb.peer.a.b.c", "lb.req.a.b", "lb.peer..p")] == [None] * 4
+    data = PEER_ENCODER.encode(PeerState(boot_id="b", seq=1, ts_ns=2, prefixes=[PrefixRecord("a", pack_keys([1, 2]))]))
+    # MessagePack arrays led by the kind, no field names; the keys packed 4 bytes each
+    assert msgspec.msgpack.decode(data) == [1, "b", 1, 2, {}, {}, {}, {}, [["a", b"\x01\x00\x00\x00\x02\x00\x00\x00"]]]
+    assert len(PEER_ENCODER.encode(PeerState(boot_id="b", seq=1, ts_ns=2))) == 11  # 1 + 1 + 2 + 1 + 1 + 4 + 1
+    assert unpack_keys(PEER_DECODER.decode(data).prefixes[0].keys) == [1, 2]  # type: ignore[union-attr]
+    delta = PEER_ENCODER.encode(PeerDelta(seq=300, ts_ns=1_700_000_000_000_000_000, inflight={"n1": 1}))
+    assert msgspec.msgpack.decode(delta) == [2, 300, 1_700_000_000_000_000_000, {"n1": 1}, {}, []]
+    assert len(delta) == 21  # 1 + 1 + 3 + 9 + (1 + 3 + 1) + 1 + 1
+    assert PEER_DECODER.decode(delta) == PeerDelta(seq=300, ts_ns=1_700_000_000_000_000_000, inflight={"n1": 1})
+
+
+def test_changes_between_whole_views_give_the_peers_the_same_counts() -> None:
+    """After the first message, A tells only what changed (picks, first bytes, releases); B,
+    taking the changes, holds what C holds taking A's whole view each time. A missed change makes
+    B ignore the next ones until the next whole view, which mends it."""
+    a, b, c = router("A"), router("B"), router("C")
+    texts = [long_prompt(f"talk {k % 3} ") for k in range(12)]
+    live = []
+    kinds = []
+    for step, text in enumerate(texts):
+        seen = prompt_text([{"role": "user", "content": text}], None)
+        admission = a.admit(DEFAULT_POOL, prompt=seen, size=request_size(seen, 16, None))
+        assert admission is not None
+        live.append(admission)
+        if step % 3 == 1:
+            a.prefilled(live[0])
+        if step % 4 == 3:
+            a.release(live.pop(0))
+        changes = a.peer_message(DEFAULT_POOL, "boot", step + 1, ts_ns=step + 1)
+        assert changes is not None
+        kinds.append(type(changes).__name__)
+        whole = PeerState(boot_id="boot", seq=step + 1, ts_ns=step + 1, inflight=dict(a.inflight),
+                          backlog=dict(a.backlog))
+        assert b.peer_update("A", DEFAULT_POOL, PEER_DECODER.decode(PEER_ENCODER.encode(changes)), now=0.0)
+        assert c.peer_update("A", DEFAULT_POOL, whole, now=0.0)
+        assert b.load == c.load == a.load and b.peer_backlog == c.peer_backlog == a.backlog
+        assert b.pools[DEFAULT_POOL].others == c.pools[DEFAULT_POOL].others
+    assert kinds == ["PeerState"] + ["PeerDelta"] * 11
+    ask(a, "x")
+    missed = a.peer_message(DEFAULT_POOL, "boot", 13, ts_ns=13)  # never reaches B
+    assert isinstance(missed, PeerDelta)
+    ask(a, "y")
+    later = a.peer_message(DEFAULT_POOL, "boot", 14, ts_ns=14)
+    assert isinstance(later, PeerDelta) and not b.peer_update("A", DEFAULT_POOL, later, now=0.0)
+    assert b.load != a.load
+    heartbeat = a.peer_message(DEFAULT_POOL, "boot", 15, ts_ns=15, full=True)
+    assert isinstance(heartbeat, PeerState) and b.peer_update("A", DEFAULT_POOL, heartbeat, now=0.0)
+    assert b.load == a.load and b.peer_backlog == a.backlog
+    assert b.peer_update("A", DEFAULT_POOL, a.peer_message(DEFAULT_POOL, "boot", 16, ts_ns=16), now=0.0)  # type: ignore[arg-type]
 
 
 def test_records_never_sent_stay_bounded() -> None:
     a = Router("la-swrr", 7, proxy_id="A", share=True, peer_max_keys=5)
     a.offer(snap(1), now=0.0)
-    for k in range(40):  # NATS away: nobody calls peer_state
+    for k in range(40):  # NATS away: nobody calls peer_message
         ask(a, long_prompt(f"prompt {k} "), done=True)
     assert len(a.pools[DEFAULT_POOL].outbox) == 5
 
@@ -173,16 +217,16 @@ def test_held_counts_travel_and_the_free_slots_are_the_pool_wide_ones() -> None:
     assert DEFAULT_POOL in a.changed  # a changed count goes out within one interval
     for _ in range(3):
         ask(a, "x")
-    state = a.peer_state(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
+    state = a.peer_message(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
     assert state is not None and state.held == {"interactive": 2, "batch": 7}
     assert state.held_oldest_ms == {"interactive": 40, "batch": 900}
     a.note_held(DEFAULT_POOL, {"interactive": 2, "batch": 7}, {"interactive": 60, "batch": 950})
     assert DEFAULT_POOL not in a.changed  # only the ages moved: the next message or heartbeat carries them
-    assert b.peer_update(PEER_DECODER.decode(PEER_ENCODER.encode(state)), now=0.01)
+    assert b.peer_update("A", DEFAULT_POOL, PEER_DECODER.decode(PEER_ENCODER.encode(state)), now=0.01)
     assert b.peer_held(DEFAULT_POOL) == {"interactive": 2, "batch": 7}
     assert b.free_slots(DEFAULT_POOL) == 5  # A's three requests, counted through its message
     a.note_held(DEFAULT_POOL, {}, {})
-    assert DEFAULT_POOL in a.changed and a.peer_state(DEFAULT_POOL, "boot-a", 2, ts_ns=20).held == {}  # type: ignore[union-attr]
+    assert DEFAULT_POOL in a.changed and a.peer_message(DEFAULT_POOL, "boot-a", 2, ts_ns=20).held == {}  # type: ignore[union-attr]
     b.expire_peers(now=0.01 + PEER_STALE_S + 0.1)
     assert b.peer_held(DEFAULT_POOL) == {}  # a silent peer's held requests are forgotten with it
     unlimited = WeightSnapshot(pool=DEFAULT_POOL, as_of_seq=3, tick=3, ts_ns=0, panic=False, nodes=[view("a")])
@@ -200,9 +244,9 @@ def test_a_peer_tells_a_few_keys_of_a_long_prompt_and_its_continuation_follows_t
     a, b = router("A"), router("B")
     first = (long_prompt("a long conversation ") * 6)[:30000]  # 58 blocks
     node = ask(a, first, done=True)
-    state = a.peer_state(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
+    state = a.peer_message(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
     assert state is not None and [r.count for r in state.prefixes] == [7]  # blocks 0, 1, 3, 7, 15, 31, 47
-    assert b.peer_update(PEER_DECODER.decode(PEER_ENCODER.encode(state)), now=0.01)
+    assert b.peer_update("A", DEFAULT_POOL, PEER_DECODER.decode(PEER_ENCODER.encode(state)), now=0.01)
     index = b.pools[DEFAULT_POOL].index
     assert index is not None and index.grid == 16
     keys = index.keys(prompt_text([{"role": "user", "content": first + " and the next turn"}], None))
@@ -211,14 +255,38 @@ def test_a_peer_tells_a_few_keys_of_a_long_prompt_and_its_continuation_follows_t
     assert ask(b, first + " and the next turn") == node
     # the same prompt again through A: the node holds it already, nothing more to tell
     ask(a, first, done=True)
-    again = a.peer_state(DEFAULT_POOL, "boot-a", 2, ts_ns=11)
+    again = a.peer_message(DEFAULT_POOL, "boot-a", 2, ts_ns=11)
     assert again is not None and again.prefixes == []
 
 
 def test_a_record_with_torn_keys_is_a_hint_lost() -> None:
     b = router("B")
-    bad = PeerState(proxy="A", pool=DEFAULT_POOL, boot_id="x", seq=1, ts_ns=1, inflight={"a": 1},
+    bad = PeerState(boot_id="x", seq=1, ts_ns=1, inflight={"a": 1},
                     prefixes=[PrefixRecord("a", b"\x01\x02\x03")])
-    assert b.peer_update(bad, now=0.0) and b.load == {"a": 1}
+    assert b.peer_update("A", DEFAULT_POOL, bad, now=0.0) and b.load == {"a": 1}
     index = b.pools[DEFAULT_POOL].index
     assert index is not None and index.entries() == 0
+
+
+def test_a_peer_new_to_this_proxy_gets_its_whole_view_next() -> None:
+    """A proxy that started (or restarted) after this one missed its last whole view: hearing
+    its first one, this proxy's next message, due within one interval, is whole again."""
+    a, b = router("A"), router("B")
+    ask(b, "x")
+    assert isinstance(b.peer_message(DEFAULT_POOL, "boot-b", 1, ts_ns=1), PeerState)
+    ask(b, "y")
+    assert isinstance(b.peer_message(DEFAULT_POOL, "boot-b", 2, ts_ns=2), PeerDelta)
+    assert DEFAULT_POOL not in b.changed
+    first = a.peer_message(DEFAULT_POOL, "boot-a", 1, ts_ns=3)
+    assert isinstance(first, PeerState) and b.peer_update("A", DEFAULT_POOL, first, now=0.0)
+    assert DEFAULT_POOL in b.changed and b.peer_due(DEFAULT_POOL, since_s=0.0)
+    whole = b.peer_message(DEFAULT_POOL, "boot-b", 3, ts_ns=4)
+    assert isinstance(whole, PeerState) and whole.inflight == b.inflight
+    # its next message from the same boot is news, not a new peer
+    ask(a, "z")
+    assert b.peer_update("A", DEFAULT_POOL, a.peer_message(DEFAULT_POOL, "boot-a", 2, ts_ns=5), now=0.0)  # type: ignore[arg-type]
+    assert DEFAULT_POOL not in b.changed
+    # A restarts: a new boot
+    restarted = router("A").peer_message(DEFAULT_POOL, "boot-a2", 1, ts_ns=6)
+    assert isinstance(restarted, PeerState) and b.peer_update("A", DEFAULT_POOL, restarted, now=0.0)
+    assert isinstance(b.peer_message(DEFAULT_POOL, "boot-b", 4, ts_ns=7), PeerState)

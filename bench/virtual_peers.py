@@ -1,0 +1,51 @@
+"""The channel between proxies in virtual time (``bench/virtual.py``, ``bench/virtual_timeline.py``).
+
+Each replica's message goes through the encoder and decoder the bus uses and is taken by every
+other replica at once (the bus's delay is not modelled): whole at the heartbeat and at the
+first message and every ``PEER_FULL_S``, else the changes since the previous one, as
+``services/proxy/bus.py`` sends them (``Router.peer_message``). ``traffic`` counts what the bus would carry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from laswrr.scheduler.routing.router import DEFAULT_POOL, Router
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.peers import PEER_DECODER, PEER_ENCODER, PeerMessage, PeerState
+
+
+class VirtualChannel:
+    def __init__(self, routers: Sequence[Router], on_message: Callable[[PeerMessage, int], None] | None = None,
+                 ts_ns: Callable[[float], int] = lambda now: int(now * 1e9)) -> None:
+        self.routers = routers
+        self.seqs = [0] * len(routers)
+        self.sent_at = [0.0] * len(routers)  # the first heartbeat is due half peer_stale_s in
+        self.full_at = [-math.inf] * len(routers)
+        self.on_message = on_message  # (message, its bytes with the subject) for each message sent
+        self.ts_ns = ts_ns
+
+    def due(self, k: int, now: float) -> bool:
+        """Replica k's interval message is due (``Router.peer_due``)."""
+        return self.routers[k].peer_due(DEFAULT_POOL, now - self.sent_at[k])
+
+    def speak(self, k: int, now: float) -> None:
+        """Replica k's message of the pool to the others."""
+        router = self.routers[k]
+        self.seqs[k] += 1
+        full = router.full_due(now - self.sent_at[k], now - self.full_at[k])
+        message = router.peer_message(DEFAULT_POOL, "virtual", self.seqs[k], self.ts_ns(now), full=full)
+        if message is None:
+            return
+        self.sent_at[k] = now
+        if isinstance(message, PeerState):
+            self.full_at[k] = now
+        data = PEER_ENCODER.encode(message)
+        if self.on_message is not None:
+            assert router.proxy_id is not None
+            self.on_message(message, len(data) + len(sj.peer(DEFAULT_POOL, router.proxy_id)))
+        taken = PEER_DECODER.decode(data)
+        for j, other in enumerate(self.routers):
+            if j != k and router.proxy_id is not None:
+                other.peer_update(router.proxy_id, DEFAULT_POOL, taken, now)
