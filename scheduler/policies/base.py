@@ -39,9 +39,10 @@ class Candidate:
         return cls(node, max(0, round(effective_weight * WEIGHT_UNIT)))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PickContext:
-    """What one pick may look at (module docstring); a policy may ignore any of it."""
+    """What one pick may look at (module docstring); a policy may ignore any of it, and writes
+    none of it (not frozen: a frozen dataclass costs ~0.3 µs more to build, once per pick)."""
 
     inflight: Mapping[str, int] = field(default_factory=dict)
     exclude: Container[str] = ()

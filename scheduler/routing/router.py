@@ -370,10 +370,12 @@ class Router:
         self.inflight[node] = self.inflight.get(node, 0) + 1
         self.load[node] = self.load.get(node, 0) + 1
         view = targets[node]
-        leg = NodeRole.DECODE if decode else NodeRole.PREFILL if route.pd_protocol is not None else None
-        admission = Admission(pool=pool, node=node, url=view.url, snapshot_seq=route.snapshot.as_of_seq, size=size,
-                              backlog=backlog, models=listed(view), role=leg, protocol=route.pd_protocol,
-                              bootstrap_port=view.bootstrap_port if isinstance(view.bootstrap_port, int) else None)
+        if route.pd_protocol is None:  # a whole request (built positionally: once per request)
+            admission = Admission(pool, node, view.url, route.snapshot.as_of_seq, size, backlog, listed(view))
+        else:
+            admission = Admission(pool, node, view.url, route.snapshot.as_of_seq, size, backlog, listed(view),
+                                  NodeRole.DECODE if decode else NodeRole.PREFILL, route.pd_protocol,
+                                  view.bootstrap_port if isinstance(view.bootstrap_port, int) else None)
         if backlog:
             self.backlog[node] = self.backlog.get(node, 0) + backlog
         self.total_inflight += 1
