@@ -98,6 +98,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--proxies", type=int, default=1, metavar="N",
                         help="proxy replicas on the one bus, the requests alternating among them as behind an L4 "
                              "balancer (default 1; a peer router runs alone)")
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="each proxy replica's --workers: N worker processes on its port, sharing their counts "
+                             "through the channel between proxies like replicas (default 1; not with --virtual, "
+                             "where a worker is a replica: --proxies)")
     parser.add_argument("--peer-interval-ms", type=settings.duration("ms"), default=20, metavar="MS",
                         help="--virtual with --proxies N > 1: the replicas share their counts, prefill backlogs and "
                              "prefix records every MS ms of virtual time, as the proxies' channel between proxies "
@@ -234,7 +238,7 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
                          proxy_args: Sequence[str] = (),
                          alongside: dict[str, Alongside] | None = None,
                          proxies: int = 1, engines: Sequence[Node] | None = None,
-                         model: str | None = None) -> tuple[dict[str, Any], list[Path]]:
+                         model: str | None = None, workers: int = 1) -> tuple[dict[str, Any], list[Path]]:
     """Run every policy on the same workload; write results.json (and plots); return the summary.
     ``alongside``: per policy, a task on its running stack (``runner.run_policy``); ``proxies``:
     proxy replicas the load alternates among; ``engines`` (serving ``model``): running engines
@@ -262,7 +266,7 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
                 runs.append(await run_policy(scenario, policy, workload, out_dir / "runs" / policy.replace(":", "-"),
                                              on_result=lambda _r, t=task: progress.advance(t), proxy_args=proxy_args,
                                              alongside=(alongside or {}).get(policy), proxies=proxies,
-                                             engines=engines, model=model))
+                                             engines=engines, model=model, workers=workers))
             except PeerUnavailable as exc:  # one peer that will not start costs its row, not the run
                 not_run[policy] = str(exc)
                 progress.update(task, description=f"{scenario.name} · {policy:<13} did not run")
@@ -271,6 +275,7 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
     summary["not_run"] = not_run
     summary["proxy_args"] = list(proxy_args)
     summary["proxies"] = proxies
+    summary["workers"] = workers
     if scenario.trace is not None:
         summary["trace_arrivals"] = arrival_bursts([r.offset_s for r in workload], scenario.duration_s)
     (out_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -296,8 +301,8 @@ def main(args: argparse.Namespace) -> int:
         if args.engines == "vllm":
             from laswrr.bench.real_bench import real_scenario_names
 
-            if args.trace is not None or args.virtual or args.proxies != 1 or args.util is not None:
-                raise ValueError("--engines vllm takes none of --trace, --virtual, --proxies, --util")
+            if args.trace is not None or args.virtual or args.proxies != 1 or args.workers != 1 or args.util is not None:
+                raise ValueError("--engines vllm takes none of --trace, --virtual, --proxies, --workers, --util")
             names = real_scenario_names(args.scenario or "announced-drop")
         elif args.scenario is None and args.trace is not None:
             names = [TRACE_SCENARIO[trace_format(args.trace)]]
@@ -307,6 +312,10 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--duration-scale must be > 0")
         if args.proxies < 1:
             raise ValueError("--proxies must be >= 1")
+        if args.workers < 1:
+            raise ValueError("--workers must be >= 1")
+        if args.virtual and args.workers != 1:
+            raise ValueError("--virtual has no worker processes: a worker routes as a replica does, use --proxies")
         if args.util is not None and not 0 < args.util <= 2:
             raise ValueError("--util must be within (0, 2]")
         scheduler_config = read_scheduler_config(args.scheduler_config)
@@ -358,7 +367,8 @@ def main(args: argparse.Namespace) -> int:
             summary, paths = asyncio.run(bench_scenario(scenario, rows, args.seed, out_dir,
                                                         args.duration_scale, plots=not args.no_plots,
                                                         util=args.util, scheduler_config=scheduler_config,
-                                                        proxy_args=proxy_args, proxies=args.proxies))
+                                                        proxy_args=proxy_args, proxies=args.proxies,
+                                                        workers=args.workers))
         except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
             print(f"bench: {scenario.name}: {exc}", file=sys.stderr)
             return 1

@@ -70,6 +70,7 @@ from typing import Any
 
 from laswrr.collectors.nodes import Node
 from laswrr.services import settings
+from laswrr.services.nats_server import free_ports
 from laswrr.services.up import Stack
 
 CHAT_BODY = {"model": "bench-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
@@ -548,7 +549,7 @@ async def start_stack(bench: Bench, policy: str,
     proxies: dict[str, str] = {}
     metrics: dict[str, list[str]] = {}
     for name, workers in zip(PROXIES, (1, 2)):
-        admin = admin_ports(workers)
+        admin = free_ports(workers)
         extra = ("--policy", policy, "--workers", str(workers))
         if peer_interval_ms is not None:
             extra += ("--peer-interval-ms", str(peer_interval_ms))
@@ -558,24 +559,6 @@ async def start_stack(bench: Bench, policy: str,
             await asyncio.to_thread(wait_until, lambda: len(http_json(url.replace("/metrics", "/healthz"))["pools"]
                                                             ["default"]["routable"]) == 2, f"{name} routes")
     return engines, proxies, metrics
-
-
-def admin_ports(count: int) -> int:
-    """A first port P with P..P+count-1 free (each worker k of a proxy serves /metrics on P+k)."""
-    import socket
-
-    from laswrr.services.nats_server import free_port
-    for _ in range(100):
-        first = free_port()
-        try:
-            with contextlib.ExitStack() as held:
-                for k in range(count):
-                    sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-                    sock.bind(("127.0.0.1", first + k))
-            return first
-        except OSError:
-            continue
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def replay_exact(db: Path) -> dict[str, Any]:

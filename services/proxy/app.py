@@ -486,7 +486,8 @@ def health_report(state: ProxyState) -> dict[str, object]:
 
 
 async def metrics(request: web.BaseRequest, state: ProxyState) -> web.Response:
-    state.metrics.refresh(state.router, state.events, state.bus.connected, state.bus.view_lag)
+    state.metrics.refresh(state.router, state.events, state.bus.connected, state.bus.view_lag,
+                          state.bus if state.bus.peer_interval_s > 0 else None)
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -348,8 +348,9 @@ class BusLink:
         if message is None or router.proxy_id is None:
             return
         data = PEER_ENCODER.encode(message)
+        subject = sj.peer(pool, router.proxy_id)
         try:
-            await nc.publish(sj.peer(pool, router.proxy_id), data)
+            await nc.publish(subject, data)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -360,7 +361,7 @@ class BusLink:
             self._peer_full_at[pool] = now
             self.peer_sent_whole += 1
         self.peer_sent += 1
-        self.peer_sent_bytes += len(data)
+        self.peer_sent_bytes += len(data) + len(subject)
 
     async def close(self, drain_timeout_s: float = 5.0) -> None:
         """Stop ``run``, then drain the connection (bounded); close it when the drain fails or is late."""

@@ -146,6 +146,7 @@ class EventPublisher:
         self.batch_sizes = Buckets(BATCH_SIZE_BUCKETS)
         self.dropped = 0
         self.published = 0  # events acknowledged
+        self.published_bytes = 0  # their batches' payloads and subjects, as NATS carried them
         self.batches_published = 0
         self.resent = 0  # publishes of a batch after its first (lost or late acks)
         self.nc: Client | None = None
@@ -330,12 +331,13 @@ class EventPublisher:
             self.resent += batch.sends > 0
             batch.sends += 1
         acked = await publish_acked(self.js, messages, self.ack_timeout_s)  # in order, count the acked prefix
-        for batch in batches[:acked]:
+        for batch, (subject, payload, _) in zip(batches[:acked], messages):
             if self.unacked and self.unacked[0] is batch:  # not dropped meanwhile by a full buffer
                 self.unacked.popleft()
                 self._unacked_events -= len(batch.items)
             if batch.items:  # (a batch the full buffer emptied meanwhile was delivered, counted dropped)
                 self.published += len(batch.items)
+                self.published_bytes += len(payload) + len(subject)
                 self.batches_published += 1
                 self.batch_sizes.observe(len(batch.items))
         if acked < len(batches):

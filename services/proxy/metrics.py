@@ -20,6 +20,10 @@ proxy's own, scheduler/routing/router.py), and the event publisher's counters
 ``laswrr_proxy_event_batches_published_total``, ``laswrr_proxy_event_batches_resent_total``) and its
 batch sizes (the histogram ``laswrr_proxy_event_batch_size``: events per acknowledged
 ``lb.req.batch`` message).
+``laswrr_proxy_events_published_bytes_total`` counts those batches' bytes (payloads and
+subjects), and ``laswrr_proxy_peer_messages_total{kind}`` (``whole``, ``changes``) and
+``laswrr_proxy_peer_bytes_total`` what this proxy sent on the channel between proxies: the
+channel's share of the bus against the request events'.
 ``laswrr_proxy_view_lag_seconds`` is a histogram of how old each snapshot was (wall clock minus
 its event time) when this proxy installed it: the staleness of the other replicas' counts at
 the first pick on it (they age by one tick more until the next snapshot).
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -87,6 +92,9 @@ class _RequestCollector(Collector):
         if m.publisher is not None:
             yield CounterMetricFamily("laswrr_proxy_events_published", "Events acknowledged by JetStream",
                                       value=m.publisher.published)
+            yield CounterMetricFamily("laswrr_proxy_events_published_bytes",
+                                      "Bytes of the acknowledged event batches (payloads and subjects)",
+                                      value=m.publisher.published_bytes)
             yield CounterMetricFamily("laswrr_proxy_events_dropped", "Events dropped because the buffer was full",
                                       value=m.publisher.dropped)
             yield CounterMetricFamily("laswrr_proxy_event_batches_published",
@@ -100,6 +108,15 @@ class _RequestCollector(Collector):
             yield sizes
         if m.router is not None:
             yield from _routing_families(m.router)
+        if m.peers is not None:
+            messages = CounterMetricFamily("laswrr_proxy_peer_messages", "Messages this proxy sent on the "
+                                           "channel between proxies (lb.peer), by kind: whole views or changes",
+                                           labels=["kind"])
+            messages.add_metric(["whole"], m.peers.peer_sent_whole)
+            messages.add_metric(["changes"], m.peers.peer_sent - m.peers.peer_sent_whole)
+            yield messages
+            yield CounterMetricFamily("laswrr_proxy_peer_bytes", "Bytes this proxy sent on the channel between "
+                                      "proxies (payloads and subjects)", value=m.peers.peer_sent_bytes)
         if m.view_lag is not None:
             lag = HistogramMetricFamily("laswrr_proxy_view_lag_seconds",
                                         "Age of each snapshot (now - its event time) when installed")
@@ -117,6 +134,14 @@ class _RequestCollector(Collector):
 
 
 PHASES = tuple(phase.value for phase in Phase)
+
+
+class PeerCounts(Protocol):
+    """What the channel between proxies counts (``services.proxy.bus.BusLink``)."""
+
+    peer_sent: int
+    peer_sent_whole: int
+    peer_sent_bytes: int
 
 
 def _routing_families(router: Router) -> Iterator[Metric]:
@@ -159,6 +184,7 @@ class ProxyMetrics:
         self.router: Router | None = None  # set by refresh, read when /metrics is rendered
         self.publisher: EventPublisher | None = None
         self.view_lag: Buckets | None = None
+        self.peers: PeerCounts | None = None  # the channel between proxies' counters (the bus link)
         registry.register(_RequestCollector(self))
         self.rejected = Counter("laswrr_proxy_rejected", "Requests answered by the proxy itself, by reason",
                                 ["reason"], registry=registry)
@@ -207,14 +233,14 @@ class ProxyMetrics:
         series.observe(duration_s)
 
     def refresh(self, router: Router, publisher: EventPublisher, nats_connected: bool,
-                view_lag: Buckets | None = None) -> None:
+                view_lag: Buckets | None = None, peers: PeerCounts | None = None) -> None:
         now_ns = time.time_ns()
         for pool, route in router.pools.items():
             self.snapshot_age.labels(pool=pool).set(max(0.0, (now_ns - route.snapshot.ts_ns) / 1e9))
             self.snapshot_seq.labels(pool=pool).set(route.snapshot.as_of_seq)
         self.nats_connected.set(1 if nats_connected else 0)
         self.events_buffered.set(publisher.buffered)
-        self.router, self.publisher, self.view_lag = router, publisher, view_lag
+        self.router, self.publisher, self.view_lag, self.peers = router, publisher, view_lag, peers
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -72,6 +72,29 @@ async def test_smoke_through_two_proxy_replicas(tmp_path: Path) -> None:
     # both replicas installed snapshots and said how old each was (the other replica's counts' age)
     lag = s["view_lag"]
     assert lag["snapshots"] > 0 and 0 <= lag["mean_s"] <= lag["p99_le_s"] or lag["p99_le_s"] == float("inf"), lag
+    # the channel between the replicas, from their /metrics: a message per pick at least, mostly
+    # changes, and its bytes against the request events' (both with subjects)
+    channel = s["channel"]
+    assert channel["messages"] >= s["overall"]["requests"] and 0 < channel["whole"] < channel["messages"], channel
+    assert channel["events"] >= 2 * s["overall"]["requests"] and channel["event_bytes"] > channel["bytes"] > 0, channel
+
+
+async def test_smoke_through_a_proxy_with_two_workers(tmp_path: Path) -> None:
+    """``laswrr bench --workers 2``: one replica of two worker processes on one port; both take
+    requests, and their /metrics (on consecutive admin ports) give the channel's traffic."""
+    from laswrr.replay import store
+
+    summary, _ = await bench_scenario(SMOKE, ["la-swrr"], seed=3, out_dir=tmp_path, plots=False, workers=2)
+    s = summary["policies"]["la-swrr"]
+    assert summary["workers"] == 2 and summary["proxies"] == 1
+    assert s["interrupted"] == 0 and s["errors"] == 0 and s["replay"]["ok"], s["replay"]
+    db = tmp_path / "runs" / "la-swrr" / "data" / store.DB_FILE
+    with store.open_read(db) as con:
+        per_worker = dict(con.execute("SELECT proxy, count(*) FROM attempts GROUP BY 1").fetchall())
+    assert set(per_worker) == {"proxy-0", "proxy-1"}, per_worker  # the kernel spreads the connections
+    channel = s["channel"]
+    assert channel["messages"] >= s["overall"]["requests"] and channel["event_bytes"] > channel["bytes"] > 0, channel
+    assert s["view_lag"]["snapshots"] > 0
 
 
 async def test_a_peer_that_will_not_start_costs_its_row_not_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -144,3 +144,8 @@ async def test_the_peer_follows_the_counts_through_changes_only(
     await wait_for(lambda: not a.state.router.inflight and b_sees_a() and not peer["proxy-a"].inflight,
                    timeout=5, what="B sees A idle")
     assert a.state.bus.peer_sent - sent >= 2 and a.state.bus.peer_sent_whole == whole  # changes only
+    async with http.get(a.url + "/metrics") as resp:
+        text = await resp.text()
+    assert f'laswrr_proxy_peer_messages_total{{kind="whole"}} {float(whole)}' in text
+    assert f'laswrr_proxy_peer_messages_total{{kind="changes"}} {float(a.state.bus.peer_sent - whole)}' in text
+    assert f"laswrr_proxy_peer_bytes_total {float(a.state.bus.peer_sent_bytes)}" in text
