@@ -197,6 +197,8 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
     traffic = traffic if traffic is not None else PeerTraffic()
     interval = peer_interval_ms / 1000
     channel = VirtualChannel(routers, traffic.add, ts_ns=lambda now: _T0_NS + round(now * 1e9))
+    if share:
+        channel.start(0.0)
     continuations = Continuations()
     queue: list[tuple[float, int, int, object]] = [(r.offset_s, _ARRIVE, i, r) for i, r in enumerate(requests)]
     order = len(queue)
@@ -245,7 +247,7 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
                 assert admission is not None
                 node = admission.node
                 if share:  # a pick is told at once, as the proxy's bus does (Router.on_pick)
-                    channel.speak(item.index % len(routers), now)
+                    channel.picked(item.index % len(routers), now)
             per_node[node] += 1
             continuations.served(item.block_ids, node)
             engine = engines[node]

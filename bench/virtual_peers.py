@@ -1,8 +1,8 @@
 """The channel between proxies in virtual time (``bench/virtual.py``, ``bench/virtual_timeline.py``).
 
 Each replica's message goes through the encoder and decoder the bus uses and is taken by every
-other replica at once (the bus's delay is not modelled): whole at the heartbeat and at the
-first message and every ``PEER_FULL_S``, else the changes since the previous one, as
+other replica at once (the bus's delay is not modelled); a pick is told at once while some peer
+is heard, as the bus does; whole at the heartbeat and at the first message and every ``PEER_FULL_S``, else the changes since the previous one, as
 ``services/proxy/bus.py`` sends them (``Router.peer_message``). ``traffic`` counts what the bus would carry.
 """
 
@@ -25,6 +25,17 @@ class VirtualChannel:
         self.full_at = [-math.inf] * len(routers)
         self.on_message = on_message  # (message, its bytes with the subject) for each message sent
         self.ts_ns = ts_ns
+
+    def start(self, now: float) -> None:
+        """The replicas' first heartbeats, before any request (live proxies run before the load
+        comes): each hears the others, so a pick is told at once from the first one."""
+        for k in range(len(self.routers)):
+            self.speak(k, now)
+
+    def picked(self, k: int, now: float) -> None:
+        """Replica k admitted a request: its message goes at once if it hears a peer (``Router.on_pick``)."""
+        if self.routers[k].pools[DEFAULT_POOL].peers:
+            self.speak(k, now)
 
     def due(self, k: int, now: float) -> bool:
         """Replica k's interval message is due (``Router.peer_due``)."""

@@ -265,6 +265,8 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
     for e in scenario.engines:
         offer(0.0, core.put(0.0, sj.admin_node(e.node), {"url": f"http://{e.node}:8000", "capacity": e.capacity,
                                                          "pool": DEFAULT_POOL, "chip": e.chip}))
+    if share:
+        channel.start(0.0)
     end_s = scenario.duration_s
     queue: list[tuple[float, int, int, object]] = [(r.offset_s, _ARRIVE, i, r) for i, r in enumerate(requests)]
     order = len(queue)
@@ -400,7 +402,7 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
                 assert admission is not None, "a pool with a routable node refused a request"
                 node = admission.node
                 if share:  # a pick is told at once, as the proxy's bus does (Router.on_pick)
-                    channel.speak(owner(item), now)
+                    channel.picked(owner(item), now)
             per_node[node] += 1
             submitted = engines[node].submit(item.prompt_tokens, item.max_tokens, now, prompt_text=text)
             request_id = f"r{item.index}"

@@ -60,7 +60,8 @@ Rules:
   is this proxy's view of a pool for the others (own in-flight and prefill backlog per node, flow
   control's held requests per band as ``note_held`` last set them, the prefix records admitted
   since the last call, at most ``peer_max_keys`` block keys), whole or as the changes since its
-  last message (``schemas.peers``);
+  last message (``schemas.peers``); while it hears no peer, only its first whole view and the
+  heartbeat are due (``on_pick``, ``peer_due``);
   ``peer_update`` takes another proxy's: its prefix records go into this pool's index (hints),
   its in-flight replaces the snapshot's ``proxy_inflight[peer]`` in ``others`` while its
   ``ts_ns`` is after the snapshot's, and its backlog joins this proxy's in the work referee
@@ -381,8 +382,8 @@ class Router:
         self.total_inflight += 1
         if self.share:
             self.changed.add(pool)
-            if self.on_pick is not None:
-                self.on_pick(pool)
+            if self.on_pick is not None and (route.peers or route.told is None):
+                self.on_pick(pool)  # a proxy that hears no peer tells nobody, past its first whole view
         return admission
 
     def refusal(self, pool: str, tried: Iterable[str] = (), role: NodeRole | None = None) -> Refusal:
@@ -530,10 +531,13 @@ class Router:
 
     def peer_due(self, pool: str, since_s: float) -> bool:
         """The pool's message is due at an interval: its counts changed since the last one (a first
-        byte, a release, flow control's held counts), or the heartbeat (``since_s``, seconds since
-        the pool's last message, reached half ``peer_stale_s``). A pick is told at once instead
-        (``on_pick``)."""
-        return pool in self.changed or since_s >= self.peer_stale_s / 2
+        byte, a release, flow control's held counts) and some peer is heard (a proxy alone tells
+        nobody), or the heartbeat (``since_s``, seconds since the pool's last message, reached half
+        ``peer_stale_s``). A pick is told at once instead (``on_pick``)."""
+        if since_s >= self.peer_stale_s / 2:
+            return True
+        route = self.pools.get(pool)
+        return pool in self.changed and route is not None and bool(route.peers)
 
     def full_due(self, since_s: float, since_full_s: float) -> bool:
         """The next message is a whole view: the heartbeat (``since_s``, as ``peer_due``), or the

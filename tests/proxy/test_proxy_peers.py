@@ -107,6 +107,7 @@ async def test_a_proxy_is_not_sent_back_its_own_peer_messages(
     and decode per request before). The other proxy hears each of them."""
     a, b = await two_proxies(engines, core, start_proxy, interval_ms=20)
     await wait_for(lambda: "proxy-a" in b.state.router.pools["default"].peers, what="B hears A")
+    await wait_for(lambda: "proxy-b" in a.state.router.pools["default"].peers, what="A hears B")
     a_heard, b_heard = a.state.bus.peer_heard, b.state.bus.peer_heard
     for k in range(20):
         await ask(http, a.url, conversation(k))
@@ -149,3 +150,17 @@ async def test_the_peer_follows_the_counts_through_changes_only(
     assert f'laswrr_proxy_peer_messages_total{{kind="whole"}} {float(whole)}' in text
     assert f'laswrr_proxy_peer_messages_total{{kind="changes"}} {float(a.state.bus.peer_sent - whole)}' in text
     assert f"laswrr_proxy_peer_bytes_total {float(a.state.bus.peer_sent_bytes)}" in text
+
+
+async def test_a_proxy_alone_sends_only_its_heartbeat(
+        engines: Any, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession) -> None:
+    """Nobody listens to a single proxy: past its first whole view it sends a heartbeat a second,
+    not a message per pick, first byte and release."""
+    for name in NODES:
+        seq = await core.register(name, (await engines(name)).url)
+    alone = await start_proxy(proxy_id="proxy-a", peer_interval_ms=20, peer_stale_ms=2000)
+    await wait_seq(alone, "default", seq)
+    for k in range(20):
+        await ask(http, alone.url, conversation(k))
+    bus = alone.state.bus
+    assert bus.peer_sent <= 4 and bus.peer_sent == bus.peer_sent_whole, (bus.peer_sent, bus.peer_sent_whole)

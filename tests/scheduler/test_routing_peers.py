@@ -290,3 +290,24 @@ def test_a_peer_new_to_this_proxy_gets_its_whole_view_next() -> None:
     restarted = router("A").peer_message(DEFAULT_POOL, "boot-a2", 1, ts_ns=6)
     assert isinstance(restarted, PeerState) and b.peer_update("A", DEFAULT_POOL, restarted, now=0.0)
     assert isinstance(b.peer_message(DEFAULT_POOL, "boot-b", 4, ts_ns=7), PeerState)
+
+
+def test_a_proxy_that_hears_no_peer_tells_nobody_but_its_heartbeat() -> None:
+    """Alone, a proxy sends its first whole view and then only its heartbeat: no message per pick,
+    first byte or release. Once it hears a peer, every pick is told at once again."""
+    picks: list[str] = []
+    a = router("A")
+    a.on_pick = picks.append
+    ask(a, "first", done=True)
+    assert picks == [DEFAULT_POOL]  # its first whole view: a peer that starts later hears of it
+    assert isinstance(a.peer_message(DEFAULT_POOL, "boot-a", 1, ts_ns=1), PeerState)
+    for k in range(5):
+        ask(a, f"alone {k}", done=True)
+    assert picks == [DEFAULT_POOL] and DEFAULT_POOL in a.changed
+    assert not a.peer_due(DEFAULT_POOL, since_s=0.1)  # changed, but nobody to tell
+    assert a.peer_due(DEFAULT_POOL, since_s=PEER_STALE_S / 2)  # the heartbeat
+    b = router("B")
+    assert a.peer_update("B", DEFAULT_POOL, b.peer_message(DEFAULT_POOL, "boot-b", 1, ts_ns=2), now=0.0)  # type: ignore[arg-type]
+    assert a.peer_due(DEFAULT_POOL, since_s=0.0)  # B is new: A's whole view within one interval
+    ask(a, "heard", done=True)
+    assert picks == [DEFAULT_POOL, DEFAULT_POOL]
