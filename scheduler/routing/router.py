@@ -492,13 +492,15 @@ class Router:
         prefix records added since the last call, newest kept within ``peer_max_keys`` block
         keys: a ``PeerDelta`` of its own in-flight and prefill backlog per node since its last
         message, or the whole view (``PeerState``) when ``full`` (the heartbeat), for its first
-        message, and while flow control holds requests (their ages move without a change)."""
+        message, and while flow control holds requests (their ages move without a change). A
+        heartbeat while no peer is heard carries no records (they are dropped: nobody listens)."""
         route = self.pools.get(pool)
         self.changed.discard(pool)
         if route is None:
             return None
         nodes = {view.node for view in route.snapshot.nodes}
-        records, room = [], self.peer_max_keys
+        records: list[PrefixRecord] = []
+        room = 0 if full and not route.peers else self.peer_max_keys  # a heartbeat to nobody: no records
         for record in reversed(route.outbox):
             if room <= 0:
                 break

@@ -311,3 +311,13 @@ def test_a_proxy_that_hears_no_peer_tells_nobody_but_its_heartbeat() -> None:
     assert a.peer_due(DEFAULT_POOL, since_s=0.0)  # B is new: A's whole view within one interval
     ask(a, "heard", done=True)
     assert picks == [DEFAULT_POOL, DEFAULT_POOL]
+
+
+def test_a_heartbeat_to_nobody_carries_no_prefix_records() -> None:
+    a = router("A")
+    ask(a, long_prompt("first "))
+    first = a.peer_message(DEFAULT_POOL, "boot-a", 1, ts_ns=1)
+    assert first is not None and first.prefixes  # the first whole view: a later peer may hear it
+    ask(a, long_prompt("second "))
+    beat = a.peer_message(DEFAULT_POOL, "boot-a", 2, ts_ns=2, full=True)
+    assert isinstance(beat, PeerState) and beat.prefixes == [] and not a.pools[DEFAULT_POOL].outbox
