@@ -36,7 +36,9 @@ peers count a pick within the bus's delivery, not an interval later, which is wh
 replicas from all sending one burst to the node that looked lightest to each. Its ``_peers``
 task wakes every ``peer_interval_s``, drops the peers silent for ``peer_stale_ms`` and
 publishes, for each pool whose own counts changed otherwise (a first byte, a release) or whose
-last message is half ``peer_stale_ms`` old (the heartbeat), the same message. A message carries
+last message is half ``peer_stale_ms`` old (the heartbeat), the same message. While the proxy
+hears no peer it sends its first whole view and then only the heartbeat (``Router.peer_due``):
+nobody listens to the rest. A message carries
 the pool's whole view at the heartbeat and when the last whole one is ``PEER_FULL_S`` (5 s) old,
 else only the changes since the previous message (``schemas.peers``). Each pool's messages are
 counted apart, so a receiver sees a gap when one was lost. A bad message is counted and
