@@ -2,7 +2,7 @@
 dropped, CPU per request per process and an exact replay, direct vs our stack vs vllm-router.
 
     python -m laswrr.bench.proxy_bench [--duration 6] [--connections 64] [--rounds 2] [--out bench-out/proxy_bench.json]
-                                       [--peer-interval-ms MS]
+    LASWRR_PEER_INTERVAL_MS=0 python -m laswrr.bench.proxy_bench ...   (the proxies without the channel between proxies)
 
 One run starts, as separate processes on this machine, through ``laswrr up``'s ``Stack``
 (services/up.py): two instant engines (below), an embedded nats-server, the real stack
@@ -531,8 +531,7 @@ def show(result: Result) -> None:
 PROXIES = ("proxy-w1", "proxy-w2")
 
 
-async def start_stack(bench: Bench, policy: str,
-                      peer_interval_ms: int | None = None) -> tuple[dict[str, str], dict[str, str], dict[str, list[str]]]:
+async def start_stack(bench: Bench, policy: str) -> tuple[dict[str, str], dict[str, str], dict[str, list[str]]]:
     """Engines, then ``laswrr up``'s order (services/up.py ``Stack``): NATS, scheduler and
     recorder, the engines registered (``lb.admin.node.<id>``, waiting until LB_WEIGHTS shows
     them), the two proxies; their URLs and /metrics URLs."""
@@ -550,10 +549,8 @@ async def start_stack(bench: Bench, policy: str,
     metrics: dict[str, list[str]] = {}
     for name, workers in zip(PROXIES, (1, 2)):
         admin = free_ports(workers)
-        extra = ("--policy", policy, "--workers", str(workers))
-        if peer_interval_ms is not None:
-            extra += ("--peer-interval-ms", str(peer_interval_ms))
-        proxies[name] = await stack.start_proxy(port=0, extra_args=extra, name=name, admin_port=admin)
+        proxies[name] = await stack.start_proxy(port=0, extra_args=("--policy", policy, "--workers", str(workers)),
+                                                name=name, admin_port=admin)
         metrics[name] = [f"http://127.0.0.1:{admin + k}/metrics" for k in range(workers)]
         for url in metrics[name]:  # every worker routes on both engines
             await asyncio.to_thread(wait_until, lambda: len(http_json(url.replace("/metrics", "/healthz"))["pools"]
@@ -590,10 +587,10 @@ async def run_stack(args: argparse.Namespace) -> int:
     notes: dict[str, Any] = {"load_generator": generator, "cpus": os.cpu_count(), "connections": args.connections,
                              "duration_s": args.duration, "latency_duration_s": args.latency_duration,
                              "rounds": args.rounds, "workdir": str(workdir), "load_average_start": os.getloadavg(),
-                             "peer_interval_ms": args.peer_interval_ms}
+                             "peer_interval_ms": os.environ.get("LASWRR_PEER_INTERVAL_MS")}
     started = time.monotonic()
     try:
-        engines, proxies, metrics = await start_stack(bench, args.policy, args.peer_interval_ms)
+        engines, proxies, metrics = await start_stack(bench, args.policy)
         router_url, router_status = await start_vllm_router(bench, list(engine for engine in engines.values()))
         notes["vllm_router"] = router_status
         engine_pids = bench.pids("engine-1", "engine-2")
@@ -696,9 +693,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", type=int, default=64, help="concurrent connections (default 64)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the best is kept (default 2)")
     parser.add_argument("--policy", default="la-swrr", help="the proxy's pick policy (default la-swrr)")
-    parser.add_argument("--peer-interval-ms", type=int, default=None, metavar="MS",
-                        help="the proxies' --peer-interval-ms (default: the proxy's own; 0 turns the channel "
-                             "between proxies off, to measure what it costs)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/proxy_bench.json"), help="JSON results file")
     args = parser.parse_args(argv)
     if args.command == "engine":

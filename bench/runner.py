@@ -234,13 +234,13 @@ async def proxy_families(http: aiohttp.ClientSession, proxy_urls: Sequence[str])
     return families
 
 
-async def view_lags(http: aiohttp.ClientSession, proxy_urls: Sequence[str]) -> dict[str, Any] | None:
-    """The proxies' ``laswrr_proxy_view_lag_seconds`` (each snapshot's age when installed: how old
+def view_lags(families: Sequence[Any]) -> dict[str, Any] | None:
+    """From the replicas' metric ``families``: ``laswrr_proxy_view_lag_seconds`` (each snapshot's age when installed: how old
     the other replicas' in-flight counts are at the first pick on it), merged over the replicas:
     count, mean and the bucket bounds holding the median and the 99th percentile."""
     buckets: dict[float, float] = {}
     total = count = 0.0
-    for family in await proxy_families(http, proxy_urls):
+    for family in families:
         if family.name != "laswrr_proxy_view_lag_seconds":
             continue
         for sample in family.samples:
@@ -265,15 +265,15 @@ CHANNEL_COUNTERS = ("laswrr_proxy_peer_messages", "laswrr_proxy_peer_bytes", "la
                     "laswrr_proxy_events_published_bytes")
 
 
-async def channel_traffic(http: aiohttp.ClientSession, proxy_urls: Sequence[str]) -> dict[str, Any] | None:
+def channel_traffic(families: Sequence[Any]) -> dict[str, Any] | None:
     """What the channel between proxies carried against the request events, summed over the
-    replicas' ``/metrics`` (``laswrr_proxy_peer_messages_total``, ``_peer_bytes_total``,
+    replicas' metric ``families`` (``laswrr_proxy_peer_messages_total``, ``_peer_bytes_total``,
     ``_events_published_total``, ``_events_published_bytes_total``; bytes with the subjects);
     None when no replica shares."""
     totals = dict.fromkeys(CHANNEL_COUNTERS, 0.0)
     whole = 0.0
     shares = False
-    for family in await proxy_families(http, proxy_urls):
+    for family in families:
         if family.name not in totals:
             continue
         shares = shares or family.name == "laswrr_proxy_peer_messages"
@@ -338,8 +338,10 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
             prefix_cache = counter_deltas(before, await prefix_counters(http, stack.engine_urls))
             preemptions = {node: count - preempted.get(node, 0.0)
                            for node, count in (await preemption_counters(http, stack.engine_urls)).items()}
-            view_lag = None if stack_adapter.is_peer(policy) else await view_lags(http, stack.metrics_urls)
-            channel = None if stack_adapter.is_peer(policy) else await channel_traffic(http, stack.metrics_urls)
+            view_lag = channel = None
+            if not stack_adapter.is_peer(policy):  # one scrape of every replica (and worker) for both
+                families = await proxy_families(http, stack.metrics_urls)
+                view_lag, channel = view_lags(families), channel_traffic(families)
         notes += [f"action at {t:.2f}s: {label}" for t, label in applied]
         await asyncio.sleep(SETTLE_S)
         snapshots = watch.points(t0)
