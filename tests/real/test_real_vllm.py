@@ -296,6 +296,19 @@ STORY_TOKENS = 600
 FOLLOWED = 8  # tokens of the direct answer a continuation must follow
 
 
+async def _engine_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:
+    """POST straight to an engine (not through the router); once more when the pooled keep-alive
+    connection it took had been closed by the engine meanwhile (aiohttp retries no POST itself)."""
+    for attempt in (1, 2):
+        try:
+            async with http.post(url, json=body) as resp:
+                return await resp.json()
+        except aiohttp.ServerDisconnectedError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 async def _follows(http: aiohttp.ClientSession, engine: real_vllm.VllmServer, text: str,
                    answer: list[dict[str, Any]]) -> tuple[int, str]:
     """How many tokens of a greedy ``answer`` (logprobs with ``return_tokens_as_token_ids``) ``text``
@@ -308,8 +321,8 @@ async def _follows(http: aiohttp.ClientSession, engine: real_vllm.VllmServer, te
         return int(token.removeprefix("token_id:"))
 
     async def detokenize(ids: list[int]) -> str:
-        async with http.post(f"{engine.url}/detokenize", json={"model": real_vllm.MODEL_NAME, "tokens": ids}) as resp:
-            return str((await resp.json())["prompt"]).replace("\ufffd", "")
+        reply = await _engine_json(http, f"{engine.url}/detokenize", {"model": real_vllm.MODEL_NAME, "tokens": ids})
+        return str(reply["prompt"]).replace("\ufffd", "")
 
     text = text.replace("\ufffd", "")
 
@@ -413,8 +426,8 @@ async def test_kill_one_engine_tree_mid_stream_every_stream_completes(vllm_engin
                           "messages": messages + [{"role": "assistant", "content": before_text}],
                           "continue_final_message": True, "add_generation_prompt": False,
                           "logprobs": True, "top_logprobs": 5, "return_tokens_as_token_ids": True}
-                async with http.post(f"{b.url}/v1/chat/completions", json=direct) as resp:
-                    expected = (await resp.json())["choices"][0]["logprobs"]["content"]
+                expected = (await _engine_json(http, f"{b.url}/v1/chat/completions", direct))["choices"][0][
+                    "logprobs"]["content"]
                 same, tie = await _follows(http, b, rest, expected)
                 assert same >= min(FOLLOWED, len(expected)) or tie, (same, rest[:80], expected[same:same + 1])
                 if same < len(expected):
