@@ -146,7 +146,8 @@ class ProxyState:
     handlers: set[asyncio.Task[object]] = field(default_factory=set)
     ids: count[int] = field(default_factory=lambda: count(1))
     models_seen: dict[str, tuple[WeightSnapshot, Any]] = field(default_factory=dict)  # pool -> (snapshot, mixed ids)
-    plans: dict[str | None, ModelPlan | Unknown] = field(default_factory=dict)  # model -> its plan, as of plans_views
+    # model -> its plan as of plans_views, and the catalog's hint it was made with (None: none asked)
+    plans: dict[str | None, tuple[ModelPlan | Unknown, dict[str, str] | None]] = field(default_factory=dict)
     plans_views: int = -1  # the router's ``views`` the plans were made on
 
     def next_request_id(self) -> str:
@@ -319,27 +320,30 @@ async def _flow_forward(request: web.BaseRequest, state: ProxyState, gate: FlowG
 async def _plan(state: ProxyState, model: str | None) -> ModelPlan | Unknown:
     """The request's pool, eligible nodes and model rewriting (``scheduler.routing.models``), from
     the snapshots' model lists; the proxy's ``/v1/models`` cache is asked only for a name no
-    snapshot lists (nodes the collector has not listed). A plan made on the snapshots alone is
-    kept until a snapshot is installed or a pool forgotten (``Router.views``), for at most
-    ``PLANS_KEPT`` names (any a client sends)."""
+    snapshot lists (nodes the collector has not listed). A plan is kept until a snapshot is
+    installed or a pool forgotten (``Router.views``), for at most ``PLANS_KEPT`` names (any a
+    client sends); one made with the cache's answer only while the cache holds that answer
+    (``ModelCatalog.pool_hint`` returns a new mapping at each refresh)."""
     router = state.router
     if state.plans_views != router.views:
         state.plans.clear()
         state.plans_views = router.views
         _warn_mixed(state, {pool: route.snapshot for pool, route in router.pools.items()})
-    decision = state.plans.get(model)
-    if decision is not None:
-        return decision
+    kept = state.plans.get(model)
+    if kept is not None:
+        decision, used = kept
+        if used is None or (state.catalog is not None and await state.catalog.pool_hint() is used):
+            return decision
     snapshots = {pool: route.snapshot for pool, route in router.pools.items()}
     hint = None
     if (model is not None and model not in snapshots and state.catalog is not None
             and not any(model in pool_ids(snapshot.nodes) for snapshot in snapshots.values())):
         hint = await state.catalog.pool_hint()
     decision = plan(snapshots, model, hint)
-    if hint is None and state.plans_views == router.views and (model is None or len(model) <= MODEL_CHARS):
+    if state.plans_views == router.views and (model is None or len(model) <= MODEL_CHARS):
         if len(state.plans) >= PLANS_KEPT:
             state.plans.clear()
-        state.plans[model] = decision
+        state.plans[model] = (decision, hint)
     return decision
 
 

@@ -56,7 +56,8 @@ class ModelCatalog:
         return {"object": "list", "data": data}
 
     async def pool_hint(self) -> dict[str, str]:
-        """model id -> pool; fetched once if never fetched, else refreshed in the background."""
+        """model id -> pool; fetched once if never fetched, else refreshed in the background. Each
+        refresh makes a new mapping (the proxy keeps a plan made with one while it is current)."""
         await self._current()
         return self.model_pools
 
