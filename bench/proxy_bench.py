@@ -34,7 +34,11 @@ engines, scheduler, recorder, NATS) and ``laswrr replay --db`` runs on the recor
 
 The proxies' request events go to JetStream in batches (``lb.req.batch.<proxy>``);
 ``notes.event_batches`` is each proxy process's batch-size histogram over the whole run, as its
-``/metrics`` shows it (events per batch, and the batches at or below each bound).
+``/metrics`` shows it (events per batch, and the batches at or below each bound);
+``notes.channel`` what each sent on the channel between proxies over the run (messages, whole
+views, bytes with the subjects, against its request events' bytes; None for one that does not
+share). In the stack every proxy serves the same pool, so the two proxies and the workers of
+``--workers 2`` are replicas that hear each other.
 
 CPU per request: utime+stime from /proc (a proxy with workers: the parent and its workers).
 Unlike requests/s, it does not depend on what else runs on the machine, and shows where the time
@@ -395,14 +399,18 @@ def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 2.0
         return json.loads(resp.read())
 
 
-def event_batches(metrics_url: str) -> dict[str, Any]:
-    """One proxy process's ``laswrr_proxy_event_batch_size`` histogram over the whole benchmark:
-    batches, events, events per batch, and the batches at or below each bound."""
+def proxy_figures(metrics_url: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """One scrape of a proxy process's ``/metrics`` over the whole benchmark: its
+    ``laswrr_proxy_event_batch_size`` histogram (batches, events, events per batch, and the
+    batches at or below each bound), and what it sent on the channel between proxies against its
+    request events (``bench.runner.channel_traffic``; None when it does not share)."""
     from prometheus_client.parser import text_string_to_metric_families
+
+    from laswrr.bench.runner import channel_traffic
     with urllib.request.urlopen(metrics_url, timeout=5) as resp:
-        text = resp.read().decode()
+        families = list(text_string_to_metric_families(resp.read().decode()))
     found: dict[str, Any] = {"batches": 0, "events": 0, "cumulative": {}}
-    for family in text_string_to_metric_families(text):
+    for family in families:
         for sample in family.samples if family.name == "laswrr_proxy_event_batch_size" else ():
             if sample.name.endswith("_count"):
                 found["batches"] = int(sample.value)
@@ -411,7 +419,7 @@ def event_batches(metrics_url: str) -> dict[str, Any]:
             elif sample.name.endswith("_bucket"):
                 found["cumulative"][sample.labels["le"]] = int(sample.value)
     found["events_per_batch"] = round(found["events"] / found["batches"], 2) if found["batches"] else None
-    return found
+    return found, channel_traffic(families)
 
 
 def events_dropped(metrics_urls: list[str]) -> int:
@@ -620,8 +628,9 @@ async def run_stack(args: argparse.Namespace) -> int:
                 show(result)
         results = [best(r) for r in runs.values()]
         notes["proxy_health"] = await asyncio.to_thread(http_json, metrics["proxy-w1"][0].replace("/metrics", "/healthz"))
-        notes["event_batches"] = {name: [await asyncio.to_thread(event_batches, url) for url in urls]
-                                  for name, urls in metrics.items()}
+        figures = {name: [await asyncio.to_thread(proxy_figures, url) for url in urls] for name, urls in metrics.items()}
+        notes["event_batches"] = {name: [batches for batches, _ in found] for name, found in figures.items()}
+        notes["channel"] = {name: [channel for _, channel in found] for name, found in figures.items()}
     finally:
         notes["load_average_end"] = os.getloadavg()
         await bench.stop()
@@ -634,6 +643,12 @@ async def run_stack(args: argparse.Namespace) -> int:
     replay = notes["replay"]
     print(f"  replay of the benchmark's log: {'exact' if replay['exact'] else 'NOT EXACT'} ({replay['summary']}; "
           f"{replay['seconds']:g} s)")
+    for name, channels in notes.get("channel", {}).items():
+        for i, channel in enumerate(channels):
+            if channel is not None and channel["events"]:  # a request is two events: started, finished
+                print(f"  channel between proxies, {name}[{i}]: {channel['messages']} messages sent "
+                      f"({channel['messages'] / (channel['events'] / 2):.2f} a request), "
+                      f"{channel['share_of_event_bytes']:.1%} of its request events' bytes")
     print(f"  wall time {notes['wall_s']:g} s, load average {notes['load_average_start'][0]:.2f} -> "
           f"{notes['load_average_end'][0]:.2f}")
     if args.out:
