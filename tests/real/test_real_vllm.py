@@ -293,7 +293,9 @@ async def test_prefix_affinity_raises_the_engines_prefix_cache_hits(vllm_engines
 
 
 STORY_TOKENS = 600
-FOLLOWED = 8  # tokens of the direct answer a continuation must follow
+FOLLOWED = 16  # tokens of greedy decoding a continuation must follow
+NEAR_TIE = 0.5  # nats: how far below the greedy token a token the continuation took may lie
+NEAR_TIES = 3  # how many times in FOLLOWED tokens it may do so
 
 
 async def _engine_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:
@@ -309,37 +311,54 @@ async def _engine_json(http: aiohttp.ClientSession, url: str, body: dict[str, An
     raise AssertionError("unreachable")
 
 
-async def _follows(http: aiohttp.ClientSession, engine: real_vllm.VllmServer, text: str,
-                   answer: list[dict[str, Any]]) -> tuple[int, str]:
-    """How many tokens of a greedy ``answer`` (logprobs with ``return_tokens_as_token_ids``) ``text``
-    follows, and, where it leaves the answer, the tie there (the chosen token and an alternative
-    within 0.05 of its logprob, through which ``text`` goes on), or "" when there is none.
+async def _follows(http: aiohttp.ClientSession, engine: real_vllm.VllmServer, messages: list[dict[str, Any]],
+                   text: str) -> tuple[int, list[str], str]:
+    """How many tokens of greedy decoding ``text`` follows (up to FOLLOWED) when ``engine``
+    continues the final assistant message of ``messages``; the near ties through which it left
+    the greedy token (each one a token within NEAR_TIE of it); and, when it left at no near tie,
+    where ("" when it did not).
 
+    Token by token on the token ids: the prompt is the engine's own tokenization of ``messages``
+    (the continuation's chat template), each step a greedy ``/v1/completions`` of that prompt plus
+    the tokens matched so far, so a near tie the continuation took is followed from there on.
     Texts are compared without U+FFFD: the tiny model writes bytes that are not UTF-8, which the
     stream's incremental detokenizer and a whole decode render as different runs of U+FFFD."""
     def token_id(token: str) -> int:
         return int(token.removeprefix("token_id:"))
 
-    async def detokenize(ids: list[int]) -> str:
-        reply = await _engine_json(http, f"{engine.url}/detokenize", {"model": real_vllm.MODEL_NAME, "tokens": ids})
-        return str(reply["prompt"]).replace("\ufffd", "")
-
     text = text.replace("\ufffd", "")
 
-    def agrees(prefix: str) -> bool:
-        return text.startswith(prefix) or prefix.startswith(text)
+    async def agrees(ids: list[int]) -> bool:
+        reply = await _engine_json(http, f"{engine.url}/detokenize", {"model": real_vllm.MODEL_NAME, "tokens": ids})
+        shown = str(reply["prompt"]).replace("\ufffd", "")
+        return text.startswith(shown) or shown.startswith(text)
 
-    ids = [token_id(t["token"]) for t in answer]
-    for k in range(len(ids)):
-        if not agrees(await detokenize(ids[:k + 1])):
-            break
-    else:
-        return len(ids), ""
-    for alt in answer[k]["top_logprobs"]:
-        if alt["token"] != answer[k]["token"] and answer[k]["logprob"] - alt["logprob"] <= 0.05 \
-                and agrees(await detokenize(ids[:k] + [token_id(alt["token"])])):
-            return k, f"{answer[k]['token']} / {alt['token']} at {answer[k]['logprob']:.3f}"
-    return k, ""
+    prompt = (await _engine_json(http, f"{engine.url}/tokenize", {
+        "model": real_vllm.MODEL_NAME, "messages": messages, "continue_final_message": True,
+        "add_generation_prompt": False}))["tokens"]
+    matched: list[int] = []
+    ties: list[str] = []
+    while len(matched) < FOLLOWED:
+        reply = await _engine_json(http, f"{engine.url}/v1/completions", {
+            "model": real_vllm.MODEL_NAME, "prompt": prompt + matched, "max_tokens": FOLLOWED - len(matched),
+            "temperature": 0, "ignore_eos": True, "logprobs": 5, "return_tokens_as_token_ids": True})
+        logprobs = reply["choices"][0]["logprobs"]
+        for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"],
+                                       strict=True):
+            if await agrees(matched + [token_id(token)]):
+                matched.append(token_id(token))
+                continue
+            near = [alt for alt, alt_logprob in sorted(top.items(), key=lambda kv: -kv[1])
+                    if alt != token and logprob - alt_logprob <= NEAR_TIE]
+            for alt in near:
+                if await agrees(matched + [token_id(alt)]):
+                    ties.append(f"{alt} for {token} ({top[alt]:.3f} against {logprob:.3f})")
+                    matched.append(token_id(alt))
+                    break
+            else:
+                return len(matched), ties, f"at {token} ({logprob:.3f}), top {top}"
+            break  # decode again from the near tie taken
+    return len(matched), ties, ""
 
 
 async def _read_stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
@@ -347,6 +366,7 @@ async def _read_stream(http: aiohttp.ClientSession, url: str, body: dict[str, An
     async with http.post(url, json=body) as resp:
         out["status"] = resp.status
         out["node"] = resp.headers.get("x-laswrr-node")
+        out["request_id"] = resp.headers.get("x-laswrr-request-id")
         out["events"] = []
         async for raw in resp.content:
             line = raw.decode().strip()
@@ -404,35 +424,6 @@ async def test_kill_one_engine_tree_mid_stream_every_stream_completes(vllm_engin
                 usage = [c["usage"] for c in chunks if c.get("usage")]
                 assert usage and usage[-1]["completion_tokens"] == STORY_TOKENS, usage
                 s["text"] = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-            # the text after the break continues the text before it: the break is the longest silence
-            # after the kill; what came after it is what the surviving engine writes (greedy) when
-            # given the text before it as the assistant's message to continue. Compared token by
-            # token with the direct answer's token ids (texts without U+FFFD): the continuation
-            # follows at least FOLLOWED tokens, or leaves earlier only at an exact tie (the logits
-            # are bf16 and tie often: 10 or more of 200 greedy tokens in one measurement). One from
-            # a wrong context leaves at once. A 40-character text comparison failed once in CI after
-            # 34, and CI saw one follow 45 tokens and then leave at no tie (it ran batched beside
-            # three identical continuations, their prefix cached: the likely cause, not proven).
-            for s in on_a:
-                times = [t for t, p in s["events"] if p != "[DONE]"]
-                after = [i for i in range(1, len(times)) if times[i] >= killed_at - 0.05]
-                cut = max(after, key=lambda i: times[i] - times[i - 1])
-                chunks = [json.loads(p) for _, p in s["events"][:-1]]
-                before_text = "".join(c["choices"][0]["delta"].get("content") or ""
-                                      for c in chunks[:cut] if c["choices"])
-                rest = s["text"][len(before_text):]
-                assert s["text"].startswith(before_text) and before_text and rest
-                direct = {"model": real_vllm.MODEL_NAME, "max_tokens": STORY_TOKENS, "temperature": 0,
-                          "messages": messages + [{"role": "assistant", "content": before_text}],
-                          "continue_final_message": True, "add_generation_prompt": False,
-                          "logprobs": True, "top_logprobs": 5, "return_tokens_as_token_ids": True}
-                expected = (await _engine_json(http, f"{b.url}/v1/chat/completions", direct))["choices"][0][
-                    "logprobs"]["content"]
-                same, tie = await _follows(http, b, rest, expected)
-                assert same >= min(FOLLOWED, len(expected)) or tie, (same, rest[:80], expected[same:same + 1])
-                if same < len(expected):
-                    print(f"REAL continuation: {same} tokens as the direct answer, then {tie or 'no tie'}")
-
         ejected = await stack.wait_nodes(lambda ns: not ns[a.name]["routable"], 60, "the killed node ejected")
         assert ejected[a.name]["phase"] == "ejected", ejected[a.name]
         restart_began = time.monotonic()
@@ -444,6 +435,31 @@ async def test_kill_one_engine_tree_mid_stream_every_stream_completes(vllm_engin
               f"{len(streams)} streams (at {at_kill[0]}-{at_kill[-1]} events) continued on {b.name}; restart took {a.started_s:.0f}s, routable "
               f"{time.monotonic() - restart_began:.0f}s after it began")
         await stack.stop()
-    rows = recorded(stack.data_dir, "SELECT count(*), count(DISTINCT request_id) FROM continuations "
+    rows = recorded(stack.data_dir, "SELECT request_id, tokens_before FROM continuations "
                                     "WHERE kind = 'continued' AND next_outcome = 'completed'")
-    assert rows[0] == (len(on_a), len(on_a)), rows
+    assert sorted(r[0] for r in rows) == sorted(s["request_id"] for s in on_a), (rows, [s["request_id"] for s in on_a])
+    # the text after the break continues the text before it. The text before it is what the proxy
+    # had forwarded from the killed engine: its first `tokens_before` chunks with text (the proxy
+    # counts one token a chunk with text when no usage came, and records that count), which the
+    # continuation sent back as the assistant's message to continue. What came after it is what the
+    # surviving engine writes from there, greedy: compared token by token with greedy decoding
+    # on that engine, it follows FOLLOWED tokens, leaving the greedy token only at near ties (the
+    # tiny model's distributions are flat and its logits bf16: 10 or more of 200 greedy tokens tie
+    # exactly). One CI run saw a continuation take a token that greedy decoding of the context the
+    # test then took (cut at the longest silence after the kill) places 0.25 below the greedy one;
+    # whether that cut was wrong or the numbers moved with the batch was not established.
+    # The check fails on a wrong text: text the client got twice (the last chunk before the break
+    # repeated) or never (the first one or two chunks after it dropped) left the greedy path at
+    # its first token in 12 of 12 such checks, 4 streams in one run.
+    tokens_before = dict(rows)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+        for s in on_a:
+            chunks = [json.loads(p) for _, p in s["events"][:-1]]
+            said = [part for c in chunks if c["choices"] and (part := c["choices"][0]["delta"].get("content"))]
+            before_text = "".join(said[:tokens_before[s["request_id"]]])
+            rest = s["text"][len(before_text):]
+            assert s["text"].startswith(before_text) and before_text and rest
+            same, ties, left = await _follows(http, b, messages + [{"role": "assistant", "content": before_text}], rest)
+            assert same >= FOLLOWED and len(ties) <= NEAR_TIES, (same, ties, left, rest[:80])
+            if ties:
+                print(f"REAL continuation: {FOLLOWED} greedy tokens followed through {len(ties)} near ties: {ties}")
