@@ -42,6 +42,7 @@ from laswrr.bench.report import PolicyRun, print_table, scenario_summary
 from laswrr.bench.scenarios import SCENARIOS, TEST_SCENARIOS, Scenario, get_scenario
 from laswrr.bench.trace import arrival_bursts, load_workload, trace_format
 from laswrr.bench.virtual import bench_virtual
+from laswrr.bench.virtual_peers import PEER_DELAY_MS
 from laswrr.bench.workload import RequestSpec, assign_tenants, generate
 from laswrr.scheduler.policies import POLICIES, canonical_policy
 from laswrr.services import settings
@@ -106,6 +107,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="--virtual with --proxies N > 1: the replicas share their counts, prefill backlogs and "
                              "prefix records every MS ms of virtual time, as the proxies' channel between proxies "
                              "does (default 20, the proxy's; 0: no sharing)")
+    parser.add_argument("--peer-delay-ms", type=settings.duration("ms"), default=PEER_DELAY_MS, metavar="MS",
+                        help="--virtual with --proxies N > 1: each message between the replicas reaches the others MS "
+                             "ms of virtual time after it was sent, the bus's delivery time (default 1; "
+                             "0: at once)")
     parser.add_argument("--virtual", action="store_true",
                         help="run in virtual time through the proxy's routing table and the engines' physics (no "
                              "processes; deterministic, seconds), plus an oracle row: a trace on fixed weights "
@@ -344,7 +349,7 @@ def main(args: argparse.Namespace) -> int:
                 scheduler_config=s.scheduler_config if scheduler_config is None else scheduler_config)
                 for s in scenarios]
             return bench_virtual(scenarios, own, args.affinity, args.seed, args.out, args.proxies,
-                                 int(args.peer_interval_ms))
+                                 int(args.peer_interval_ms), float(args.peer_delay_ms))
         except ValueError as exc:
             print(f"bench: {exc}", file=sys.stderr)
             return 2

@@ -17,8 +17,8 @@ index and counts. With ``--peer-interval-ms I`` (20, as ``laswrr proxy``; 0: off
 over the channel between proxies as the proxies do (docs/design.md, "The channel between
 proxies"): a replica's message goes to the others at each of its picks, and every I ms of
 virtual time from each replica whose counts changed otherwise or whose last message is half
-``peer_stale_ms`` old (``Router.peer_due``); the others take it at once (the interval is the
-delay modelled; the network's is not) and drop a peer silent for ``peer_stale_ms``. The run
+``peer_stale_ms`` old (``Router.peer_due``); the others take it ``--peer-delay-ms`` later (1,
+the bus's delivery time; 0: at once) and drop a peer silent for ``peer_stale_ms``. The run
 writes ``peers.json`` beside ``virtual.json``: messages, bytes per message as encoded on the
 bus, and bytes per request with the subjects against the request events' (``PeerTraffic``). ``kept`` is the share of the requests continuing an earlier prompt (sharing
 at least two leading trace blocks with it) that went to the node that served it: with several
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import heapq
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -52,7 +52,7 @@ from laswrr.schemas import events as ev
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import batch_item, encode
 from laswrr.schemas.peers import PEER_ENCODER, PeerMessage
-from laswrr.bench.virtual_peers import VirtualChannel
+from laswrr.bench.virtual_peers import PEER_DELAY_MS, VirtualChannel
 from laswrr.schemas.words import Phase, RequestOutcome
 from laswrr.scheduler.routing.prompt import prompt_text as indexed_text
 from laswrr.scheduler.routing.prompt import request_size
@@ -61,7 +61,7 @@ from laswrr.services.sim_engine.physics import EngineSim
 from laswrr.services.sim_engine.profiles import get_profile
 
 ORACLE = "oracle"
-_STEP, _PEER, _ARRIVE = 0, 1, 2
+_STEP, _DELIVER, _PEER, _ARRIVE = 0, 1, 2, 3
 _T0_NS = 1_700_000_000_000_000_000  # an event time of today's size (its bytes): the peer messages' and PeerTraffic's events
 
 
@@ -176,7 +176,8 @@ class Continuations:
 
 
 def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed: int = 1,
-                proxies: int = 1, peer_interval_ms: int = 0, traffic: PeerTraffic | None = None) -> VirtualResult:
+                proxies: int = 1, peer_interval_ms: int = 0, traffic: PeerTraffic | None = None,
+                peer_delay_ms: float = PEER_DELAY_MS) -> VirtualResult:
     """One row; ``proxies`` replicas take the requests in turn, each with its own routing table
     (no snapshot carries the others' counts here: without the channel, ``peer_interval_ms`` 0,
     each replica sees its own counts only; with it, what the peers' messages say)."""
@@ -196,12 +197,19 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
         router.offer(_snapshot(scenario), now=0.0)
     traffic = traffic if traffic is not None else PeerTraffic()
     interval = peer_interval_ms / 1000
-    channel = VirtualChannel(routers, traffic.add, ts_ns=lambda now: _T0_NS + round(now * 1e9))
+    queue: list[tuple[float, int, int, object]] = [(r.offset_s, _ARRIVE, i, r) for i, r in enumerate(requests)]
+    order = len(queue)
+
+    def schedule(at: float, deliver: Callable[[float], None]) -> None:
+        nonlocal order
+        heapq.heappush(queue, (at, _DELIVER, order, deliver))
+        order += 1
+
+    channel = VirtualChannel(routers, traffic.add, ts_ns=lambda now: _T0_NS + round(now * 1e9),
+                             delay_s=peer_delay_ms / 1000, schedule=schedule)
     if share:
         channel.start(0.0)
     continuations = Continuations()
-    queue: list[tuple[float, int, int, object]] = [(r.offset_s, _ARRIVE, i, r) for i, r in enumerate(requests)]
-    order = len(queue)
     if share and routers:
         for k in range(len(routers)):
             queue.append((interval, _PEER, order, k))
@@ -223,6 +231,9 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
 
     while queue:
         now, kind, _, item = heapq.heappop(queue)
+        if kind == _DELIVER:
+            item(now)  # type: ignore[operator]
+            continue
         if kind == _PEER:
             assert isinstance(item, int)
             if not pending:
@@ -304,7 +315,7 @@ def print_virtual(scenario: Scenario, results: Sequence[VirtualResult]) -> None:
 
 
 def bench_virtual(scenarios: Sequence[Scenario], policies: Sequence[str], affinity: str | None, seed: int,
-                  out: Path, proxies: int = 1, peer_interval_ms: int = 0) -> int:
+                  out: Path, proxies: int = 1, peer_interval_ms: int = 0, peer_delay_ms: float = PEER_DELAY_MS) -> int:
     share = proxies > 1 and peer_interval_ms > 0
     for scenario in scenarios:
         if scenario.trace is None:  # a timeline scenario: the scheduler's core in the loop
@@ -315,7 +326,7 @@ def bench_virtual(scenarios: Sequence[Scenario], policies: Sequence[str], affini
                     raise
                 print(f"{scenario.name}: skipped ({exc})")  # --scenario all: the others still run
                 continue
-            bench_timeline(scenario, policies, affinity, seed, out, proxies, peer_interval_ms)
+            bench_timeline(scenario, policies, affinity, seed, out, proxies, peer_interval_ms, peer_delay_ms)
             continue
         plain = [policy for policy in policies if "+" not in policy]
         if len(plain) < len(policies):
@@ -326,7 +337,7 @@ def bench_virtual(scenarios: Sequence[Scenario], policies: Sequence[str], affini
         results, traffic = [], {}
         for policy, mode in rows_for(plain, affinity):
             carried = PeerTraffic()
-            results.append(run_virtual(scenario, policy, mode, seed, proxies, peer_interval_ms, carried))
+            results.append(run_virtual(scenario, policy, mode, seed, proxies, peer_interval_ms, carried, peer_delay_ms))
             if share and policy != ORACLE:
                 traffic[f"{policy}/{mode}"] = carried.as_dict()
         print_virtual(scenario, results)
@@ -334,7 +345,8 @@ def bench_virtual(scenarios: Sequence[Scenario], policies: Sequence[str], affini
         target.mkdir(parents=True, exist_ok=True)
         (target / "virtual.json").write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
         if share:
-            print(f"channel between proxies (picks at once, the rest within {peer_interval_ms} ms): " + "; ".join(
+            print(f"channel between proxies (picks at once, the rest within {peer_interval_ms} ms, each message "
+                  f"delivered {peer_delay_ms:g} ms after it was sent): " + "; ".join(
                       f"{row} {t['messages']} messages, {t['bytes_per_message']:.0f} B each, "
                       f"{t['wire_bytes_per_request']:.0f} B a request with subjects = "
                       f"{100 * t['share_of_event_bytes']:.0f} % of the request events' "

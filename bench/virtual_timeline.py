@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import heapq
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ import msgspec
 from laswrr.bench.metrics import ClientOutcome, Phase, RequestResult, by_phase, percentile
 from laswrr.bench.report import silent_loss
 from laswrr.bench.scenarios import Scenario
-from laswrr.bench.virtual_peers import VirtualChannel
+from laswrr.bench.virtual_peers import PEER_DELAY_MS, VirtualChannel
 from laswrr.bench.workload import RequestSpec, generate, prompt_text
 from laswrr.scheduler.core import Scheduler, apply_guarded
 from laswrr.scheduler.routing.prompt import prompt_text as indexed_text
@@ -89,7 +89,7 @@ NO_STATUS = "+no-status"
 VARIANTS = {NO_STATUS: {}, "+cap": {"inflight_cap_per_capacity": 1.0}}  # the real stack's variants that apply here
 # at one instant: engine steps end, then actions, samples, ticks, cancellations, peers speak, and
 # arrivals are routed last
-_STEP, _ACTION, _SAMPLE, _NPU, _TICK, _CANCEL, _PEER, _ARRIVE = range(8)
+_STEP, _ACTION, _SAMPLE, _NPU, _TICK, _CANCEL, _DELIVER, _PEER, _ARRIVE = range(9)
 _SUPPORTED_ACTIONS = frozenset({"capacity", "slowdown", "health", "fault_code"})
 
 
@@ -230,12 +230,13 @@ def focus_alone(scenario: Scenario, results: Sequence[RequestResult], specs: dic
 
 def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[RequestSpec],
                  affinity: str = "prefix", alone: Alone | None = None, proxies: int = 1,
-                 peer_interval_ms: int = 0) -> TimelineResult:
+                 peer_interval_ms: int = 0, peer_delay_ms: float = PEER_DELAY_MS) -> TimelineResult:
     """One policy on ``scenario``'s timeline (module docstring). ``proxies`` > 1: that many
     replicas take the requests in turn, each its own ``Router`` (proxy id ``virtual-<k>``) and its
     own request events, so the snapshots split the in-flight counts by proxy as the scheduler
     does; with ``peer_interval_ms`` > 0 they share over the channel between proxies as
-    ``bench.virtual`` runs it (a pick told at once, the rest when ``Router.peer_due``)."""
+    ``bench.virtual`` runs it (a pick told at once, the rest when ``Router.peer_due``; each
+    message taken by the others ``peer_delay_ms`` after it was sent)."""
     base, variant = split_policy(policy)
     status = variant != NO_STATUS
     engines = {e.node: EngineSim(get_profile(e.chip), e.capacity, speed=scenario.speed, kv_tokens=scenario.kv_tokens)
@@ -250,7 +251,16 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
                **VARIANTS.get(variant, {}))  # type: ignore[arg-type]
         for k, name in enumerate(names)]
     router = routers[0] if routers else None
-    channel = VirtualChannel(routers, ts_ns=lambda now: T0_NS + round(now * 1e9))
+    queue: list[tuple[float, int, int, object]] = [(r.offset_s, _ARRIVE, i, r) for i, r in enumerate(requests)]
+    order = len(queue)
+
+    def schedule(at: float, deliver: Callable[[float], None]) -> None:
+        nonlocal order
+        heapq.heappush(queue, (at, _DELIVER, order, deliver))
+        order += 1
+
+    channel = VirtualChannel(routers, ts_ns=lambda now: T0_NS + round(now * 1e9), delay_s=peer_delay_ms / 1000,
+                             schedule=schedule)
 
     def owner(spec: RequestSpec) -> int:
         return spec.index % len(names)  # the replica that takes the request
@@ -268,8 +278,6 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
     if share:
         channel.start(0.0)
     end_s = scenario.duration_s
-    queue: list[tuple[float, int, int, object]] = [(r.offset_s, _ARRIVE, i, r) for i, r in enumerate(requests)]
-    order = len(queue)
     for action in scenario.actions:
         queue.append((action.at_s, _ACTION, order, action))
         order += 1
@@ -320,6 +328,9 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
 
     while queue:
         now, kind, _, item = heapq.heappop(queue)
+        if kind == _DELIVER:
+            item(now)  # type: ignore[operator]
+            continue
         if kind == _PEER:
             assert isinstance(item, int)
             if now > end_s and not live:
@@ -581,16 +592,17 @@ def overshoot(scenario: Scenario, results: Sequence[RequestResult],
 
 
 def bench_timeline(scenario: Scenario, policies: Sequence[str], affinity: str | None, seed: int, out: Path,
-                   proxies: int = 1, peer_interval_ms: int = 0) -> None:
+                   proxies: int = 1, peer_interval_ms: int = 0, peer_delay_ms: float = PEER_DELAY_MS) -> None:
     check_timeline(scenario)
     requests = timeline_requests(scenario, seed)
     alone = Alone(scenario)
-    results = [run_timeline(scenario, policy, seed, requests, affinity or "prefix", alone, proxies, peer_interval_ms)
+    results = [run_timeline(scenario, policy, seed, requests, affinity or "prefix", alone, proxies, peer_interval_ms,
+                            peer_delay_ms)
                for policy in rows_for(policies)]
     undisturbed = None
     if silent_loss(scenario) is not None:  # the same arrivals with nothing slowed: what the E2E tail is anyway
         undisturbed = run_timeline(replace(scenario, actions=()), "la-swrr", seed, requests, affinity or "prefix", alone,
-                                   proxies, peer_interval_ms)
+                                   proxies, peer_interval_ms, peer_delay_ms)
     goals = status_goals(scenario, results, undisturbed)
     print_timeline(scenario, results, goals)
     cuts = {r.policy: overshoot(scenario, r.detail) for r in results}
@@ -605,7 +617,7 @@ def bench_timeline(scenario: Scenario, policies: Sequence[str], affinity: str | 
     document = {"scenario": scenario.name, "seed": seed, "focus_phase": scenario.focus_phase, "goals": goals,
                 "policies": [{k: v for k, v in asdict(r).items() if k != "detail"} for r in results]}
     if proxies != 1:
-        document |= {"proxies": proxies, "peer_interval_ms": peer_interval_ms}
+        document |= {"proxies": proxies, "peer_interval_ms": peer_interval_ms, "peer_delay_ms": peer_delay_ms}
     if any(cuts.values()):
         document["overshoot"] = cuts
     (target / "virtual.json").write_text(json.dumps(document, indent=1) + "\n")

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from laswrr.bench.scenarios import get_scenario
-from laswrr.bench.virtual import ORACLE, Continuations, rows_for, run_virtual
+from laswrr.bench.virtual import ORACLE, Continuations, _snapshot, rows_for, run_virtual
+from laswrr.bench.virtual_peers import VirtualChannel
+from laswrr.scheduler.routing.router import DEFAULT_POOL, Router
 from laswrr.services.sim_engine.physics import EngineSim
 from laswrr.services.sim_engine.profiles import get_profile
 
@@ -72,3 +75,39 @@ def test_the_command_writes_its_rows_and_refuses_what_virtual_time_does_not_mode
     refused = subprocess.run([*run, "--scenario", "smoke-trace", "--policies", "la-swrr+no-status"],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "its weights are fixed" in refused.stderr
+
+
+def test_the_virtual_channel_delivers_a_message_the_delay_after_it_was_sent() -> None:
+    scenario = get_scenario("smoke-trace")
+    routers = [Router("la-swrr", k, proxy_id=f"proxy-{k}", share=True) for k in range(2)]
+    for router in routers:
+        router.offer(_snapshot(scenario), now=0.0)
+    due: list[tuple[float, Callable[[float], None]]] = []
+    channel = VirtualChannel(routers, delay_s=0.001, schedule=lambda at, deliver: due.append((at, deliver)))
+    channel.start(0.0)
+    assert not routers[1].pools[DEFAULT_POOL].peers  # sent, not taken yet
+    assert [at for at, _ in due] == [0.001, 0.001]
+    for at, deliver in due:
+        deliver(at)
+    assert set(routers[1].pools[DEFAULT_POOL].peers) == {"proxy-0"}
+    assert routers[1].pools[DEFAULT_POOL].peers["proxy-0"].received_at == 0.001
+    try:
+        VirtualChannel(routers, delay_s=0.001)
+    except ValueError as exc:
+        assert "schedule" in str(exc)
+    else:
+        raise AssertionError("a delay without a schedule was taken")
+
+
+def test_replicas_that_hear_each_other_late_send_a_burst_where_one_proxy_would_not() -> None:
+    """The Mooncake slice's arrivals share instants (bench/trace.py): replicas that take one
+    burst between them pick before they hear each other's picks, so the 910C gets more of them
+    than with one proxy, or with a channel that delivers at once (the whole slice: its first 90 s
+    show no difference)."""
+    scenario = get_scenario("trace-mooncake")
+    one = run_virtual(scenario, "la-swrr", "prefix")
+    at_once = run_virtual(scenario, "la-swrr", "prefix", proxies=4, peer_interval_ms=20, peer_delay_ms=0)
+    late = run_virtual(scenario, "la-swrr", "prefix", proxies=4, peer_interval_ms=20, peer_delay_ms=1)
+    assert late.requests == at_once.requests == one.requests
+    assert late.per_node["c1"] > max(one.per_node["c1"], at_once.per_node["c1"]), (one.per_node, at_once.per_node,
+                                                                                  late.per_node)
