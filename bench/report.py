@@ -395,7 +395,9 @@ def print_table(summary: dict[str, Any]) -> None:
         if c and c["messages"]:
             console.print(f"  {policy}: channel between proxies {c['messages']} messages ({c['whole']} whole views), "
                           f"{c['bytes_per_message']} B each with the subject, {c['bytes']} B = "
-                          f"{100 * (c['share_of_event_bytes'] or 0):.0f} % of the request events' {c['event_bytes']} B")
+                          f"{100 * (c['share_of_event_bytes'] or 0):.0f} % of the request events' {c['event_bytes']} B"
+                          + (f"; taken {c['lag']['mean_s'] * 1000:.1f} ms after they were sent on average "
+                             f"(P99 <= {c['lag']['p99_le_s'] * 1000:g} ms)" if c.get("lag") else ""))
         t = s.get("tenants")
         if t:
             keys = ", ".join(f"{k} {v['goodput_tps']:.0f}/{v['fair_tps']:.0f}" for k, v in t["per_key"].items())

@@ -234,14 +234,13 @@ async def proxy_families(http: aiohttp.ClientSession, proxy_urls: Sequence[str])
     return families
 
 
-def view_lags(families: Sequence[Any]) -> dict[str, Any] | None:
-    """From the replicas' metric ``families``: ``laswrr_proxy_view_lag_seconds`` (each snapshot's age when installed: how old
-    the other replicas' in-flight counts are at the first pick on it), merged over the replicas:
-    count, mean and the bucket bounds holding the median and the 99th percentile."""
+def lag_histogram(families: Sequence[Any], name: str) -> dict[str, Any] | None:
+    """The histogram ``name`` (seconds) merged over the replicas' metric ``families``: count, mean
+    and the bucket bounds holding the median and the 99th percentile; None when it counted nothing."""
     buckets: dict[float, float] = {}
     total = count = 0.0
     for family in families:
-        if family.name != "laswrr_proxy_view_lag_seconds":
+        if family.name != name:
             continue
         for sample in family.samples:
             if sample.name.endswith("_bucket"):
@@ -257,8 +256,18 @@ def view_lags(families: Sequence[Any]) -> dict[str, Any] | None:
     def quantile(q: float) -> float:
         return next(bound for bound, n in sorted(buckets.items()) if n >= q * count)
 
-    return {"snapshots": int(count), "mean_s": round(total / count, 4), "p50_le_s": quantile(0.5),
+    return {"count": int(count), "mean_s": round(total / count, 4), "p50_le_s": quantile(0.5),
             "p99_le_s": quantile(0.99)}
+
+
+def view_lags(families: Sequence[Any]) -> dict[str, Any] | None:
+    """``laswrr_proxy_view_lag_seconds`` merged over the replicas (``lag_histogram``): each
+    snapshot's age when installed, how old the other replicas' in-flight counts are at the first
+    pick on it."""
+    merged = lag_histogram(families, "laswrr_proxy_view_lag_seconds")
+    if merged is None:
+        return None
+    return {"snapshots": merged.pop("count"), **merged}
 
 
 CHANNEL_COUNTERS = ("laswrr_proxy_peer_messages", "laswrr_proxy_peer_bytes", "laswrr_proxy_events_published",
@@ -268,8 +277,8 @@ CHANNEL_COUNTERS = ("laswrr_proxy_peer_messages", "laswrr_proxy_peer_bytes", "la
 def channel_traffic(families: Sequence[Any]) -> dict[str, Any] | None:
     """What the channel between proxies carried against the request events, summed over the
     replicas' metric ``families`` (``laswrr_proxy_peer_messages_total``, ``_peer_bytes_total``,
-    ``_events_published_total``, ``_events_published_bytes_total``; bytes with the subjects);
-    None when no replica shares."""
+    ``_events_published_total``, ``_events_published_bytes_total``; bytes with the subjects) and
+    the age of the messages they took (``laswrr_proxy_peer_lag_seconds``); None when no replica shares."""
     totals = dict.fromkeys(CHANNEL_COUNTERS, 0.0)
     whole = 0.0
     shares = False
@@ -288,7 +297,9 @@ def channel_traffic(families: Sequence[Any]) -> dict[str, Any] | None:
     return {"messages": int(messages), "whole": int(whole), "bytes": int(sent),
             "bytes_per_message": round(sent / messages, 1) if messages else None,
             "events": int(events), "event_bytes": int(event_bytes),
-            "share_of_event_bytes": round(sent / event_bytes, 4) if event_bytes else None}
+            "share_of_event_bytes": round(sent / event_bytes, 4) if event_bytes else None,
+            # the messages taken from peers: their age then (the bus's delivery time)
+            "lag": lag_histogram(families, "laswrr_proxy_peer_lag_seconds")}
 
 
 # Something to do on the running stack beside the load (the demo's dashboard screenshot): it gets

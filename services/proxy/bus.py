@@ -113,6 +113,7 @@ class BusLink:
         # wall clock now - event time of each snapshot installed: how old the other replicas'
         # in-flight counts are when routing starts on them (scheduler/routing/router.py, "One load view")
         self.view_lag = Buckets(VIEW_LAG_BUCKETS)
+        self.peer_lag = Buckets(VIEW_LAG_BUCKETS)  # each peer message's age when taken (its ts_ns: the sender's clock)
         self.peer_interval_s = peer_interval_s
         self._peer_task: asyncio.Task[None] | None = None
         self._picks_task: asyncio.Task[None] | None = None
@@ -300,6 +301,7 @@ class BusLink:
             log.debug("ignoring a bad message on %s: %s", msg.subject, exc)
             return
         pool, proxy = sender
+        self.peer_lag.observe(max(0.0, (time.time_ns() - message.ts_ns) / 1e9))
         if self.router.peer_update(proxy, pool, message, time.monotonic()):
             self.peer_received += 1
             self._viewed(pool)

@@ -27,6 +27,9 @@ channel's share of the bus against the request events'.
 ``laswrr_proxy_view_lag_seconds`` is a histogram of how old each snapshot was (wall clock minus
 its event time) when this proxy installed it: the staleness of the other replicas' counts at
 the first pick on it (they age by one tick more until the next snapshot).
+``laswrr_proxy_peer_lag_seconds`` is the same for each message from another proxy on the channel
+(wall clock minus its sender's time when this proxy took it): the bus's delivery time, plus the
+skew between the two hosts' clocks when they differ.
 """
 
 from __future__ import annotations
@@ -117,6 +120,10 @@ class _RequestCollector(Collector):
             yield messages
             yield CounterMetricFamily("laswrr_proxy_peer_bytes", "Bytes this proxy sent on the channel between "
                                       "proxies (payloads and subjects)", value=m.peers.peer_sent_bytes)
+            lag = HistogramMetricFamily("laswrr_proxy_peer_lag_seconds", "Age of each message from another proxy "
+                                        "(now - its sender's time) when taken")
+            lag.add_metric([], m.peers.peer_lag.exposition(), m.peers.peer_lag.total)
+            yield lag
         if m.view_lag is not None:
             lag = HistogramMetricFamily("laswrr_proxy_view_lag_seconds",
                                         "Age of each snapshot (now - its event time) when installed")
@@ -142,6 +149,7 @@ class PeerCounts(Protocol):
     peer_sent: int
     peer_sent_whole: int
     peer_sent_bytes: int
+    peer_lag: Buckets
 
 
 def _routing_families(router: Router) -> Iterator[Metric]:

@@ -150,6 +150,13 @@ async def test_the_peer_follows_the_counts_through_changes_only(
     assert f'laswrr_proxy_peer_messages_total{{kind="whole"}} {float(whole)}' in text
     assert f'laswrr_proxy_peer_messages_total{{kind="changes"}} {float(a.state.bus.peer_sent - whole)}' in text
     assert f"laswrr_proxy_peer_bytes_total {float(a.state.bus.peer_sent_bytes)}" in text
+    # B took A's messages: each one's age then is in B's laswrr_proxy_peer_lag_seconds (one clock
+    # here, so the bus's delivery time), one observation a message, none of them negative
+    lag = b.state.bus.peer_lag
+    assert lag.count >= a.state.bus.peer_sent - sent and lag.total >= 0
+    async with http.get(b.url + "/metrics") as resp:
+        text = await resp.text()
+    assert f"laswrr_proxy_peer_lag_seconds_count {float(lag.count)}" in text
 
 
 async def test_a_proxy_alone_sends_only_its_heartbeat(
