@@ -82,6 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="offered load as a share of the pool's saturation throughput (default: the scenario's)")
     parser.add_argument("--scheduler-config", type=Path, default=None, metavar="FILE.toml",
                         help="scheduler keys ([scheduler] table) for every run, instead of the scenario's")
+    parser.add_argument("--spread-bursts", action="store_true",
+                        help="trace scenarios: spread the requests that share a time stamp evenly up to the next "
+                             "stamp (Mooncake's conversation trace stamps in ~3 s steps; default: sent together)")
     parser.add_argument("--trace", type=Path, default=None, metavar="FILE",
                         help="replay this trace file (Mooncake .jsonl or Azure .csv) in a trace scenario")
     parser.add_argument("--speed", type=float, default=None, metavar="X",
@@ -109,7 +112,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                              "does (default 20, the proxy's; 0: no sharing)")
     parser.add_argument("--peer-delay-ms", type=settings.duration("ms"), default=PEER_DELAY_MS, metavar="MS",
                         help="--virtual with --proxies N > 1: each message between the replicas reaches the others MS "
-                             "ms of virtual time after it was sent, the bus's delivery time (default 1; "
+                             "ms of virtual time after it was sent, the bus's delivery time (default 2; "
                              "0: at once)")
     parser.add_argument("--virtual", action="store_true",
                         help="run in virtual time through the proxy's routing table and the engines' physics (no "
@@ -211,17 +214,20 @@ def scenario_names(text: str) -> list[str]:
 
 
 def trace_override(scenario: Scenario, args: argparse.Namespace) -> Scenario:
-    """The scenario with --trace/--speed/--start-s/--window-s applied (ValueError if it has no trace)."""
+    """The scenario with --trace/--speed/--start-s/--window-s/--spread-bursts applied (ValueError if it has no trace)."""
     given = [args.trace, args.speed, args.start_s, args.window_s]
     if scenario.trace is None:
-        if any(v is not None for v in given):
-            raise ValueError(f"--trace/--speed/--start-s/--window-s need a trace scenario, not {scenario.name!r}")
+        if any(v is not None for v in given) or args.spread_bursts:
+            raise ValueError(f"--trace/--speed/--start-s/--window-s/--spread-bursts need a trace scenario, "
+                             f"not {scenario.name!r}")
         return scenario
     window = scenario.trace
     if args.trace is not None:
         window = replace(window, path=str(args.trace), window_s=None)
     window = replace(window, **{k: v for k, v in (("speed", args.speed), ("start_s", args.start_s),
                                                    ("window_s", args.window_s)) if v is not None})
+    if args.spread_bursts:
+        window = replace(window, spread=True)
     window.validate()
     return replace(scenario, trace=window)
 

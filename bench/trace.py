@@ -52,6 +52,7 @@ class TraceWindow:
     start_s: float = 0.0
     window_s: float | None = None  # None: to the end of the trace
     speed: float = 1.0
+    spread: bool = False  # rows sharing a stamp spread evenly up to the next stamp (``select``)
 
     def validate(self) -> None:
         if self.speed <= 0:
@@ -143,13 +144,35 @@ def read_trace(path: Path) -> list[TraceRow]:
 
 
 def select(rows: Sequence[TraceRow], window: TraceWindow) -> list[RequestSpec]:
-    """The window's rows as requests, offsets from the window's start divided by the speed."""
+    """The window's rows as requests, offsets from the window's start divided by the speed; with
+    ``window.spread``, spread (``spread_bursts``)."""
     end = float("inf") if window.window_s is None else window.start_s + window.window_s
     chosen = [r for r in rows if window.start_s <= r.at_s < end]
+    if window.spread:
+        chosen = spread_bursts(chosen, end)
     return [RequestSpec(index=i, offset_s=round((r.at_s - window.start_s) / window.speed, 6),
                         prompt_tokens=r.prompt_tokens, max_tokens=r.output_tokens, cancel_after_s=None,
                         block_ids=r.hash_ids)
             for i, r in enumerate(chosen)]
+
+
+def spread_bursts(rows: Sequence[TraceRow], end_s: float = float("inf")) -> list[TraceRow]:
+    """``rows`` (sorted by arrival) with the rows of each stamp spread evenly over the time to the
+    next stamp, in their order: k rows at t, the next stamp at t', arrive at t + (t' - t) * j / k.
+    The last stamp's rows spread up to ``end_s``, or, without one, over the mean step between
+    stamps. For traces whose stamps lost their resolution (Mooncake's conversation trace: ~3 s
+    steps, dozens of requests on one stamp), an arrival pattern as the stamps would have had it
+    with the resolution they lost; the order and the count of requests per step are kept."""
+    stamps = sorted({r.at_s for r in rows})
+    if len(stamps) < 2 and end_s == float("inf"):
+        return list(rows)
+    mean_step = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0
+    following = dict(zip(stamps, [*stamps[1:], min(end_s, stamps[-1] + mean_step)]))
+    groups: dict[float, list[TraceRow]] = {}
+    for row in rows:
+        groups.setdefault(row.at_s, []).append(row)
+    return [replace(row, at_s=at + (following[at] - at) * j / len(group))
+            for at, group in groups.items() for j, row in enumerate(group)]
 
 
 def load_workload(window: TraceWindow) -> list[RequestSpec]:

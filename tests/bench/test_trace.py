@@ -6,14 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from laswrr.bench.cli import BENCH_SCENARIOS, bench_workload, trace_override
 from laswrr.bench.scenarios import SCENARIOS, TRACE_MOONCAKE, get_scenario
-from laswrr.bench.trace import (TRACES_DIR, TraceError, TraceWindow, arrival_bursts, load_workload, parse_azure,
-                                parse_mooncake, read_trace, select)
+from laswrr.bench.trace import (TRACES_DIR, TraceError, TraceRow, TraceWindow, arrival_bursts, load_workload, parse_azure,
+                                parse_mooncake, read_trace, select, spread_bursts)
 from laswrr.bench.workload import TRACE_BLOCK_CHARS, RequestSpec, prompt_text
 from laswrr.services.sim_engine.openai_api import parse_request
 from laswrr.services.sim_engine.prefix_cache import block_keys
@@ -86,13 +87,32 @@ def test_prompts_share_text_exactly_where_the_hash_ids_do() -> None:
 def test_trace_scenarios_are_in_all_and_take_the_flags() -> None:
     assert {"trace-mooncake", "trace-azure-code"} <= set(BENCH_SCENARIOS)
     assert "smoke-trace" not in BENCH_SCENARIOS and "smoke-trace" in SCENARIOS
-    args = argparse.Namespace(trace=None, speed=4.0, start_s=60.0, window_s=30.0)
+    args = argparse.Namespace(trace=None, speed=4.0, start_s=60.0, window_s=30.0, spread_bursts=False)
     scenario = trace_override(TRACE_MOONCAKE, args)
     scenario, requests = bench_workload(scenario, seed=1)
     assert scenario.trace == TraceWindow("mooncake_conversation_first300s.jsonl", 60.0, 30.0, 4.0)
     assert scenario.phases[-1].end_s == 7.5 and all(0 <= r.offset_s < 7.5 for r in requests)
-    full = trace_override(TRACE_MOONCAKE, argparse.Namespace(trace=MOONCAKE, speed=None, start_s=None, window_s=None))
+    full = trace_override(TRACE_MOONCAKE, argparse.Namespace(trace=MOONCAKE, speed=None, start_s=None, window_s=None,
+                                                             spread_bursts=False))
     assert full.trace is not None and full.trace.window_s is None and full.trace.path == str(MOONCAKE)
+    with pytest.raises(ValueError, match="need a trace scenario"):
+        trace_override(get_scenario("bursty"), args)
+
+
+def test_spread_bursts_spaces_the_rows_of_a_stamp_up_to_the_next_one() -> None:
+    rows = [TraceRow(0.0, 1, 1), TraceRow(0.0, 2, 1), TraceRow(0.0, 3, 1), TraceRow(3.0, 4, 1), TraceRow(3.0, 5, 1)]
+    spread = spread_bursts(rows, end_s=5.0)
+    assert [(r.at_s, r.prompt_tokens) for r in spread] == [(0.0, 1), (1.0, 2), (2.0, 3), (3.0, 4), (4.0, 5)]
+    assert [r.at_s for r in spread_bursts(rows)] == [0.0, 1.0, 2.0, 3.0, 4.5]  # no end: the mean step
+    assert spread_bursts(rows[:1]) == rows[:1]
+    # the repository's Mooncake slice: 918 requests on 100 stamps, then on 918 instants, in order
+    window = replace(TRACE_MOONCAKE.trace, spread=True)
+    together, apart = load_workload(replace(window, spread=False)), load_workload(window)
+    assert len({r.offset_s for r in together}) == 100 and len({r.offset_s for r in apart}) == len(apart) == 918
+    assert [r.block_ids for r in apart] == [r.block_ids for r in together]
+    assert all(a.offset_s >= t.offset_s for a, t in zip(apart, together))
+    args = argparse.Namespace(trace=None, speed=None, start_s=None, window_s=None, spread_bursts=True)
+    assert trace_override(TRACE_MOONCAKE, args).trace == window
     with pytest.raises(ValueError, match="need a trace scenario"):
         trace_override(get_scenario("bursty"), args)
 
