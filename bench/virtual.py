@@ -17,7 +17,7 @@ index and counts. With ``--peer-interval-ms I`` (20, as ``laswrr proxy``; 0: off
 over the channel between proxies as the proxies do (docs/design.md, "The channel between
 proxies"): a replica's message goes to the others at each of its picks, and every I ms of
 virtual time from each replica whose counts changed otherwise or whose last message is half
-``peer_stale_ms`` old (``Router.peer_due``); the others take it ``--peer-delay-ms`` later (1,
+``peer_stale_ms`` old (``Router.peer_due``); the others take it ``--peer-delay-ms`` later (2,
 the bus's delivery time; 0: at once) and drop a peer silent for ``peer_stale_ms``. The run
 writes ``peers.json`` beside ``virtual.json``: messages, bytes per message as encoded on the
 bus, and bytes per request with the subjects against the request events' (``PeerTraffic``). ``kept`` is the share of the requests continuing an earlier prompt (sharing
