@@ -56,12 +56,12 @@ from laswrr.bench.virtual_peers import PEER_DELAY_MS, VirtualChannel
 from laswrr.schemas.words import Phase, RequestOutcome
 from laswrr.scheduler.routing.prompt import prompt_text as indexed_text
 from laswrr.scheduler.routing.prompt import request_size
-from laswrr.scheduler.routing.router import DEFAULT_POOL, Admission, Router
+from laswrr.scheduler.routing.router import DEFAULT_POOL, PEER_STAGGER_S, Admission, Router
 from laswrr.services.sim_engine.physics import EngineSim
 from laswrr.services.sim_engine.profiles import get_profile
 
 ORACLE = "oracle"
-_STEP, _DELIVER, _PEER, _ARRIVE = 0, 1, 2, 3
+_STEP, _DELIVER, _PEER, _ARRIVE, _PICK = 0, 1, 2, 3, 4
 _T0_NS = 1_700_000_000_000_000_000  # an event time of today's size (its bytes): the peer messages' and PeerTraffic's events
 
 
@@ -177,7 +177,7 @@ class Continuations:
 
 def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed: int = 1,
                 proxies: int = 1, peer_interval_ms: int = 0, traffic: PeerTraffic | None = None,
-                peer_delay_ms: float = PEER_DELAY_MS) -> VirtualResult:
+                peer_delay_ms: float = PEER_DELAY_MS, peer_stagger_ms: float = PEER_STAGGER_S * 1000) -> VirtualResult:
     """One row; ``proxies`` replicas take the requests in turn, each with its own routing table
     (no snapshot carries the others' counts here: without the channel, ``peer_interval_ms`` 0,
     each replica sees its own counts only; with it, what the peers' messages say)."""
@@ -189,7 +189,8 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
     if policy == ORACLE:
         routers = []
     elif share:
-        routers = [Router(policy, seed + k, affinity=affinity, proxy_id=f"proxy-{k}", share=True)
+        routers = [Router(policy, seed + k, affinity=affinity, proxy_id=f"proxy-{k}", share=True,
+                          peer_stagger_s=peer_stagger_ms / 1000)
                    for k in range(proxies)]
     else:
         routers = [Router(policy, seed + k, affinity=affinity) for k in range(proxies)]
@@ -243,7 +244,10 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
             heapq.heappush(queue, (now + interval, _PEER, order, item))
             order += 1
             continue
-        if kind == _ARRIVE:
+        if kind in (_ARRIVE, _PICK):
+            arrived = now
+            if kind == _PICK:  # after the replica's wait (Router.stagger_s)
+                item, arrived = item  # type: ignore[misc]
             assert isinstance(item, RequestSpec)
             text = prompt_text(item)
             admission = router = None
@@ -253,6 +257,11 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
                 router = routers[item.index % len(routers)]
                 if share:
                     router.expire_peers(now)
+                    wait = router.stagger_s(DEFAULT_POOL) if kind == _ARRIVE else 0.0
+                    if wait:
+                        heapq.heappush(queue, (now + wait, _PICK, order, (item, now)))
+                        order += 1
+                        continue
                 seen = indexed_text([{"role": "user", "content": text}], None)
                 admission = router.admit(DEFAULT_POOL, prompt=seen, size=request_size(seen, item.max_tokens, None))
                 assert admission is not None
@@ -263,7 +272,7 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
             continuations.served(item.block_ids, node)
             engine = engines[node]
             submitted = engine.submit(item.prompt_tokens, item.max_tokens, now, prompt_text=text)
-            live[(node, submitted.req_id)] = (now, router, admission, item)
+            live[(node, submitted.req_id)] = (arrived, router, admission, item)
             wake(node, now)
             continue
         assert isinstance(item, str)

@@ -62,7 +62,7 @@ from laswrr.bench.workload import RequestSpec, generate, prompt_text
 from laswrr.scheduler.core import Scheduler, apply_guarded
 from laswrr.scheduler.routing.prompt import prompt_text as indexed_text
 from laswrr.scheduler.routing.prompt import request_size
-from laswrr.scheduler.routing.router import DEFAULT_POOL, Admission, Router
+from laswrr.scheduler.routing.router import DEFAULT_POOL, PEER_STAGGER_S, Admission, Router
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope, decode_snapshot
 from laswrr.schemas.words import NpuHealth, RequestOutcome
@@ -89,7 +89,7 @@ NO_STATUS = "+no-status"
 VARIANTS = {NO_STATUS: {}, "+cap": {"inflight_cap_per_capacity": 1.0}}  # the real stack's variants that apply here
 # at one instant: engine steps end, then actions, samples, ticks, cancellations, peers speak, and
 # arrivals are routed last
-_STEP, _ACTION, _SAMPLE, _NPU, _TICK, _CANCEL, _DELIVER, _PEER, _ARRIVE = range(9)
+_STEP, _ACTION, _SAMPLE, _NPU, _TICK, _CANCEL, _DELIVER, _PEER, _ARRIVE, _PICK = range(10)
 _SUPPORTED_ACTIONS = frozenset({"capacity", "slowdown", "health", "fault_code"})
 
 
@@ -230,7 +230,8 @@ def focus_alone(scenario: Scenario, results: Sequence[RequestResult], specs: dic
 
 def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[RequestSpec],
                  affinity: str = "prefix", alone: Alone | None = None, proxies: int = 1,
-                 peer_interval_ms: int = 0, peer_delay_ms: float = PEER_DELAY_MS) -> TimelineResult:
+                 peer_interval_ms: int = 0, peer_delay_ms: float = PEER_DELAY_MS,
+                 peer_stagger_ms: float = PEER_STAGGER_S * 1000) -> TimelineResult:
     """One policy on ``scenario``'s timeline (module docstring). ``proxies`` > 1: that many
     replicas take the requests in turn, each its own ``Router`` (proxy id ``virtual-<k>``) and its
     own request events, so the snapshots split the in-flight counts by proxy as the scheduler
@@ -247,7 +248,7 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
     share = proxies > 1 and peer_interval_ms > 0
     names = [PROXY] if proxies == 1 else [f"{PROXY}-{k}" for k in range(proxies)]
     routers = [] if base == ORACLE else [
-        Router(base, seed + k, affinity=affinity, proxy_id=name, share=share,
+        Router(base, seed + k, affinity=affinity, proxy_id=name, share=share, peer_stagger_s=peer_stagger_ms / 1000,
                **VARIANTS.get(variant, {}))  # type: ignore[arg-type]
         for k, name in enumerate(names)]
     router = routers[0] if routers else None
@@ -399,8 +400,16 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
                 finish(node, req_id, now, RequestOutcome.CLIENT_CANCELLED)
                 wake(node, now)
             continue
-        if kind == _ARRIVE:
+        if kind in (_ARRIVE, _PICK):
+            arrived = now
+            if kind == _PICK:  # after the replica's wait (Router.stagger_s)
+                item, arrived = item  # type: ignore[misc]
             assert isinstance(item, RequestSpec)
+            if share and kind == _ARRIVE:
+                wait = routers[owner(item)].stagger_s(DEFAULT_POOL)
+                if wait:
+                    push(now + wait, _PICK, (item, now))
+                    continue
             text = prompt_text(item)
             admission = None
             if router is None:
@@ -417,14 +426,14 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
             per_node[node] += 1
             submitted = engines[node].submit(item.prompt_tokens, item.max_tokens, now, prompt_text=text)
             request_id = f"r{item.index}"
-            live[(node, submitted.req_id)] = (item, now, None, admission)
+            live[(node, submitted.req_id)] = (item, arrived, None, admission)
             by_engine[(node, submitted.req_id)] = request_id
             started: dict[str, Any] = {"request_id": request_id, "proxy": names[owner(item)], "pool": DEFAULT_POOL}
             if size is not None:
                 started |= {"prompt_tokens": size.prompt_tokens, "max_tokens": size.max_tokens}
             offer(now, core.put(now, sj.req_started(node), started))
             if item.cancel_after_s is not None:
-                push(now + item.cancel_after_s, _CANCEL, (node, submitted.req_id))
+                push(arrived + item.cancel_after_s, _CANCEL, (node, submitted.req_id))
             wake(node, now)
             continue
         assert isinstance(item, str)

@@ -105,6 +105,7 @@ PEER_STALE_S = 2.0  # a peer's message is used this long after it arrived (its h
 PEER_FULL_S = 5.0  # a busy proxy's messages carry its whole view at least this often (else only changes)
 PEER_MAX_KEYS = 256  # prefix block keys per peer message (a whole indexed prompt); beyond, the oldest records go
 PEER_GRID = 16  # a peer is told the keys at these grid positions only (PrefixIndex, "Sparse records")
+PEER_STAGGER_S = 0.002  # a proxy's rank among the replicas it hears times this: its wait before a pick (stagger_s)
 
 _DECODE_SEED = 0x5EED_DEC0DE  # the decode role's policy starts elsewhere than the prefill role's
 
@@ -236,7 +237,7 @@ class Router:
                  affinity: str = "prefix", affinity_blocks: int = BLOCKS_PER_NODE,
                  proxy_id: str | None = None, flow_limits: bool = False, share: bool = False,
                  peer_stale_s: float = PEER_STALE_S, peer_max_keys: int = PEER_MAX_KEYS, peer_full_s: float = PEER_FULL_S,
-                 peer_grid: int = PEER_GRID) -> None:
+                 peer_grid: int = PEER_GRID, peer_stagger_s: float = PEER_STAGGER_S) -> None:
         uses_affinity = make_policy(policy, seed).uses_affinity  # and fail fast on an unknown name
         self.proxy_id = proxy_id  # whose share of the snapshot's in-flight is this proxy's own
         self.policy_name = policy
@@ -259,6 +260,7 @@ class Router:
         self.peer_full_s = peer_full_s
         self.peer_max_keys = peer_max_keys
         self.peer_grid = peer_grid  # 0: every key of a record is sent (no sparse records)
+        self.peer_stagger_s = peer_stagger_s  # 0: no proxy waits before its picks (``stagger_s``)
         self.peer_backlog: dict[str, int] = {}  # node -> the fresh peers' prefill backlogs, summed (> 0 only)
         self.changed: set[str] = set()  # pools whose own counts or records changed since their last message
         # pool -> (band -> requests flow control holds that any node may take, band -> oldest age ms): ``note_held``
@@ -581,6 +583,21 @@ class Router:
                     index.record(record.node, unpack_keys(record.keys)[:index.max_prompt_blocks])
         self._repeer(route)
         return True
+
+    def stagger_s(self, pool: str) -> float:
+        """How long this proxy waits before a request's pick in ``pool``: its rank among itself and
+        the peers it hears there (by proxy id), times ``peer_stagger_s``. The replicas that take
+        one burst of requests between them then pick in turn, each after the picks of those ranked
+        before it have reached it (docs/design.md, "Bursts across replicas"), as one proxy picks a
+        burst one request after the other. 0 for the first in rank, alone, or without the channel."""
+        if not self.share or not self.peer_stagger_s:
+            return 0.0
+        route = self.pools.get(pool)
+        if route is None or not route.peers:
+            return 0.0
+        me = self.proxy_id
+        assert me is not None  # sharing needs a proxy id
+        return sum(proxy < me for proxy in route.peers) * self.peer_stagger_s
 
     def expire_peers(self, now: float) -> int:
         """Drop every peer whose last message is older than ``peer_stale_s``; how many went.

@@ -245,6 +245,9 @@ async def _forward(request: web.BaseRequest, state: ProxyState, arrived: float,
     pool = decision.pool
     text = prompt_text(peek.messages, peek.prompt)
     size = request_size(text, peek.max_tokens, peek.max_completion_tokens)
+    stagger = router.stagger_s(pool)
+    if stagger:  # replicas pick one burst in turn, each after hearing the others' picks (Router.stagger_s)
+        await asyncio.sleep(stagger)
     gate = state.flow
     if gate is not None:
         return await _flow_forward(request, state, gate, arrived, key_name, pool, body, text, size, decision, model)
@@ -534,7 +537,8 @@ def build_state(config: ProxyConfig) -> ProxyState:
     config.validate()
     router = Router(config.policy, config.seed, config.inflight_cap_per_capacity, config.affinity,
                     config.affinity_blocks, proxy_id=config.proxy_id, flow_limits=config.flow_control,
-                    share=config.peer_interval_ms > 0, peer_stale_s=config.peer_stale_ms / 1000)
+                    share=config.peer_interval_ms > 0, peer_stale_s=config.peer_stale_ms / 1000,
+                    peer_stagger_s=config.peer_stagger_ms / 1000)
     events = EventPublisher(config.proxy_id, capacity=config.event_buffer, batch_max=config.event_batch_max,
                             flush_s=config.event_flush_ms / 1000)
     keys = ApiKeys.load(config.api_keys_file, config.key_max_inflight) if config.api_keys_file else None

@@ -143,6 +143,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="MS", help="a peer's message is used this long after it arrived (each proxy's "
                                           "heartbeat is half of it); silent longer, the snapshot's counts of it are "
                                           "used (default %(default)s)")
+    peers.add_argument("--peer-stagger-ms", type=settings.duration("ms"), default=_DEFAULTS.peer_stagger_ms,
+                       metavar="MS", help="wait MS per proxy ranked before this one (by proxy id, among those it "
+                                          "hears) before each pick, so replicas pick a burst of requests in turn and "
+                                          "each hears the others' picks first; 0: no wait (default %(default)s)")
     keys = parser.add_argument_group("client API keys and upstream credentials (services/proxy/keys.py)")
     keys.add_argument("--api-keys", default=os.environ.get("LASWRR_API_KEYS_FILE") or _DEFAULTS.api_keys_file,
                       metavar="FILE", help="clients must send Authorization: Bearer <one of its keys>; one key "
@@ -191,6 +195,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         flow_quantum=args.flow_quantum, retry_after_cap_s=args.retry_after_cap_s,
         interactive_reserve=args.interactive_reserve,
         peer_interval_ms=int(args.peer_interval_ms), peer_stale_ms=int(args.peer_stale_ms),
+        peer_stagger_ms=int(args.peer_stagger_ms),
     ).validate()
 
 

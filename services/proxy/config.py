@@ -87,6 +87,7 @@ class ProxyConfig:
     # The channel between proxies (lb.peer.<pool>.<proxy>, docs/design.md): 0 turns it off.
     peer_interval_ms: int = 20  # at most one message per pool this often, when something changed
     peer_stale_ms: int = 2000  # a peer's message is used this long; the heartbeat is half of it
+    peer_stagger_ms: int = 2  # the wait before a pick per replica ranked before this one (Router.stagger_s)
 
     def validate(self) -> "ProxyConfig":
         sj.check_token(self.proxy_id, "proxy name")
@@ -123,6 +124,7 @@ class ProxyConfig:
             (0 <= self.interactive_reserve < 1, "--interactive-reserve must be within 0..1 (1 excluded)"),
             (self.peer_interval_ms >= 0, "--peer-interval-ms must be >= 0"),
             (self.peer_stale_ms > 2 * self.peer_interval_ms, "--peer-stale-ms must exceed 2 x --peer-interval-ms"),
+            (self.peer_stagger_ms >= 0, "--peer-stagger-ms must be >= 0"),
         ]
         checks += [(path.startswith("/") and " " not in path, f"--extra-routes: {path!r} is not a path like /v1/x")
                    for path in self.extra_routes]

@@ -5,6 +5,8 @@ the same prefix; with the channel off B does not know it; a peer gone silent is 
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import aiohttp
@@ -171,3 +173,36 @@ async def test_a_proxy_alone_sends_only_its_heartbeat(
         await ask(http, alone.url, conversation(k))
     bus = alone.state.bus
     assert bus.peer_sent <= 4 and bus.peer_sent == bus.peer_sent_whole, (bus.peer_sent, bus.peer_sent_whole)
+
+
+async def test_a_proxy_ranked_after_another_picks_after_hearing_its_pick(
+        engines: Any, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession) -> None:
+    """``--peer-stagger-ms``: before each pick a proxy waits its rank among the proxies it hears
+    (by id) times it, so B picks a request that arrived with three at A after A's picks reached
+    B: it sends it to the one node of four A left free (without the wait: one of its own turn)."""
+    for name in NODES:
+        seq = await core.register(name, (await engines(name)).url)
+    a = await start_proxy(proxy_id="proxy-a", peer_interval_ms=20, peer_stale_ms=2000, peer_stagger_ms=400)
+    b = await start_proxy(proxy_id="proxy-b", peer_interval_ms=20, peer_stale_ms=2000, peer_stagger_ms=400)
+    for proxy in (a, b):
+        await wait_seq(proxy, "default", seq)
+    await wait_for(lambda: "proxy-a" in b.state.router.pools["default"].peers
+                   and "proxy-b" in a.state.router.pools["default"].peers, what="A and B hear each other")
+    assert (a.state.router.stagger_s("default"), b.state.router.stagger_s("default")) == (0.0, 0.4)
+
+    async def timed(url: str, text: str, test: dict[str, Any]) -> tuple[str, float]:
+        began = time.monotonic()
+        body = {"model": "m", "messages": [{"role": "user", "content": text}], "stream": True, "test": test}
+        async with http.post(url + CHAT, json=body) as response:  # streamed: the echo engine's delay holds it
+            assert response.status == 200
+            await response.read()
+            return response.headers["x-laswrr-node"], time.monotonic() - began
+
+    for k in range(4):  # prompts of some work (the referee weighs it), no prefix in common
+        *on_a, (on_b, b_took) = await asyncio.gather(
+            *(timed(a.url, f"{k} A asks {j} " * 40, {"chunks": 2, "delay": 0.8}) for j in range(3)),
+            timed(b.url, f"{k} B asks " * 40, {"chunks": 1}))
+        assert len({node for node, _ in on_a}) == 3  # A spread its three
+        assert on_b not in {node for node, _ in on_a} and b_took >= 0.4  # B took the node A left free
+        await wait_for(lambda: not a.state.router.inflight and not b.state.router.pools["default"].others,
+                       what="A's request ended, and B heard it")

@@ -321,3 +321,21 @@ def test_a_heartbeat_to_nobody_carries_no_prefix_records() -> None:
     ask(a, long_prompt("second "))
     beat = a.peer_message(DEFAULT_POOL, "boot-a", 2, ts_ns=2, full=True)
     assert isinstance(beat, PeerState) and beat.prefixes == [] and not a.pools[DEFAULT_POOL].outbox
+
+
+def test_a_proxy_waits_before_a_pick_by_its_rank_among_the_proxies_it_hears() -> None:
+    """Router.stagger_s: replicas that take one burst between them pick in turn, by proxy id."""
+    a, b, c = router("A"), router("B"), router("C")
+    assert a.stagger_s(DEFAULT_POOL) == b.stagger_s(DEFAULT_POOL) == 0.0  # alone: no wait
+    for me in (a, b, c):
+        for other in ("A", "B", "C"):
+            if other != me.proxy_id:
+                assert me.peer_update(other, DEFAULT_POOL, PeerState(boot_id=other, seq=1, ts_ns=1), now=0.0)
+    assert [r.stagger_s(DEFAULT_POOL) for r in (a, b, c)] == [0.0, 0.002, 0.004]
+    assert c.stagger_s("other pool") == 0.0
+    assert c.expire_peers(now=PEER_STALE_S + 1) == 2 and c.stagger_s(DEFAULT_POOL) == 0.0  # its peers went silent
+    off = Router("la-swrr", 1, proxy_id="C", share=True, peer_stagger_s=0.0)
+    off.offer(snap(1), now=0.0)
+    off.peer_update("A", DEFAULT_POOL, PeerState(boot_id="A", seq=1, ts_ns=1), now=0.0)
+    assert off.stagger_s(DEFAULT_POOL) == 0.0
+    assert router("C", share=False).stagger_s(DEFAULT_POOL) == 0.0  # without the channel
