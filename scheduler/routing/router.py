@@ -105,7 +105,8 @@ PEER_STALE_S = 2.0  # a peer's message is used this long after it arrived (its h
 PEER_FULL_S = 5.0  # a busy proxy's messages carry its whole view at least this often (else only changes)
 PEER_MAX_KEYS = 256  # prefix block keys per peer message (a whole indexed prompt); beyond, the oldest records go
 PEER_GRID = 16  # a peer is told the keys at these grid positions only (PrefixIndex, "Sparse records")
-PEER_STAGGER_S = 0.002  # a proxy's rank among the replicas it hears times this: its wait before a pick (stagger_s)
+PEER_STAGGER_S = 0.010  # a proxy's rank among the replicas it hears times this: its wait before a pick (stagger_s)
+PEER_STAGGER_RANKS = 3  # ranks beyond this wait as long as this one: the wait is at most 3 x PEER_STAGGER_S
 
 _DECODE_SEED = 0x5EED_DEC0DE  # the decode role's policy starts elsewhere than the prefill role's
 
@@ -589,7 +590,9 @@ class Router:
         the peers it hears there (by proxy id), times ``peer_stagger_s``. The replicas that take
         one burst of requests between them then pick in turn, each after the picks of those ranked
         before it have reached it (docs/design.md, "Bursts across replicas"), as one proxy picks a
-        burst one request after the other. 0 for the first in rank, alone, or without the channel."""
+        burst one request after the other. Ranks past ``PEER_STAGGER_RANKS`` wait as long as that
+        one (the wait stays bounded with many replicas). 0 for the first in rank, alone, or
+        without the channel."""
         if not self.share or not self.peer_stagger_s:
             return 0.0
         route = self.pools.get(pool)
@@ -597,7 +600,7 @@ class Router:
             return 0.0
         me = self.proxy_id
         assert me is not None  # sharing needs a proxy id
-        return sum(proxy < me for proxy in route.peers) * self.peer_stagger_s
+        return min(PEER_STAGGER_RANKS, sum(proxy < me for proxy in route.peers)) * self.peer_stagger_s
 
     def expire_peers(self, now: float) -> int:
         """Drop every peer whose last message is older than ``peer_stale_s``; how many went.

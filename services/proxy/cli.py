@@ -145,8 +145,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                           "used (default %(default)s)")
     peers.add_argument("--peer-stagger-ms", type=settings.duration("ms"), default=_DEFAULTS.peer_stagger_ms,
                        metavar="MS", help="wait MS per proxy ranked before this one (by proxy id, among those it "
-                                          "hears) before each pick, so replicas pick a burst of requests in turn and "
-                                          "each hears the others' picks first; 0: no wait (default %(default)s)")
+                                          "hears; at most 3) before each pick, so replicas pick a burst of requests "
+                                          "in turn and each hears the others' picks first; 0: no wait (default "
+                                          "%(default)s)")
     keys = parser.add_argument_group("client API keys and upstream credentials (services/proxy/keys.py)")
     keys.add_argument("--api-keys", default=os.environ.get("LASWRR_API_KEYS_FILE") or _DEFAULTS.api_keys_file,
                       metavar="FILE", help="clients must send Authorization: Bearer <one of its keys>; one key "

@@ -87,7 +87,7 @@ class ProxyConfig:
     # The channel between proxies (lb.peer.<pool>.<proxy>, docs/design.md): 0 turns it off.
     peer_interval_ms: int = 20  # at most one message per pool this often, when something changed
     peer_stale_ms: int = 2000  # a peer's message is used this long; the heartbeat is half of it
-    peer_stagger_ms: int = 2  # the wait before a pick per replica ranked before this one (Router.stagger_s)
+    peer_stagger_ms: int = 10  # the wait before a pick per replica ranked before this one, at most 3 (Router.stagger_s)
 
     def validate(self) -> "ProxyConfig":
         sj.check_token(self.proxy_id, "proxy name")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from laswrr.scheduler.routing.prompt import prompt_text, request_size
-from laswrr.scheduler.routing.router import DEFAULT_POOL, PEER_STALE_S, Router
+from laswrr.scheduler.routing.router import DEFAULT_POOL, PEER_STAGGER_S, PEER_STALE_S, Router
 from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
 from laswrr.scheduler.policies.affinity import grid_positions
 from laswrr.schemas.peers import PEER_DECODER, PEER_ENCODER, PeerDelta, PeerState, PrefixRecord, pack_keys, unpack_keys
@@ -325,15 +325,18 @@ def test_a_heartbeat_to_nobody_carries_no_prefix_records() -> None:
 
 def test_a_proxy_waits_before_a_pick_by_its_rank_among_the_proxies_it_hears() -> None:
     """Router.stagger_s: replicas that take one burst between them pick in turn, by proxy id."""
-    a, b, c = router("A"), router("B"), router("C")
-    assert a.stagger_s(DEFAULT_POOL) == b.stagger_s(DEFAULT_POOL) == 0.0  # alone: no wait
-    for me in (a, b, c):
-        for other in ("A", "B", "C"):
+    names = ("A", "B", "C", "D", "E")
+    routers = [router(name) for name in names]
+    assert routers[0].stagger_s(DEFAULT_POOL) == routers[1].stagger_s(DEFAULT_POOL) == 0.0  # alone: no wait
+    for me in routers:
+        for other in names:
             if other != me.proxy_id:
                 assert me.peer_update(other, DEFAULT_POOL, PeerState(boot_id=other, seq=1, ts_ns=1), now=0.0)
-    assert [r.stagger_s(DEFAULT_POOL) for r in (a, b, c)] == [0.0, 0.002, 0.004]
+    step = PEER_STAGGER_S
+    assert [r.stagger_s(DEFAULT_POOL) for r in routers] == [0.0, step, 2 * step, 3 * step, 3 * step]  # at most 3 turns
+    c = routers[2]
     assert c.stagger_s("other pool") == 0.0
-    assert c.expire_peers(now=PEER_STALE_S + 1) == 2 and c.stagger_s(DEFAULT_POOL) == 0.0  # its peers went silent
+    assert c.expire_peers(now=PEER_STALE_S + 1) == 4 and c.stagger_s(DEFAULT_POOL) == 0.0  # its peers went silent
     off = Router("la-swrr", 1, proxy_id="C", share=True, peer_stagger_s=0.0)
     off.offer(snap(1), now=0.0)
     off.peer_update("A", DEFAULT_POOL, PeerState(boot_id="A", seq=1, ts_ns=1), now=0.0)
