@@ -283,6 +283,7 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
                 first_at[(item, event.req_id)] = event.time
                 if admission is not None and router is not None:
                     router.prefilled(admission)
+                    router.first_byte(event.time - arrived)
             if event.finished:
                 e2e.append(event.time - arrived)
                 if share:

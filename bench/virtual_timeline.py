@@ -448,6 +448,7 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
                 fresh[node][0].append(event.time - arrived)
                 if routers and admission is not None:
                     routers[owner(spec)].prefilled(admission)
+                    routers[owner(spec)].first_byte(event.time - arrived)
             if event.finished:
                 finish(node, event.req_id, event.time, RequestOutcome.COMPLETED)
         wake(node, now)

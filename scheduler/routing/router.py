@@ -107,6 +107,9 @@ PEER_MAX_KEYS = 256  # prefix block keys per peer message (a whole indexed promp
 PEER_GRID = 16  # a peer is told the keys at these grid positions only (PrefixIndex, "Sparse records")
 PEER_STAGGER_S = 0.010  # a proxy's rank among the replicas it hears times this: its wait before a pick (stagger_s)
 PEER_STAGGER_RANKS = 3  # ranks beyond this wait as long as this one: the wait is at most 3 x PEER_STAGGER_S
+PEER_STAGGER_SHARE = 0.1  # the whole wait (3 turns) at most this share of the pool's first-byte time (first_byte)
+PEER_STAGGER_MIN_S = 0.0005  # a turn shorter than this is no wait at all
+FIRST_BYTE_WEIGHT = 0.05  # the weight of each request's first-byte time in the moving average
 
 _DECODE_SEED = 0x5EED_DEC0DE  # the decode role's policy starts elsewhere than the prefill role's
 
@@ -262,6 +265,7 @@ class Router:
         self.peer_max_keys = peer_max_keys
         self.peer_grid = peer_grid  # 0: every key of a record is sent (no sparse records)
         self.peer_stagger_s = peer_stagger_s  # 0: no proxy waits before its picks (``stagger_s``)
+        self.first_byte_s: float | None = None  # moving average of the requests' first-byte times (``first_byte``)
         self.peer_backlog: dict[str, int] = {}  # node -> the fresh peers' prefill backlogs, summed (> 0 only)
         self.changed: set[str] = set()  # pools whose own counts or records changed since their last message
         # pool -> (band -> requests flow control holds that any node may take, band -> oldest age ms): ``note_held``
@@ -591,8 +595,10 @@ class Router:
         one burst of requests between them then pick in turn, each after the picks of those ranked
         before it have reached it (docs/design.md, "Bursts across replicas"), as one proxy picks a
         burst one request after the other. Ranks past ``PEER_STAGGER_RANKS`` wait as long as that
-        one (the wait stays bounded with many replicas). 0 for the first in rank, alone, or
-        without the channel."""
+        one (the wait stays bounded with many replicas), and a turn is shortened so that the
+        longest wait is at most ``PEER_STAGGER_SHARE`` of the requests' first-byte time
+        (``first_byte``): requests answered in a few ms are not held 10 ms. 0 for the first in
+        rank, alone, without the channel, or when a turn would be under ``PEER_STAGGER_MIN_S``."""
         if not self.share or not self.peer_stagger_s:
             return 0.0
         route = self.pools.get(pool)
@@ -600,7 +606,20 @@ class Router:
             return 0.0
         me = self.proxy_id
         assert me is not None  # sharing needs a proxy id
-        return min(PEER_STAGGER_RANKS, sum(proxy < me for proxy in route.peers)) * self.peer_stagger_s
+        turn = self.peer_stagger_s
+        if self.first_byte_s is not None:
+            turn = min(turn, PEER_STAGGER_SHARE * self.first_byte_s / PEER_STAGGER_RANKS)
+        if turn < PEER_STAGGER_MIN_S:
+            return 0.0
+        return min(PEER_STAGGER_RANKS, sum(proxy < me for proxy in route.peers)) * turn
+
+    def first_byte(self, seconds: float) -> None:
+        """A request's first byte came ``seconds`` after it arrived: the moving average that
+        bounds ``stagger_s``."""
+        if seconds < 0:
+            return
+        mean = self.first_byte_s
+        self.first_byte_s = seconds if mean is None else mean + FIRST_BYTE_WEIGHT * (seconds - mean)
 
     def expire_peers(self, now: float) -> int:
         """Drop every peer whose last message is older than ``peer_stale_s``; how many went.

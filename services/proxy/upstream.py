@@ -558,6 +558,8 @@ class Forwarder:
     def _observe(self, exchange: Exchange, state: AttemptState) -> None:
         first_byte = exchange.client.first_byte if exchange.client is not None else state.first_byte
         sent = first_byte is not None
+        if sent:  # bounds how long this proxy waits its turn before a pick (Router.stagger_s)
+            self.router.first_byte(first_byte - exchange.arrived)  # type: ignore[operator]
         self.metrics.observe_latency(exchange.pool, first_byte - exchange.arrived if sent else None,  # type: ignore[operator]
                                      time.perf_counter() - exchange.arrived, state.overhead if sent else None)
 

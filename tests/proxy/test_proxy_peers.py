@@ -179,7 +179,8 @@ async def test_a_proxy_ranked_after_another_picks_after_hearing_its_pick(
         engines: Any, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession) -> None:
     """``--peer-stagger-ms``: before each pick a proxy waits its rank among the proxies it hears
     (by id) times it, so B picks a request that arrived with three at A after A's picks reached
-    B: it sends it to the one node of four A left free (without the wait: one of its own turn)."""
+    B: it sends it to the one node of four A left free (without the wait: one of its own turn).
+    The turn is bounded by a tenth of the first-byte time (Router.stagger_s): B is told 30 s."""
     for name in NODES:
         seq = await core.register(name, (await engines(name)).url)
     a = await start_proxy(proxy_id="proxy-a", peer_interval_ms=20, peer_stale_ms=2000, peer_stagger_ms=400)
@@ -189,6 +190,7 @@ async def test_a_proxy_ranked_after_another_picks_after_hearing_its_pick(
     await wait_for(lambda: "proxy-a" in b.state.router.pools["default"].peers
                    and "proxy-b" in a.state.router.pools["default"].peers, what="A and B hear each other")
     assert (a.state.router.stagger_s("default"), b.state.router.stagger_s("default")) == (0.0, 0.4)
+    b.state.router.first_byte(30.0)  # as if B's requests had taken 30 s to their first byte: the whole turn
 
     async def timed(url: str, text: str, test: dict[str, Any]) -> tuple[str, float]:
         began = time.monotonic()

@@ -6,6 +6,7 @@ the snapshot's counts, exactly the rule without the channel."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from laswrr.scheduler.routing.prompt import prompt_text, request_size
 from laswrr.scheduler.routing.router import DEFAULT_POOL, PEER_STAGGER_S, PEER_STALE_S, Router
@@ -335,6 +336,12 @@ def test_a_proxy_waits_before_a_pick_by_its_rank_among_the_proxies_it_hears() ->
     step = PEER_STAGGER_S
     assert [r.stagger_s(DEFAULT_POOL) for r in routers] == [0.0, step, 2 * step, 3 * step, 3 * step]  # at most 3 turns
     c = routers[2]
+    c.first_byte(0.15)  # requests answered in 150 ms: 3 turns at most a tenth of it, 5 ms each
+    assert c.stagger_s(DEFAULT_POOL) == pytest.approx(2 * 0.005)
+    for _ in range(200):
+        c.first_byte(0.003)  # requests answered in 3 ms: a turn of 0.1 ms is none
+    assert c.stagger_s(DEFAULT_POOL) == 0.0 and c.first_byte_s is not None and c.first_byte_s < 0.004
+    c.first_byte_s = None
     assert c.stagger_s("other pool") == 0.0
     assert c.expire_peers(now=PEER_STALE_S + 1) == 4 and c.stagger_s(DEFAULT_POOL) == 0.0  # its peers went silent
     off = Router("la-swrr", 1, proxy_id="C", share=True, peer_stagger_s=0.0)
