@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import heapq
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -255,13 +255,13 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
     queue: list[tuple[float, int, int, object]] = [(r.offset_s, _ARRIVE, i, r) for i, r in enumerate(requests)]
     order = len(queue)
 
-    def schedule(at: float, deliver: Callable[[float], None]) -> None:
+    def push(at: float, kind: int, item: object) -> None:
         nonlocal order
-        heapq.heappush(queue, (at, _DELIVER, order, deliver))
+        heapq.heappush(queue, (at, kind, order, item))
         order += 1
 
     channel = VirtualChannel(routers, ts_ns=lambda now: T0_NS + round(now * 1e9), delay_s=peer_delay_ms / 1000,
-                             schedule=schedule)
+                             schedule=lambda at, deliver: push(at, _DELIVER, deliver))
 
     def owner(spec: RequestSpec) -> int:
         return spec.index % len(names)  # the replica that takes the request
@@ -300,11 +300,6 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
     per_node = dict.fromkeys(engines, 0)
     tick = 0
     weights: list[tuple[float, dict[str, tuple[float, float]]]] = []
-
-    def push(at: float, kind: int, item: object) -> None:
-        nonlocal order
-        heapq.heappush(queue, (at, kind, order, item))
-        order += 1
 
     def wake(node: str, now: float) -> None:
         at = engines[node].next_event_time()
