@@ -18,7 +18,9 @@ over the channel between proxies as the proxies do (docs/design.md, "The channel
 proxies"): a replica's message goes to the others at each of its picks, and every I ms of
 virtual time from each replica whose counts changed otherwise or whose last message is half
 ``peer_stale_ms`` old (``Router.peer_due``); the others take it ``--peer-delay-ms`` later (2,
-the bus's delivery time; 0: at once) and drop a peer silent for ``peer_stale_ms``. The run
+the bus's delivery time; 0: at once) and drop a peer silent for ``peer_stale_ms``. A replica
+picks after its turn (``Router.stagger_s`` with the proxy's default turn, bounded by the
+first-byte times it saw), as a proxy does. The run
 writes ``peers.json`` beside ``virtual.json``: messages, bytes per message as encoded on the
 bus, and bytes per request with the subjects against the request events' (``PeerTraffic``). ``kept`` is the share of the requests continuing an earlier prompt (sharing
 at least two leading trace blocks with it) that went to the node that served it: with several
