@@ -159,13 +159,13 @@ def select(rows: Sequence[TraceRow], window: TraceWindow) -> list[RequestSpec]:
 def spread_bursts(rows: Sequence[TraceRow], end_s: float = float("inf")) -> list[TraceRow]:
     """``rows`` (sorted by arrival) with the rows of each stamp spread evenly over the time to the
     next stamp, in their order: k rows at t, the next stamp at t', arrive at t + (t' - t) * j / k.
-    The last stamp's rows spread up to ``end_s``, or, without one, over the mean step between
-    stamps. For traces whose stamps lost their resolution (Mooncake's conversation trace: ~3 s
+    The last stamp's rows spread over the mean step between stamps, or up to ``end_s`` when that
+    comes sooner. For traces whose stamps lost their resolution (Mooncake's conversation trace: ~3 s
     steps, dozens of requests on one stamp), an arrival pattern as the stamps would have had it
     with the resolution they lost; the order and the count of requests per step are kept."""
     stamps = sorted({r.at_s for r in rows})
-    if len(stamps) < 2 and end_s == float("inf"):
-        return list(rows)
+    if not stamps or (len(stamps) < 2 and end_s == float("inf")):
+        return list(rows)  # nothing to spread (an empty window is load_workload's error to report)
     mean_step = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0
     following = dict(zip(stamps, [*stamps[1:], min(end_s, stamps[-1] + mean_step)]))
     groups: dict[float, list[TraceRow]] = {}

@@ -20,7 +20,7 @@ from laswrr.schemas.peers import PEER_DECODER, PEER_ENCODER, PeerMessage, PeerSt
 # --proxies 4`, laswrr_proxy_peer_lag_seconds): 0.8-1.8 ms on average, P99 at most 5-25 ms.
 # Requests that reach several replicas within it are routed by each without the others' picks: on
 # trace-mooncake (its arrivals come in bursts that share one stamp) every delay from 0.5 to 5 ms
-# gives the same figures, and with it the virtual run agrees with the real stack where at 0 it did
+# gives the same figures when the replicas do not pick in turn (seed 1), and with it the virtual run agrees with the real stack where at 0 it did
 # not (docs/design.md, "Several proxies on the real stack").
 PEER_DELAY_MS = 2.0
 

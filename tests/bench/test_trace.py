@@ -126,3 +126,10 @@ def test_slices_are_leading_lines_of_the_sources() -> None:
     first = json.loads(MOONCAKE.read_text().splitlines()[0])
     assert first == {"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": list(range(14))}
     assert AZURE.read_text().splitlines()[1] == "2023-11-16 18:17:03.9799600,4808,10"
+
+
+def test_an_empty_window_is_a_clear_error_with_spread_bursts_too() -> None:
+    assert spread_bursts([], end_s=5.0) == []
+    window = replace(TRACE_MOONCAKE.trace, start_s=10_000.0, window_s=10.0, spread=True)
+    with pytest.raises(TraceError, match="no rows"):
+        load_workload(window)
