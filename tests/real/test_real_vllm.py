@@ -80,16 +80,26 @@ async def test_collector_reads_the_real_engines_metrics(vllm_engines: Engines, t
             seen = busy[name]
             return seen.get("running", 0) >= 1.0 and seen.get("queue", 0) > 0 and seen.get("kv", 0) > 0
 
+        # The snapshot's running is dead-reckoned from in-flight counts, so it can read full before
+        # any scrape caught the engine at max_num_seqs (a sample between a finish and the next
+        # admission reads running 3, waiting 1): hold the load for several scrapes (0.5 s each)
+        # after each engine has been seen full, on its own /metrics too.
+        saturated = {e.name: False for e in vllm_engines}
         try:
-            deadline = time.monotonic() + 90
-            while time.monotonic() < deadline and not all(full(name) for name in busy):
+            deadline, held = time.monotonic() + 90, None
+            while time.monotonic() < deadline and (held is None or time.monotonic() < held):
                 for name, node in (await stack.nodes()).items():
                     for key in ("queue", "running", "kv"):
                         busy[name][key] = max(busy[name].get(key, 0.0), node["load"][key])
+                for engine in vllm_engines:
+                    own = await asyncio.to_thread(engine_metrics, engine)
+                    saturated[engine.name] |= own.running == engine.max_num_seqs
+                if held is None and all(saturated.values()) and all(full(name) for name in busy):
+                    held = time.monotonic() + 3.0
                 await asyncio.sleep(0.2)
         finally:
             await load.stop()
-        assert all(full(name) for name in busy), busy
+        assert all(full(name) for name in busy) and all(saturated.values()), (busy, saturated)
         assert load.failed == 0 and load.served > 0, load.reasons
         settled = await stack.wait_nodes(lambda ns: all(n["load"]["running"] == 0 and n["load"]["queue"] == 0
                                                         for n in ns.values()), 30, "idle again")
