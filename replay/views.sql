@@ -202,14 +202,21 @@ FROM refusals;
 -- attempt that did. kind: `continued` (a stream broke after the client got part of it and went
 -- on elsewhere) or `retried` (failed before any byte reached the client; non-streamed
 -- requests are retried whole). tokens_before: completion tokens the client had received over
--- the request's attempts up to this one; tokens_after: those the next attempt sent. added_ms:
+-- the request's attempts up to this one (a prefill leg's one token is not sent to the client);
+-- tokens_after: those the next attempt sent. added_ms:
 -- from the break (this attempt's end) to the next attempt's first byte to the client, both
 -- counted by the proxy from the request's arrival. The attempt that took over is the typed
--- `next_attempt` of the finished event; reason is the error text, for people.
+-- `next_attempt` of the finished event; reason is the error text, for people. In a
+-- prefill/decode pool the attempt that takes over may be a new pair's prefill leg, which sends the
+-- client nothing: tokens_after, added_ms and next_outcome are then those of the first attempt
+-- from it on that is not a prefill leg (the new pair's decode leg).
 CREATE OR REPLACE VIEW continuations AS
 WITH numbered AS (
-    SELECT *, sum(coalesce(completion_tokens, 0)) OVER (
-               PARTITION BY request_id ORDER BY started_seq, started_index ROWS UNBOUNDED PRECEDING) AS tokens_so_far
+    SELECT *, sum(CASE WHEN role IS DISTINCT FROM 'prefill' THEN coalesce(completion_tokens, 0) ELSE 0 END) OVER (
+               PARTITION BY request_id ORDER BY started_seq, started_index ROWS UNBOUNDED PRECEDING) AS tokens_so_far,
+           first_value(CASE WHEN role IS DISTINCT FROM 'prefill' THEN attempt_id END IGNORE NULLS) OVER (
+               PARTITION BY request_id ORDER BY started_seq, started_index
+               ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) AS answering
     FROM attempts
 ), taken_over AS (
     SELECT *, next_attempt AS next_id FROM numbered WHERE next_attempt IS NOT NULL
@@ -217,10 +224,11 @@ WITH numbered AS (
 SELECT t.request_id, t.attempt_id, t.next_id AS next_attempt,
        CASE WHEN t.outcome = 'continued' THEN 'continued' ELSE 'retried' END AS kind,
        t.node, n.node AS next_node, t.pool, t.error AS reason,
-       t.tokens_so_far AS tokens_before, n.completion_tokens AS tokens_after,
-       t.duration_ms AS broke_at_ms, n.ttft_ms - t.duration_ms AS added_ms, n.outcome AS next_outcome,
+       t.tokens_so_far AS tokens_before, a.completion_tokens AS tokens_after,
+       t.duration_ms AS broke_at_ms, a.ttft_ms - t.duration_ms AS added_ms, a.outcome AS next_outcome,
        t.finished_seq, t.finished_ts_ns
-FROM taken_over t LEFT JOIN attempts n ON n.attempt_id = t.next_id;
+FROM taken_over t LEFT JOIN numbered n ON n.attempt_id = t.next_id
+LEFT JOIN attempts a ON a.attempt_id = n.answering;
 
 -- Cuts the client saw: outcome router_aborted; streams whose last attempt ended with an
 -- upstream error after the client got part of them (`engine_cut`: an engine died mid-stream and

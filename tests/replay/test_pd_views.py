@@ -52,3 +52,31 @@ def test_a_pair_is_one_request_of_two_attempts_with_roles(tmp_path: Path) -> Non
     assert report["pd"] == {"pair_requests": 2, "decode_only_requests": 0, "prefill_legs": 3,
                             "prefill_legs_not_completed": 1, "decode_legs": 2, "decode_legs_not_completed": 0}
     assert report["zero_interruptions"]
+
+
+def test_a_pair_continued_on_a_new_pair_counts_from_the_new_decode_leg(tmp_path: Path) -> None:
+    """A decode leg broken mid-stream is taken over by a new pair's prefill leg, which sends the
+    client nothing: the continuation's tokens_after, added_ms and next_outcome are the new decode
+    leg's, and the prefill legs' one token is not among the tokens the client had."""
+    log = LogBuilder()
+    for node, role in (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode")):
+        log.add(sj.admin_node(node), {"url": f"http://{node}:8000", "capacity": 4, "role": role, "pd_protocol": "vllm"})
+    log.tick()
+    _leg(log, "p1", "r3", "prefill", completion_tokens=1, duration_ms=40.0)
+    _leg(log, "d1", "r3.1", "decode", "continued", next_attempt="r3.2", error="connection reset mid-stream",
+         ttft_ms=100.0, duration_ms=500.0, completion_tokens=10)
+    _leg(log, "p1", "r3.2", "prefill", "upstream_error", next_attempt="r3.3", error="retried: connection refused",
+         duration_ms=520.0)
+    _leg(log, "p2", "r3.3", "prefill", completion_tokens=1, duration_ms=600.0)
+    _leg(log, "d2", "r3.4", "decode", ttft_ms=650.0, duration_ms=900.0, completion_tokens=6)
+    log.tick()
+    path = tmp_path / "pd-continued.duckdb"
+    log.write_db(path)
+    with store.open_read(path) as con:
+        assert replay_db(con).identical
+        rows = con.execute("SELECT attempt_id, next_attempt, kind, next_node, tokens_before, tokens_after, added_ms, "
+                           "next_outcome FROM continuations ORDER BY attempt_id").fetchall()
+        cut = con.execute("SELECT count(*) FROM interruptions").fetchone()
+    assert rows == [("r3.1", "r3.2", "continued", "p1", 10, 6, 150.0, "completed"),
+                    ("r3.2", "r3.3", "retried", "p2", 10, 6, 130.0, "completed")]
+    assert cut == (0,)
