@@ -339,6 +339,23 @@ def table_header(summary: dict[str, Any]) -> list[str]:
                   "continued (ms P50/P99)", "replay"] + slowed)
 
 
+def _drain_line(drain: dict[str, Any]) -> str:
+    """A drain of the run as `laswrr report` has it: how long to drained, and how long the node
+    stayed draining after its last attempt (a P/D leg counts on its own node) ended."""
+    if drain["by"] is None:
+        return f"{drain['node']} draining, not drained by the end of the run"
+    if drain["by"] == "deadline":
+        return f"{drain['node']} drained by the drain deadline {drain['duration_ms'] / 1000:.2f} s after the drain"
+    last = drain["last_attempt_ts_ns"]
+    if last is None or last <= drain["started_ts_ns"]:
+        return (f"{drain['node']} drained {drain['duration_ms'] / 1000:.2f} s after the drain "
+                "(nothing was in flight on it)")
+    later = drain["later_legs"]
+    return (f"{drain['node']} drained {drain['duration_ms'] / 1000:.2f} s after the drain, "
+            f"{drain['after_last_attempt_ms']:.0f} ms after its last attempt ended"
+            + (f"; {later} legs of its requests ended elsewhere after that" if later else ""))
+
+
 def _slowed_cell(slowed: dict[str, Any] | None) -> str:
     if not slowed:
         return "—"
@@ -398,6 +415,8 @@ def print_table(summary: dict[str, Any]) -> None:
                           f"{100 * (c['share_of_event_bytes'] or 0):.0f} % of the request events' {c['event_bytes']} B"
                           + (f"; taken {c['lag']['mean_s'] * 1000:.1f} ms after they were sent on average "
                              f"(P99 <= {c['lag']['p99_le_s'] * 1000:g} ms)" if c.get("lag") else ""))
+        for drain in (s.get("report") or {}).get("drains") or []:
+            console.print(f"  {policy}: {_drain_line(drain)}")
         t = s.get("tenants")
         if t:
             keys = ", ".join(f"{k} {v['goodput_tps']:.0f}/{v['fair_tps']:.0f}" for k, v in t["per_key"].items())

@@ -390,10 +390,18 @@ PD_LONG_PROMPTS = replace(PD, name="pd-long-prompts", rate_rps=1.4,
                           description=PD.description + "; prompts of median 8,000 tokens: the half-speed prefill "
                                                        "node cannot take half of them")
 
+PD_PREFILL_DRAIN = replace(PD_LONG_PROMPTS, name="pd-prefill-drain",
+                           description="a prefill/decode pool: 2 prefill + 2 decode 910B, prefill p2 at half speed "
+                                       "throughout and drained mid-run (lb.admin.drain: laswrr drains it; a peer "
+                                       "router cannot be told); prompts of median 8,000 tokens, so that the drain "
+                                       "finds prefill legs on p2",
+                           actions=(Action(0.0, "slowdown", "p2", 2.0, label="p2 at half speed"),
+                                    Action(12.0, "drain", "p2", None, label="p2 drained")))
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s for s in (ANNOUNCED_DROP, SILENT_SLOWDOWN, SILENT_SLOWDOWN_MINDIE, NPU_FAULT_MINDIE,
                         HETEROGENEOUS, CRASH_RETURN, BURSTY, OVERLOAD, TRACE_MOONCAKE,
-                        TRACE_AZURE_CODE, PD, PD_SGLANG, PD_LONG_PROMPTS, SMOKE, SMOKE_TRACE)
+                        TRACE_AZURE_CODE, PD, PD_SGLANG, PD_LONG_PROMPTS, PD_PREFILL_DRAIN, SMOKE, SMOKE_TRACE)
 }
 TEST_SCENARIOS = frozenset({SMOKE.name, SMOKE_TRACE.name})  # tiny, for tests: not in ``--scenario all``
 

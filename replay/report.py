@@ -146,8 +146,10 @@ def _count(con: duckdb.DuckDBPyConnection, sql: str) -> int:
 def drains(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
     rows = con.execute(
         "SELECT node, pool, started_seq, started_ts_ns, started_cause, started_reason, drained_ts_ns, duration_ms, "
-        "drained_by FROM drains ORDER BY started_seq, node").fetchall()
-    keys = ("node", "pool", "started_seq", "started_ts_ns", "cause", "reason", "drained_ts_ns", "duration_ms", "by")
+        "drained_by, last_attempt_ts_ns, after_last_attempt_ms, later_legs FROM drains ORDER BY started_seq, node"
+    ).fetchall()
+    keys = ("node", "pool", "started_seq", "started_ts_ns", "cause", "reason", "drained_ts_ns", "duration_ms", "by",
+            "last_attempt_ts_ns", "after_last_attempt_ms", "later_legs")
     return [dict(zip(keys, row)) for row in rows]
 
 
@@ -209,10 +211,11 @@ def render(report: dict[str, Any]) -> None:
                   f"{report['rejected_inputs']} rejected inputs")
     if report["drains"]:
         drain_table = Table(title="drains", show_header=True)
-        for column in ("node", "pool", "started seq", "reason", "duration ms", "by"):
+        for column in ("node", "pool", "started seq", "reason", "duration ms", "by", "after last attempt ms"):
             drain_table.add_column(column)
         for drain in report["drains"]:
             duration = "-" if drain["duration_ms"] is None else f"{drain['duration_ms']:.1f}"
+            idle = "-" if drain["after_last_attempt_ms"] is None else f"{drain['after_last_attempt_ms']:.1f}"
             drain_table.add_row(drain["node"], drain["pool"], str(drain["started_seq"]), drain["reason"] or drain["cause"] or "",
-                                duration, drain["by"] or "not drained")
+                                duration, drain["by"] or "not drained", idle)
         console.print(drain_table)

@@ -309,6 +309,12 @@ QUALIFY row_number() OVER (PARTITION BY m.node, m.as_of_seq, m.to_phase ORDER BY
 -- Drains: from a node entering `draining` to its next phase change, when that is `drained`.
 -- drained_by = 'inflight' when in-flight reached 0, 'deadline' when the drain deadline cut it
 -- short (the phase change's cause `drain_deadline`). The reasons are text for people.
+-- last_attempt_ts_ns: the end of the last attempt (a P/D pair's leg counts on its own node) that
+-- finished on the node by the drained input; after_last_attempt_ms: from that end, or from the
+-- drain's start when the node had nothing left then, to drained (NULL unless drained by
+-- in-flight): how long the node stayed draining with nothing on it. later_legs: attempts of the
+-- requests the node served while draining that ran on other nodes and ended after it turned
+-- drained (a P/D pair's decode leg, which its prefill node does not wait for).
 CREATE OR REPLACE VIEW drains AS
 SELECT s.node, s.pool, s.as_of_seq AS started_seq, s.ts_ns AS started_ts_ns, s.cause AS started_cause,
        s.reason AS started_reason,
@@ -316,7 +322,11 @@ SELECT s.node, s.pool, s.as_of_seq AS started_seq, s.ts_ns AS started_ts_ns, s.c
        (d.ts_ns - s.ts_ns) / 1e6 AS duration_ms,
        CASE WHEN d.node IS NULL THEN NULL
             WHEN d.cause = 'drain_deadline' THEN 'deadline' ELSE 'inflight' END AS drained_by,
-       d.cause AS drained_cause, d.reason AS drained_reason
+       d.cause AS drained_cause, d.reason AS drained_reason,
+       l.last_ts_ns AS last_attempt_ts_ns,
+       CASE WHEN d.node IS NOT NULL AND d.cause IS DISTINCT FROM 'drain_deadline'
+            THEN (d.ts_ns - greatest(s.ts_ns, coalesce(l.last_ts_ns, s.ts_ns))) / 1e6 END AS after_last_attempt_ms,
+       o.later_legs AS later_legs
 FROM phase_marks s
 LEFT JOIN LATERAL (
     SELECT * FROM phase_marks m
@@ -325,6 +335,16 @@ LEFT JOIN LATERAL (
     ORDER BY m.as_of_seq, m.out_seq LIMIT 1
 ) n ON true
 LEFT JOIN phase_marks d ON d.node = n.node AND d.out_seq = n.out_seq AND d.to_phase = 'drained'
+LEFT JOIN LATERAL (
+    SELECT max(a.finished_ts_ns) AS last_ts_ns FROM attempts a
+    WHERE a.node = s.node AND a.finished_seq <= d.as_of_seq
+) l ON true
+LEFT JOIN LATERAL (
+    SELECT count(DISTINCT o.attempt_id) AS later_legs FROM attempts a JOIN attempts o
+        ON o.request_id = a.request_id AND o.node <> a.node
+    WHERE a.node = s.node AND a.finished_seq BETWEEN s.as_of_seq AND d.as_of_seq
+      AND (o.finished_seq IS NULL OR o.finished_seq > d.as_of_seq)
+) o ON d.node IS NOT NULL
 WHERE s.to_phase = 'draining';
 
 -- Every input the scheduler rejected (lb.out.rejected), once, at the input's time: input_seq

@@ -80,3 +80,31 @@ def test_a_pair_continued_on_a_new_pair_counts_from_the_new_decode_leg(tmp_path:
     assert rows == [("r3.1", "r3.2", "continued", "p1", 10, 6, 150.0, "completed"),
                     ("r3.2", "r3.3", "retried", "p2", 10, 6, 130.0, "completed")]
     assert cut == (0,)
+
+
+def test_a_drained_prefill_node_is_drained_at_its_own_last_leg(tmp_path: Path) -> None:
+    """The drains view measures a prefill node's drain against its own legs: drained on the input
+    that ends its last prefill leg (after_last_attempt_ms 0), while the pair's decode leg runs on."""
+    log = LogBuilder()
+    for node, role in (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode")):
+        log.add(sj.admin_node(node), {"url": f"http://{node}:8000", "capacity": 4, "role": role, "pd_protocol": "vllm"})
+    log.tick()
+    log.add(sj.req_started("p1"), {"request_id": "r5", "proxy": "px", "role": "prefill"})
+    drain_seq = log.add(sj.admin_drain("p1"))
+    log.tick(after_ms=30)
+    leg_end = log.add(sj.req_finished("p1"), {"request_id": "r5", "proxy": "px", "outcome": "completed",
+                                              "role": "prefill", "completion_tokens": 1}, after_ms=40)
+    log.add(sj.req_started("d1"), {"request_id": "r5.1", "proxy": "px", "role": "decode"})
+    log.tick(after_ms=30)
+    log.add(sj.req_finished("d1"), {"request_id": "r5.1", "proxy": "px", "outcome": "completed", "role": "decode",
+                                    "ttft_ms": 90.0, "completion_tokens": 8}, after_ms=200)
+    log.tick()
+    path = tmp_path / "pd-drain.duckdb"
+    log.write_db(path)
+    with store.open_read(path) as con:
+        assert replay_db(con).identical
+        drains = con.execute("SELECT node, started_seq, drained_seq, drained_by, after_last_attempt_ms, "
+                             "later_legs FROM drains").fetchall()
+        decode_end = con.execute("SELECT finished_seq FROM attempts WHERE attempt_id = 'r5.1'").fetchone()
+    assert drains == [("p1", drain_seq, leg_end, "inflight", 0.0, 1)]  # r5.1 ended after p1 turned drained
+    assert decode_end is not None and decode_end[0] > leg_end

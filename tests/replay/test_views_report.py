@@ -148,8 +148,9 @@ def test_report_json_counts(crafted: tuple[Path, dict[str, int]], capsys: pytest
                                    "interrupted", "open", "admitted_to_draining", "zero_interruptions")} == {
         "requests": 8, "completed": 3, "client_cancelled": 1, "upstream_error": 1, "router_aborted": 1,
         "interrupted": 3, "open": 1, "admitted_to_draining": 1, "zero_interruptions": False}
-    assert [(d["node"], d["by"], d["duration_ms"]) for d in report["drains"]] == [("b", "inflight", 22.0),
-                                                                               ("a", "deadline", 100.0)]
+    assert [(d["node"], d["by"], d["duration_ms"], d["after_last_attempt_ms"]) for d in report["drains"]] == [
+        ("b", "inflight", 22.0, 0.0),  # drained on the input that ended its last request
+        ("a", "deadline", 100.0, None)]  # cut short with r8 in flight
     assert main(["report", "--db", str(path)]) == 0
     table = capsys.readouterr().out
     assert "admitted_to_draining" in table and "deadline" in table
