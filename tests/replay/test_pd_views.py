@@ -20,11 +20,25 @@ def _leg(log: LogBuilder, node: str, attempt: str, role: str, outcome: str = "co
                                     **finished}, after_ms=50)
 
 
-def test_a_pair_is_one_request_of_two_attempts_with_roles(tmp_path: Path) -> None:
+def _vllm_pool(**roles: str) -> LogBuilder:
+    """A log whose first inputs register ``node=role`` of a vllm P/D pool, and a tick."""
     log = LogBuilder()
-    for node, role in (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode")):
+    for node, role in roles.items():
         log.add(sj.admin_node(node), {"url": f"http://{node}:8000", "capacity": 4, "role": role, "pd_protocol": "vllm"})
     log.tick()
+    return log
+
+
+def _written(log: LogBuilder, path: Path, *queries: str) -> list[list[tuple[Any, ...]]]:
+    """Write ``log`` to ``path``, check that it replays exactly, and run ``queries`` on it."""
+    log.write_db(path)
+    with store.open_read(path) as con:
+        assert replay_db(con).identical
+        return [con.execute(sql).fetchall() for sql in queries]
+
+
+def test_a_pair_is_one_request_of_two_attempts_with_roles(tmp_path: Path) -> None:
+    log = _vllm_pool(p1="prefill", p2="prefill", d1="decode")
     _leg(log, "p1", "r1", "prefill", completion_tokens=1)
     _leg(log, "d1", "r1.1", "decode", ttft_ms=120.0, completion_tokens=16)
     _leg(log, "p1", "r2", "prefill", "upstream_error", next_attempt="r2.1", error="retried: connection reset")
@@ -58,10 +72,7 @@ def test_a_pair_continued_on_a_new_pair_counts_from_the_new_decode_leg(tmp_path:
     """A decode leg broken mid-stream is taken over by a new pair's prefill leg, which sends the
     client nothing: the continuation's tokens_after, added_ms and next_outcome are the new decode
     leg's, and the prefill legs' one token is not among the tokens the client had."""
-    log = LogBuilder()
-    for node, role in (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode")):
-        log.add(sj.admin_node(node), {"url": f"http://{node}:8000", "capacity": 4, "role": role, "pd_protocol": "vllm"})
-    log.tick()
+    log = _vllm_pool(p1="prefill", p2="prefill", d1="decode", d2="decode")
     _leg(log, "p1", "r3", "prefill", completion_tokens=1, duration_ms=40.0)
     _leg(log, "d1", "r3.1", "decode", "continued", next_attempt="r3.2", error="connection reset mid-stream",
          ttft_ms=100.0, duration_ms=500.0, completion_tokens=10)
@@ -70,25 +81,18 @@ def test_a_pair_continued_on_a_new_pair_counts_from_the_new_decode_leg(tmp_path:
     _leg(log, "p2", "r3.3", "prefill", completion_tokens=1, duration_ms=600.0)
     _leg(log, "d2", "r3.4", "decode", ttft_ms=650.0, duration_ms=900.0, completion_tokens=6)
     log.tick()
-    path = tmp_path / "pd-continued.duckdb"
-    log.write_db(path)
-    with store.open_read(path) as con:
-        assert replay_db(con).identical
-        rows = con.execute("SELECT attempt_id, next_attempt, kind, next_node, tokens_before, tokens_after, added_ms, "
-                           "next_outcome FROM continuations ORDER BY attempt_id").fetchall()
-        cut = con.execute("SELECT count(*) FROM interruptions").fetchone()
+    rows, cut = _written(log, tmp_path / "pd-continued.duckdb",
+                         "SELECT attempt_id, next_attempt, kind, next_node, tokens_before, tokens_after, added_ms, "
+                         "next_outcome FROM continuations ORDER BY attempt_id", "SELECT count(*) FROM interruptions")
     assert rows == [("r3.1", "r3.2", "continued", "p1", 10, 6, 150.0, "completed"),
                     ("r3.2", "r3.3", "retried", "p2", 10, 6, 130.0, "completed")]
-    assert cut == (0,)
+    assert cut == [(0,)]
 
 
 def test_a_drained_prefill_node_is_drained_at_its_own_last_leg(tmp_path: Path) -> None:
     """The drains view measures a prefill node's drain against its own legs: drained on the input
     that ends its last prefill leg (after_last_attempt_ms 0), while the pair's decode leg runs on."""
-    log = LogBuilder()
-    for node, role in (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode")):
-        log.add(sj.admin_node(node), {"url": f"http://{node}:8000", "capacity": 4, "role": role, "pd_protocol": "vllm"})
-    log.tick()
+    log = _vllm_pool(p1="prefill", p2="prefill", d1="decode")
     log.add(sj.req_started("p1"), {"request_id": "r5", "proxy": "px", "role": "prefill"})
     drain_seq = log.add(sj.admin_drain("p1"))
     log.tick(after_ms=30)
@@ -99,12 +103,8 @@ def test_a_drained_prefill_node_is_drained_at_its_own_last_leg(tmp_path: Path) -
     log.add(sj.req_finished("d1"), {"request_id": "r5.1", "proxy": "px", "outcome": "completed", "role": "decode",
                                     "ttft_ms": 90.0, "completion_tokens": 8}, after_ms=200)
     log.tick()
-    path = tmp_path / "pd-drain.duckdb"
-    log.write_db(path)
-    with store.open_read(path) as con:
-        assert replay_db(con).identical
-        drains = con.execute("SELECT node, started_seq, drained_seq, drained_by, after_last_attempt_ms, "
-                             "later_legs FROM drains").fetchall()
-        decode_end = con.execute("SELECT finished_seq FROM attempts WHERE attempt_id = 'r5.1'").fetchone()
+    drains, decode_end = _written(log, tmp_path / "pd-drain.duckdb",
+                                  "SELECT node, started_seq, drained_seq, drained_by, after_last_attempt_ms, later_legs "
+                                  "FROM drains", "SELECT finished_seq FROM attempts WHERE attempt_id = 'r5.1'")
     assert drains == [("p1", drain_seq, leg_end, "inflight", 0.0, 1)]  # r5.1 ended after p1 turned drained
-    assert decode_end is not None and decode_end[0] > leg_end
+    assert decode_end[0][0] > leg_end
