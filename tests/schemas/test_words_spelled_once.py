@@ -23,7 +23,7 @@ from laswrr.services.dashboard.board import PHASE_MARKS
 
 ROOT = Path(__file__).resolve().parents[2]
 ENUMS: list[type[StrEnum]] = [words.RequestOutcome, words.Phase, words.Trigger, words.DrainCause, words.EjectCause,
-                              words.PhaseCause, words.NpuHealth, words.RejectCause]
+                              words.PhaseCause, words.NpuHealth, words.RejectCause, words.NodeRole]
 CHECKED = {member.value for enum in (words.Phase, words.NpuHealth, words.PhaseCause, words.RejectCause)
            for member in enum}
 SUBJECTS = {value for name, value in vars(sj).items() if name.isupper() and isinstance(value, str)
