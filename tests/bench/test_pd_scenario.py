@@ -48,3 +48,18 @@ def test_the_drain_leaves_the_engine_and_its_true_capacity_alone() -> None:
     assert true_capacity_changes(PD) == []
     with pytest.raises(ValueError, match="does not model prefill/decode pools"):
         check_timeline(PD)
+
+
+def test_a_drain_line_says_how_long_after_the_nodes_own_last_attempt() -> None:
+    from laswrr.bench.report import _drain_line
+
+    base = {"node": "p2", "started_ts_ns": 1_000, "duration_ms": 1360.0, "after_last_attempt_ms": 0.0}
+    assert _drain_line({**base, "by": "inflight", "last_attempt_ts_ns": 5_000, "later_legs": 2}) == (
+        "p2 drained 1.36 s after the drain, 0 ms after its last attempt ended; 2 legs of its requests ended "
+        "elsewhere after that")
+    assert _drain_line({**base, "by": "inflight", "last_attempt_ts_ns": 900, "later_legs": 0}) == (
+        "p2 drained 1.36 s after the drain (nothing was in flight on it)")
+    assert _drain_line({**base, "by": "deadline", "last_attempt_ts_ns": 5_000, "later_legs": 0}) == (
+        "p2 drained by the drain deadline 1.36 s after the drain")
+    assert _drain_line({**base, "by": None, "last_attempt_ts_ns": None, "later_legs": None}) == (
+        "p2 draining, not drained by the end of the run")
