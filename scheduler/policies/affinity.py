@@ -92,7 +92,7 @@ def rendezvous(key: int, node: str) -> int:
     return zlib.crc32(node.encode(), key)
 
 
-def guard_allows(tokens_a: int, weight_a: int, tokens_c: int, weight_c: int, cost: int) -> bool:
+def guard_allows(tokens_a: float, weight_a: float, tokens_c: float, weight_c: float, cost: float) -> bool:
     """The guard above: A (now) is lighter per unit of weight than C after taking ``cost``."""
     return tokens_a * weight_c < (tokens_c + cost) * weight_a
 
@@ -102,7 +102,10 @@ class Affinity:
     """What a work-aware pick needs: the preference order, each node's load, the request's cost.
 
     A node's load is ``backlog[n] + mean * counts[n]``; the request's cost on it ``costs[n]``,
-    or ``cost`` where it holds no more of the prefix than every node does."""
+    or ``cost`` where it holds no more of the prefix than every node does. ``speed`` (a P/D pool's
+    prefill pick only; empty: every node alike) is a node's measured prefill speed relative to the
+    fastest eligible one (0 < speed <= 1, a node not named: 1): its load and the request's cost
+    there count as tokens of the fastest node, i.e. as time (``LaSwrr.pick``, "Prefill speed")."""
 
     preferred: Sequence[str]
     backlog: Mapping[str, int]
@@ -110,9 +113,14 @@ class Affinity:
     costs: Mapping[str, int] = field(default_factory=dict)
     counts: Mapping[str, int] = field(default_factory=dict)
     mean: int = 0
+    speed: Mapping[str, float] = field(default_factory=dict)
 
     def load(self, node: str) -> int:
         return self.backlog.get(node, 0) + self.mean * self.counts.get(node, 0)
+
+    def timed(self, node: str, tokens: int) -> float:
+        """``tokens`` of work on ``node`` in the fastest node's tokens (``speed``)."""
+        return tokens / self.speed.get(node, 1.0)
 
     def cost_on(self, node: str) -> int:
         return self.costs.get(node, self.cost)

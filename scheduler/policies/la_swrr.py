@@ -40,6 +40,16 @@ node's SWRR share; a node's debt is capped at one round (cw >= -total, the exces
 leader), so a run of affinity picks cannot starve it of its turns later (the cap applies to
 affinity picks only: without them every accumulator moves exactly as above). With no preferred node
 (or none passing the guard) the pick is exactly the one above.
+
+**Prefill speed** (a P/D pool's prefill pick, when the proxy has measured its prefill nodes at
+different speeds: ``Affinity.speed``). A prefill node's weight is its capacity, not how fast it
+prefills, and a node that prefills at half speed while nothing queues on it looks as light as
+the others: the rotation would give it its share of long prompts, each taking twice as long
+before its first token. With speeds, load and cost are divided by the node's speed (work in the
+fastest node's tokens, i.e. time), and an idle leader keeps the request only if it is at least
+as fast as the node the referee found: a request goes to the slower node when the faster one's
+work ahead of it exceeds what the slower one loses on the request itself. Without speeds (every
+other pool, and a P/D pool until two prefill nodes differ) nothing changes.
 """
 
 from __future__ import annotations
@@ -113,6 +123,8 @@ class LaSwrr:
         """(the pick, the work referee's pick): the referee, then the guarded preference."""
         swrr = self.swrr
         nodes, weights, cw = swrr.nodes, swrr.weights, swrr.cw
+        if affinity.speed:
+            return self._weigh_timed(affinity, lead, active)
         backlog, counts, mean = affinity.backlog, affinity.counts, affinity.mean
         costs, base = affinity.costs, affinity.cost
         best = -1
@@ -128,11 +140,39 @@ class LaSwrr:
                 best, best_load, best_after, best_weight = i, load, after, weights[i]
         lead_idle = lead_after == costs.get(nodes[lead], base)  # no load on the leader: it keeps the request
         chosen = best if not lead_idle and lead_after * best_weight > best_after * weights[lead] else lead
+        return self._prefer(affinity, active, chosen, best_load, best_after, best_weight), chosen
+
+    def _weigh_timed(self, affinity: Affinity, lead: int, active: list[int]) -> tuple[int, int]:
+        """``_weigh`` with the nodes' prefill speeds (module doc, "Prefill speed")."""
+        swrr = self.swrr
+        nodes, weights, cw = swrr.nodes, swrr.weights, swrr.cw
+        best = -1
+        best_load = best_after = lead_after = lead_load = 0.0
+        best_weight = 0
+        for i in active:  # least (load + cost) / (speed w); ties: higher accumulator, then list order
+            node = nodes[i]
+            load = affinity.timed(node, affinity.load(node))
+            after = load + affinity.timed(node, affinity.cost_on(node))
+            if i == lead:
+                lead_after, lead_load = after, load
+            lhs, rhs = after * best_weight, best_after * weights[i]
+            if best < 0 or lhs < rhs or (lhs == rhs and cw[i] > cw[best]):
+                best, best_load, best_after, best_weight = i, load, after, weights[i]
+        speed = affinity.speed
+        lead_idle = lead_load == 0 and speed.get(nodes[lead], 1.0) >= speed.get(nodes[best], 1.0)
+        chosen = best if not lead_idle and lead_after * best_weight > best_after * weights[lead] else lead
+        return self._prefer(affinity, active, chosen, best_load, best_after, best_weight), chosen
+
+    def _prefer(self, affinity: Affinity, active: list[int], chosen: int, best_load: float, best_after: float,
+                best_weight: int) -> int:
+        """The first preferred node that is eligible and passes the guard, else ``chosen``."""
         if affinity.preferred:
-            index, eligible = swrr.index, set(active)
+            swrr = self.swrr
+            index, weights, eligible = swrr.index, swrr.weights, set(active)
             for node in affinity.preferred:
                 i = index.get(node, -1)
-                if i in eligible and guard_allows(affinity.load(node), weights[i], best_load, best_weight,
+                if i in eligible and guard_allows(affinity.timed(node, affinity.load(node)) if affinity.speed
+                                                  else affinity.load(node), weights[i], best_load, best_weight,
                                                   best_after - best_load):
-                    return i, chosen
-        return chosen, chosen
+                    return i
+        return chosen

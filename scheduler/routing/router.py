@@ -73,7 +73,12 @@ Rules:
   role; the first ``admit`` of a request picks its prefill node (affinity, backlog and flow
   limits as above; ``Admission.role`` prefill, with the pool's protocol and the node's bootstrap
   port) and ``admit(..., role=decode)`` its decode node with the decode role's own policy (no
-  affinity, never held). A ``both`` node in a P/D pool is picked by neither role.
+  affinity, never held). A ``both`` node in a P/D pool is picked by neither role. The proxy
+  reports each prefill leg's time (``prefill_done``): per prefill node, a moving average of its
+  rate (the prefill work it had at the pick over the leg's time), and a node measured below
+  ``PREFILL_SPEED_ALIKE`` of the fastest one has its work counted as time in the prefill pick
+  (``Affinity.speed``; LA-SWRR, "Prefill speed"): a silently slow prefill node, which queues
+  nothing at low load and so keeps its weight, no longer gets its share of long prompts.
 * **Seeds.** Each pool's policy is seeded from the proxy's seed and the pool name, so replicas
   (different proxy ids) start their SWRR/P2C sequences at different points (docs/algorithm.md
   §5, "Seeded warm-up").
@@ -110,6 +115,11 @@ PEER_STAGGER_RANKS = 3  # ranks beyond this wait as long as this one: the wait i
 PEER_STAGGER_SHARE = 0.1  # the whole wait (3 turns) at most this share of the pool's first-byte time (first_byte)
 PEER_STAGGER_MIN_S = 0.0005  # a turn shorter than this is no wait at all
 FIRST_BYTE_WEIGHT = 0.05  # the weight of each request's first-byte time in the moving average
+# A P/D pool's prefill speeds (``prefill_done``, "Prefill/decode pairs" above)
+PREFILL_RATE_WEIGHT = 0.3  # the weight of each prefill leg's rate in its node's moving average
+PREFILL_RATE_MIN_TOKENS = 256  # a leg with less work than this says more about the round trip than the rate
+PREFILL_RATE_DRIFT = 0.02  # each prefill pick elsewhere moves a node's rate this share back toward the fastest's
+PREFILL_SPEED_ALIKE = 0.8  # a node at least this share of the fastest's rate counts as fast as it
 
 _DECODE_SEED = 0x5EED_DEC0DE  # the decode role's policy starts elsewhere than the prefill role's
 
@@ -136,6 +146,7 @@ class Admission:
     role: NodeRole | None = None  # a P/D pool's leg: prefill (the first admission) or decode; None: whole
     protocol: PdProtocol | None = None  # a P/D pool's protocol (with ``role``)
     bootstrap_port: int | None = None  # an sglang prefill node's bootstrap server port (its registration's)
+    work: int = 0  # a prefill leg's: its node's prefill backlog at the pick plus its own (``prefill_done``)
 
 
 @dataclass(slots=True)
@@ -273,6 +284,7 @@ class Router:
         # the IO side's hook, called with the pool after each admission while sharing: a pick is
         # told to the peers at once (a release or a first byte waits for the interval)
         self.on_pick: Callable[[str], None] | None = None
+        self.prefill_rate: dict[str, float] = {}  # node -> a P/D prefill node's measured tokens/s (``prefill_done``)
 
     # -- snapshots ----------------------------------------------------------------------------
 
@@ -356,7 +368,9 @@ class Router:
         keys: list[int] = []
         if index is not None and prompt and size is not None:
             keys = index.keys(prompt)
-            affinity = self._work(index, keys, size, [n for n in targets if n not in exclude])
+            eligible = [n for n in targets if n not in exclude]
+            speed = self._speeds(eligible) if route.pd_protocol is not None and not decode and self.prefill_rate else {}
+            affinity = self._work(index, keys, size, eligible, speed)
         node = policy.pick(PickContext(self.load, exclude, affinity))
         if node is None:
             return None
@@ -384,6 +398,9 @@ class Router:
             admission = Admission(pool, node, view.url, route.snapshot.as_of_seq, size, backlog, listed(view),
                                   NodeRole.DECODE if decode else NodeRole.PREFILL, route.pd_protocol,
                                   view.bootstrap_port if isinstance(view.bootstrap_port, int) else None)
+            if not decode and affinity is not None:
+                admission.work = affinity.backlog.get(node, 0) + backlog
+                self._drift(node, targets)
         if backlog:
             self.backlog[node] = self.backlog.get(node, 0) + backlog
         self.total_inflight += 1
@@ -411,7 +428,8 @@ class Router:
     def mean_prompt(self) -> int:
         return self.sized_prompt_tokens // self.sized if self.sized else 0
 
-    def _work(self, index: PrefixIndex, keys: list[int], size: RequestSize, eligible: list[str]) -> Affinity:
+    def _work(self, index: PrefixIndex, keys: list[int], size: RequestSize, eligible: list[str],
+              speed: dict[str, float]) -> Affinity:
         """The request's cost on each eligible node and each node's load (see the module docstring)."""
         self.sized += 1
         self.sized_prompt_tokens += size.prompt_tokens
@@ -425,7 +443,40 @@ class Router:
             backlog = dict(self.peer_backlog)
             for node, tokens in self.backlog.items():
                 backlog[node] = backlog.get(node, 0) + tokens
-        return Affinity(preferred, backlog, max(0, prompt - floor * block) + mean, costs, self.load, mean)
+        return Affinity(preferred, backlog, max(0, prompt - floor * block) + mean, costs, self.load, mean, speed)
+
+    def _speeds(self, eligible: list[str]) -> dict[str, float]:
+        """The eligible prefill nodes' speeds relative to the fastest measured one (``Affinity.speed``):
+        only the nodes below ``PREFILL_SPEED_ALIKE`` of it (empty: all alike, the pick as without).
+        A node never measured counts as fast: its first legs measure it."""
+        rates = [self.prefill_rate[n] for n in eligible if n in self.prefill_rate]
+        fastest = max(rates, default=0.0)
+        if not fastest:
+            return {}
+        return {n: rate / fastest for n in eligible
+                if (rate := self.prefill_rate.get(n, fastest)) < PREFILL_SPEED_ALIKE * fastest}
+
+    def _drift(self, picked: str, targets: dict[str, NodeView]) -> None:
+        """After a prefill pick, every other measured node's rate moves ``PREFILL_RATE_DRIFT`` back
+        toward the fastest's: a node that gets no legs because it measured slow is tried again
+        in time, and measured afresh (an engine that recovered is not avoided forever)."""
+        rates = self.prefill_rate
+        fastest = max((rates[n] for n in targets if n in rates), default=0.0)
+        for node in targets:
+            rate = rates.get(node)
+            if rate is not None and node != picked and rate < fastest:
+                rates[node] = rate + PREFILL_RATE_DRIFT * (fastest - rate)
+
+    def prefill_done(self, admission: Admission, seconds: float) -> None:
+        """A P/D pair's prefill leg answered ``seconds`` after it was sent: its node's rate, the
+        prefill work it had at the pick (``Admission.work``: its backlog and this leg's uncached
+        prompt) over that time, joins the node's moving average (``prefill_rate``). Legs with
+        less work than ``PREFILL_RATE_MIN_TOKENS`` say nothing (the round trip dominates)."""
+        if admission.role != NodeRole.PREFILL or admission.work < PREFILL_RATE_MIN_TOKENS or seconds <= 0:
+            return
+        rate = admission.work / seconds
+        mean = self.prefill_rate.get(admission.node)
+        self.prefill_rate[admission.node] = rate if mean is None else mean + PREFILL_RATE_WEIGHT * (rate - mean)
 
     def prefilled(self, admission: Admission) -> None:
         """The engine sent the admission's first byte: its prompt has left the node's prefill backlog."""

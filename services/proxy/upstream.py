@@ -382,6 +382,7 @@ class Forwarder:
                 except pd.PdBodyError as exc:  # a prefill engine without its KV connector: another may have one
                     result = Failed(reason=str(exc), status=state.status)
             if not isinstance(result, Failed):
+                self.router.prefill_done(admission, time.perf_counter() - state.started)
                 usage = result[1]
                 self._finish(attempt_id, admission, Attempt(outcome=RequestOutcome.COMPLETED, status=state.status,
                                                             duration_ms=duration, prompt_tokens=usage[0],
@@ -440,6 +441,7 @@ class Forwarder:
                                                             duration_ms=_ms(time.perf_counter() - exchange.arrived),
                                                             error=result.reason))
             return result
+        self.router.prefill_done(admission, time.perf_counter() - state.started)
         usage = result[1]
         self._finish(leg.attempt_id, admission, Attempt(outcome=RequestOutcome.COMPLETED, status=state.status,
                                                         duration_ms=_ms(time.perf_counter() - exchange.arrived),

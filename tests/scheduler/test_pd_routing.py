@@ -149,3 +149,61 @@ def test_the_prefill_pick_weighs_the_prefill_backlog_the_proxies_share() -> None
     assert alone == {"p1": 4, "p2": 4} and alone_decodes == {"d1": 4, "d2": 4}
     shared, shared_decodes = picks({"p1": 40_000})  # another proxy's prompts wait on p1
     assert shared == {"p2": 8} and shared_decodes == {"d1": 4, "d2": 4}
+
+
+def _long_prompt_picks(router: Router, count: int) -> Counter[str]:
+    """``count`` long prompts, each alone on an idle pool (released before the next)."""
+    picks = Counter[str]()
+    for k in range(count):
+        seen = prompt_text(None, f"{router.sized} " + "x" * 32_000)  # no prefix shared with another
+        first = router.admit(DEFAULT_POOL, prompt=seen, size=request_size(seen, 16, None))
+        assert first is not None and first.role == NodeRole.PREFILL
+        picks[first.node] += 1
+        router.release(first)
+    return picks
+
+
+def _equal_prefill_pool(router: Router) -> None:
+    router.offer(snap(1, view("p1", 4.0, NodeRole.PREFILL), view("p2", 4.0, NodeRole.PREFILL),
+                      view("d1", 4.0, NodeRole.DECODE)), now=0.0)
+
+
+def test_a_prefill_node_measured_at_half_speed_gets_no_long_prompt_while_the_fast_one_is_idle() -> None:
+    router = Router("la-swrr", seed=1)
+    _equal_prefill_pool(router)
+    assert _long_prompt_picks(router, 10) == {"p1": 5, "p2": 5}  # unmeasured: the rotation, as without speeds
+    for node, seconds in (("p1", 0.5), ("p2", 1.0)):  # 8,000 tokens each, p2 twice as long
+        leg = router.admit(DEFAULT_POOL, tried=["p2" if node == "p1" else "p1"])
+        assert leg is not None and leg.node == node
+        leg.work = 8_000
+        router.prefill_done(leg, seconds)
+        router.release(leg)
+    assert router.prefill_rate == {"p1": 16_000.0, "p2": 8_000.0}
+    picks = _long_prompt_picks(router, 10)
+    assert picks["p1"] >= 9  # idle p1 finishes first; p2 gets a probe once the drift brought it back
+    # p1 busy with more work than the request: the slower p2 now finishes first
+    busy = router.admit(DEFAULT_POOL, tried=["p2"], prompt=b"y" * 64_000, size=request_size(b"y" * 64_000, 16, None))
+    assert busy is not None and busy.node == "p1"
+    assert _long_prompt_picks(router, 1) == {"p2": 1}
+
+
+def test_prefill_rates_come_from_legs_with_work_and_alike_nodes_keep_the_rotation() -> None:
+    router = Router("la-swrr", seed=1)
+    _equal_prefill_pool(router)
+    leg = router.admit(DEFAULT_POOL)
+    assert leg is not None
+    leg.work = 100  # the round trip, not the rate
+    router.prefill_done(leg, 0.01)
+    assert router.prefill_rate == {}
+    leg.work = 9_000
+    router.prefill_done(leg, 1.0)
+    router.prefill_done(leg, 0.5)  # the moving average: 9,000 + 0.3 x (18,000 - 9,000)
+    assert router.prefill_rate == {leg.node: pytest.approx(11_700.0)}
+    router.release(leg)
+    other = "p2" if leg.node == "p1" else "p1"
+    router.prefill_rate[other] = 10_000.0  # within PREFILL_SPEED_ALIKE of the fastest: alike
+    assert _long_prompt_picks(router, 10) == {"p1": 5, "p2": 5}
+    decode = router.admit(DEFAULT_POOL, role=NodeRole.DECODE)
+    assert decode is not None
+    router.prefill_done(decode, 1.0)  # a decode leg is no prefill measure
+    assert "d1" not in router.prefill_rate
