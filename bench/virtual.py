@@ -44,6 +44,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from laswrr.bench.scenarios import Scenario
 from laswrr.bench.trace import load_workload
@@ -53,7 +54,7 @@ from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
 from laswrr.schemas import events as ev
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import batch_item, encode
-from laswrr.schemas.peers import PEER_ENCODER, PeerMessage
+from laswrr.schemas.peers import PEER_ENCODER, PeerMessage, PeerState
 from laswrr.bench.virtual_peers import PEER_DELAY_MS, VirtualChannel
 from laswrr.schemas.words import Phase, RequestOutcome
 from laswrr.scheduler.routing.prompt import prompt_text as indexed_text
@@ -83,6 +84,8 @@ class PeerTraffic:
     keys: int = 0
     requests: int = 0
     event_bytes: int = 0
+    # what each message told, as [messages, wire bytes]: ``kind_of``
+    kinds: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, message: PeerMessage, wire_bytes: int) -> None:
         """One message sent; ``wire_bytes``: its payload and its subject."""
@@ -91,6 +94,9 @@ class PeerTraffic:
         self.wire_bytes += wire_bytes
         self.records += len(message.prefixes)
         self.keys += sum(r.count for r in message.prefixes)
+        counted = self.kinds.setdefault(kind_of(message), [0, 0])
+        counted[0] += 1
+        counted[1] += wire_bytes
 
     def request(self, node: str, spec: RequestSpec, ttft_s: float, e2e_s: float) -> None:
         """Count one finished request's events, encoded as the proxy's publisher encodes them."""
@@ -106,7 +112,7 @@ class PeerTraffic:
         self.event_bytes += (len(batch_item(started.KIND, node, encode(started)))
                              + len(batch_item(finished.KIND, node, encode(finished))))
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, Any]:
         mean = self.bytes / self.messages if self.messages else 0.0
         per_request = self.wire_bytes / self.requests if self.requests else 0.0
         events = self.event_bytes / self.requests if self.requests else 0.0
@@ -114,7 +120,24 @@ class PeerTraffic:
                 "wire_bytes": self.wire_bytes, "wire_bytes_per_request": round(per_request, 1),
                 "event_bytes_per_request": round(events, 1),
                 "share_of_event_bytes": round(per_request / events, 4) if events else 0.0,
-                "prefix_records": self.records, "prefix_keys": self.keys}
+                "prefix_records": self.records, "prefix_keys": self.keys,
+                "key_bytes_per_request": round(4 * self.keys / self.requests, 1) if self.requests else 0.0,
+                "by_kind": {kind: {"messages": n, "per_request": round(n / self.requests, 3) if self.requests else 0.0,
+                                   "wire_bytes_per_request": round(b / self.requests, 1) if self.requests else 0.0}
+                            for kind, (n, b) in sorted(self.kinds.items())}}
+
+
+def kind_of(message: PeerMessage) -> str:
+    """What a peer message told, for ``PeerTraffic``: ``whole`` (a ``PeerState``), else the first
+    of ``pick`` (some in-flight count rose), ``release`` (one fell), ``first_byte`` (a backlog
+    fell, nothing else), ``other``."""
+    if isinstance(message, PeerState):
+        return "whole"
+    if any(change > 0 for change in message.inflight.values()):
+        return "pick"
+    if message.inflight:
+        return "release"
+    return "first_byte" if any(change < 0 for change in message.backlog.values()) else "other"
 
 
 @dataclass(slots=True)
@@ -362,6 +385,8 @@ def bench_virtual(scenarios: Sequence[Scenario], policies: Sequence[str], affini
                       f"{row} {t['messages']} messages, {t['bytes_per_message']:.0f} B each, "
                       f"{t['wire_bytes_per_request']:.0f} B a request with subjects = "
                       f"{100 * t['share_of_event_bytes']:.0f} % of the request events' "
-                      f"{t['event_bytes_per_request']:.0f} B" for row, t in traffic.items()))
+                      f"{t['event_bytes_per_request']:.0f} B (a request: "
+                      + ", ".join(f"{k['per_request']:.2f} {kind} messages" for kind, k in t['by_kind'].items())
+                      + f", {t['key_bytes_per_request']:.0f} B of prefix keys)" for row, t in traffic.items()))
             (target / "peers.json").write_text(json.dumps(traffic, indent=1) + "\n")
     return 0

@@ -9,10 +9,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from laswrr.bench.scenarios import get_scenario
-from laswrr.bench.virtual import ORACLE, Continuations, _snapshot, rows_for, run_virtual
+from laswrr.bench.virtual import ORACLE, Continuations, PeerTraffic, _snapshot, kind_of, rows_for, run_virtual
 from laswrr.bench.virtual_peers import VirtualChannel
 from laswrr.scheduler.routing.router import DEFAULT_POOL, Router
+from laswrr.schemas.peers import PeerDelta, PeerState
 from laswrr.services.sim_engine.physics import EngineSim
 from laswrr.services.sim_engine.profiles import get_profile
 
@@ -113,3 +116,29 @@ def test_replicas_that_hear_each_other_late_herd_a_burst_unless_they_pick_in_tur
     assert herd.requests == turns.requests == one.requests
     assert herd.per_node["c1"] > one.per_node["c1"] + 20 and herd.ttft_s["p99"] > 1.3 * one.ttft_s["p99"]
     assert abs(turns.per_node["c1"] - one.per_node["c1"]) < 10 and turns.ttft_s["p99"] < 1.1 * one.ttft_s["p99"]
+
+
+def test_the_channel_traffic_is_told_by_what_each_message_said() -> None:
+    """``peers.json``'s ``by_kind``: every message counted once, as a pick, a release, a first
+    byte or a whole view; every request's pick told, and the kinds add up to the whole."""
+    traffic = PeerTraffic()
+    result = run_virtual(get_scenario("smoke-trace"), "la-swrr", "prefix", proxies=2, peer_interval_ms=20,
+                         traffic=traffic)
+    counted = traffic.as_dict()
+    kinds = counted["by_kind"]
+    assert {"whole", "pick", "release", "first_byte"} <= set(kinds)
+    assert sum(k["messages"] for k in kinds.values()) == counted["messages"]
+    assert sum(k["wire_bytes_per_request"] for k in kinds.values()) == pytest.approx(
+        counted["wire_bytes_per_request"], abs=0.5)
+    assert traffic.requests == result.requests
+    assert kinds["pick"]["messages"] <= result.requests  # picks of one turn go out together
+    assert kinds["pick"]["messages"] + kinds["release"]["messages"] > result.requests
+
+
+def test_kind_of_reads_a_message_by_its_changes() -> None:
+    whole = PeerState(boot_id="b", seq=1, ts_ns=1, inflight={"n1": 2})
+    assert kind_of(whole) == "whole"
+    assert kind_of(PeerDelta(seq=2, ts_ns=2, inflight={"n1": 1, "n2": -1})) == "pick"
+    assert kind_of(PeerDelta(seq=2, ts_ns=2, inflight={"n2": -1}, backlog={"n2": -300})) == "release"
+    assert kind_of(PeerDelta(seq=2, ts_ns=2, backlog={"n2": -300})) == "first_byte"
+    assert kind_of(PeerDelta(seq=2, ts_ns=2)) == "other"
