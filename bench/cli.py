@@ -72,7 +72,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                              "sglang-router:<its policy> (e.g. sglang-router:cache_aware) "
                              f"(default: all four, plus {DEFAULT_PEER} when vllm-router is installed, plus "
                              "the scenario's own rows: overload adds la-swrr+flow and la-swrr+cap, our proxy "
-                             "with --flow-control and with --inflight-cap-per-capacity 1)")
+                             "with --flow-control and with --inflight-cap-per-capacity 1); a row <policy>+<variant> "
+                             "is our proxy with a variant's flags (bench/stack_adapter.py, VARIANTS; e.g. "
+                             "la-swrr+decode-only on a P/D scenario)")
     parser.add_argument("--no-peers", action="store_true", help="no vllm-router row by default")
     parser.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out)")

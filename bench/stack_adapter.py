@@ -63,9 +63,11 @@ PEER_START_TIMEOUT_S = 60.0
 # (no status_url): what la-swrr knows without the status source (docs/ascend.md §5).
 # ``flow-noreserve``: flow control without the interactive reserve (an interactive request then
 # waits for a release: where the proxies' sharing of freed slots shows, docs/design.md §5).
+# ``decode-only``: a ``vllm`` P/D pool's prompts of at most 512 tokens go whole to a decode node,
+# whose engine then prefills them itself (``--pd-local-prefill``; docs/design.md, "Short prompts").
 VARIANTS: dict[str, tuple[str, ...]] = {"flow": ("--flow-control",), "cap": ("--inflight-cap-per-capacity", "1"),
                                         "flow-noreserve": ("--flow-control", "--interactive-reserve", "0"),
-                                        "no-status": ()}
+                                        "no-status": (), "decode-only": ("--pd-decode-only-tokens", "512")}
 
 
 def split_variant(policy: str) -> tuple[str, tuple[str, ...]]:
@@ -140,7 +142,7 @@ async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Pat
         if engines is None:
             sims = [e.sim for e in scenario.engines]
             protocol = pd_protocol_for(scenario, policy)
-            roles, args = pd_engine_args(scenario, protocol)
+            roles, args = pd_engine_args(scenario, protocol, local_prefill=policy.endswith("+decode-only"))
             nodes = await stack.start_sim_engines(sims, speed=scenario.speed, kv_tokens=scenario.kv_tokens,
                                                   engine_args=args)
             nodes = [replace(n, **roles[n.id]) if n.id in roles else n for n in nodes]
@@ -188,10 +190,11 @@ def pd_protocol_for(scenario: Scenario, policy: str) -> str | None:
     return PEER_PD[peer[0]][1] if peer is not None else scenario.pd_protocol
 
 
-def pd_engine_args(scenario: Scenario,
-                   protocol: str | None) -> tuple[dict[str, dict[str, object]], dict[str, tuple[str, ...]]]:
+def pd_engine_args(scenario: Scenario, protocol: str | None,
+                   local_prefill: bool = False) -> tuple[dict[str, dict[str, object]], dict[str, tuple[str, ...]]]:
     """Per P/D node: its registration's role keys and its sim-engine flags (an sglang prefill
-    engine's bootstrap server on a free port)."""
+    engine's bootstrap server on a free port; with ``local_prefill``, a vllm decode engine
+    serves a request without KV params whole)."""
     roles: dict[str, dict[str, object]] = {}
     args: dict[str, tuple[str, ...]] = {}
     if protocol is None:
@@ -202,7 +205,9 @@ def pd_engine_args(scenario: Scenario,
         port = free_port() if protocol == "sglang" and engine.role == "prefill" else None
         roles[engine.node] = {"role": engine.role, "pd_protocol": protocol, "bootstrap_port": port}
         args[engine.node] = ("--pd-role", engine.role, "--pd-protocol", protocol,
-                             *(("--bootstrap-port", str(port)) if port is not None else ()))
+                             *(("--bootstrap-port", str(port)) if port is not None else ()),
+                             *(("--pd-local-prefill",) if local_prefill and engine.role == "decode"
+                               and protocol == "vllm" else ()))
     return roles, args
 
 

@@ -121,10 +121,10 @@ class LaSwrr:
 
     def _weigh(self, affinity: Affinity, lead: int, active: list[int]) -> tuple[int, int]:
         """(the pick, the work referee's pick): the referee, then the guarded preference."""
-        swrr = self.swrr
-        nodes, weights, cw = swrr.nodes, swrr.weights, swrr.cw
         if affinity.speed:
             return self._weigh_timed(affinity, lead, active)
+        swrr = self.swrr
+        nodes, weights, cw = swrr.nodes, swrr.weights, swrr.cw
         backlog, counts, mean = affinity.backlog, affinity.counts, affinity.mean
         costs, base = affinity.costs, affinity.cost
         best = -1

@@ -400,7 +400,8 @@ class Router:
                                   view.bootstrap_port if isinstance(view.bootstrap_port, int) else None)
             if not decode and affinity is not None:
                 admission.work = affinity.backlog.get(node, 0) + backlog
-                self._drift(node, targets)
+                if self.prefill_rate:
+                    self._drift(node, targets)
         if backlog:
             self.backlog[node] = self.backlog.get(node, 0) + backlog
         self.total_inflight += 1

@@ -29,6 +29,10 @@ def test_each_row_runs_its_routers_protocol() -> None:
     port = roles["p2"]["bootstrap_port"]
     assert isinstance(port, int) and args["p2"][-2:] == ("--bootstrap-port", str(port))
     assert roles["d1"]["bootstrap_port"] is None and "--bootstrap-port" not in args["d1"]
+    _, args = pd_engine_args(PD, "vllm", local_prefill=True)  # la-swrr+decode-only: the decode engines prefill too
+    assert args["d1"][-1] == "--pd-local-prefill" and "--pd-local-prefill" not in args["p1"]
+    _, args = pd_engine_args(PD, "sglang", local_prefill=True)  # an sglang decode engine never does
+    assert "--pd-local-prefill" not in args["d1"]
 
 
 def test_a_peer_router_gets_its_pd_flags() -> None:
