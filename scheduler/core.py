@@ -590,7 +590,10 @@ class Scheduler:
             raise Rejection(f"duplicate request_id {event.request_id!r}: already in flight",
                             RejectCause.DUPLICATE_REQUEST)
         self._proxy_epoch(event.proxy, event.boot_id)
-        tokens = None if event.prompt_tokens is None else event.prompt_tokens + (event.max_tokens or 0)
+        # what the leg holds on its node: a prefill leg its prompt (the prefill work waiting there:
+        # its role is weighed on it, reweigh.occupancy), any other request its prompt and output
+        tokens = None if event.prompt_tokens is None else \
+            event.prompt_tokens + (0 if event.role == NodeRole.PREFILL else event.max_tokens or 0)
         request = OpenRequest(node=key, proxy=event.proxy, boot=event.boot_id, tokens=tokens)
         self.state.open_requests[event.request_id] = request
         self._opened(request)

@@ -51,7 +51,7 @@ class NodeState(msgspec.Struct, kw_only=True):
     slots_seen: int | None = None  # the running count of the last such evidence (weights.believed_slots)
     slots_seen_ns: int = 0
     sized_inflight: int = 0  # in-flight requests whose started event carried a prompt-token estimate
-    inflight_tokens: int = 0  # their prompt + max_tokens, summed (reweigh.token_occupancy)
+    inflight_tokens: int = 0  # their prompt + max_tokens (a prefill leg: its prompt), summed (reweigh.occupancy)
     models: list[str] | None = None  # the engine's model ids (lb.metrics.models); None: never listed
     # What the engine itself reports free (MindIE /v1/status, EngineSampled): its slots believed at once
     # (reweigh.observe_free_slots), its KV load from blocks; None: the engine does not say.

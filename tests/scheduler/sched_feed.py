@@ -84,13 +84,15 @@ class Feed:
     # -- requests -----------------------------------------------------------------------------
 
     def start(self, node: str, proxy: str = "p1", request_id: str | None = None, boot: str | None = None,
-              prompt_tokens: int | None = None, max_tokens: int | None = None) -> str:
+              prompt_tokens: int | None = None, max_tokens: int | None = None, role: str | None = None) -> str:
         if request_id is None:
             self.request_no += 1
             request_id = f"r{self.request_no}"
         payload: dict[str, Any] = {"request_id": request_id, "proxy": proxy, "pool": "default"}
         if boot is not None:
             payload["boot_id"] = boot
+        if role is not None:
+            payload["role"] = role
         if prompt_tokens is not None:
             payload["prompt_tokens"] = prompt_tokens
         if max_tokens is not None:

@@ -82,6 +82,29 @@ def test_each_role_is_weighed_among_its_own_members() -> None:
     assert together.node("p1").target < together.node("d1").target
 
 
+def test_a_prefill_node_is_weighed_on_the_prompt_work_of_its_legs() -> None:
+    """Prefill legs count their prompt tokens only (the work waiting on the node), so a node with
+    one long prompt in prefill weighs more than one whose leg has a short prompt and a long output
+    (the decode node's work, not its); a decode leg still counts its prompt and output."""
+    feed = Feed()
+    for name, role in (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode")):
+        _register(feed, name, role, "vllm")
+    feed.tick(30)
+    for k in range(6):
+        feed.start("p1", request_id=f"a{k}", prompt_tokens=8000, max_tokens=100, role="prefill")
+        feed.start("p2", request_id=f"b{k}", prompt_tokens=100, max_tokens=8000, role="prefill")
+        feed.start("d1", request_id=f"a{k}.d", prompt_tokens=8000, max_tokens=100, role="decode")
+        feed.start("d2", request_id=f"b{k}.d", prompt_tokens=100, max_tokens=8000, role="decode")
+    for name in ("p1", "p2", "d1", "d2"):
+        feed.engine(name, running=6, waiting=0, kv=0.0, ttft_ms=100)
+    feed.tick(10)
+    assert [feed.scheduler.state.nodes[n].inflight_tokens for n in ("p1", "p2", "d1", "d2")] == [
+        48000, 600, 48600, 48600]
+    running = {n: feed.view(n)["load"]["running"] for n in ("p1", "p2", "d1", "d2")}
+    assert running["p1"] > running["p2"] and running["d1"] == running["d2"]
+    assert feed.node("p1").target < feed.node("p2").target
+
+
 def test_a_drained_prefill_node_is_drained_when_its_own_legs_end() -> None:
     feed = Feed()
     _register(feed, "p1", "prefill", "vllm")
