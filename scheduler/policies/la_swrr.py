@@ -140,7 +140,14 @@ class LaSwrr:
                 best, best_load, best_after, best_weight = i, load, after, weights[i]
         lead_idle = lead_after == costs.get(nodes[lead], base)  # no load on the leader: it keeps the request
         chosen = best if not lead_idle and lead_after * best_weight > best_after * weights[lead] else lead
-        return self._prefer(affinity, active, chosen, best_load, best_after, best_weight), chosen
+        if affinity.preferred:
+            index, eligible = swrr.index, set(active)
+            for node in affinity.preferred:
+                i = index.get(node, -1)
+                if i in eligible and guard_allows(affinity.load(node), weights[i], best_load, best_weight,
+                                                  best_after - best_load):
+                    return i, chosen
+        return chosen, chosen
 
     def _weigh_timed(self, affinity: Affinity, lead: int, active: list[int]) -> tuple[int, int]:
         """``_weigh`` with the nodes' prefill speeds (module doc, "Prefill speed")."""
@@ -161,18 +168,11 @@ class LaSwrr:
         speed = affinity.speed
         lead_idle = lead_load == 0 and speed.get(nodes[lead], 1.0) >= speed.get(nodes[best], 1.0)
         chosen = best if not lead_idle and lead_after * best_weight > best_after * weights[lead] else lead
-        return self._prefer(affinity, active, chosen, best_load, best_after, best_weight), chosen
-
-    def _prefer(self, affinity: Affinity, active: list[int], chosen: int, best_load: float, best_after: float,
-                best_weight: int) -> int:
-        """The first preferred node that is eligible and passes the guard, else ``chosen``."""
-        if affinity.preferred:
-            swrr = self.swrr
-            index, weights, eligible = swrr.index, swrr.weights, set(active)
+        if affinity.preferred:  # the guard as in ``_weigh``, on time
+            index, eligible = swrr.index, set(active)
             for node in affinity.preferred:
                 i = index.get(node, -1)
-                if i in eligible and guard_allows(affinity.timed(node, affinity.load(node)) if affinity.speed
-                                                  else affinity.load(node), weights[i], best_load, best_weight,
-                                                  best_after - best_load):
-                    return i
-        return chosen
+                if i in eligible and guard_allows(affinity.timed(node, affinity.load(node)), weights[i], best_load,
+                                                  best_weight, best_after - best_load):
+                    return i, chosen
+        return chosen, chosen

@@ -121,6 +121,7 @@ PREFILL_RATE_MIN_TOKENS = 256  # a leg with less work than this says more about 
 PREFILL_RATE_DRIFT = 0.02  # each prefill pick elsewhere moves a node's rate this share back toward the fastest's
 PREFILL_SPEED_ALIKE = 0.8  # a node at least this share of the fastest's rate counts as fast as it
 
+_ALIKE: dict[str, float] = {}  # ``Affinity.speed`` of every pick but a measured P/D prefill pick (never written)
 _DECODE_SEED = 0x5EED_DEC0DE  # the decode role's policy starts elsewhere than the prefill role's
 
 
@@ -369,7 +370,8 @@ class Router:
         if index is not None and prompt and size is not None:
             keys = index.keys(prompt)
             eligible = [n for n in targets if n not in exclude]
-            speed = self._speeds(eligible) if route.pd_protocol is not None and not decode and self.prefill_rate else {}
+            speed = self._speeds(eligible) if self.prefill_rate and route.pd_protocol is not None and not decode \
+                else _ALIKE
             affinity = self._work(index, keys, size, eligible, speed)
         node = policy.pick(PickContext(self.load, exclude, affinity))
         if node is None:
