@@ -142,7 +142,9 @@ async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Pat
         if engines is None:
             sims = [e.sim for e in scenario.engines]
             protocol = pd_protocol_for(scenario, policy)
-            roles, args = pd_engine_args(scenario, protocol, local_prefill=policy.endswith("+decode-only"))
+            # a proxy that sends short prompts to a decode node alone needs decode engines that prefill
+            local = "--pd-decode-only-tokens" in split_variant(policy)[1]
+            roles, args = pd_engine_args(scenario, protocol, local_prefill=local)
             nodes = await stack.start_sim_engines(sims, speed=scenario.speed, kv_tokens=scenario.kv_tokens,
                                                   engine_args=args)
             nodes = [replace(n, **roles[n.id]) if n.id in roles else n for n in nodes]
