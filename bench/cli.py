@@ -43,6 +43,7 @@ from laswrr.bench.scenarios import SCENARIOS, TEST_SCENARIOS, Scenario, get_scen
 from laswrr.bench.trace import arrival_bursts, load_workload, trace_format
 from laswrr.bench.virtual import bench_virtual
 from laswrr.bench.virtual_peers import PEER_DELAY_MS
+from laswrr.scheduler.routing.router import PEER_PICK_S
 from laswrr.bench.workload import RequestSpec, assign_tenants, generate
 from laswrr.scheduler.policies import POLICIES, canonical_policy
 from laswrr.services import settings
@@ -116,6 +117,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="--virtual with --proxies N > 1: each message between the replicas reaches the others MS "
                              "ms of virtual time after it was sent, the bus's delivery time (default 2; "
                              "0: at once)")
+    parser.add_argument("--peer-pick-ms", type=settings.duration("ms"), default=PEER_PICK_S * 1000, metavar="MS",
+                        help="--virtual with --proxies N > 1: a replica tells its picks MS ms of virtual time after "
+                             "the first of them, all in one message, as the proxies' --peer-pick-ms does (default "
+                             "1, the proxy's; 0: at once)")
+    parser.add_argument("--fleet", type=int, default=1, metavar="K",
+                        help="--virtual, trace scenarios: K copies of the scenario's pool and of its trace (each "
+                             "copy with its own prefixes, arriving with the original): K times the request rate "
+                             "on K times the engines, each engine as loaded as in one copy (default 1)")
     parser.add_argument("--virtual", action="store_true",
                         help="run in virtual time through the proxy's routing table and the engines' physics (no "
                              "processes; deterministic, seconds), plus an oracle row: a trace on fixed weights "
@@ -327,6 +336,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--proxies must be >= 1")
         if args.workers < 1:
             raise ValueError("--workers must be >= 1")
+        if args.fleet != 1 and not args.virtual:
+            raise ValueError("--fleet copies a trace scenario in virtual time: add --virtual")
         if args.virtual and args.workers != 1:
             raise ValueError("--virtual has no worker processes: a worker routes as a replica does, use --proxies")
         if args.util is not None and not 0 < args.util <= 2:
@@ -357,7 +368,8 @@ def main(args: argparse.Namespace) -> int:
                 scheduler_config=s.scheduler_config if scheduler_config is None else scheduler_config)
                 for s in scenarios]
             return bench_virtual(scenarios, own, args.affinity, args.seed, args.out, args.proxies,
-                                 int(args.peer_interval_ms), float(args.peer_delay_ms))
+                                 int(args.peer_interval_ms), float(args.peer_delay_ms), args.fleet,
+                                 float(args.peer_pick_ms))
         except ValueError as exc:
             print(f"bench: {exc}", file=sys.stderr)
             return 2

@@ -42,7 +42,7 @@ from __future__ import annotations
 import heapq
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,7 @@ from laswrr.bench.virtual_peers import PEER_DELAY_MS, VirtualChannel
 from laswrr.schemas.words import Phase, RequestOutcome
 from laswrr.scheduler.routing.prompt import prompt_text as indexed_text
 from laswrr.scheduler.routing.prompt import request_size
-from laswrr.scheduler.routing.router import DEFAULT_POOL, PEER_STAGGER_S, Admission, Router
+from laswrr.scheduler.routing.router import DEFAULT_POOL, PEER_PICK_S, PEER_STAGGER_S, Admission, Router
 from laswrr.services.sim_engine.physics import EngineSim
 from laswrr.services.sim_engine.profiles import get_profile
 
@@ -161,6 +161,31 @@ def quantiles(values: Sequence[float]) -> dict[str, float]:
     return {k: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4) for k, q in at.items()}
 
 
+FLEET_BLOCK_SPAN = 1 << 40  # copy j of a trace's block ids is offset by j times this: no copy shares a prefix with another
+
+
+def fleet(scenario: Scenario, copies: int) -> Scenario:
+    """``--fleet K``: the scenario's pool K times over (copy j > 0 of node ``n`` is ``n-j``), for
+    ``fleet_requests``'s K copies of its trace: K times the request rate on K times the engines,
+    each engine as loaded as in one copy."""
+    if copies < 1:
+        raise ValueError(f"--fleet must be >= 1, got {copies}")
+    if copies == 1:
+        return scenario
+    engines = tuple(replace(e, node=e.node if j == 0 else f"{e.node}-{j}") for j in range(copies) for e in scenario.engines)
+    return replace(scenario, engines=engines)
+
+
+def fleet_requests(requests: Sequence[RequestSpec], copies: int) -> list[RequestSpec]:
+    """K copies of a trace's requests: each arrives when the original does, with its own prefix
+    blocks (copy j's ids offset by ``j * FLEET_BLOCK_SPAN``), and the indices interleaved, so the
+    replicas taking them in turn each take as many of every copy."""
+    if copies == 1:
+        return list(requests)
+    return [replace(r, index=r.index * copies + j, block_ids=tuple(b + j * FLEET_BLOCK_SPAN for b in r.block_ids))
+            for r in requests for j in range(copies)]
+
+
 def _snapshot(scenario: Scenario) -> WeightSnapshot:
     idle = LoadView(queue=0.0, running=0.0, kv=0.0, npu=0.0, latency=0.0, load=0.0, sample_age_ms=None, stale=False)
     nodes = [NodeView(node=e.node, url=e.node, phase=Phase.ACTIVE, routable=True, capacity=e.capacity,
@@ -202,20 +227,23 @@ class Continuations:
 
 def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed: int = 1,
                 proxies: int = 1, peer_interval_ms: int = 0, traffic: PeerTraffic | None = None,
-                peer_delay_ms: float = PEER_DELAY_MS, peer_stagger_ms: float = PEER_STAGGER_S * 1000) -> VirtualResult:
+                peer_delay_ms: float = PEER_DELAY_MS, peer_stagger_ms: float = PEER_STAGGER_S * 1000,
+                copies: int = 1, peer_pick_ms: float = PEER_PICK_S * 1000) -> VirtualResult:
     """One row; ``proxies`` replicas take the requests in turn, each with its own routing table
     (no snapshot carries the others' counts here: without the channel, ``peer_interval_ms`` 0,
-    each replica sees its own counts only; with it, what the peers' messages say)."""
+    each replica sees its own counts only; with it, what the peers' messages say). ``copies``:
+    ``--fleet`` (``fleet``)."""
     if scenario.trace is None:
         raise ValueError(f"--virtual replays a trace; {scenario.name} is not a trace scenario")
-    requests = load_workload(scenario.trace)
+    requests = fleet_requests(load_workload(scenario.trace), copies)
+    scenario = fleet(scenario, copies)
     engines = _engines(scenario)
     share = proxies > 1 and peer_interval_ms > 0
     if policy == ORACLE:
         routers = []
     elif share:
         routers = [Router(policy, seed + k, affinity=affinity, proxy_id=f"proxy-{k}", share=True,
-                          peer_stagger_s=peer_stagger_ms / 1000)
+                          peer_stagger_s=peer_stagger_ms / 1000, peer_pick_s=peer_pick_ms / 1000)
                    for k in range(proxies)]
     else:
         routers = [Router(policy, seed + k, affinity=affinity) for k in range(proxies)]
@@ -291,7 +319,7 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
                 admission = router.admit(DEFAULT_POOL, prompt=seen, size=request_size(seen, item.max_tokens, None))
                 assert admission is not None
                 node = admission.node
-                if share:  # a pick is told at once, as the proxy's bus does (Router.on_pick)
+                if share:  # a pick is told within peer_pick_s, as the proxy's bus does (Router.on_pick)
                     channel.picked(item.index % len(routers), now)
             per_node[node] += 1
             continuations.served(item.block_ids, node)
@@ -338,7 +366,8 @@ def rows_for(policies: Sequence[str], affinity: str | None) -> list[tuple[str, s
 
 def print_virtual(scenario: Scenario, results: Sequence[VirtualResult]) -> None:
     proxies = max((r.proxies for r in results), default=1)
-    print(f"{scenario.name} in virtual time ({results[0].requests if results else 0} requests, weights = capacities, "
+    print(f"{scenario.name} in virtual time ({results[0].requests if results else 0} requests, "
+          f"{len(scenario.engines)} engines, weights = capacities, "
           f"{proxies} prox{'y' if proxies == 1 else 'ies'})")
     print(f"{'policy':<16}{'affinity':<10}{'TTFT P50':>9}{'P90':>8}{'P99':>8}{'E2E P50':>9}{'P99':>8}{'hit':>7}"
           f"{'kept':>7}  per node")
@@ -350,10 +379,14 @@ def print_virtual(scenario: Scenario, results: Sequence[VirtualResult]) -> None:
 
 
 def bench_virtual(scenarios: Sequence[Scenario], policies: Sequence[str], affinity: str | None, seed: int,
-                  out: Path, proxies: int = 1, peer_interval_ms: int = 0, peer_delay_ms: float = PEER_DELAY_MS) -> int:
+                  out: Path, proxies: int = 1, peer_interval_ms: int = 0, peer_delay_ms: float = PEER_DELAY_MS,
+                  copies: int = 1, peer_pick_ms: float = PEER_PICK_S * 1000) -> int:
     share = proxies > 1 and peer_interval_ms > 0
+    fleet(scenarios[0], copies)  # checks it
     for scenario in scenarios:
         if scenario.trace is None:  # a timeline scenario: the scheduler's core in the loop
+            if copies != 1:
+                raise ValueError(f"--fleet copies a trace scenario; {scenario.name} is a timeline")
             try:
                 check_timeline(scenario)
             except ValueError as exc:
@@ -361,7 +394,7 @@ def bench_virtual(scenarios: Sequence[Scenario], policies: Sequence[str], affini
                     raise
                 print(f"{scenario.name}: skipped ({exc})")  # --scenario all: the others still run
                 continue
-            bench_timeline(scenario, policies, affinity, seed, out, proxies, peer_interval_ms, peer_delay_ms)
+            bench_timeline(scenario, policies, affinity, seed, out, proxies, peer_interval_ms, peer_delay_ms, peer_pick_ms)
             continue
         plain = [policy for policy in policies if "+" not in policy]
         if len(plain) < len(policies):
@@ -372,15 +405,16 @@ def bench_virtual(scenarios: Sequence[Scenario], policies: Sequence[str], affini
         results, traffic = [], {}
         for policy, mode in rows_for(plain, affinity):
             carried = PeerTraffic()
-            results.append(run_virtual(scenario, policy, mode, seed, proxies, peer_interval_ms, carried, peer_delay_ms))
+            results.append(run_virtual(scenario, policy, mode, seed, proxies, peer_interval_ms, carried, peer_delay_ms,
+                                       copies=copies, peer_pick_ms=peer_pick_ms))
             if share and policy != ORACLE:
                 traffic[f"{policy}/{mode}"] = carried.as_dict()
-        print_virtual(scenario, results)
+        print_virtual(fleet(scenario, copies), results)
         target = out / scenario.name
         target.mkdir(parents=True, exist_ok=True)
         (target / "virtual.json").write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
         if share:
-            print(f"channel between proxies (picks at once, the rest within {peer_interval_ms} ms, each message "
+            print(f"channel between proxies (picks within {peer_pick_ms:g} ms, the rest within {peer_interval_ms} ms, each message "
                   f"delivered {peer_delay_ms:g} ms after it was sent): " + "; ".join(
                       f"{row} {t['messages']} messages, {t['bytes_per_message']:.0f} B each, "
                       f"{t['wire_bytes_per_request']:.0f} B a request with subjects = "

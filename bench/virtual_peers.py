@@ -1,8 +1,8 @@
 """The channel between proxies in virtual time (``bench/virtual.py``, ``bench/virtual_timeline.py``).
 
 Each replica's message goes through the encoder and decoder the bus uses and is taken by every
-other replica ``delay_s`` later (``schedule`` runs the delivery then; 0: at once); a pick is told at once while some peer
-is heard, as the bus does; whole at the heartbeat and at the first message and every ``PEER_FULL_S``, else the changes since the previous one, as
+other replica ``delay_s`` later (``schedule`` runs the delivery then; 0: at once); a pick is told
+``Router.peer_pick_s`` later, with the others of that window, while some peer is heard, as the bus does; whole at the heartbeat and at the first message and every ``PEER_FULL_S``, else the changes since the previous one, as
 ``services/proxy/bus.py`` sends them (``Router.peer_message``). ``traffic`` counts what the bus would carry.
 """
 
@@ -39,6 +39,7 @@ class VirtualChannel:
         self.full_at = [-math.inf] * len(routers)
         self.on_message = on_message  # (message, its bytes with the subject) for each message sent
         self.ts_ns = ts_ns
+        self.waiting = [False] * len(routers)  # a pick message of the replica waits for its window (peer_pick_s)
 
     def start(self, now: float) -> None:
         """The replicas' first heartbeats, before any request (live proxies run before the load
@@ -47,9 +48,23 @@ class VirtualChannel:
             self.speak(k, now)
 
     def picked(self, k: int, now: float) -> None:
-        """Replica k admitted a request: its message goes at once if it hears a peer (``Router.on_pick``)."""
-        if self.routers[k].pools[DEFAULT_POOL].peers:
+        """Replica k admitted a request: if it hears a peer, its message goes ``peer_pick_s`` later
+        with every pick of that window, as the bus sends it (``Router.on_pick``; at once with
+        ``peer_pick_s`` 0 or without a schedule)."""
+        router = self.routers[k]
+        if not router.pools[DEFAULT_POOL].peers or self.waiting[k]:
+            return
+        if router.peer_pick_s <= 0 or self.schedule is None:
             self.speak(k, now)
+            return
+        self.waiting[k] = True
+
+        def tell(at: float) -> None:
+            self.waiting[k] = False
+            if DEFAULT_POOL in router.changed:  # else an interval's message told the window's picks already
+                self.speak(k, at)
+
+        self.schedule(now + router.peer_pick_s, tell)
 
     def due(self, k: int, now: float) -> bool:
         """Replica k's interval message is due (``Router.peer_due``)."""

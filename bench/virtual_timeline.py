@@ -62,7 +62,7 @@ from laswrr.bench.workload import RequestSpec, generate, prompt_text
 from laswrr.scheduler.core import Scheduler, apply_guarded
 from laswrr.scheduler.routing.prompt import prompt_text as indexed_text
 from laswrr.scheduler.routing.prompt import request_size
-from laswrr.scheduler.routing.router import DEFAULT_POOL, PEER_STAGGER_S, Admission, Router
+from laswrr.scheduler.routing.router import DEFAULT_POOL, PEER_PICK_S, PEER_STAGGER_S, Admission, Router
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope, decode_snapshot
 from laswrr.schemas.words import NpuHealth, RequestOutcome
@@ -231,7 +231,7 @@ def focus_alone(scenario: Scenario, results: Sequence[RequestResult], specs: dic
 def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[RequestSpec],
                  affinity: str = "prefix", alone: Alone | None = None, proxies: int = 1,
                  peer_interval_ms: int = 0, peer_delay_ms: float = PEER_DELAY_MS,
-                 peer_stagger_ms: float = PEER_STAGGER_S * 1000) -> TimelineResult:
+                 peer_stagger_ms: float = PEER_STAGGER_S * 1000, peer_pick_ms: float = PEER_PICK_S * 1000) -> TimelineResult:
     """One policy on ``scenario``'s timeline (module docstring). ``proxies`` > 1: that many
     replicas take the requests in turn, each its own ``Router`` (proxy id ``virtual-<k>``) and its
     own request events, so the snapshots split the in-flight counts by proxy as the scheduler
@@ -249,6 +249,7 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
     names = [PROXY] if proxies == 1 else [f"{PROXY}-{k}" for k in range(proxies)]
     routers = [] if base == ORACLE else [
         Router(base, seed + k, affinity=affinity, proxy_id=name, share=share, peer_stagger_s=peer_stagger_ms / 1000,
+               peer_pick_s=peer_pick_ms / 1000,
                **VARIANTS.get(variant, {}))  # type: ignore[arg-type]
         for k, name in enumerate(names)]
     router = routers[0] if routers else None
@@ -400,7 +401,7 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
             if kind == _PICK:  # after the replica's wait (Router.stagger_s)
                 item, arrived = item  # type: ignore[misc]
             assert isinstance(item, RequestSpec)
-            if share and kind == _ARRIVE:
+            if share and kind == _ARRIVE and routers:  # the oracle row has no replicas to stagger
                 wait = routers[owner(item)].stagger_s(DEFAULT_POOL)
                 if wait:
                     push(now + wait, _PICK, (item, now))
@@ -416,7 +417,7 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
                 admission = routers[owner(item)].admit(DEFAULT_POOL, prompt=seen, size=size)
                 assert admission is not None, "a pool with a routable node refused a request"
                 node = admission.node
-                if share:  # a pick is told at once, as the proxy's bus does (Router.on_pick)
+                if share:  # a pick is told within peer_pick_s, as the proxy's bus does (Router.on_pick)
                     channel.picked(owner(item), now)
             per_node[node] += 1
             submitted = engines[node].submit(item.prompt_tokens, item.max_tokens, now, prompt_text=text)
@@ -597,17 +598,18 @@ def overshoot(scenario: Scenario, results: Sequence[RequestResult],
 
 
 def bench_timeline(scenario: Scenario, policies: Sequence[str], affinity: str | None, seed: int, out: Path,
-                   proxies: int = 1, peer_interval_ms: int = 0, peer_delay_ms: float = PEER_DELAY_MS) -> None:
+                   proxies: int = 1, peer_interval_ms: int = 0, peer_delay_ms: float = PEER_DELAY_MS,
+                   peer_pick_ms: float = PEER_PICK_S * 1000) -> None:
     check_timeline(scenario)
     requests = timeline_requests(scenario, seed)
     alone = Alone(scenario)
     results = [run_timeline(scenario, policy, seed, requests, affinity or "prefix", alone, proxies, peer_interval_ms,
-                            peer_delay_ms)
+                            peer_delay_ms, peer_pick_ms=peer_pick_ms)
                for policy in rows_for(policies)]
     undisturbed = None
     if silent_loss(scenario) is not None:  # the same arrivals with nothing slowed: what the E2E tail is anyway
         undisturbed = run_timeline(replace(scenario, actions=()), "la-swrr", seed, requests, affinity or "prefix", alone,
-                                   proxies, peer_interval_ms, peer_delay_ms)
+                                   proxies, peer_interval_ms, peer_delay_ms, peer_pick_ms=peer_pick_ms)
     goals = status_goals(scenario, results, undisturbed)
     print_timeline(scenario, results, goals)
     cuts = {r.policy: overshoot(scenario, r.detail) for r in results}
@@ -622,7 +624,8 @@ def bench_timeline(scenario: Scenario, policies: Sequence[str], affinity: str | 
     document = {"scenario": scenario.name, "seed": seed, "focus_phase": scenario.focus_phase, "goals": goals,
                 "policies": [{k: v for k, v in asdict(r).items() if k != "detail"} for r in results]}
     if proxies != 1:
-        document |= {"proxies": proxies, "peer_interval_ms": peer_interval_ms, "peer_delay_ms": peer_delay_ms}
+        document |= {"proxies": proxies, "peer_interval_ms": peer_interval_ms, "peer_delay_ms": peer_delay_ms,
+                     "peer_pick_ms": peer_pick_ms}
     if any(cuts.values()):
         document["overshoot"] = cuts
     (target / "virtual.json").write_text(json.dumps(document, indent=1) + "\n")

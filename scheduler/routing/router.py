@@ -61,7 +61,8 @@ Rules:
   control's held requests per band as ``note_held`` last set them, the prefix records admitted
   since the last call, at most ``peer_max_keys`` block keys), whole or as the changes since its
   last message (``schemas.peers``); while it hears no peer, only its first whole view and the
-  heartbeat are due (``on_pick``, ``peer_due``);
+  heartbeat are due (``on_pick``: a pick is told ``peer_pick_s`` after it, with the other picks of
+  that window; ``peer_due``);
   ``peer_update`` takes another proxy's: its prefix records go into this pool's index (hints),
   its in-flight replaces the snapshot's ``proxy_inflight[peer]`` in ``others`` while its
   ``ts_ns`` is after the snapshot's, and its backlog joins this proxy's in the work referee
@@ -110,6 +111,7 @@ PEER_STALE_S = 2.0  # a peer's message is used this long after it arrived (its h
 PEER_FULL_S = 5.0  # a busy proxy's messages carry its whole view at least this often (else only changes)
 PEER_MAX_KEYS = 256  # prefix block keys per peer message (a whole indexed prompt); beyond, the oldest records go
 PEER_GRID = 16  # a peer is told the keys at these grid positions only (PrefixIndex, "Sparse records")
+PEER_PICK_S = 0.001  # a pick is told this long after it, with every other pick of the window (peer_pick_s)
 PEER_STAGGER_S = 0.010  # a proxy's rank among the replicas it hears times this: its wait before a pick (stagger_s)
 PEER_STAGGER_RANKS = 3  # ranks beyond this wait as long as this one: the wait is at most 3 x PEER_STAGGER_S
 PEER_STAGGER_SHARE = 0.1  # the whole wait (3 turns) at most this share of the pool's first-byte time (first_byte)
@@ -253,7 +255,8 @@ class Router:
                  affinity: str = "prefix", affinity_blocks: int = BLOCKS_PER_NODE,
                  proxy_id: str | None = None, flow_limits: bool = False, share: bool = False,
                  peer_stale_s: float = PEER_STALE_S, peer_max_keys: int = PEER_MAX_KEYS, peer_full_s: float = PEER_FULL_S,
-                 peer_grid: int = PEER_GRID, peer_stagger_s: float = PEER_STAGGER_S) -> None:
+                 peer_grid: int = PEER_GRID, peer_stagger_s: float = PEER_STAGGER_S,
+                 peer_pick_s: float = PEER_PICK_S) -> None:
         uses_affinity = make_policy(policy, seed).uses_affinity  # and fail fast on an unknown name
         self.proxy_id = proxy_id  # whose share of the snapshot's in-flight is this proxy's own
         self.policy_name = policy
@@ -277,13 +280,17 @@ class Router:
         self.peer_max_keys = peer_max_keys
         self.peer_grid = peer_grid  # 0: every key of a record is sent (no sparse records)
         self.peer_stagger_s = peer_stagger_s  # 0: no proxy waits before its picks (``stagger_s``)
+        # the IO side tells the picks this long after the first of them, all in one message (the
+        # picks of a burst, and at most one pick message per window at any rate); 0: each
+        # event-loop turn's picks at once
+        self.peer_pick_s = peer_pick_s
         self.first_byte_s: float | None = None  # moving average of the requests' first-byte times (``first_byte``)
         self.peer_backlog: dict[str, int] = {}  # node -> the fresh peers' prefill backlogs, summed (> 0 only)
         self.changed: set[str] = set()  # pools whose own counts or records changed since their last message
         # pool -> (band -> requests flow control holds that any node may take, band -> oldest age ms): ``note_held``
         self.held: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
         # the IO side's hook, called with the pool after each admission while sharing: a pick is
-        # told to the peers at once (a release or a first byte waits for the interval)
+        # told to the peers within ``peer_pick_s`` (a release or a first byte waits for the interval)
         self.on_pick: Callable[[str], None] | None = None
         self.prefill_rate: dict[str, float] = {}  # node -> a P/D prefill node's measured tokens/s (``prefill_done``)
 
@@ -596,7 +603,7 @@ class Router:
         """The pool's message is due at an interval: its counts changed since the last one (a first
         byte, a release, flow control's held counts) and some peer is heard (a proxy alone tells
         nobody), or the heartbeat (``since_s``, seconds since the pool's last message, reached half
-        ``peer_stale_s``). A pick is told at once instead (``on_pick``)."""
+        ``peer_stale_s``). A pick is told within ``peer_pick_s`` instead (``on_pick``)."""
         if since_s >= self.peer_stale_s / 2:
             return True
         route = self.pools.get(pool)

@@ -31,9 +31,10 @@ The channel between proxies (docs/design.md, "The channel between proxies"; with
 core NATS: nothing is stored) and hands every other proxy's message to ``Router.peer_update``
 with the pool and the sender read from its subject. Each admission (``Router.on_pick``) wakes
 its ``_picks`` task, which publishes the pool's ``Router.peer_message`` on
-``lb.peer.<pool>.<proxy>`` at once (the picks of one turn of the event loop in one message): the
-peers count a pick within the bus's delivery, not an interval later, which is what keeps
-replicas from all sending one burst to the node that looked lightest to each. Its ``_peers``
+``lb.peer.<pool>.<proxy>`` ``--peer-pick-ms`` (1 ms) later, with every pick of that window in the
+one message (a burst's picks together; at any rate at most one pick message a window): the
+peers count a pick within a millisecond and the bus's delivery, not an interval later, which is
+what keeps replicas from all sending one burst to the node that looked lightest to each. Its ``_peers``
 task wakes every ``peer_interval_s``, drops the peers silent for ``peer_stale_ms`` and
 publishes, for each pool whose own counts changed otherwise (a first byte, a release) or whose
 last message is half ``peer_stale_ms`` old (the heartbeat), the same message. While the proxy
@@ -311,15 +312,20 @@ class BusLink:
         self._pick.set()
 
     async def _picks(self, nc: Client) -> None:
-        """At each admission: publish its pool's view at once (module docstring)."""
+        """At an admission: publish its pool's view ``Router.peer_pick_s`` later, with every other
+        pick of that window (module docstring)."""
+        router = self.router
         while not self.closing:
             await self._pick.wait()
+            if router.peer_pick_s > 0:
+                await asyncio.sleep(router.peer_pick_s)
             self._pick.clear()
             pools, self._picked = self._picked, set()
             if nc.is_connected:
                 now = time.monotonic()
                 for pool in pools:
-                    await self._send(nc, pool, now)
+                    if pool in router.changed:  # else an interval's message told the window's picks already
+                        await self._send(nc, pool, now)
 
     async def _peers(self, nc: Client) -> None:
         """Every ``peer_interval_s``: drop the stale peers, publish each pool's changed view."""

@@ -136,8 +136,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     peers = parser.add_argument_group("the channel between proxies (docs/design.md, \"The channel between proxies\")")
     peers.add_argument("--peer-interval-ms", type=settings.duration("ms"), default=_DEFAULTS.peer_interval_ms,
                        metavar="MS", help="share this proxy's in-flight counts, prefill backlog and prefix records "
-                                          "with the other proxies on lb.peer.<pool>.<proxy>: at each pick at once, "
-                                          "otherwise at most once per MS when they changed; 0: off (default "
+                                          "with the other proxies on lb.peer.<pool>.<proxy>: at each pick within "
+                                          "--peer-pick-ms, otherwise at most once per MS when they changed; 0: off (default "
                                           "%(default)s)")
     peers.add_argument("--peer-stale-ms", type=settings.duration("ms"), default=_DEFAULTS.peer_stale_ms,
                        metavar="MS", help="a peer's message is used this long after it arrived (each proxy's "
@@ -147,6 +147,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="MS", help="wait MS per proxy ranked before this one (by proxy id, among those it "
                                           "hears; at most 3) before each pick, so replicas pick a burst of requests "
                                           "in turn and each hears the others' picks first; 0: no wait (default "
+                                          "%(default)s)")
+    peers.add_argument("--peer-pick-ms", type=settings.duration("ms"), default=_DEFAULTS.peer_pick_ms,
+                       metavar="MS", help="tell the peers a pick MS after it, with every other pick of those MS in "
+                                          "the one message (a burst's picks together; at most one pick message "
+                                          "per MS at any rate); 0: each event-loop turn's picks at once (default "
                                           "%(default)s)")
     keys = parser.add_argument_group("client API keys and upstream credentials (services/proxy/keys.py)")
     keys.add_argument("--api-keys", default=os.environ.get("LASWRR_API_KEYS_FILE") or _DEFAULTS.api_keys_file,
@@ -196,7 +201,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         flow_quantum=args.flow_quantum, retry_after_cap_s=args.retry_after_cap_s,
         interactive_reserve=args.interactive_reserve,
         peer_interval_ms=int(args.peer_interval_ms), peer_stale_ms=int(args.peer_stale_ms),
-        peer_stagger_ms=int(args.peer_stagger_ms),
+        peer_stagger_ms=int(args.peer_stagger_ms), peer_pick_ms=int(args.peer_pick_ms),
     ).validate()
 
 

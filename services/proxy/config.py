@@ -88,6 +88,7 @@ class ProxyConfig:
     peer_interval_ms: int = 20  # at most one message per pool this often, when something changed
     peer_stale_ms: int = 2000  # a peer's message is used this long; the heartbeat is half of it
     peer_stagger_ms: int = 10  # the wait before a pick per replica ranked before this one, at most 3 (Router.stagger_s)
+    peer_pick_ms: int = 1  # a pick is told this long after it, with the window's other picks (Router.peer_pick_s)
 
     def validate(self) -> "ProxyConfig":
         sj.check_token(self.proxy_id, "proxy name")
@@ -125,6 +126,7 @@ class ProxyConfig:
             (self.peer_interval_ms >= 0, "--peer-interval-ms must be >= 0"),
             (self.peer_stale_ms > 2 * self.peer_interval_ms, "--peer-stale-ms must exceed 2 x --peer-interval-ms"),
             (self.peer_stagger_ms >= 0, "--peer-stagger-ms must be >= 0"),
+            (self.peer_pick_ms >= 0, "--peer-pick-ms must be >= 0"),
         ]
         checks += [(path.startswith("/") and " " not in path, f"--extra-routes: {path!r} is not a path like /v1/x")
                    for path in self.extra_routes]

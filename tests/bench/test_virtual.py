@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from laswrr.bench.scenarios import get_scenario
-from laswrr.bench.virtual import ORACLE, Continuations, PeerTraffic, _snapshot, kind_of, rows_for, run_virtual
+from laswrr.bench.trace import load_workload
+from laswrr.bench.virtual import (ORACLE, Continuations, PeerTraffic, _snapshot, fleet, fleet_requests, kind_of, rows_for,
+                                  run_virtual)
 from laswrr.bench.virtual_peers import VirtualChannel
 from laswrr.scheduler.routing.router import DEFAULT_POOL, Router
 from laswrr.schemas.peers import PeerDelta, PeerState
@@ -133,6 +135,42 @@ def test_the_channel_traffic_is_told_by_what_each_message_said() -> None:
     assert traffic.requests == result.requests
     assert kinds["pick"]["messages"] <= result.requests  # picks of one turn go out together
     assert kinds["pick"]["messages"] + kinds["release"]["messages"] > result.requests
+
+
+def test_the_picks_of_a_window_go_in_one_message_and_route_the_same() -> None:
+    """``--peer-pick-ms`` (1 ms, the proxy's default): a replica tells its picks 1 ms after the
+    first of them, all in one message. smoke-trace's arrivals come in bursts that share a stamp:
+    with the window its 38 picks take a handful of messages instead of one each, and, the peers
+    still hearing every pick before their own turn to pick, every request goes where it went."""
+    scenario = get_scenario("smoke-trace")
+    runs, picks = [], []
+    for window_ms in (0, 1):
+        traffic = PeerTraffic()
+        runs.append(run_virtual(scenario, "la-swrr", "prefix", proxies=2, peer_interval_ms=20, traffic=traffic,
+                                peer_pick_ms=window_ms))
+        picks.append(traffic.as_dict()["by_kind"]["pick"]["messages"])
+    at_once, windowed = runs
+    assert windowed.per_node == at_once.per_node and windowed.ttft_s == at_once.ttft_s
+    assert picks[0] >= 0.7 * at_once.requests and picks[1] <= picks[0] / 3, picks
+
+
+def test_fleet_copies_the_pool_and_the_trace() -> None:
+    """``--fleet K``: K times the engines and the requests, copy j's nodes named ``<node>-j`` and
+    its prefix blocks its own, every copy arriving with the original."""
+    scenario = get_scenario("smoke-trace")
+    twice = fleet(scenario, 2)
+    assert [e.node for e in twice.engines] == ["n1", "n2", "n1-1", "n2-1"]
+    requests = load_workload(scenario.trace)
+    copies = fleet_requests(requests, 2)
+    assert len(copies) == 2 * len(requests) and sorted(r.index for r in copies) == list(range(len(copies)))
+    first, second = copies[0], copies[1]
+    assert first.offset_s == second.offset_s and first.prompt_tokens == second.prompt_tokens
+    assert not set(first.block_ids) & set(second.block_ids) and first.block_ids == requests[0].block_ids
+    run = run_virtual(scenario, "la-swrr", "prefix", copies=2)
+    assert run.requests == len(copies) and set(run.per_node) == {"n1", "n2", "n1-1", "n2-1"}
+    assert all(count > 0 for count in run.per_node.values())
+    with pytest.raises(ValueError, match="--fleet"):
+        fleet(scenario, 0)
 
 
 def test_kind_of_reads_a_message_by_its_changes() -> None:

@@ -4,9 +4,12 @@ capacity cut (bench/virtual_timeline.py; pure, fast)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from laswrr.bench.metrics import ClientOutcome, RequestResult
 from laswrr.bench.scenarios import get_scenario
-from laswrr.bench.virtual_timeline import overshoot, run_timeline, timeline_requests
+from laswrr.bench.virtual_timeline import bench_timeline, overshoot, run_timeline, timeline_requests
 
 
 def result(index: int, start_s: float, node: str) -> RequestResult:
@@ -22,6 +25,15 @@ def test_overshoot_counts_what_went_to_the_cut_node_beyond_its_new_share_in_the_
     assert (cut["node"], cut["capacity"], cut["share"], cut["total"], cut["sent"]) == ("n2", 1, 0.2, 5, 2)
     assert (cut["expected"], cut["overshoot"]) == (1.0, 1.0)
     assert overshoot(scenario, [result(0, 1.5, "n1")])[0]["overshoot"] == 0.0
+
+
+def test_a_timeline_with_replicas_runs_its_oracle_row_too(tmp_path: Path) -> None:
+    """``laswrr bench --virtual --scenario <timeline> --proxies N``: the oracle row has no replicas
+    (it reads the engines), so nothing waits for a replica's turn there (it raised IndexError)."""
+    bench_timeline(get_scenario("smoke"), ["la-swrr"], None, 1, tmp_path, proxies=2, peer_interval_ms=20)
+    document = json.loads((tmp_path / "smoke" / "virtual.json").read_text())
+    assert [row["policy"] for row in document["policies"]] == ["la-swrr", "oracle"]
+    assert document["proxies"] == 2 and document["peer_pick_ms"] == 1
 
 
 def test_replicas_split_the_requests_and_the_channel_carries_their_picks() -> None:
