@@ -15,12 +15,14 @@ load, in seconds instead of minutes. It measures what routing alone can change; 
 ``--proxies N``: N replicas take the requests in turn, each with its own routing table, prefix
 index and counts. With ``--peer-interval-ms I`` (20, as ``laswrr proxy``; 0: off) they share them
 over the channel between proxies as the proxies do (docs/design.md, "The channel between
-proxies"): a replica's message goes to the others at each of its picks, and every I ms of
+proxies"): a replica's message goes to the others ``--peer-pick-ms`` (1) after a pick, with every
+pick of that window, and every I ms of
 virtual time from each replica whose counts changed otherwise or whose last message is half
 ``peer_stale_ms`` old (``Router.peer_due``); the others take it ``--peer-delay-ms`` later (2,
 the bus's delivery time; 0: at once) and drop a peer silent for ``peer_stale_ms``. A replica
 picks after its turn (``Router.stagger_s`` with the proxy's default turn, bounded by the
-first-byte times it saw), as a proxy does. The run
+first-byte times it saw), as a proxy does. ``--fleet K`` runs K copies of the pool and of the
+trace (``fleet``, ``fleet_requests``): K times the request rate on K times the engines. The run
 writes ``peers.json`` beside ``virtual.json``: messages, bytes per message as encoded on the
 bus, and bytes per request with the subjects against the request events' (``PeerTraffic``). ``kept`` is the share of the requests continuing an earlier prompt (sharing
 at least two leading trace blocks with it) that went to the node that served it: with several
@@ -177,13 +179,22 @@ def fleet(scenario: Scenario, copies: int) -> Scenario:
 
 
 def fleet_requests(requests: Sequence[RequestSpec], copies: int) -> list[RequestSpec]:
-    """K copies of a trace's requests: each arrives when the original does, with its own prefix
-    blocks (copy j's ids offset by ``j * FLEET_BLOCK_SPAN``), and the indices interleaved, so the
-    replicas taking them in turn each take as many of every copy."""
+    """K copies of a trace's requests, each with its own prefix blocks (copy j's ids offset by
+    ``j * FLEET_BLOCK_SPAN``) and its arrivals ``j / K`` of the trace's mean gap between two
+    distinct arrival stamps later: the copies' bursts fall between each other's, as independent
+    users' would, not on the same instants (copies in lockstep make the pick order within a
+    burst, and so the prefix hits, an artefact of the copying). Copy j's indices follow copy
+    j - 1's, so the replicas taking the requests in turn by index share every copy's
+    conversations as they share the original's."""
     if copies == 1:
         return list(requests)
-    return [replace(r, index=r.index * copies + j, block_ids=tuple(b + j * FLEET_BLOCK_SPAN for b in r.block_ids))
-            for r in requests for j in range(copies)]
+    stamps = sorted({r.offset_s for r in requests})
+    gap = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0
+    count = len(requests)
+    copied = [replace(r, index=j * count + r.index, offset_s=r.offset_s + gap * j / copies,
+                      block_ids=tuple(b + j * FLEET_BLOCK_SPAN for b in r.block_ids))
+              for j in range(copies) for r in requests]
+    return sorted(copied, key=lambda r: (r.offset_s, r.index))
 
 
 def _snapshot(scenario: Scenario) -> WeightSnapshot:

@@ -43,7 +43,7 @@ class VirtualChannel:
 
     def start(self, now: float) -> None:
         """The replicas' first heartbeats, before any request (live proxies run before the load
-        comes): each hears the others, so a pick is told at once from the first one."""
+        comes): each hears the others, so a pick is told within the window from the first one."""
         for k in range(len(self.routers)):
             self.speak(k, now)
 

@@ -236,7 +236,7 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
     replicas take the requests in turn, each its own ``Router`` (proxy id ``virtual-<k>``) and its
     own request events, so the snapshots split the in-flight counts by proxy as the scheduler
     does; with ``peer_interval_ms`` > 0 they share over the channel between proxies as
-    ``bench.virtual`` runs it (a pick told at once, the rest when ``Router.peer_due``; each
+    ``bench.virtual`` runs it (a pick told ``peer_pick_ms`` later with the window's others, the rest when ``Router.peer_due``; each
     message taken by the others ``peer_delay_ms`` after it was sent)."""
     base, variant = split_policy(policy)
     status = variant != NO_STATUS

@@ -155,16 +155,20 @@ def test_the_picks_of_a_window_go_in_one_message_and_route_the_same() -> None:
 
 
 def test_fleet_copies_the_pool_and_the_trace() -> None:
-    """``--fleet K``: K times the engines and the requests, copy j's nodes named ``<node>-j`` and
-    its prefix blocks its own, every copy arriving with the original."""
+    """``--fleet K``: K times the engines and the requests, copy j's nodes named ``<node>-j``, its
+    prefix blocks its own and its arrivals j / K of the mean gap between stamps later."""
     scenario = get_scenario("smoke-trace")
+    assert scenario.trace is not None
     twice = fleet(scenario, 2)
     assert [e.node for e in twice.engines] == ["n1", "n2", "n1-1", "n2-1"]
     requests = load_workload(scenario.trace)
     copies = fleet_requests(requests, 2)
     assert len(copies) == 2 * len(requests) and sorted(r.index for r in copies) == list(range(len(copies)))
-    first, second = copies[0], copies[1]
-    assert first.offset_s == second.offset_s and first.prompt_tokens == second.prompt_tokens
+    assert [r.offset_s for r in copies] == sorted(r.offset_s for r in copies)
+    stamps = sorted({r.offset_s for r in requests})
+    gap = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    first, second = (next(r for r in copies if r.index == i) for i in (0, len(requests)))
+    assert second.offset_s == pytest.approx(first.offset_s + gap / 2) and second.prompt_tokens == first.prompt_tokens
     assert not set(first.block_ids) & set(second.block_ids) and first.block_ids == requests[0].block_ids
     run = run_virtual(scenario, "la-swrr", "prefix", copies=2)
     assert run.requests == len(copies) and set(run.per_node) == {"n1", "n2", "n1-1", "n2-1"}
