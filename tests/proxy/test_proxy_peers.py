@@ -105,12 +105,13 @@ async def test_a_pick_reaches_the_peer_at_once_not_an_interval_later(
 async def test_the_picks_of_a_window_reach_the_peer_in_one_message(
         engines: Any, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession) -> None:
     """``--peer-pick-ms``: A tells its picks that long after the first of them, all in one message.
-    Six streams opened together through A (a window of 300 ms here, so that a loaded machine still
-    admits them all within it) reach B as one message, and B counts all six."""
+    Six streams opened one after the other through A, each admitted in its own turn of the event
+    loop (with the window at 0 each is a message of its own), reach B as one message (a window of
+    1 s here, so that a loaded machine still admits all six within it), and B counts all six."""
     for name in NODES:
         seq = await core.register(name, (await engines(name)).url)
     # A's interval far beyond the test: only a message sent for the picks can tell B
-    a = await start_proxy(proxy_id="proxy-a", peer_interval_ms=60_000, peer_stale_ms=600_000, peer_pick_ms=300)
+    a = await start_proxy(proxy_id="proxy-a", peer_interval_ms=60_000, peer_stale_ms=600_000, peer_pick_ms=1000)
     b = await start_proxy(proxy_id="proxy-b", peer_interval_ms=20, peer_stale_ms=600_000)
     for proxy in (a, b):
         await wait_seq(proxy, "default", seq)
@@ -118,8 +119,10 @@ async def test_the_picks_of_a_window_reach_the_peer_in_one_message(
     sent = a.state.bus.peer_sent
     body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}],
             "test": {"chunks": 400, "delay": 0.05}}
-    streams = await asyncio.gather(*(http.post(a.url + CHAT, json=body) for _ in range(6)))
+    streams = []
     try:
+        for _ in range(6):
+            streams.append(await http.post(a.url + CHAT, json=body))
         assert sum(a.state.router.inflight.values()) == 6
         peers = b.state.router.pools["default"].peers
         await wait_for(lambda: "proxy-a" in peers and sum(peers["proxy-a"].inflight.values()) == 6, timeout=5,
@@ -132,8 +135,8 @@ async def test_the_picks_of_a_window_reach_the_peer_in_one_message(
 
 async def test_a_proxy_is_not_sent_back_its_own_peer_messages(
         engines: Any, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession) -> None:
-    """Every pick is published at once on lb.peer.<pool>.<proxy>; the proxy's connection is
-    ``no_echo``, so NATS never delivers those back to it to decode and drop (one wasted delivery
+    """Every pick is published within --peer-pick-ms on lb.peer.<pool>.<proxy>; the proxy's
+    connection is ``no_echo``, so NATS never delivers those back to it to decode and drop (one wasted delivery
     and decode per request before). The other proxy hears each of them."""
     a, b = await two_proxies(engines, core, start_proxy, interval_ms=20)
     await wait_for(lambda: "proxy-a" in b.state.router.pools["default"].peers, what="B hears A")
