@@ -123,8 +123,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                              "1, the proxy's; 0: at once)")
     parser.add_argument("--fleet", type=int, default=1, metavar="K",
                         help="--virtual, trace scenarios: K copies of the scenario's pool and of its trace (each "
-                             "copy with its own prefixes, arriving with the original): K times the request rate "
-                             "on K times the engines, each engine as loaded as in one copy (default 1)")
+                             "copy with its own prefixes, its arrivals falling between the other copies'): K times "
+                             "the request rate on K times the engines, each engine as loaded as in one copy "
+                             "(default 1)")
     parser.add_argument("--virtual", action="store_true",
                         help="run in virtual time through the proxy's routing table and the engines' physics (no "
                              "processes; deterministic, seconds), plus an oracle row: a trace on fixed weights "

@@ -393,7 +393,6 @@ def bench_virtual(scenarios: Sequence[Scenario], policies: Sequence[str], affini
                   out: Path, proxies: int = 1, peer_interval_ms: int = 0, peer_delay_ms: float = PEER_DELAY_MS,
                   copies: int = 1, peer_pick_ms: float = PEER_PICK_S * 1000) -> int:
     share = proxies > 1 and peer_interval_ms > 0
-    fleet(scenarios[0], copies)  # checks it
     for scenario in scenarios:
         if scenario.trace is None:  # a timeline scenario: the scheduler's core in the loop
             if copies != 1:
@@ -407,6 +406,7 @@ def bench_virtual(scenarios: Sequence[Scenario], policies: Sequence[str], affini
                 continue
             bench_timeline(scenario, policies, affinity, seed, out, proxies, peer_interval_ms, peer_delay_ms, peer_pick_ms)
             continue
+        pool = fleet(scenario, copies)  # what runs (and a bad --fleet refused before any row)
         plain = [policy for policy in policies if "+" not in policy]
         if len(plain) < len(policies):
             why = f"policy variants run in virtual time on timeline scenarios, not on {scenario.name} (its weights are fixed)"
@@ -420,7 +420,7 @@ def bench_virtual(scenarios: Sequence[Scenario], policies: Sequence[str], affini
                                        copies=copies, peer_pick_ms=peer_pick_ms))
             if share and policy != ORACLE:
                 traffic[f"{policy}/{mode}"] = carried.as_dict()
-        print_virtual(fleet(scenario, copies), results)
+        print_virtual(pool, results)
         target = out / scenario.name
         target.mkdir(parents=True, exist_ok=True)
         (target / "virtual.json").write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
