@@ -25,7 +25,7 @@ from laswrr.services.children import interrupt_on_sigterm
 DEMO_POLICIES = ("la-swrr", "rr")
 # Twice the scenario's 42 s: long enough for round robin's queue on the one-slot node to show in
 # the drop phase (28 s of it), short enough for `make demo` to end in a few minutes on a fresh
-# 2-core box (the measured time: docs/design.md §4, "Figures behind choices in the code").
+# 2-core box (the measured time: docs/evidence/code-choices.md).
 DEMO_DURATION_SCALE = 2.0
 
 

@@ -14,7 +14,7 @@ Figures per policy (see ``bench.metrics`` for the definitions):
     routable or had effective weight 0 in the latest snapshot the client had seen);
   * ``replay``: the exact-replay verdict.
 
-Goals (docs/design.md §5, "Evidence") are evaluated against round robin when it ran:
+Goals (docs/evidence/README.md) are evaluated against round robin when it ran:
   drop_within_1_5x: P99 E2E in the focus phase ≤ 1.5 × steady P99 (announced-drop);
   zero_interruptions, zero_admissions_to_draining; half_of_rr: P99 E2E ≤ 0.5 × rr's
   (over the whole run); lowest_cov: the lowest time-averaged CoV of all policies.

@@ -20,7 +20,7 @@ to 80 % when the dropped node's traffic moves off it (real pressure, still stabl
 capacity-blind policy keeps sending the node a quarter of the load, 125 % of what its one slot
 sustains, so its queue grows for the whole drop. At 50 % that quarter is 104 % of the one slot:
 a borderline case in which the queue grows too slowly within a phase to tell policies apart
-(docs/design.md §4, "Figures behind choices in the code").
+(docs/evidence/code-choices.md).
 
 The same concavity means a slot is worth more than its share: one slot of a 910B sustains 48 % of
 its 10-slot throughput (at speed 4: 1.05 vs 2.19 requests/s with the default workload), so a 10→1

@@ -12,8 +12,7 @@ alternates among them). Logs: ``<run_dir>/data/logs/<name>.log``.
 The collector also samples every engine's simulated ``npu-smi info`` (AICore %, HBM, Health: the
 Ascend signals LA-SWRR reads) at its default 2 s interval, with ``curl`` of the engine's GET
 /sim/npu-smi (``services.up.sim_npu_smi_command``), which costs little CPU, unlike the Python
-``sim-npu-smi`` fallback when curl is missing (the figures: docs/design.md §4, "Figures behind
-choices in the code").
+``sim-npu-smi`` fallback when curl is missing (the figures: docs/evidence/code-choices.md).
 
 **Peers.** A policy named ``<router>:<its policy>`` (``vllm-router:power_of_two``,
 ``sglang-router:cache_aware``, ...) runs the same stack and engines but sends the load through
@@ -62,9 +61,9 @@ PEER_START_TIMEOUT_S = 60.0
 # ``no-status``: the same proxy, on MindIE engines whose status the collector is not told about
 # (no status_url): what la-swrr knows without the status source (docs/ascend.md §5).
 # ``flow-noreserve``: flow control without the interactive reserve (an interactive request then
-# waits for a release: where the proxies' sharing of freed slots shows, docs/design.md §5).
+# waits for a release: where the proxies' sharing of freed slots shows, docs/evidence/flow-control.md).
 # ``decode-only``: a ``vllm`` P/D pool's prompts of at most 512 tokens go whole to a decode node,
-# whose engine then prefills them itself (``--pd-local-prefill``; docs/design.md, "Short prompts").
+# whose engine then prefills them itself (``--pd-local-prefill``; docs/proxy.md, "Short prompts: the decode node alone").
 VARIANTS: dict[str, tuple[str, ...]] = {"flow": ("--flow-control",), "cap": ("--inflight-cap-per-capacity", "1"),
                                         "flow-noreserve": ("--flow-control", "--interactive-reserve", "0"),
                                         "no-status": (), "decode-only": ("--pd-decode-only-tokens", "512")}

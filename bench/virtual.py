@@ -14,7 +14,7 @@ load, in seconds instead of minutes. It measures what routing alone can change; 
 
 ``--proxies N``: N replicas take the requests in turn, each with its own routing table, prefix
 index and counts. With ``--peer-interval-ms I`` (20, as ``laswrr proxy``; 0: off) they share them
-over the channel between proxies as the proxies do (docs/design.md, "The channel between
+over the channel between proxies as the proxies do (docs/proxy.md, "The channel between
 proxies"): a replica's message goes to the others ``--peer-pick-ms`` (1) after a pick, with every
 pick of that window, and every I ms of
 virtual time from each replica whose counts changed otherwise or whose last message is half
@@ -77,7 +77,7 @@ class PeerTraffic:
     ``bytes``: the messages' payloads as encoded on the bus; ``wire_bytes`` adds each message's
     subject. ``event_bytes``: the ``lb.req.started`` and ``lb.req.finished`` of every request as
     a proxy puts them in its batches (each a batch item, with a 32-hex request id and boot id),
-    the base of the budget for the channel (docs/design.md, "The channel between proxies")."""
+    the base of the budget for the channel (docs/proxy.md, "The channel between proxies")."""
 
     messages: int = 0
     bytes: int = 0

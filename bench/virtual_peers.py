@@ -21,7 +21,7 @@ from laswrr.schemas.peers import PEER_DECODER, PEER_ENCODER, PeerMessage, PeerSt
 # Requests that reach several replicas within it are routed by each without the others' picks: on
 # trace-mooncake (its arrivals come in bursts that share one stamp) every delay from 0.5 to 5 ms
 # gives the same figures when the replicas do not pick in turn (seed 1), and with it the virtual run agrees with the real stack where at 0 it did
-# not (docs/design.md, "Several proxies on the real stack").
+# not (docs/evidence/replicas.md, "Several proxies on the real stack").
 PEER_DELAY_MS = 2.0
 
 

@@ -570,7 +570,8 @@ def _num(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-OVERSHOOT_WINDOW_S = 1.0  # docs/design.md, "Proxy replicas and workers": the first second after the event
+# the first second after the event (docs/evidence/replicas.md, "Timeline scenarios in virtual time")
+OVERSHOOT_WINDOW_S = 1.0
 
 
 def overshoot(scenario: Scenario, results: Sequence[RequestResult],

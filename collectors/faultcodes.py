@@ -1,7 +1,7 @@
 """MindCluster fault codes -> fault level -> the chip health word the scheduler acts on.
 
 Pure: ``fault_table(text)`` parses the TOML text of ``collectors/faultcodes.toml`` (its source
-and the policy are written in that file and in docs/ascend.md, "Fault codes"); reading the file
+and the policy are written in that file and in docs/ascend.md, "MindCluster fault codes"); reading the file
 is the caller's (``collectors.exporter.load_fault_table``). A bad table raises ``ParseError``.
 
 Health words are npu-smi's (``OK`` < ``Warning`` < ``Alarm`` < ``Critical`` < ``UNKNOWN``): the

@@ -13,7 +13,7 @@ pool = "default"
 chip = "910B"
 capacity = 8
 role = "both"                   # prefill | decode | both (default); prefill and decode need:
-# pd_protocol = "vllm"          # vllm | sglang: the pool's P/D protocol (docs/design.md)
+# pd_protocol = "vllm"          # vllm | sglang: the pool's P/D protocol (docs/proxy.md)
 # bootstrap_port = 8998         # an sglang prefill node's bootstrap server port (required for one)
 # --- collector keys, all optional ---
 metrics_url = "http://10.0.0.5:8000/metrics"   # default <url>/metrics
@@ -108,7 +108,7 @@ class Node:
     chips_per_npu: int = 1  # exporter device ids per NPU id (2: Atlas A3, 300I Duo)
     pod: tuple[str, str] = ("", "")  # (namespace, pod_name) the exporter labels this node's chips with
     status_url: str | None = None  # MindIE /v1/status (or /v2/status) on the management port
-    role: str = "both"  # prefill | decode | both (docs/design.md, "Prefill/decode disaggregated pools")
+    role: str = "both"  # prefill | decode | both (docs/proxy.md, "Prefill/decode pairs")
     pd_protocol: str | None = None  # vllm | sglang: the pool's P/D protocol (required for prefill and decode)
     bootstrap_port: int | None = None  # an sglang prefill node's bootstrap server port (required for one)
 

@@ -38,7 +38,8 @@ repeated key starts a new block, for pastes that lost the blank lines). ``Chip I
 trailer in ``-t usages``/``power``/``temp`` but a header in ``-t common``; MCU blocks
 (``Chip Name : mcu|MCU``) carry no Chip ID. ``kv_chip_metrics`` reads one chip's numbers
 with the key-name variants of different drivers/products and prefers ``NPU
-Utilization(%)`` over ``Aicore Usage Rate(%)`` for utilisation (docs/design.md §3).
+Utilization(%)`` over ``Aicore Usage Rate(%)`` for utilisation (docs/design.md, "Ascend-specific
+signals and heterogeneous pools").
 """
 
 from __future__ import annotations

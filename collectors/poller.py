@@ -32,7 +32,7 @@ Theory of operation
 * Every ``models_interval_s`` (5 s) per node, ``GET /v1/models`` (the node URL's, by the
   engine transport's ``/v1`` rule): ``lb.metrics.models.<node>`` ModelsListed when the ids
   changed, when the node was (re-)registered, and every ``models_refresh_s`` (60 s) unchanged;
-  the proxies route model ids on them (docs/design.md §6, "Model ids"). A failed listing
+  the proxies route model ids on them (docs/wire.md, "Model ids"). A failed listing
   publishes nothing: the last list stands.
 * A scrape that is not an engine exposition (garbage, HTML, cut before the gauges) publishes
   nothing and is counted; so are HTTP errors, timeouts, npu-smi failures and publish errors.

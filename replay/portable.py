@@ -1,4 +1,4 @@
-"""The portable log form (docs/design.md §6): one ``{"seq", "ts_ns", "subject", "data"}`` JSON object
+"""The portable log form (docs/wire.md): one ``{"seq", "ts_ns", "subject", "data"}`` JSON object
 per line, for inputs and outputs alike. ``data`` is the payload as JSON when the payload is a
 JSON value other than a string, with no surrounding whitespace; any other payload (not valid JSON,
 a bare JSON string, padded with whitespace) is carried as a JSON string of its raw text. A JSON

@@ -15,7 +15,7 @@ two outputs of one input on one subject (a node that goes draining -> drained at
 kept. A byte-identical republish of one output is counted once. An output the service found
 too large to publish was recorded as a rejection with cause ``unpublishable_output`` and the
 ``limit`` it applied; the replay applies the same replacement (``schemas.codec.publishable``)
-with that limit. Logs are read as wire contract v1 (docs/design.md §6); a future version's
+with that limit. Logs are read as wire contract v1 (docs/wire.md); a future version's
 reader upcasts older events in one place, ``schemas.upcast``.
 
 Checks, each naming the input sequence number where it fails:
@@ -287,7 +287,7 @@ def replay_db(con: duckdb.DuckDBPyConnection, overrides: dict[str, Any] | None =
 
 
 class _Replayer:
-    """The hot loop (its cost per input: docs/design.md §4): per input, build the envelope,
+    """The hot loop (its cost per input: docs/evidence/code-choices.md): per input, build the envelope,
     apply it, and only when the core produced outputs look at the recorded ones.
     Recorded outputs for an input that produced none are found at the next input with outputs
     (or at the end) as orphans."""

@@ -1,6 +1,6 @@
 """The recorded log in DuckDB: one table, the analyst views, and the one-writer rule.
 
-Table (docs/design.md §6): ``events(stream, seq, ts_ns, subject, data, raw)`` with primary key
+Table (docs/wire.md): ``events(stream, seq, ts_ns, subject, data, raw)`` with primary key
 ``(stream, seq)``. The payload is kept byte for byte: ``data`` is its text when it is UTF-8
 (malformed JSON, NUL bytes and all, exactly as it came) and ``raw`` is NULL; a payload that is not
 UTF-8 (DuckDB's VARCHAR cannot hold it) has its exact bytes in the BLOB ``raw`` and, in ``data``,
@@ -11,10 +11,10 @@ recorder opens it; a reader of such a file (read-only), or of an old Parquet exp
 ``events`` through a view that adds it, so every reader and view can rely on it.
 Writes are idempotent on the stream sequence: ``insert_rows`` uses ``ON CONFLICT DO NOTHING``
 and passes each column as one list parameter (``unnest``), which is much faster than
-``executemany`` (docs/design.md §4, "Figures behind choices in the code") and needs neither
+``executemany`` (docs/evidence/code-choices.md) and needs neither
 pyarrow nor pandas.
 
-One writer per DuckDB file (docs/design.md §1, "Hazards designed for"). While the recorder runs it holds the file's write lock
+One writer per DuckDB file (docs/design.md, "Hazards designed for"). While the recorder runs it holds the file's write lock
 and no other process can open it, not even read-only. ``open_read`` therefore:
 
 1. opens the file read-only when nobody holds it (the stack is stopped);

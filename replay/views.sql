@@ -6,7 +6,7 @@
 -- rendering, and the scheduler rejected it) and never fails on a bad row. Times are integer nanoseconds (`ts_ns`, the JetStream timestamp the scheduler
 -- used); durations are milliseconds. Node, pool and proxy names are the subject's last token.
 -- Batches: a proxy's `lb.req.batch.<proxy>` message holds its request events and heartbeats
--- in order (docs/design.md §6, "Batched request events"); `input_events` unnests them, so a
+-- in order (docs/wire.md, "Batched request events"); `input_events` unnests them, so a
 -- batched event is a row as it would be alone (its own subject, family, key and payload) at
 -- the batch's seq and ts_ns, with `event_index` its position in the batch (0 for a message
 -- holding one event). Order events by (seq, event_index): several share a seq.
@@ -89,7 +89,7 @@ QUALIFY row_number() OVER (PARTITION BY j->>'as_of_seq', j->>'node', j->>'to' OR
 -- status_class: '2xx', '3xx', '4xx', '5xx', or 'none' (no answer), NULL while open.
 -- role: a prefill/decode pair's leg, 'prefill' or 'decode' (NULL for a whole request). A pair is
 -- one request of two attempts: R (prefill, completed, no next_attempt: not a retry) and R.1
--- (decode), whose outcome is the request's (docs/design.md, "Prefill/decode disaggregated pools").
+-- (decode), whose outcome is the request's (docs/proxy.md, "Prefill/decode pairs").
 CREATE OR REPLACE VIEW attempts AS
 WITH started AS (
     SELECT j->>'request_id' AS attempt_id, key AS node, coalesce(j->>'pool', 'default') AS pool,

@@ -170,7 +170,7 @@ class Scheduler:
         time: the same handler, its pools re-targeted after it, a bad event rejected alone (its
         own outputs dropped, as a single rejected input's are). Only the snapshots differ: one
         per pool any event touched, after the whole batch, so a snapshot's ``as_of_seq`` always
-        means the state after that whole input (docs/design.md §6, "Batched request events")."""
+        means the state after that whole input (docs/wire.md, "Batched request events")."""
         touched: set[str] = set()
         for item in items:
             self._touched, self._rephased = set(), set()
@@ -422,7 +422,7 @@ class Scheduler:
     def _check_disaggregation(self, key: str, event: events.NodeRegistered) -> None:
         """A prefill or decode node names its pool's protocol, and no node of a pool names another
         protocol than its other nodes do (there is no pool entity: the pool's protocol is what its
-        registrations say; docs/design.md, "Prefill/decode disaggregated pools")."""
+        registrations say; docs/proxy.md, "Prefill/decode pairs")."""
         if event.role != NodeRole.BOTH and event.pd_protocol is None:
             raise Rejection(f"node {key!r} has role {event.role}: its registration must name the pool's "
                             f"pd_protocol (vllm or sglang)", RejectCause.PD_PROTOCOL)
@@ -579,7 +579,7 @@ class Scheduler:
 
     def _on_refused(self, key: str, event: events.RequestRefused) -> None:
         """A request the proxy answered itself: no node was involved, so nothing here changes;
-        the event is in the log for the views and the report (docs/design.md §6)."""
+        the event is in the log for the views and the report (docs/wire.md)."""
 
     def _on_queued(self, key: str, event: events.RequestQueued) -> None:
         """A request held by flow control: no node yet, nothing changes (its wait is for the views)."""
@@ -624,7 +624,8 @@ class Scheduler:
             if node.consecutive_failures >= self.config.consecutive_failures and node.phase in ROUTABLE:
                 self._outlier_eject(node)
         elif event.outcome in (RequestOutcome.COMPLETED, RequestOutcome.ENGINE_ERROR):
-            node.consecutive_failures = 0  # a 4xx is an answer: the engine is up (docs/design.md §6, engine errors)
+            # a 4xx is an answer: the engine is up (docs/wire.md, "Engine errors and the router's own answers")
+            node.consecutive_failures = 0
         self._check_drained(node)
 
     def _outlier_eject(self, node: NodeState) -> None:

@@ -1,6 +1,6 @@
 """The scheduler's whole state as msgspec structs, so a checkpoint is one encode and a
-restore one decode (a restarting scheduler starts from a checkpoint plus the tail: docs/design.md
-§1, "Hazards designed for", stream limits)."""
+restore one decode (a restarting scheduler starts from a checkpoint plus the tail: docs/design.md,
+"Hazards designed for", stream limits)."""
 
 from __future__ import annotations
 

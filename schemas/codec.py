@@ -10,7 +10,7 @@ A batch (``lb.req.batch.<proxy>``, ``events.RequestBatch``) decodes to its event
 own subject, and returns a ``SchemaError`` in place of each event that does not decode, naming
 its index, so the others still apply. ``decode_batch`` does both from the message's bytes,
 reading the events' ``[kind, key, event]`` in the same pass as the batch when it can. ``batch_item`` and ``batch_payload`` write the wire form
-(docs/design.md §6, "Batched request events").
+(docs/wire.md, "Batched request events").
 """
 
 from __future__ import annotations

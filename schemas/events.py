@@ -52,7 +52,7 @@ class NodeRegistered(Event, frozen=True, kw_only=True):
     engine: EngineName | None = None
     status_url: HttpUrl | None = None  # MindIE's management-port /v1/status (docs/ascend.md)
     npu_exporter: HttpUrl | None = None  # the host's npu-exporter /metrics (docs/ascend.md)
-    # Prefill/decode disaggregation (docs/design.md, "Prefill/decode disaggregated pools"): the node's
+    # Prefill/decode disaggregation (docs/proxy.md, "Prefill/decode pairs"): the node's
     # role, and the protocol its pool's engines speak (required for a prefill or decode node; every
     # node of a pool that names one must name the same, else the registration is rejected).
     role: NodeRole = NodeRole.BOTH
@@ -156,7 +156,7 @@ class ModelsListed(Event, frozen=True, kw_only=True):
     """``lb.metrics.models.<node>``: the model ids the node's engine lists on ``GET /v1/models``
     (the collector asks every ``--models-interval-ms``). The scheduler keeps the last list and
     puts it in the node's ``NodeView.models``, so a proxy forwards a pool's name as the model id
-    of the node it picked, and a model id only to the nodes that serve it (docs/design.md §6,
+    of the node it picked, and a model id only to the nodes that serve it (docs/wire.md,
     "Model ids")."""
 
     KIND: ClassVar[str] = "metrics.models_listed"
@@ -188,7 +188,7 @@ class RequestStarted(Event, frozen=True, kw_only=True):
     max_tokens: NonNegInt | None = None  # the output the request may generate (its decode reservation)
     key_name: Annotated[str, Meta(max_length=128)] | None = None  # the client's API key, by name (never the key)
     # A P/D pool's leg (prefill or decode: one request, two attempts); absent for a whole request,
-    # so a proxy's events without roles keep their bytes (docs/design.md, "Prefill/decode disaggregated pools")
+    # so a proxy's events without roles keep their bytes (docs/proxy.md, "Prefill/decode pairs")
     role: NodeRole | UnsetType = UNSET
 
 
@@ -219,7 +219,7 @@ class RequestRefused(Event, frozen=True, kw_only=True):
     client got. The first member of the family of a request's life at the proxy before a node:
     flow control adds ``lb.req.queued`` (held), and a held request then ends either as an
     ``lb.req.started`` (dispatched) or as an ``lb.req.refused`` with the same ``request_id``
-    (expired, overflow, client gone): docs/design.md §6, "Requests the router answers itself"."""
+    (expired, overflow, client gone): docs/wire.md, "Engine errors and the router's own answers"."""
 
     KIND: ClassVar[str] = "req.refused"
     request_id: Annotated[str, Meta(min_length=1, max_length=256)]
@@ -235,14 +235,14 @@ class RequestRefused(Event, frozen=True, kw_only=True):
 
 
 class RequestQueued(Event, frozen=True, kw_only=True):
-    """``lb.req.queued.<proxy>``: flow control held a request (docs/design.md, "Flow control").
+    """``lb.req.queued.<proxy>``: flow control held a request (docs/proxy.md, "Flow control").
     The request then ends as ``lb.req.started`` with the same ``request_id`` (dispatched to a
     node) or as ``lb.req.refused`` with it (TTL run out, no routable node, client gone: 499), so
     its wait in the queue is the difference of the two events' ``ts_ns``. ``band`` is the
     priority band it was held in (after its key's maximum), ``work`` its prompt plus
     ``max_tokens`` estimate (the DRR measure), ``cause`` why it was held: ``saturated`` (every
     routable node at its limit), ``behind`` (requests of the pool were held already, or the
-    other proxies hold more urgent requests than the pool has free slots: docs/design.md, "Flow
+    other proxies hold more urgent requests than the pool has free slots: docs/proxy.md, "Flow
     control", "Several proxies") or ``no_routable_node``."""
 
     KIND: ClassVar[str] = "req.queued"
@@ -260,7 +260,8 @@ class RequestQueued(Event, frozen=True, kw_only=True):
 
 class ProxyHeartbeat(Event, frozen=True, kw_only=True):
     """``lb.proxy.heartbeat.<proxy>``: a proxy is alive; ``inflight`` is its own count;
-    ``snapshot_seq`` the newest snapshot it routes on (a draining node waits for it: docs/design.md).
+    ``snapshot_seq`` the newest snapshot it routes on (a draining node waits for it: docs/design.md,
+    "Hazards designed for").
 
     ``boot_id`` names the proxy *process* (random at its start, whatever its ``--proxy-id``),
     on every heartbeat and request event: a new boot id for a proxy id tells the scheduler that
@@ -301,7 +302,7 @@ class BatchedEvent(msgspec.Struct, frozen=True, array_like=True):
 
 class RequestBatch(Event, frozen=True, kw_only=True):
     """``lb.req.batch.<proxy>``: a proxy's request events and heartbeats, in the order it made
-    them, as one message (docs/design.md §6, "Batched request events"). ``events`` are kept
+    them, as one message (docs/wire.md, "Batched request events"). ``events`` are kept
     raw here and decoded one by one (``schemas.codec.unbatch``), so one bad event rejects only
     itself. ``boot_id`` and ``batch`` (the proxy's batch counter, as in its ``Nats-Msg-Id``
     ``<proxy>:<boot_id>:<batch>``) are for readers of the log; the core does not use them."""

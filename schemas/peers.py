@@ -1,4 +1,4 @@
-"""The channel between proxies (docs/design.md, "The channel between proxies"): ``PeerState``
+"""The channel between proxies (docs/proxy.md, "The channel between proxies"): ``PeerState``
 and ``PeerDelta``.
 
 Plain core NATS on ``lb.peer.<pool>.<proxy>`` (``schemas.subjects.peer``): no stream captures
@@ -15,7 +15,7 @@ blocks the node did not hold yet (``scheduler.policies.affinity``, "Sparse recor
 32-bit little-endian integers.
 
 Encoded as MessagePack arrays (``array_like``, trailing defaults left out), the first item the
-kind (1: state, 2: delta): no field names on the wire (docs/design.md, "The channel between
+kind (1: state, 2: delta): no field names on the wire (docs/proxy.md, "The channel between
 proxies", bandwidth). A field is only ever added at the end, with a default.
 """
 

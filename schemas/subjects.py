@@ -1,4 +1,4 @@
-"""Subject names of the wire contract (docs/design.md §6): the one place that spells them.
+"""Subject names of the wire contract (docs/wire.md): the one place that spells them.
 
 Inputs live on stream LB_EVENTS (every ``lb.>`` subject except ``lb.out.>``); outputs on
 LB_OUT (``lb.out.>``); the latest snapshot of each pool also sits in KV bucket LB_WEIGHTS

@@ -1,6 +1,6 @@
 """The one place where a payload of an older wire-contract version becomes the current one.
 
-The contract is version ``CONTRACT_VERSION`` (docs/design.md §6): every struct of
+The contract is version ``CONTRACT_VERSION`` (docs/wire.md): every struct of
 ``schemas.events`` and ``schemas.outputs`` is read as written there, and no reader anywhere
 else keeps an older form readable. When a later version changes a payload in a way an old
 reader cannot take (a renamed or retyped field, a split kind), it registers here one upcaster

@@ -1,4 +1,4 @@
-"""The shared words of the wire contract (v1, docs/design.md §6): one definition each.
+"""The shared words of the wire contract (v1, docs/wire.md): one definition each.
 
 Request outcomes, node phases and the triggers between them, why a node is drained, ejected or
 changed phase, NPU health levels, and why an input was rejected. Each is a ``StrEnum``, so a
@@ -33,7 +33,7 @@ class RequestOutcome(StrEnum):
 
 class RefusalCause(StrEnum):
     """Why a proxy answered a request itself, before binding it to any node (``lb.req.refused``
-    ``cause``; docs/design.md §6, "Requests the router answers itself"). Each is also the ``reason``
+    ``cause``; docs/wire.md, "Engine errors and the router's own answers"). Each is also the ``reason``
     label of ``laswrr_proxy_rejected_total`` and the ``code`` of the OpenAI-style error body where
     one fits. Flow control (held requests) adds its causes here."""
 
@@ -100,8 +100,8 @@ class EjectCause(StrEnum):
 
 
 class NodeRole(StrEnum):
-    """What a node does in its pool (``lb.admin.node`` ``role``; docs/design.md, "Prefill/decode
-    disaggregated pools"). ``both``, the default, is a node that serves a whole request, as every
+    """What a node does in its pool (``lb.admin.node`` ``role``; docs/proxy.md, "Prefill/decode
+    pairs"). ``both``, the default, is a node that serves a whole request, as every
     node did before roles; a pool with ``prefill`` and ``decode`` nodes is a P/D pool: a proxy
     picks one node of each role per request and runs its ``pd_protocol`` between them."""
 
@@ -113,7 +113,7 @@ class NodeRole(StrEnum):
 class PdProtocol(StrEnum):
     """How a P/D pool's prefill and decode engines hand a request over (``lb.admin.node``
     ``pd_protocol``): every node of a pool that names one names the same (the scheduler rejects
-    a registration that disagrees, docs/design.md)."""
+    a registration that disagrees, docs/proxy.md)."""
 
     VLLM = "vllm"  # sequential: prefill leg (max_tokens=1, kv_transfer_params), then decode leg
     SGLANG = "sglang"  # concurrent legs joined by bootstrap_host/port/room, sent to both at once

@@ -5,7 +5,7 @@ Theory of operation.
 * **Raw pull requests.** ``PullReader`` sends ``$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>``
   requests itself, each with its own reply subject ``<inbox>.<n>``, and receives every answer
   through one callback subscription on ``<inbox>.*`` into a buffer. nats-py's ``fetch`` costs
-  several loop wake-ups per message (docs/design.md §4, "Figures behind choices in the code");
+  several loop wake-ups per message (docs/evidence/code-choices.md);
   this way a whole batch arrives through one callback. One request is outstanding at a time.
 * **Statuses.** Every delivered message lands in the buffer, whichever request it answered (a
   late one is still a delivery the caller must account for before acking past it). A status

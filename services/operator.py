@@ -280,7 +280,7 @@ def config_body(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep or not key:
-            raise OperatorError(f"{pair!r}: give KEY=VALUE (keys: docs/configuration.md, \"Scheduler keys\")")
+            raise OperatorError(f"{pair!r}: give KEY=VALUE (keys: docs/configuration.md, \"Scheduler keys at runtime\")")
         try:
             value = json.loads(text)
         except ValueError:

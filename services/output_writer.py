@@ -1,5 +1,5 @@
 """The scheduler service's output side: every output once and in order in LB_OUT, each pool's
-latest snapshot in KV LB_WEIGHTS, never going back in time (docs/design.md §6, "Wire contract").
+latest snapshot in KV LB_WEIGHTS, never going back in time (docs/wire.md).
 
 Theory of operation.
 

@@ -24,7 +24,7 @@ Theory of operation.
   check runs once over the whole file at start.
 * **Pipelining.** The next pull request is in flight while a batch is committed in a worker
   thread; one lock serialises every use of the DuckDB connection.
-* **One writer per DuckDB file** (docs/design.md §1, "Hazards designed for"). Readers (``laswrr replay|report|export --db``)
+* **One writer per DuckDB file** (docs/design.md, "Hazards designed for"). Readers (``laswrr replay|report|export --db``)
   that find the file locked send a request on ``lb.recorder.snapshot`` (``{"db": path, "to":
   path}``; ``to`` must be a new file inside the recorder's data directory, anything else is
   refused with the reason); the recorder that owns ``db`` pauses committing LB_OUT, records

@@ -1,6 +1,6 @@
 """Consistent copies of a DuckDB file a running recorder holds: both ends of ``lb.recorder.snapshot``.
 
-One writer per DuckDB file (docs/design.md §1, "Hazards designed for"): a reader (``laswrr
+One writer per DuckDB file (docs/design.md, "Hazards designed for"): a reader (``laswrr
 replay|report|export --db``, the dashboard) that finds the file locked asks for a copy with
 ``copy_from_recorder`` (the request side: ``{"db": path, "to": path}`` on
 ``lb.recorder.snapshot``, blocking, as ``store.open_read``'s ``copy_locked``).

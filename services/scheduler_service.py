@@ -1,4 +1,4 @@
-"""`laswrr scheduler`: the IO shell around the pure core (docs/algorithm.md §6, docs/design.md §6).
+"""`laswrr scheduler`: the IO shell around the pure core (docs/algorithm.md §6, docs/wire.md).
 
 Theory of operation.
 

@@ -179,7 +179,7 @@ def sim_ascend_keys(url: str) -> dict[str, str]:
 def sim_npu_smi_command(url: str, python: str = sys.executable) -> str:
     """The ``npu_smi`` command line (nodes.toml) that samples the simulated engine at ``url``:
     ``curl`` of its GET /sim/npu-smi when curl is installed, else ``sim-npu-smi`` (a Python
-    start-up per sample, far dearer: docs/design.md §4, "Figures behind choices in the code")."""
+    start-up per sample, far dearer: docs/evidence/code-choices.md)."""
     base = url.rstrip("/")
     if shutil.which("curl"):
         return f"curl -sf --max-time 2 {shlex.quote(base + '/sim/npu-smi')}"

@@ -18,7 +18,7 @@ deepest matched key and the node name (rendezvous hashing), so replicas that hol
 entries rank them the same way. A prefix every eligible node holds (one system prompt for all)
 tells nothing and prefers nobody: the pick is then exactly LA-SWRR's.
 
-**Sparse records** (``grid``, 0: off; the channel between proxies, docs/design.md): another
+**Sparse records** (``grid``, 0: off; the channel between proxies, docs/proxy.md): another
 proxy tells this one only the keys at the *grid positions* of a prompt it routed (block p with
 p + 1 a power of two below ``grid``, or a multiple of ``grid``: ``grid_positions``), a few keys
 where the whole chain would be dozens. A key is the hash of the whole prefix up to its block, so

@@ -28,7 +28,7 @@ may read as much or as little of as it needs (``scheduler.policies.base``). When
 picked, ``Router.refusal`` says why: ``NO_POOL``, ``NO_NODE`` (nothing routable and untried) or
 ``SATURATED`` (routable untried nodes exist, all at their limit).
 
-Where features plug in (docs/design.md, "The routing core"):
+Where features plug in (docs/proxy.md, "The routing core"):
 
 * **Flow control** (hold what the fleet cannot take yet). The saturation test is the limit step
   of ``admit`` (``at_limit``: the cap, and the snapshot's per-node ``concurrency_limit``), a

@@ -4,7 +4,7 @@ The proxy (``services/proxy/flow.py``) holds the aiohttp request and wakes on re
 snapshots; everything it decides is here, with time passed in (``now``, monotonic seconds), so
 the order is deterministic and unit-tested (tests/scheduler/test_flow.py).
 
-Rules (docs/design.md, "Flow control"):
+Rules (docs/proxy.md, "Flow control"):
 
 * **Saturation: the slot limit.** A node can take a request while its pool-wide in-flight
   estimate (``scheduler.routing.router``'s ``load``) is under its *concurrency limit*, which the
@@ -65,7 +65,7 @@ BANDS: tuple[str, ...] = ("interactive", "default", "batch")
 INTERACTIVE, DEFAULT, BATCH = 0, 1, 2
 NO_TENANT = ""  # the tenant of every request without an API key
 
-# Peers' conventions, mapped onto the three bands (docs/design.md, "Flow control"): an explicit
+# Peers' conventions, mapped onto the three bands (docs/proxy.md, "Flow control"): an explicit
 # name wins; llm-d's InferenceObjective priority is an integer where *higher* is more urgent
 # (> 0 interactive, 0 default, < 0 batch); vLLM's and SGLang's request ``priority`` is an integer
 # where *lower* is more urgent (the same numbers read the other way), so the header takes names

@@ -1,4 +1,4 @@
-"""Model ids -> pool, eligible nodes and the id each node is sent (pure; docs/design.md §6, "Model ids").
+"""Model ids -> pool, eligible nodes and the id each node is sent (pure; docs/wire.md, "Model ids").
 
 Each node's ``NodeView.models`` is what its engine lists on ``GET /v1/models`` (the collector
 asks, ``lb.metrics.models.<node>``; absent until listed). A request's ``model`` is planned so

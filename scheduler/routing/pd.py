@@ -1,4 +1,4 @@
-"""The prefill/decode protocols' bodies (docs/design.md, "Prefill/decode disaggregated pools").
+"""The prefill/decode protocols' bodies (docs/proxy.md, "Prefill/decode pairs").
 
 **vllm.** vLLM and vLLM-Ascend disaggregate a request in two sequential legs, as vllm-router's
 ``--vllm-pd-disaggregation`` and vLLM's example proxies do:

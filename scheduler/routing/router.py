@@ -22,7 +22,7 @@ Rules:
   ``snapshot.proxy_inflight[me]`` is what the scheduler had seen of *this* proxy at
   ``as_of_seq`` (schemas.outputs.WeightSnapshot), so this proxy's own requests are counted once,
   live, whatever its events' lag; only the other replicas' part is as old as the snapshot (its
-  staleness: docs/design.md, "Proxy replicas and workers"). ``me`` is ``proxy_id`` (a router
+  staleness: docs/proxy.md, "Proxy replicas and workers"). ``me`` is ``proxy_id`` (a router
   built without one routes on its own counts alone). A snapshot
   without ``proxy_inflight`` (no request open in the pool, or a scheduler from before the field)
   gives ``others = 0``: the pick is then exactly the one on own counts, as it is whenever this
@@ -56,7 +56,7 @@ Rules:
   the prefix the index says the node holds, plus ``M``. Without a prompt, or with
   ``affinity="none"``, the pick is exactly LA-SWRR's on request counts. The requests in flight
   are the pool-wide ``load``, another replica's counting ``M`` each.
-* **The channel between proxies** (``share``, with a ``proxy_id``; docs/design.md): ``peer_message``
+* **The channel between proxies** (``share``, with a ``proxy_id``; docs/proxy.md): ``peer_message``
   is this proxy's view of a pool for the others (own in-flight and prefill backlog per node, flow
   control's held requests per band as ``note_held`` last set them, the prefix records admitted
   since the last call, at most ``peer_max_keys`` block keys), whole or as the changes since its
@@ -70,7 +70,7 @@ Rules:
   is then the snapshot's again, exactly the rule without the channel. Without ``share`` (or
   without peers) nothing of this runs and the picks are the ones above.
 * **Prefill/decode pairs** (a P/D pool: nodes whose snapshot view has a ``role``, ``vllm`` or
-  ``sglang``; docs/design.md, "Prefill/decode disaggregated pools"): the pool keeps a policy per
+  ``sglang``; docs/proxy.md, "Prefill/decode pairs"): the pool keeps a policy per
   role; the first ``admit`` of a request picks its prefill node (affinity, backlog and flow
   limits as above; ``Admission.role`` prefill, with the pool's protocol and the node's bootstrap
   port) and ``admit(..., role=decode)`` its decode node with the decode role's own policy (no
@@ -180,7 +180,7 @@ class PoolRoute:
     # what this proxy's last peer message of the pool made its counts for the peers (in-flight,
     # backlog) and whether flow control held requests then; None: no message yet (``peer_message``)
     told: tuple[dict[str, int], dict[str, int], bool] | None = None
-    # A P/D pool (docs/design.md, "Prefill/decode disaggregated pools"): its protocol;
+    # A P/D pool (docs/proxy.md, "Prefill/decode pairs"): its protocol;
     # ``targets``/``policy`` are the prefill role's and these the decode role's (its own LA-SWRR)
     pd_protocol: PdProtocol | None = None
     decode_policy: Policy | None = None
@@ -654,7 +654,7 @@ class Router:
         """How long this proxy waits before a request's pick in ``pool``: its rank among itself and
         the peers it hears there (by proxy id), times ``peer_stagger_s``. The replicas that take
         one burst of requests between them then pick in turn, each after the picks of those ranked
-        before it have reached it (docs/design.md, "Bursts across replicas"), as one proxy picks a
+        before it have reached it (docs/proxy.md, "Bursts across replicas"), as one proxy picks a
         burst one request after the other. Ranks past ``PEER_STAGGER_RANKS`` wait as long as that
         one (the wait stays bounded with many replicas), and a turn is shortened so that the
         longest wait is at most ``PEER_STAGGER_SHARE`` of the requests' first-byte time

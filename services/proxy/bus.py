@@ -26,7 +26,7 @@ Self-healing: if the watcher has been silent for ``rewatch_s`` (the scheduler ti
 often) or fails, it is re-created; the new watcher first re-delivers the newest value of each
 key, so nothing published during an outage is missed, and older ones are ignored by the router.
 
-The channel between proxies (docs/design.md, "The channel between proxies"; with a router that
+The channel between proxies (docs/proxy.md, "The channel between proxies"; with a router that
 ``share``s, ``--peer-interval-ms`` > 0). Once connected, the link subscribes ``lb.peer.>`` (plain
 core NATS: nothing is stored) and hands every other proxy's message to ``Router.peer_update``
 with the pool and the sender read from its subject. Each admission (``Router.on_pick``) wakes

@@ -112,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--affinity-blocks", type=int, default=_DEFAULTS.affinity_blocks, metavar="N",
                         help="prefix-index keys kept per node, 512 characters (~128 tokens) each; set it to the "
                              "engines' KV room (default %(default)s, ~2 M tokens)")
-    flow = parser.add_argument_group("flow control (docs/design.md, \"Flow control\")")
+    flow = parser.add_argument_group("flow control (docs/proxy.md, \"Flow control\")")
     flow.add_argument("--flow-control", action=argparse.BooleanOptionalAction, default=_DEFAULTS.flow_control,
                       help="hold requests no node can take yet (each node's concurrency_limit from the snapshot), "
                            "by priority band and fair between API keys (default: off)")
@@ -133,7 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flow.add_argument("--interactive-reserve", type=float, default=_DEFAULTS.interactive_reserve, metavar="F",
                       help="share of each node's limit only interactive requests may use: default and batch see "
                            "limit - floor(F x limit) (default %(default)s)")
-    peers = parser.add_argument_group("the channel between proxies (docs/design.md, \"The channel between proxies\")")
+    peers = parser.add_argument_group("the channel between proxies (docs/proxy.md, \"The channel between proxies\")")
     peers.add_argument("--peer-interval-ms", type=settings.duration("ms"), default=_DEFAULTS.peer_interval_ms,
                        metavar="MS", help="share this proxy's in-flight counts, prefill backlog and prefix records "
                                           "with the other proxies on lb.peer.<pool>.<proxy>: at each pick within "

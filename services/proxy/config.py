@@ -84,7 +84,7 @@ class ProxyConfig:
     flow_quantum: int = 1024  # DRR: work units (tokens) a tenant gains per turn
     retry_after_cap_s: float = 60.0  # the largest Retry-After flow control sends
     interactive_reserve: float = 0.1  # share of each node's limit only interactive requests may use
-    # The channel between proxies (lb.peer.<pool>.<proxy>, docs/design.md): 0 turns it off.
+    # The channel between proxies (lb.peer.<pool>.<proxy>, docs/proxy.md): 0 turns it off.
     peer_interval_ms: int = 20  # at most one message per pool this often, when something changed
     peer_stale_ms: int = 2000  # a peer's message is used this long; the heartbeat is half of it
     peer_stagger_ms: int = 10  # the wait before a pick per replica ranked before this one, at most 3 (Router.stagger_s)

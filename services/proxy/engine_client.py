@@ -5,7 +5,7 @@ Why. ``aiohttp.ClientSession.request`` builds, per request, a ``ClientRequest`` 
 header defaults, a payload object), a body-writer task, a ``ClientResponse``, timers and trace
 hooks, and goes through the connector's per-host bookkeeping; on the proxy's path that was the
 largest single cost after the socket writes: 851k -> 592k instructions per request in the proxy
-(callgrind; docs/design.md §4, "Figures behind choices in the code"). The forwarder needs far
+(callgrind; docs/evidence/code-choices.md). The forwarder needs far
 less: one request head it formats itself and one write, and the response's status, headers and
 body stream.
 

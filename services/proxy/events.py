@@ -3,7 +3,7 @@
 Theory of operation. Handlers call ``started``/``finished`` (plain synchronous appends to an
 in-memory buffer, a few microseconds); one background task, ``run``, drains the buffer into
 JetStream as batches: one ``lb.req.batch.<proxy>`` message holds up to ``batch_max`` events in
-the order they were made (docs/design.md §6, "Batched request events"). A batch is cut when
+the order they were made (docs/wire.md, "Batched request events"). A batch is cut when
 ``batch_max`` events wait or ``flush_s`` after the first of them, whichever comes first, and
 never over the connection's payload limit. Each batch has the ``Nats-Msg-Id``
 ``<proxy>:<boot_id>:<batch seq>``; the batches waiting (up to ``IN_FLIGHT_BATCHES``) are
@@ -17,7 +17,7 @@ sent and events wait.
 The buffer is bounded (``capacity`` events, cut into batches or not): when full, the *oldest*
 event is dropped (from the oldest unacknowledged batch first), counted (``dropped``, exported
 in /metrics) and logged. A dropped ``finished`` leaves a phantom in-flight in the scheduler
-until this proxy stops or goes silent (docs/design.md §1, "Hazards designed for"); that is the
+until this proxy stops or goes silent (docs/design.md, "Hazards designed for"); that is the
 price of never blocking a request on the bus. (An event dropped from a batch whose ack was lost
 after JetStream stored it was in fact delivered: the re-sent batch, shorter, is de-duplicated.)
 An event too large to fit in any batch is dropped and counted the same way.

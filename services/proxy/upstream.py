@@ -1,6 +1,6 @@
 """Forwarding one client request to an engine: admission, retries, streaming, continuation, outcomes.
 
-Rules ("never cut", docs/design.md):
+Rules ("never cut", docs/proxy.md, "Streams that survive their engine"):
 
 * The upstream URL is bound when the request is admitted (``scheduler.routing.router.Admission``); nothing that
   happens to snapshots afterwards reaches an admitted request.
@@ -333,7 +333,7 @@ class Forwarder:
             await client.response.write_eof()
         return client.response
 
-    # -- a P/D pool's pairs (scheduler.routing.pd; docs/design.md) --------------------------------
+    # -- a P/D pool's pairs (scheduler.routing.pd; docs/proxy.md) ---------------------------------
 
     async def _pair(self, exchange: Exchange, admission: Admission, decode: Admission | None, attempt_no: int,
                     retries: int) -> tuple[Admission, int, int] | web.StreamResponse:
@@ -778,7 +778,8 @@ def _leg_outcome(result: Failed) -> RequestOutcome:
 
 def answered(status: int) -> RequestOutcome:
     """The outcome of an engine's answer (below 500) that reached the client whole: ``completed``
-    for a 2xx, ``engine_error`` for anything else (a 4xx, a 3xx): docs/design.md §6, "Engine errors"."""
+    for a 2xx, ``engine_error`` for anything else (a 4xx, a 3xx): docs/wire.md, "Engine errors and the
+    router's own answers"."""
     return RequestOutcome.COMPLETED if 200 <= status < 300 else RequestOutcome.ENGINE_ERROR
 
 

@@ -9,7 +9,7 @@ password and ``--upstream-api-key`` would be public). Each worker is a full prox
 (services/proxy/app.py) listening on that port with ``reuse_port``; the kernel spreads new
 connections over the listening workers. Worker k has the proxy id ``<id>-<k>`` (seeding its own
 SWRR sequence), its own random boot id, its own in-flight counts, event publisher and NATS
-connection: to the scheduler it is one more proxy replica (docs/design.md, "Proxy replicas and
+connection: to the scheduler it is one more proxy replica (docs/proxy.md, "Proxy replicas and
 workers"). With ``--admin-port P`` (not 0), worker k serves /metrics and the probes on ``P + k``;
 without, each worker serves its own on the shared port (a scrape reaches whichever worker
 accepted the connection; ``laswrr_proxy_info{proxy}`` says which).

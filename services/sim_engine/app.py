@@ -405,8 +405,8 @@ async def _bootstrap_client(app: web.Application) -> AsyncIterator[None]:
 
 def _pd_leg(config: SimConfig, body: Any, creq: CompletionRequest, node_id: str, host: str | None,
             port: int | None) -> tuple[bool, dict[str, Any] | None]:
-    """vLLM's P/D protocol as a KV connector plays it (docs/design.md, "Prefill/decode disaggregated
-    pools"): ``(KV received, the kv_transfer_params to answer)``. A decode instance serves only a
+    """vLLM's P/D protocol as a KV connector plays it (docs/proxy.md, "Prefill/decode
+    pairs"): ``(KV received, the kv_transfer_params to answer)``. A decode instance serves only a
     request carrying a prefill's ``kv_transfer_params`` (``do_remote_prefill``), else 400; a prefill
     instance asked ``do_remote_decode`` answers its one token with the params that name its KV."""
     params = body.get("kv_transfer_params") if isinstance(body, dict) else None

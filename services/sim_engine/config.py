@@ -41,7 +41,7 @@ class SimConfig:
     npu_id: int = 0
     flavour: Flavour = "vllm"  # mindie: MindIE's /metrics names, /v1/status, /v2/status, /metrics-json
     exporter_update_s: float = 5.0  # the simulated npu-exporter's cache refresh (its -updateTime)
-    pd_role: PdRole = "both"  # prefill/decode disaggregation (docs/design.md)
+    pd_role: PdRole = "both"  # prefill/decode disaggregation (docs/proxy.md)
     pd_protocol: PdProtocolName = "vllm"  # the P/D protocol a prefill or decode instance speaks
     pd_local_prefill: bool = False  # a vllm decode instance serves a request without kv_transfer_params whole
     bootstrap_port: int = 0  # an sglang prefill instance's bootstrap server port (required for one)

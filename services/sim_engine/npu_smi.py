@@ -1,6 +1,7 @@
 """The simulated ``npu-smi info`` of a sim-engine's NPU.
 
-Models what the real tool shows for a chip running vLLM-Ascend (docs/ascend.md §1, docs/design.md §3):
+Models what the real tool shows for a chip running vLLM-Ascend (docs/ascend.md §1; docs/design.md,
+"Ascend-specific signals and heterogeneous pools"):
 
 * HBM-Usage jumps to the idle floor + 90 % of HBM when the engine starts (pre-allocation) and
   stays flat whatever the load; with the engine down (fail=refuse) it falls to the floor;

@@ -1,4 +1,4 @@
-"""Flow control in a pool whose engines serve different model ids, on real processes (docs/design.md,
+"""Flow control in a pool whose engines serve different model ids, on real processes (docs/proxy.md,
 "Flow control", "Mixed model ids").
 
 The stack (``services.up.Stack``: nats-server, scheduler, recorder, collector, a proxy with

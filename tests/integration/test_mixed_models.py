@@ -1,4 +1,4 @@
-"""A pool whose engines serve different model ids, under load, on real processes (docs/design.md §6, "Model ids").
+"""A pool whose engines serve different model ids, under load, on real processes (docs/wire.md, "Model ids").
 
 The stack (``services.up.Stack``: nats-server, scheduler, recorder, collector, proxy) routes
 for two simulated engines in pool ``default``, one serving ``sim-alpha`` and one ``sim-beta``.

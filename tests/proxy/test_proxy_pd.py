@@ -1,5 +1,5 @@
-"""Prefill/decode pairs through the proxy (the vllm and sglang protocols, docs/design.md
-"Prefill/decode disaggregated pools"): real sim-engine processes started with --pd-role (and
+"""Prefill/decode pairs through the proxy (the vllm and sglang protocols, docs/proxy.md
+"Prefill/decode pairs"): real sim-engine processes started with --pd-role (and
 --pd-protocol sglang, each prefill instance with its bootstrap port), a real nats-server, a proxy
 in this process routing on the real scheduler core's snapshots. Faults are engine processes
 killed by their own PID."""

@@ -1,4 +1,4 @@
-"""The proxy's own answers are recorded, and an engine's 4xx is not 'completed' (docs/design.md §6).
+"""The proxy's own answers are recorded, and an engine's 4xx is not 'completed' (docs/wire.md).
 
 Every refusal (503 before a snapshot, 401, 400, 413, 429, 503 with no routable node) is an
 ``lb.req.refused.<proxy>`` event in LB_EVENTS with its cause word, status and the request id

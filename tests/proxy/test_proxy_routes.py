@@ -76,7 +76,7 @@ async def test_the_pool_name_is_an_alias_of_the_model_its_engines_serve(
         async with http.post(proxy.url + "/v1/chat/completions", json=body) as response:
             assert response.status == 200, await response.text()
             assert (await response.json())["model"] == "sim-llm"
-    # not a pool, not served, in a pool whose engines serve one model: forwarded as that model (docs/design.md §6)
+    # not a pool, not served, in a pool whose engines serve one model: forwarded as that model (docs/wire.md)
     async with http.post(proxy.url + "/v1/chat/completions", json=dict(body, model="sim-910C")) as response:
         assert response.status == 200, await response.text()
         assert (await response.json())["model"] == "sim-llm"

@@ -1,6 +1,6 @@
 """A batch (``lb.req.batch.<proxy>``) is applied as its events one by one at the batch's seq.
 
-The contract (docs/design.md §6, "Batched request events"): applying a batch leaves the core in
+The contract (docs/wire.md, "Batched request events"): applying a batch leaves the core in
 byte for byte the state that applying each of its events alone, in order, at the same seq and
 time, leaves; its phase changes and rejections are those events' own, in order (a bad event's
 rejection names the batch and the index); and it emits one snapshot per pool that any of its

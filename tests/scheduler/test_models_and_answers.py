@@ -1,4 +1,4 @@
-"""The core's part in model ids and error answers (docs/design.md §6, "Model ids").
+"""The core's part in model ids and error answers (docs/wire.md, "Model ids").
 
 * ``lb.metrics.models.<node>`` puts the engine's model ids in the node's ``NodeView.models``;
   a new list emits the pool's snapshot, the same list again emits nothing; a node never listed

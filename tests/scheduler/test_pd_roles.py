@@ -1,4 +1,4 @@
-"""Prefill/decode roles in the core (docs/design.md, "Prefill/decode disaggregated pools"): a
+"""Prefill/decode roles in the core (docs/proxy.md, "Prefill/decode pairs"): a
 node's role and its pool's protocol come with its registration, reach the proxies in the
 snapshot, and each role is weighed among its own members; a pool without roles keeps its bytes."""
 

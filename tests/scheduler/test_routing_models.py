@@ -1,4 +1,4 @@
-"""Model ids -> pool, eligible nodes and rewriting (scheduler.routing.models; docs/design.md §6, "Model ids").
+"""Model ids -> pool, eligible nodes and rewriting (scheduler.routing.models; docs/wire.md, "Model ids").
 
 The router must never cause a 404 by its own rewriting: a pool's name goes to any node as that
 node's own id, a model id only to the nodes listing it, and in a pool serving several ids a

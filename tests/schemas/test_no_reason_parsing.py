@@ -1,5 +1,5 @@
 """Reasons are text for people: no view, metric, replay or report reads one (wire contract v1,
-docs/design.md §6). Two checks: the readers' sources hold no reason-parsing pattern, and a
+docs/wire.md). Two checks: the readers' sources hold no reason-parsing pattern, and a
 recorded log whose every reason and error text is reworded gives the same views and report."""
 
 from __future__ import annotations
