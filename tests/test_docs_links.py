@@ -26,8 +26,9 @@ SKIP_DIRS = {".git", ".venv", "node_modules", "__pycache__", ".laswrr", "build",
 SKIP_PATHS = {Path("tests/fixtures"), Path("tests/test_docs_links.py")}
 SUFFIXES = {".py", ".md", ".sql", ".toml", ".js", ".html", ".yaml", ".yml", ".cfg", ".txt", ".sh"}
 
-# what may follow a citation: a closing backtick or parenthesis, then "Section", "Section", ... or §N
-_TAIL = r"""(?P<tail>[`)]*(?:\s*,)?\s*(?:(?:"[^"\n]{1,100}"|§\s?\d+[a-z]?)(?:\s*(?:,|-|and)\s*)?)*)"""
+# what may follow a citation: a closing backtick or parenthesis, an opening parenthesis, then
+# "Section", "Section", ... or §N
+_TAIL = r"""(?P<tail>[`)]*(?:\s*,)?\s*\(?(?:(?:"[^"\n]{1,100}"|§\s?\d+[a-z]?)(?:\s*(?:,|-|and)\s*)?)*)"""
 _DOCS_PATH = re.compile(r"(?<![\w./-])(?P<path>docs/[\w./-]+?\.md)\b" + _TAIL)
 _MD_LINK = re.compile(r"\]\((?P<path>[^)#\s]+?\.md)(?:#[^)]*)?\)" + _TAIL)
 _QUOTED = re.compile(r'"([^"\n]{1,100})"')
@@ -119,6 +120,7 @@ def test_every_cited_document_and_section_exists() -> None:
     ("# wrapped (docs/proxy.md, \"Flow\n    # control\", \"Several proxies\")", "docs/proxy.md",
      ["Flow control", "Several proxies"]),
     ("the formulas (docs/algorithm.md §5a)", "docs/algorithm.md", ["§5a"]),
+    ('every rule is in `docs/proxy.md` ("Flow control")', "docs/proxy.md", ["Flow control"]),
 ])
 def test_citations_are_read_across_lines(tmp_path: Path, text: str, page: str, expected: list[str]) -> None:
     """The reader itself: a citation, wrapped or not, yields the page and every section it names."""
