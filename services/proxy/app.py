@@ -616,11 +616,6 @@ class RunningProxy:
         return f"http://{self._host}:{self.port}"
 
     @property
-    def admin_url(self) -> str:
-        """Where /metrics and the probes are: the admin listener, else the main one."""
-        return self.url if self.admin_port is None else f"http://{self._host}:{self.admin_port}"
-
-    @property
     def _host(self) -> str:
         return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
 
