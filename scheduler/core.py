@@ -41,11 +41,10 @@ from msgspec import UNSET
 
 from laswrr.scheduler import config as config_mod
 from laswrr.scheduler import reweigh
-from laswrr.scheduler.routing.flow import concurrency_limit
 from laswrr.scheduler.phases import ROUTABLE, HeldBy, Phase, PhaseError, Trigger, next_phase, release_trigger
 from laswrr.scheduler.state import CoreState, NodeState, OpenRequest
 from laswrr.scheduler.upstreams import upstream_patterns, upstream_rejection
-from laswrr.scheduler.weights import MS, round_milli
+from laswrr.scheduler.weights import MS, concurrency_limit, round_milli
 from laswrr.schemas import events
 from laswrr.schemas import subjects
 from laswrr.schemas.codec import Envelope, Output, SchemaError, Unbatched, decode_batch, decode_event, encode

@@ -168,3 +168,12 @@ def slow_start_factor(elapsed_ns: int, floor: float, config: SchedulerConfig) ->
     if config.slow_start_aggression != 1.0 and time_factor < 1.0:
         time_factor = time_factor ** (1.0 / config.slow_start_aggression)
     return max(config.slow_start_min_pct, floor, time_factor)
+
+
+def concurrency_limit(slots: float, factor: float) -> int:
+    """A node's slot limit for flow control (``NodeView.concurrency_limit``; the rule is in
+    ``scheduler.routing.flow``'s docstring): ``max(1, ceil(factor x slots))``; 0 (no limit) when
+    ``factor`` is 0 or the node has no slots."""
+    if factor <= 0 or slots <= 0:
+        return 0
+    return max(1, math.ceil(round(factor * slots, 9)))

@@ -57,3 +57,24 @@ def test_the_check_sees_a_back_edge(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from laswrr.bench import load\n    import laswrr.services.up\n")
     assert _imported_folders(module) == {("bench", 2), ("services", 3)}
+
+
+def test_the_scheduler_core_does_not_import_the_routing_layer() -> None:
+    """Inside ``scheduler``, the proxy's routing core (``scheduler/routing``) may use the
+    scheduler's modules (weights, policies, ...), never the reverse: what both need lives in the
+    core."""
+    bad = []
+    for path in sorted((ROOT / "scheduler").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("scheduler/routing/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:  # also ``from laswrr.scheduler import routing``
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            bad += [f"{rel}:{node.lineno} imports {name}" for name in names
+                    if name.startswith("laswrr.scheduler.routing")]
+    assert bad == []

@@ -10,7 +10,10 @@ Modules:
 * ``router``: the routing table (``Router``): the newest snapshot of each pool (``PoolRoute``),
   one pick policy per pool (``scheduler.policies``), the pool-wide in-flight view
   (``others_inflight`` plus this proxy's own live counts), the prefix index and prefill backlog
-  of prefix affinity, and admission (``Router.admit`` -> ``Admission``, ``release``).
+  of prefix affinity, the prefill/decode pairs, the channel between proxies, and admission
+  (``Router.admit`` -> ``Admission``, ``release``).
+* ``models``: a request's model id -> its pool, the nodes that serve it and the id each is sent.
+* ``pd``: the bodies of a prefill/decode pair's two legs (the ``vllm`` and ``sglang`` protocols).
 * ``prompt``: the prompt text the prefix index hashes and the request's size
   (``RequestSize``: prompt tokens at ~4 characters a token, the output limit).
 * ``continuation``: continuing a broken stream on another node: which requests may be
@@ -38,9 +41,10 @@ Where features plug in (docs/proxy.md, "The routing core"):
   ``release`` frees a slot or ``offer`` installs a snapshot that adds room; so a held request
   is never bound to a draining or ejected node (never a target) and an admitted one is still
   never cut. Their order (``flow``) is as pure as the rest: it gets ``now`` from the proxy.
-* **Prefill/decode pairs** (one node per role in a pool; not built yet). A role becomes a ``PickContext``
-  field (a policy that does not use it ignores it, as it ignores ``affinity``) and a pool route
-  keeps one policy and one candidate set per role; a pair is two picks in one admission, the
-  prefill pick with affinity and the decode pick without, each an ``Admission`` released on its
-  own, so drains, slow start and "never cut" hold per node and role as they do today.
+* **Prefill/decode pairs** (a P/D pool: ``prefill`` and ``decode`` nodes naming one
+  ``pd_protocol``). The pool route keeps one policy and one candidate set per role; a pair is
+  two picks, the prefill pick with affinity, flow limits and the prefill backlog, the decode
+  pick without (``admit(..., role=decode)``: never held), each an ``Admission`` released on its
+  own, so drains, slow start and "never cut" hold per node and role as for a whole request.
+  ``pd`` writes the two legs' bodies; the proxy's forwarder (``services/proxy/upstream.py``) runs them.
 """

@@ -9,9 +9,9 @@ Rules (docs/proxy.md, "Flow control"):
 * **Saturation: the slot limit.** A node can take a request while its pool-wide in-flight
   estimate (``scheduler.routing.router``'s ``load``) is under its *concurrency limit*, which the
   scheduler computes and publishes in the snapshot (``NodeView.concurrency_limit``) by
-  ``concurrency_limit``: ``ceil(concurrency_limit_factor x slots)``, at least 1, with ``slots``
-  the node's believed decode slots (its capacity, or fewer after queue evidence of a silent
-  loss) and the factor a scheduler configuration key (default 1.0: an engine is sent no more
+  ``scheduler.weights.concurrency_limit``: ``ceil(concurrency_limit_factor x slots)``, at least
+  1, with ``slots`` the node's believed decode slots (its capacity, or fewer after queue
+  evidence of a silent loss) and the factor a scheduler configuration key (default 1.0: an engine is sent no more
   than it runs at once, so nothing waits inside an engine where a later, more urgent request
   could not overtake it). 0 publishes no limit (flow control then never holds a request).
 * **The interactive reserve** (``interactive_reserve``, default 0.1): ``default`` and ``batch``
@@ -139,14 +139,6 @@ def defer_to_peers(band: int, peer_held: dict[str, int], free: int | None, reser
     spill = max(0, peer_held.get(BANDS[INTERACTIVE], 0) - reserved_free)
     ahead = spill + sum(peer_held.get(BANDS[b], 0) for b in range(INTERACTIVE + 1, band))
     return ahead > 0 and free <= ahead
-
-
-def concurrency_limit(slots: float, factor: float) -> int:
-    """The slot limit (module docstring): ``max(1, ceil(factor x slots))``; 0 (no limit) when
-    ``factor`` is 0 or the node has no slots."""
-    if factor <= 0 or slots <= 0:
-        return 0
-    return max(1, math.ceil(round(factor * slots, 9)))
 
 
 T = TypeVar("T")

@@ -289,7 +289,7 @@ async def _flow_forward(request: web.BaseRequest, state: ProxyState, gate: FlowG
         held.append(cause)
         state.events.queued(request_id, pool, BANDS[band], key_name, work, round(ttl * 1000), cause)
 
-    result = gate.charge(key_name, limits, work)
+    result = gate.rates.charge(key_name, limits, work)
     if result is None:
         try:
             result = await gate.admit(pool, band, key_name or NO_TENANT, work, ttl, text, size, decision.exclude,
@@ -317,7 +317,7 @@ async def _flow_forward(request: web.BaseRequest, state: ProxyState, gate: FlowG
         return await state.forwarder.forward(request, exchange, result)
     finally:
         gate.released(pool)
-        gate.settle(key_name, limits, work, exchange.used_tokens)
+        gate.rates.settle(key_name, limits, work, exchange.used_tokens)
 
 
 async def _plan(state: ProxyState, model: str | None) -> ModelPlan | Unknown:
@@ -614,11 +614,6 @@ class RunningProxy:
     @property
     def url(self) -> str:
         return f"http://{self._host}:{self.port}"
-
-    @property
-    def admin_url(self) -> str:
-        """Where /metrics and the probes are: the admin listener, else the main one."""
-        return self.url if self.admin_port is None else f"http://{self._host}:{self.admin_port}"
 
     @property
     def _host(self) -> str:

@@ -47,8 +47,9 @@ Event semantics (what analysts count):
   the proxy, so a retried request's figures include its failed attempts; ``status`` is the
   engine's HTTP status (null when it never answered).
 * ``lb.req.refused.<proxy>``: a request the proxy answered itself (401, 400, 408, 413, 404,
-  429, 503) before binding it to a node, with its own request id, ``status``, ``cause``
-  (``schemas.words.RefusalCause``), the client's ``model`` and key name, and the message sent.
+  429, 503; 499 for a held request whose client left) before binding it to a node, with its
+  own request id, ``status``, ``cause`` (``schemas.words.RefusalCause``), the client's
+  ``model`` and key name, and the message sent.
 * ``lb.proxy.heartbeat.<proxy>`` every ``heartbeat_s`` with this proxy's in-flight count and
   the newest snapshot it routes on (``snapshot_seq``; also at once when a snapshot takes a node
   out of rotation, so a drain need not wait for the next one), and ``lb.proxy.stopped.<proxy>``
@@ -64,6 +65,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -127,119 +129,44 @@ class Batch:
     sends: int = 0  # publishes so far
 
 
-class EventPublisher:
-    def __init__(self, proxy_id: str, capacity: int = 100_000, batch_max: int = 512,
-                 ack_timeout_s: float = 2.0, retry_backoff_s: float = 0.25, flush_s: float = 0.005,
-                 boot_id: str | None = None) -> None:
-        self.proxy_id = proxy_id
-        self.boot_id = boot_id or new_boot_id()
+class EventBatches:
+    """The bounded buffer of batch items and the batches cut from it, not yet acknowledged (module
+    docstring): no IO; the publisher sends what ``cut`` made and reports the acks (``acked``)."""
+
+    def __init__(self, proxy_id: str, boot_id: str, capacity: int, batch_max: int) -> None:
+        self.proxy_id, self.boot_id = proxy_id, boot_id
         self.capacity = capacity
         self.batch_max = batch_max
-        self.flush_s = flush_s
-        self.ack_timeout_s = ack_timeout_s
-        self.retry_backoff_s = retry_backoff_s
-        self.subject = sj.req_batch(proxy_id)
         self.buffer: deque[bytes] = deque()  # events not yet cut into a batch (``batch_item`` bytes)
         self.unacked: deque[Batch] = deque()  # batches cut, not yet acknowledged, oldest first
-        self._unacked_events = 0
+        self.unacked_events = 0
         self.batch_seq = 0
-        self.batch_sizes = Buckets(BATCH_SIZE_BUCKETS)
         self.dropped = 0
-        self.published = 0  # events acknowledged
-        self.published_bytes = 0  # their batches' payloads and subjects, as NATS carried them
-        self.batches_published = 0
-        self.resent = 0  # publishes of a batch after its first (lost or late acks)
-        self.nc: Client | None = None
-        self.js: JetStreamContext | None = None
-        self._wakeup = asyncio.Event()
-        self._full = asyncio.Event()
-        self._since = 0.0  # monotonic time the oldest event not yet cut into a batch was buffered
-        self._urgent = False  # flushing (shutdown): cut and send without waiting
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.since = 0.0  # monotonic time the oldest event not yet cut into a batch was buffered
         self._last_drop_log = 0.0
-        self._heads: dict[str, tuple[bytes, bytes]] = {}  # node -> (started, finished) item heads
-        self._heartbeat_head = batch_item_head(ev.ProxyHeartbeat.KIND, None)
-        self._refused_head = batch_item_head(ev.RequestRefused.KIND, None)
-        self._queued_head = batch_item_head(ev.RequestQueued.KIND, None)
 
-    # -- producers (synchronous, never block) ------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Events not yet acknowledged (cut into batches or not)."""
+        return len(self.buffer) + self.unacked_events
 
-    def started(self, request_id: str, node: str, pool: str, snapshot_seq: int,
-                size: RequestSize | None = None, key_name: str | None = None, role: NodeRole | None = None) -> None:
-        event = ev.RequestStarted(request_id=request_id, proxy=self.proxy_id, pool=pool,
-                                  snapshot_seq=snapshot_seq, ts_ns=time.time_ns(), boot_id=self.boot_id,
-                                  prompt_tokens=None if size is None else size.prompt_tokens,
-                                  max_tokens=None if size is None else size.max_tokens, key_name=key_name,
-                                  role=UNSET if role is None else role)
-        self._put(self._heads_of(node)[0] + encode(event) + b"]")
-
-    def finished(self, request_id: str, node: str, pool: str, attempt: Attempt, role: NodeRole | None = None) -> None:
-        event = ev.RequestFinished(
-            request_id=request_id, proxy=self.proxy_id, outcome=attempt.outcome, pool=pool,
-            ttft_ms=attempt.ttft_ms, duration_ms=attempt.duration_ms, prompt_tokens=attempt.prompt_tokens,
-            completion_tokens=attempt.completion_tokens, status=attempt.status, error=attempt.error,
-            ts_ns=time.time_ns(), next_attempt=attempt.next_attempt, boot_id=self.boot_id,
-            role=UNSET if role is None else role)
-        self._put(self._heads_of(node)[1] + encode(event) + b"]")
-
-    def refused(self, request_id: str, status: int, cause: RefusalCause, error: str, pool: str | None = None,
-                model: str | None = None, key_name: str | None = None) -> None:
-        """The proxy answered a request itself (``lb.req.refused``, keyed by this proxy like a heartbeat)."""
-        event = ev.RequestRefused(request_id=request_id, proxy=self.proxy_id, status=status, cause=cause, pool=pool,
-                                  model=model, key_name=key_name, error=clip(error), ts_ns=time.time_ns(),
-                                  boot_id=self.boot_id)
-        self._put(self._refused_head + encode(event) + b"]")
-
-    def queued(self, request_id: str, pool: str, band: str, key_name: str | None, work: int, ttl_ms: int,
-               cause: str) -> None:
-        """Flow control held a request (``lb.req.queued``, keyed by this proxy like a heartbeat)."""
-        event = ev.RequestQueued(request_id=request_id, proxy=self.proxy_id, pool=pool, band=band,  # type: ignore[arg-type]
-                                 key_name=key_name, work=work, ttl_ms=ttl_ms, cause=cause,  # type: ignore[arg-type]
-                                 ts_ns=time.time_ns(), boot_id=self.boot_id)
-        self._put(self._queued_head + encode(event) + b"]")
-
-    def _heads_of(self, node: str) -> tuple[bytes, bytes]:
-        heads = self._heads.get(node)
-        if heads is None:
-            if len(self._heads) > 10_000:
-                self._heads.clear()
-            sj.check_token(node)
-            heads = self._heads[node] = (batch_item_head(ev.RequestStarted.KIND, node),
-                                         batch_item_head(ev.RequestFinished.KIND, node))
-        return heads
-
-    def heartbeat(self, inflight: int, snapshot_seq: int | None = None) -> None:
-        event = ev.ProxyHeartbeat(inflight=inflight, ts_ns=time.time_ns(), boot_id=self.boot_id,
-                                  snapshot_seq=snapshot_seq)
-        self._put(self._heartbeat_head + encode(event) + b"]")
-
-    def stopped(self) -> None:
-        event = ev.ProxyStopped(ts_ns=time.time_ns(), boot_id=self.boot_id)
-        self._put(batch_item(ev.ProxyStopped.KIND, None, encode(event)))
-
-    def _put(self, item: bytes) -> None:
+    def put(self, item: bytes) -> None:
         buffer = self.buffer
         if not buffer:
-            self._since = time.monotonic()
+            self.since = time.monotonic()
         buffer.append(item)
-        if len(buffer) + self._unacked_events > self.capacity:
+        if len(buffer) + self.unacked_events > self.capacity:
             self._enforce_bound()
-        if not self._wakeup.is_set():
-            self._wakeup.set()
-        if len(buffer) >= self.batch_max and not self._full.is_set():
-            self._full.set()
-        self._idle.clear()
 
     def _enforce_bound(self) -> None:
-        excess = len(self.buffer) + self._unacked_events - self.capacity
+        excess = len(self.buffer) + self.unacked_events - self.capacity
         if excess <= 0:
             return
         for _ in range(excess):
             if self.unacked:
                 oldest = self.unacked[0]
                 lost = oldest.items.pop(0)
-                self._unacked_events -= 1
+                self.unacked_events -= 1
                 if not oldest.items:
                     self.unacked.popleft()
             else:
@@ -254,50 +181,11 @@ class EventPublisher:
             self._last_drop_log = now
             log.warning(message, *args)
 
-    # -- connection ---------------------------------------------------------------------------
-
-    def attach(self, nc: Client) -> None:
-        self.nc, self.js = nc, nc.jetstream()
-        self._wakeup.set()
-
-    @property
-    def connected(self) -> bool:
-        return self.nc is not None and self.nc.is_connected
-
-    @property
-    def buffered(self) -> int:
-        """Events not yet acknowledged (cut into batches or not)."""
-        return len(self.buffer) + self._unacked_events
-
-    # -- the drain loop -----------------------------------------------------------------------
-
-    async def run(self) -> None:
-        while True:
-            if not self.buffer and not self.unacked:
-                self._idle.set()
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            if not self.connected or self.js is None:
-                await asyncio.sleep(self.retry_backoff_s)
-                continue
-            if not self.unacked:  # nothing to re-send: let a batch gather, then cut
-                wait = self._since + self.flush_s - time.monotonic()
-                if wait > 0 and not self._urgent and len(self.buffer) < self.batch_max:
-                    self._full.clear()
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._full.wait(), wait)
-                self._cut(whole_only=not self._urgent and time.monotonic() < self._since + self.flush_s)
-                if not self.unacked:
-                    continue
-            await self._publish()
-
-    def _cut(self, whole_only: bool) -> None:
-        """Cut up to ``IN_FLIGHT_BATCHES`` batches from the buffer, oldest events first; with
-        ``whole_only`` (the oldest event has waited less than ``flush_s``), only batches of
-        ``batch_max`` events (or of the most bytes a message takes), the rest waits."""
-        assert self.nc is not None
-        limit = min(self.nc.max_payload, MAX_PAYLOAD_BYTES) - HEADER_MARGIN_BYTES - _BATCH_OVERHEAD
+    def cut(self, limit: int, whole_only: bool) -> None:
+        """Cut up to ``IN_FLIGHT_BATCHES`` batches of at most ``limit`` bytes of events from the
+        buffer, oldest events first; with ``whole_only`` (the oldest event has waited less than
+        ``flush_s``), only batches of ``batch_max`` events (or of the most bytes a message
+        takes), the rest waits."""
         buffer = self.buffer
         while buffer and len(self.unacked) < IN_FLIGHT_BATCHES:
             if whole_only and len(buffer) < self.batch_max and sum(map(len, buffer)) + len(buffer) <= limit:
@@ -320,21 +208,163 @@ class EventPublisher:
                 continue
             self.batch_seq += 1
             self.unacked.append(Batch(self.batch_seq, f"{self.proxy_id}:{self.boot_id}:{self.batch_seq}", items))
-            self._unacked_events += len(items)
+            self.unacked_events += len(items)
+
+    def acked(self, batch: Batch) -> None:
+        """``batch``, the oldest sent, was acknowledged: it leaves (unless a full buffer emptied
+        it meanwhile)."""
+        if self.unacked and self.unacked[0] is batch:
+            self.unacked.popleft()
+            self.unacked_events -= len(batch.items)
+
+
+@functools.lru_cache(maxsize=10_000)
+def _node_heads(node: str) -> tuple[bytes, bytes]:
+    """The ``batch_item`` heads of a node's started and finished events (``node`` checked once)."""
+    sj.check_token(node)
+    return batch_item_head(ev.RequestStarted.KIND, node), batch_item_head(ev.RequestFinished.KIND, node)
+
+
+class EventPublisher:
+    """The request path's events (producers: synchronous, never block) and the task that
+    publishes them (``run``), over ``EventBatches``."""
+
+    def __init__(self, proxy_id: str, capacity: int = 100_000, batch_max: int = 512,
+                 ack_timeout_s: float = 2.0, retry_backoff_s: float = 0.25, flush_s: float = 0.005,
+                 boot_id: str | None = None) -> None:
+        self.proxy_id = proxy_id
+        self.boot_id = boot_id or new_boot_id()
+        self.batch_max = batch_max
+        self.flush_s = flush_s
+        self.ack_timeout_s = ack_timeout_s
+        self.retry_backoff_s = retry_backoff_s
+        self.subject = sj.req_batch(proxy_id)
+        self.batches = EventBatches(proxy_id, self.boot_id, capacity, batch_max)
+        self.batch_sizes = Buckets(BATCH_SIZE_BUCKETS)
+        self.published = 0  # events acknowledged
+        self.published_bytes = 0  # their batches' payloads and subjects, as NATS carried them
+        self.batches_published = 0
+        self.resent = 0  # publishes of a batch after its first (lost or late acks)
+        self.nc: Client | None = None
+        self.js: JetStreamContext | None = None
+        self._wakeup = asyncio.Event()
+        self._full = asyncio.Event()
+        self._urgent = False  # flushing (shutdown): cut and send without waiting
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._heartbeat_head = batch_item_head(ev.ProxyHeartbeat.KIND, None)
+        self._refused_head = batch_item_head(ev.RequestRefused.KIND, None)
+        self._queued_head = batch_item_head(ev.RequestQueued.KIND, None)
+
+    # -- producers (synchronous, never block) ------------------------------------------------
+
+    def started(self, request_id: str, node: str, pool: str, snapshot_seq: int,
+                size: RequestSize | None = None, key_name: str | None = None, role: NodeRole | None = None) -> None:
+        event = ev.RequestStarted(request_id=request_id, proxy=self.proxy_id, pool=pool,
+                                  snapshot_seq=snapshot_seq, ts_ns=time.time_ns(), boot_id=self.boot_id,
+                                  prompt_tokens=None if size is None else size.prompt_tokens,
+                                  max_tokens=None if size is None else size.max_tokens, key_name=key_name,
+                                  role=UNSET if role is None else role)
+        self._put(_node_heads(node)[0] + encode(event) + b"]")
+
+    def finished(self, request_id: str, node: str, pool: str, attempt: Attempt, role: NodeRole | None = None) -> None:
+        event = ev.RequestFinished(
+            request_id=request_id, proxy=self.proxy_id, outcome=attempt.outcome, pool=pool,
+            ttft_ms=attempt.ttft_ms, duration_ms=attempt.duration_ms, prompt_tokens=attempt.prompt_tokens,
+            completion_tokens=attempt.completion_tokens, status=attempt.status, error=attempt.error,
+            ts_ns=time.time_ns(), next_attempt=attempt.next_attempt, boot_id=self.boot_id,
+            role=UNSET if role is None else role)
+        self._put(_node_heads(node)[1] + encode(event) + b"]")
+
+    def refused(self, request_id: str, status: int, cause: RefusalCause, error: str, pool: str | None = None,
+                model: str | None = None, key_name: str | None = None) -> None:
+        """The proxy answered a request itself (``lb.req.refused``, keyed by this proxy like a heartbeat)."""
+        event = ev.RequestRefused(request_id=request_id, proxy=self.proxy_id, status=status, cause=cause, pool=pool,
+                                  model=model, key_name=key_name, error=clip(error), ts_ns=time.time_ns(),
+                                  boot_id=self.boot_id)
+        self._put(self._refused_head + encode(event) + b"]")
+
+    def queued(self, request_id: str, pool: str, band: str, key_name: str | None, work: int, ttl_ms: int,
+               cause: str) -> None:
+        """Flow control held a request (``lb.req.queued``, keyed by this proxy like a heartbeat)."""
+        event = ev.RequestQueued(request_id=request_id, proxy=self.proxy_id, pool=pool, band=band,  # type: ignore[arg-type]
+                                 key_name=key_name, work=work, ttl_ms=ttl_ms, cause=cause,  # type: ignore[arg-type]
+                                 ts_ns=time.time_ns(), boot_id=self.boot_id)
+        self._put(self._queued_head + encode(event) + b"]")
+
+    def heartbeat(self, inflight: int, snapshot_seq: int | None = None) -> None:
+        event = ev.ProxyHeartbeat(inflight=inflight, ts_ns=time.time_ns(), boot_id=self.boot_id,
+                                  snapshot_seq=snapshot_seq)
+        self._put(self._heartbeat_head + encode(event) + b"]")
+
+    def stopped(self) -> None:
+        event = ev.ProxyStopped(ts_ns=time.time_ns(), boot_id=self.boot_id)
+        self._put(batch_item(ev.ProxyStopped.KIND, None, encode(event)))
+
+    def _put(self, item: bytes) -> None:
+        self.batches.put(item)
+        if not self._wakeup.is_set():
+            self._wakeup.set()
+        if len(self.batches.buffer) >= self.batch_max and not self._full.is_set():
+            self._full.set()
+        self._idle.clear()
+
+    # -- connection ---------------------------------------------------------------------------
+
+    def attach(self, nc: Client) -> None:
+        self.nc, self.js = nc, nc.jetstream()
+        self._wakeup.set()
+
+    @property
+    def connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    @property
+    def buffered(self) -> int:
+        """Events not yet acknowledged (cut into batches or not)."""
+        return self.batches.size
+
+    @property
+    def dropped(self) -> int:
+        """Events dropped: the buffer full, or one too large for any batch."""
+        return self.batches.dropped
+
+    # -- the drain loop -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        batches = self.batches
+        while True:
+            if not batches.buffer and not batches.unacked:
+                self._idle.set()
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            if not self.connected or self.js is None or self.nc is None:
+                await asyncio.sleep(self.retry_backoff_s)
+                continue
+            if not batches.unacked:  # nothing to re-send: let a batch gather, then cut
+                wait = batches.since + self.flush_s - time.monotonic()
+                if wait > 0 and not self._urgent and len(batches.buffer) < self.batch_max:
+                    self._full.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._full.wait(), wait)
+                limit = min(self.nc.max_payload, MAX_PAYLOAD_BYTES) - HEADER_MARGIN_BYTES - _BATCH_OVERHEAD
+                batches.cut(limit, whole_only=not self._urgent and time.monotonic() < batches.since + self.flush_s)
+                if not batches.unacked:
+                    continue
+            await self._publish()
 
     async def _publish(self) -> None:
         """Publish the unacknowledged batches in order; drop the acknowledged prefix."""
         assert self.js is not None
-        batches = list(self.unacked)
+        batches = list(self.batches.unacked)
         messages = [(self.subject, batch_payload(self.boot_id, b.seq, b.items), b.msg_id) for b in batches]
         for batch in batches:
             self.resent += batch.sends > 0
             batch.sends += 1
         acked = await publish_acked(self.js, messages, self.ack_timeout_s)  # in order, count the acked prefix
         for batch, (subject, payload, _) in zip(batches[:acked], messages):
-            if self.unacked and self.unacked[0] is batch:  # not dropped meanwhile by a full buffer
-                self.unacked.popleft()
-                self._unacked_events -= len(batch.items)
+            self.batches.acked(batch)  # (unless dropped meanwhile by a full buffer)
             if batch.items:  # (a batch the full buffer emptied meanwhile was delivered, counted dropped)
                 self.published += len(batch.items)
                 self.published_bytes += len(payload) + len(subject)
@@ -350,7 +380,7 @@ class EventPublisher:
         self._full.set()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout)
-        return not self.buffer and not self.unacked and self._idle.is_set()
+        return not self.batches.buffer and not self.batches.unacked and self._idle.is_set()
 
 
 def _kind_of(item: bytes) -> str:

@@ -17,7 +17,7 @@ handler on a future and wakes it:
   draining or ejected one (they are not routable in the snapshot in force).
 * **Lanes.** A request any node of its pool may take waits in the pool's queue; one for a
   model id only some nodes serve (``exclude``: the others) waits in a lane of its own, one per
-  set of excluded nodes (``_lane``), with the same bands, DRR, bound and TTL, and is dispatched
+  set of excluded nodes (``FlowLanes``), with the same bands, DRR, bound and TTL, and is dispatched
   only when one of *its* nodes can take it. ``pump`` takes, across the pool's lanes that have a
   node free for them, the most urgent band first. So such a request is held, not refused, while
   its nodes are full and others are free, and it never holds up requests other nodes could
@@ -105,57 +105,60 @@ class FlowCounts:
         series.observe(seconds)
 
 
-class FlowGate:
-    def __init__(self, router: Router, config: FlowConfig, ttl_default_s: float, ttl_max_s: float,
-                 no_node_wait_s: float) -> None:
-        self.router = router
-        self.queue: FlowQueue[Waiter] = FlowQueue(config)
-        self.rates = RateLimits()
-        self.ttl_default_s, self.ttl_max_s = ttl_default_s, ttl_max_s
-        self.no_node_wait_s = no_node_wait_s
-        self.no_node_since: dict[str, float] = {}  # lane -> since when none of its nodes is routable
-        self.lanes: dict[str, dict[str, frozenset[str]]] = {}  # pool -> its model-restricted lanes (``_lane``)
-        self.owner: dict[str, str] = {}  # lane -> its pool
-        self.counts = FlowCounts()
-        self.deferred = 0  # dispatches left to the other proxies' more urgent held requests (``_defer``)
-        self._ticker: asyncio.Task[None] | None = None
+class KeyRates:
+    """Per-key rate limits (``RateLimits`` on the monotonic clock): charged at a request's arrival,
+    settled with its real usage at its end; a key over its limit is answered a 429."""
 
-    # -- admission -------------------------------------------------------------------------------
+    def __init__(self, retry_after_cap_s: float) -> None:
+        self.limits = RateLimits()
+        self.retry_after_cap_s = retry_after_cap_s
 
     def charge(self, key: str | None, limits: KeyLimits, work: int) -> FlowAnswer | None:
         """The key's rate limits at arrival: None when within them (charged), else the 429."""
         if key is None or (limits.rpm is None and limits.tpm is None):
             return None
-        refused = self.rates.charge(key, limits, work, time.monotonic())
+        refused = self.limits.charge(key, limits, work, time.monotonic())
         if refused is None:
             return None
         cause, seconds = refused
         what = "requests" if cause is Refused.RATE_RPM else "tokens"
         per = limits.rpm if cause is Refused.RATE_RPM else limits.tpm
         return FlowAnswer(429, cause, f"Rate limit reached for this key: {per} {what} per minute",
-                          retry_after_header(min(seconds, self.queue.config.retry_after_cap_s)))
+                          retry_after_header(min(seconds, self.retry_after_cap_s)))
 
     def settle(self, key: str | None, limits: KeyLimits, charged: int, used: int | None) -> None:
         if key is not None and limits.tpm is not None and used is not None:
-            self.rates.settle(key, limits, charged, used, time.monotonic())
+            self.limits.settle(key, limits, charged, used, time.monotonic())
 
-    # -- lanes: one queue per pool for requests any node may take, one per model restriction --------
 
-    def _lane(self, pool: str, exclude: frozenset[str]) -> str:
-        """The queue key of ``pool``'s requests that may not go to ``exclude``: the pool's name for
-        those any node may take, a key of their own for each set of excluded nodes (a model id
-        only some nodes serve), so such a request waits for its nodes without blocking the others."""
+class FlowLanes:
+    """The queue's keys (module docstring, "Lanes"): one lane per pool for the requests any node
+    may take (keyed by the pool's name), one per set of excluded nodes for those of a model id
+    only some nodes serve, so such a request waits for its nodes without blocking the others.
+    The pool-wide figures (depth, oldest wait) sum over a pool's lanes."""
+
+    def __init__(self, queue: FlowQueue[Waiter]) -> None:
+        self.queue = queue
+        self.restricted: dict[str, dict[str, frozenset[str]]] = {}  # pool -> its model-restricted lanes
+        self.owner: dict[str, str] = {}  # restricted lane -> its pool
+
+    def key(self, pool: str, exclude: frozenset[str]) -> str:
+        """The lane of ``pool``'s requests that may not go to ``exclude``."""
         if not exclude:
             return pool
         key = f"{pool}\x00{','.join(sorted(exclude))}"
-        lanes = self.lanes.setdefault(pool, {})
+        lanes = self.restricted.setdefault(pool, {})
         if key not in lanes:
             lanes[key] = exclude
             self.owner[key] = pool
         return key
 
-    def _lanes(self, pool: str) -> list[tuple[str, frozenset[str]]]:
-        return [(pool, frozenset()), *self.lanes.get(pool, {}).items()]
+    def of(self, pool: str) -> list[tuple[str, frozenset[str]]]:
+        """``pool``'s lanes and the nodes each excludes, the pool's own first."""
+        return [(pool, frozenset()), *self.restricted.get(pool, {}).items()]
+
+    def exclude_of(self, lane: str) -> frozenset[str]:
+        return self.restricted.get(self.pool_of(lane), {}).get(lane, frozenset())
 
     def pool_of(self, key: str) -> str:
         return self.owner.get(key, key)
@@ -166,10 +169,69 @@ class FlowGate:
 
     def depth(self, pool: str, band: int | None = None) -> int:
         """Requests of ``pool`` held (in ``band``), every lane."""
-        return sum(self.queue.depth(key, band) for key, _ in self._lanes(pool))
+        return sum(self.queue.depth(key, band) for key, _ in self.of(pool))
 
     def oldest_wait(self, pool: str, band: int, now: float) -> float:
-        return max(self.queue.oldest_wait(key, band, now) for key, _ in self._lanes(pool))
+        return max(self.queue.oldest_wait(key, band, now) for key, _ in self.of(pool))
+
+
+class FlowAnswers:
+    """The answers flow control gives itself (module docstring, "Answers"), each counted in
+    ``FlowCounts`` with the wait of a request that was held."""
+
+    def __init__(self, queue: FlowQueue[Waiter], counts: FlowCounts, no_node_wait_s: float) -> None:
+        self.queue = queue
+        self.counts = counts
+        self.no_node_wait_s = no_node_wait_s
+
+    def queue_full(self, pool: str, lane: str, band: int, now: float) -> FlowAnswer:
+        self.counts.refuse(pool, band, Refused.QUEUE_FULL.value)
+        return FlowAnswer(429, Refused.QUEUE_FULL, f"queue of pool {pool!r}, band {BANDS[band]!r} is full "
+                          f"({self.queue.config.bound} requests held)", self.queue.retry_after(lane, band, now, pool))
+
+    def no_node(self, pool: str, band: int, exclude: frozenset[str] = frozenset()) -> FlowAnswer:
+        self.counts.refuse(pool, band, Refused.NO_ROUTABLE_NODE.value)
+        serving = " serving its model" if exclude else ""
+        return FlowAnswer(503, Refused.NO_ROUTABLE_NODE,
+                          f"no routable node{serving} in pool {pool!r} for {self.no_node_wait_s:g} s",
+                          retry_after_header(max(1.0, self.no_node_wait_s)))
+
+    def expired(self, pool: str, held: Held[Waiter], now: float) -> FlowAnswer:
+        self.counts.refuse(pool, held.band, Refused.QUEUE_TIMEOUT.value)
+        self.counts.waited(pool, held.band, now - held.arrived)
+        return FlowAnswer(429, Refused.QUEUE_TIMEOUT, f"held {now - held.arrived:.1f} s in the queue of pool "
+                          f"{pool!r} without a free slot (its time to live)",
+                          self.queue.retry_after(held.pool, held.band, now, pool))
+
+    def left(self, pool: str, held: Held[Waiter]) -> None:
+        """A held request's client went away (nobody to answer: counted only)."""
+        self.counts.refuse(pool, held.band, "client_disconnected")
+        self.counts.waited(pool, held.band, time.monotonic() - held.arrived)
+
+
+def _answer(held: Held[Waiter], answer: FlowAnswer) -> None:
+    if not held.ticket.future.done():
+        held.ticket.future.set_result(answer)
+
+
+class FlowGate:
+    """Admission with flow control, and the dispatch of held requests (module docstring)."""
+
+    def __init__(self, router: Router, config: FlowConfig, ttl_default_s: float, ttl_max_s: float,
+                 no_node_wait_s: float) -> None:
+        self.router = router
+        self.queue: FlowQueue[Waiter] = FlowQueue(config)
+        self.lanes = FlowLanes(self.queue)
+        self.rates = KeyRates(config.retry_after_cap_s)
+        self.counts = FlowCounts()
+        self.answers = FlowAnswers(self.queue, self.counts, no_node_wait_s)
+        self.ttl_default_s, self.ttl_max_s = ttl_default_s, ttl_max_s
+        self.no_node_wait_s = no_node_wait_s
+        self.no_node_since: dict[str, float] = {}  # lane -> since when none of its nodes is routable
+        self.deferred = 0  # dispatches left to the other proxies' more urgent held requests (``_defer``)
+        self._ticker: asyncio.Task[None] | None = None
+
+    # -- admission -------------------------------------------------------------------------------
 
     async def admit(self, pool: str, band: int, tenant: str, work: int, ttl: float, text: bytes,
                     size: RequestSize | None, exclude: frozenset[str] = frozenset(),
@@ -179,7 +241,7 @@ class FlowGate:
         called with why, once, if the request waits (``lb.req.queued``'s ``cause``)."""
         router, queue = self.router, self.queue
         now = time.monotonic()
-        lane = self._lane(pool, exclude)
+        lane = self.lanes.key(pool, exclude)
         # a new request never overtakes held ones of its band or more urgent (the queue orders
         # them; in its lane and the pool's), nor takes a slot the other proxies' more urgent
         # held requests need
@@ -193,15 +255,13 @@ class FlowGate:
         if not self._routable(pool, exclude):
             since = self.no_node_since.setdefault(lane, now)
             if now - since >= self.no_node_wait_s:
-                return self._no_node(pool, band, exclude)
+                return self.answers.no_node(pool, band, exclude)
         else:
             self.no_node_since.pop(lane, None)
         waiter = Waiter(asyncio.get_running_loop().create_future(), text, size, exclude)
         held = queue.offer(lane, band, tenant, work, now, ttl, waiter, wide=not exclude)
         if isinstance(held, Refused):
-            self.counts.refuse(pool, band, held.value)
-            return FlowAnswer(429, held, f"queue of pool {pool!r}, band {BANDS[band]!r} is full "
-                              f"({queue.config.bound} requests held)", queue.retry_after(lane, band, now, pool))
+            return self.answers.queue_full(pool, lane, band, now)
         self.pump(pool)
         self._announce(pool)
         if waiter.future.done():
@@ -222,10 +282,9 @@ class FlowGate:
 
     def _left(self, held: Held[Waiter], waiter: Waiter) -> None:
         """The handler was cancelled (its client went away, or the proxy is aborting)."""
-        pool = self.pool_of(held.pool)
+        pool = self.lanes.pool_of(held.pool)
         if self.queue.remove(held):
-            self.counts.refuse(pool, held.band, "client_disconnected")
-            self.counts.waited(pool, held.band, time.monotonic() - held.arrived)
+            self.answers.left(pool, held)
             self._announce(pool)
         elif waiter.future.done() and not waiter.future.cancelled():
             result = waiter.future.result()
@@ -238,19 +297,12 @@ class FlowGate:
         route = self.router.pools.get(pool)
         return route is not None and any(node not in exclude for node in route.targets)
 
-    def _no_node(self, pool: str, band: int, exclude: frozenset[str] = frozenset()) -> FlowAnswer:
-        self.counts.refuse(pool, band, Refused.NO_ROUTABLE_NODE.value)
-        serving = " serving its model" if exclude else ""
-        return FlowAnswer(503, Refused.NO_ROUTABLE_NODE,
-                          f"no routable node{serving} in pool {pool!r} for {self.no_node_wait_s:g} s",
-                          retry_after_header(max(1.0, self.no_node_wait_s)))
-
     # -- dispatch --------------------------------------------------------------------------------
 
     def released(self, pool: str) -> None:
         """A request of ``pool`` ended: its slot may go to a held one."""
         self.queue.released(pool, time.monotonic())
-        if self.depth(pool):
+        if self.lanes.depth(pool):
             self.pump(pool)
 
     def _reserve(self, band: int) -> float:
@@ -259,7 +311,7 @@ class FlowGate:
     def wake(self, pool: str) -> None:
         """The pool's view changed (a snapshot, a peer's message: ``BusLink.on_view``): a slot
         another proxy freed, a raised limit or a node back may let held requests go."""
-        if self.depth(pool):
+        if self.lanes.depth(pool):
             self.pump(pool)
 
     def _defer(self, pool: str, band: int) -> bool:
@@ -288,7 +340,7 @@ class FlowGate:
         moved = False
         while True:
             best: tuple[int, bool, str, int] | None = None
-            for lane, exclude in self._lanes(pool):
+            for lane, exclude in self.lanes.of(pool):
                 if not queue.depth(lane):
                     continue
                 if router.can_take(pool, exclude, reserve=reserve):
@@ -314,7 +366,7 @@ class FlowGate:
             admission = router.admit(pool, waiter.exclude, prompt=waiter.text, size=waiter.size, limited=True,
                                      reserve=self._reserve(held.band))
             if admission is None:  # can_take said one of its nodes could: never expected; answered, not lost
-                waiter.future.set_result(self._no_node(pool, held.band, waiter.exclude))
+                waiter.future.set_result(self.answers.no_node(pool, held.band, waiter.exclude))
                 continue
             waiter.future.set_result(admission)
         if moved:
@@ -335,50 +387,40 @@ class FlowGate:
                 oldest[name] = round(queue.oldest_wait(pool, band, now) * 1000)
         router.note_held(pool, held, oldest)
 
+    # -- while anything is held: expiries and the no-node wait --------------------------------------
+
     def _tick_while_held(self) -> None:
         if self._ticker is None or self._ticker.done():
             self._ticker = asyncio.create_task(self._tick(), name="proxy-flow-tick")
 
     async def _tick(self) -> None:
-        queue = self.queue
+        queue, lanes, answers = self.queue, self.lanes, self.answers
         while queue.size:
             await asyncio.sleep(TICK_S)
             now = time.monotonic()
             gone = queue.expire(now)
             for held in gone:
-                self._answer(held, self._expired(held, now))
-            touched = {self.pool_of(held.pool) for held in gone}
+                pool = lanes.pool_of(held.pool)
+                exclude = held.ticket.exclude
+                _answer(held, answers.expired(pool, held, now) if self._routable(pool, exclude)
+                        else answers.no_node(pool, held.band, exclude))
+            touched = {lanes.pool_of(held.pool) for held in gone}
             pumped = set()
             for lane in [key for key in queue.pools if queue.depth(key)]:
-                pool = self.pool_of(lane)
-                exclude = self.lanes.get(pool, {}).get(lane, frozenset())
+                pool = lanes.pool_of(lane)
+                exclude = lanes.exclude_of(lane)
                 if self._routable(pool, exclude):
                     self.no_node_since.pop(lane, None)
                     pumped.add(pool)
                 elif now - self.no_node_since.setdefault(lane, now) >= self.no_node_wait_s:
                     for held in list(queue.held(lane)):
                         queue.remove(held)
-                        self._answer(held, self._no_node(pool, held.band, exclude))
+                        _answer(held, answers.no_node(pool, held.band, exclude))
                     touched.add(pool)
             for pool in pumped:
                 self.pump(pool)
             for pool in touched - pumped:
                 self._announce(pool)
-
-    def _expired(self, held: Held[Waiter], now: float) -> FlowAnswer:
-        pool = self.pool_of(held.pool)
-        if not self._routable(pool, held.ticket.exclude):
-            return self._no_node(pool, held.band, held.ticket.exclude)
-        self.counts.refuse(pool, held.band, Refused.QUEUE_TIMEOUT.value)
-        self.counts.waited(pool, held.band, now - held.arrived)
-        return FlowAnswer(429, Refused.QUEUE_TIMEOUT, f"held {now - held.arrived:.1f} s in the queue of pool "
-                          f"{pool!r} without a free slot (its time to live)",
-                          self.queue.retry_after(held.pool, held.band, now, pool))
-
-    @staticmethod
-    def _answer(held: Held[Waiter], answer: FlowAnswer) -> None:
-        if not held.ticket.future.done():
-            held.ticket.future.set_result(answer)
 
     async def close(self) -> None:
         if self._ticker is not None:
@@ -398,10 +440,10 @@ class FlowCollector(Collector):
         depth = GaugeMetricFamily("laswrr_proxy_queue_depth", "Requests held by flow control", labels=labels)
         oldest = GaugeMetricFamily("laswrr_proxy_queue_oldest_wait_seconds",
                                    "How long the oldest held request has waited", labels=labels)
-        for pool in gate.pools():
+        for pool in gate.lanes.pools():
             for band, name in enumerate(BANDS):
-                depth.add_metric([pool, name], gate.depth(pool, band))
-                oldest.add_metric([pool, name], gate.oldest_wait(pool, band, now))
+                depth.add_metric([pool, name], gate.lanes.depth(pool, band))
+                oldest.add_metric([pool, name], gate.lanes.oldest_wait(pool, band, now))
         admitted = CounterMetricFamily("laswrr_proxy_flow_admitted", "Requests admitted by flow control, "
                                        "directly or after being held", labels=[*labels, "how"])
         for admitted_key, n in sorted(gate.counts.admitted.items()):

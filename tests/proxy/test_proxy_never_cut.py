@@ -219,8 +219,8 @@ async def test_a_batch_re_sent_after_a_nats_restart_is_stored_once(
     seq, msg_id, _ = before[-1]
     raw = await js.get_msg(sj.EVENTS_STREAM, seq)
     items = [bytes(item) for item in msgspec.json.decode(raw.data, type=RequestBatch).events]
-    events.unacked.append(Batch(int(msg_id.rsplit(":", 1)[1]), msg_id, items, sends=1))  # its ack was lost
-    events._unacked_events += len(items)
+    events.batches.unacked.append(Batch(int(msg_id.rsplit(":", 1)[1]), msg_id, items, sends=1))  # its ack was lost
+    events.batches.unacked_events += len(items)
     nats_server.stop()
     nats_server.start()
     events._wakeup.set()

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from laswrr.scheduler.routing.flow import (
     BATCH, DEFAULT, INTERACTIVE, FlowConfig, FlowError, FlowQueue, KeyLimits, RateLimits, Refused, band_of,
-    concurrency_limit, defer_to_peers, retry_after_header, ttl_s, work_of,
+    defer_to_peers, retry_after_header, ttl_s, work_of,
 )
+from laswrr.scheduler.weights import concurrency_limit
 
 
 def test_band_header_names_and_the_keys_maximum() -> None:
