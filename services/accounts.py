@@ -24,8 +24,8 @@ collector ``lb.metrics.>``, ``lb.health.>``               follows ``lb.admin.>``
                                                           and watches LB_WEIGHTS
 recorder replies to ``lb.recorder.snapshot`` requests     consumes LB_EVENTS and LB_OUT
          (and asks them: a reader in its container)
-viewer   nothing but JetStream reads                      ``lb.peer.>``; ordered consumers of both streams;
-                                                          LB_WEIGHTS (get, keys, watch);
+viewer   ``lb.recorder.snapshot`` (a copy of the log to    ``lb.peer.>``; ordered consumers of both streams;
+         read), and JetStream reads                       LB_WEIGHTS (get, keys, watch);
                                                           info of every stream (``laswrr
                                                           dashboard``, ``laswrr nodes``)
 ======== ================================================ ===============================
@@ -129,13 +129,15 @@ ROLES: dict[str, Role] = {role.name: role for role in (
     Role("recorder", publish=(sj.RECORDER_SNAPSHOT, *_SERVICE_SETUP, *_stream_get(sj.EVENTS_STREAM, sj.OUT_STREAM),
                               *_consume(sj.EVENTS_STREAM, sj.OUT_STREAM)),
          subscribe=(sj.RECORDER_SNAPSHOT, INBOX), allow_responses=True),
-    # Read-only: what the dashboard and `laswrr nodes` read, no subject of the log to publish on.
+    # Read-only: what the dashboard, `laswrr nodes` and the analysts (report, replay, query, export
+    # of the live log: a consistent copy asked of the recorder) read; no subject of the log to publish on.
     Role("viewer",
-         publish=("$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST", *_stream_info(*STREAMS),
-                  *_stream_get(KV_WEIGHTS), *_consume(KV_WEIGHTS), *_watch(sj.EVENTS_STREAM, sj.OUT_STREAM)),
+         publish=(sj.RECORDER_SNAPSHOT, "$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST",
+                  *_stream_info(*STREAMS), *_stream_get(KV_WEIGHTS), *_consume(KV_WEIGHTS),
+                  *_watch(sj.EVENTS_STREAM, sj.OUT_STREAM)),
          subscribe=(INBOX, sj.PEER_ALL),
-         deny_publish=(sj.ALL, "$KV.>", "$JS.API.STREAM.CREATE.>", "$JS.API.STREAM.UPDATE.>",
-                       "$JS.API.STREAM.DELETE.>", "$JS.API.STREAM.PURGE.>")),
+         deny_publish=(*sj.EVENTS_SUBJECTS, *sj.OUT_SUBJECTS, sj.PEER_ALL, "$KV.>", "$JS.API.STREAM.CREATE.>",
+                       "$JS.API.STREAM.UPDATE.>", "$JS.API.STREAM.DELETE.>", "$JS.API.STREAM.PURGE.>")),
 )}
 
 

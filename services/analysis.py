@@ -68,6 +68,18 @@ def register(subparsers: Any) -> None:
     export.set_defaults(func=run_export)
 
 
+    query = subparsers.add_parser("query", help="run SQL on the recorded log and its analyst views",
+                                  description="Run one SQL statement on the recorded log (the `events` table and "
+                                              "the views of docs/analysts.md) and print the rows as CSV with a "
+                                              "header (--json: one JSON object per line). A running recorder's file "
+                                              "is read through a consistent copy, as for report; the viewer's "
+                                              "credentials suffice.")
+    query.add_argument("sql", metavar="SQL", help="e.g. \"SELECT outcome, count(*) FROM requests GROUP BY ALL\"")
+    query.add_argument("--db", metavar="PATH", required=True, help="events.duckdb, or a Parquet export directory")
+    query.add_argument("--json", action="store_true", help="one JSON object per row")
+    _add_db_options(query)
+    query.set_defaults(func=run_query)
+
     history = subparsers.add_parser("history", help="what happened to one node, in order",
                                     description="A node's admin commands (applied or rejected, with the reason), "
                                                 "phase changes, capacity, ejections and their causes, and rejected "
@@ -226,6 +238,32 @@ def run_export(args: argparse.Namespace) -> int:
         return _fail("export", str(exc), 1)
     for name, count in written.items():
         print(f"{target / (name + '.parquet')}: {count} rows")
+    return 0
+
+
+def run_query(args: argparse.Namespace) -> int:
+    import csv
+
+    import duckdb
+
+    try:
+        with store.open_read(args.db, copy_from_recorder(args.nats_url, auth=settings.nats_auth(args))) as con:
+            try:
+                cursor = con.execute(args.sql)
+            except duckdb.Error as exc:
+                return _fail("query", store.first_line(exc), 1)
+            columns = [d[0] for d in cursor.description or ()]
+            rows = cursor.fetchall() if columns else []
+    except store.StoreError as exc:
+        return _fail("query", str(exc), 1)
+    if args.json:
+        for row in rows:
+            print(json.dumps(dict(zip(columns, row)), default=str))
+        return 0
+    out = csv.writer(sys.stdout, lineterminator="\n")
+    if columns:
+        out.writerow(columns)
+    out.writerows(rows)
     return 0
 
 

@@ -24,6 +24,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import duckdb
 from nats.aio.msg import Msg
@@ -127,13 +128,31 @@ def copy_database(con: duckdb.DuckDBPyConnection, target: Path) -> None:
 # -- the reader's side ----------------------------------------------------------------------------
 
 
+COPY_ROLES = ("viewer", "operator")  # the roles that may ask for a copy (services/accounts.py)
+
+
+class CopyForbidden(Exception):
+    """The NATS server refused the ``lb.recorder.snapshot`` request to these credentials."""
+
+
 def copy_from_recorder(nats_url: str, timeout_s: float = 60.0, auth: NatsAuth | None = None) -> store.CopyLocked:
     """``store.open_read``'s ``copy_locked`` for a file that a running recorder holds: ask it,
-    over ``lb.recorder.snapshot`` on ``nats_url``, for a consistent copy (blocking)."""
+    over ``lb.recorder.snapshot`` on ``nats_url``, for a consistent copy (blocking). Credentials
+    that may not ask (any role but the viewer's or the operator's) fail at once, naming the role
+    to use."""
 
     def copy_locked(db: Path, target: Path) -> None:
         try:
             reply = asyncio.run(_request_copy(nats_url, db, target, timeout_s, auth))
+        except CopyForbidden as exc:
+            user = urlsplit(nats_url.split(",")[0]).username if "://" in nats_url else None
+            who = f"user {user!r}" if user else "these credentials"
+            env = db.resolve().parent / "secrets" / "viewer.env"
+            where = env if env.exists() else "<data-dir>/secrets/viewer.env"
+            raise store.StoreError(
+                f"{db} is locked by a running recorder and {who} may not ask the recorder for a copy "
+                f"({exc}): use the read-only viewer's credentials (or the operator's): export $(cat {where}) "
+                f"(docs/analysts.md)") from None
         except Exception as exc:  # noqa: BLE001 - any NATS failure becomes the one-line explanation
             raise store.StoreError(
                 f"{db} is locked by another process and no recorder answered {sj.RECORDER_SNAPSHOT} on "
@@ -147,14 +166,25 @@ def copy_from_recorder(nats_url: str, timeout_s: float = 60.0, auth: NatsAuth | 
 
 async def _request_copy(nats_url: str, db: Path, target: Path, timeout_s: float,
                         auth: NatsAuth | None = None) -> dict[str, str]:
-    async def quiet(exc: Exception) -> None:
-        return None
+    denied: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def on_error(exc: Exception) -> None:  # nats-py reports a refused publish only here
+        text = str(exc)
+        if "permissions violation" in text.lower() and not denied.done():
+            denied.set_result(text.removeprefix("nats: "))
 
     nc = await asyncio.wait_for(connect(nats_url, "laswrr-reader", auth, connect_timeout=2, max_reconnect_attempts=0,
-                                        allow_reconnect=False, error_cb=quiet), 3.0)
+                                        allow_reconnect=False, error_cb=on_error), 3.0)
     try:
         body = json.dumps({"db": str(db.resolve()), "to": str(target)}).encode()
-        msg = await nc.request(sj.RECORDER_SNAPSHOT, body, timeout=timeout_s)
+        request = asyncio.ensure_future(nc.request(sj.RECORDER_SNAPSHOT, body, timeout=timeout_s))
+        await asyncio.wait({request, denied}, return_when=asyncio.FIRST_COMPLETED)
+        if denied.done():
+            request.cancel()
+            with contextlib.suppress(BaseException):
+                await request
+            raise CopyForbidden(denied.result())
+        msg = request.result()
         return dict(json.loads(msg.data))
     finally:
         await nc.close()

@@ -6,7 +6,9 @@ stops the children in order; each child also gets SIGTERM if ``up`` itself dies 
 ``PR_SET_PDEATHSIG``; the process handling is ``ChildProcesses`` in services/children.py, the
 nodes.toml parser is collectors/nodes.py).
 
-Start order: NATS (embedded ``nats-server`` under ``<data_dir>/jetstream`` unless a URL is
+Start order: the data dir's lock (``<data_dir>/up.lock``, services/datadir_lock.py: a second
+stack on a data dir in use is refused at once, "data dir ... in use by pid N", before anything
+there is touched; a dead holder's lock is taken over) -> NATS (embedded ``nats-server`` under ``<data_dir>/jetstream`` unless a URL is
 given; secure by default: one user per role with a random password and the permissions of
 services/accounts.py, written to ``<data_dir>/secrets/<role>.env`` as ``NATS_URL=...``, mode
 0600; ``secure=False`` keeps an open server) -> streams -> scheduler, recorder -> simulated engines (when no nodes file is given:
@@ -98,6 +100,7 @@ from laswrr.schemas import subjects as sj
 from laswrr.services import accounts, settings
 from laswrr.services.dashboard.app import DEFAULT_PORT as DASHBOARD_PORT
 from laswrr.services.children import Child, ChildProcesses, RestartPolicy, StackError
+from laswrr.services.datadir_lock import DataDirInUse, DataDirLock
 from laswrr.services.natsbus import (AUTH_ENV, MAX_REPLICAS, NatsAuth, StreamLimits, connect, ensure_streams,
                                      redact_url, wait_jetstream)
 from laswrr.services.nats_server import EmbeddedNats, NatsCluster
@@ -211,6 +214,7 @@ class Stack:
         self.data_dir = Path(data_dir).resolve()
         self.log_dir = self.data_dir / "logs"
         self.secrets_dir = self.data_dir / "secrets"
+        self.lock = DataDirLock(self.data_dir)  # one stack per data dir (services/datadir_lock.py)
         self.secure = secure and nats_url is None  # users are generated for the embedded server only
         self.allow_upstream = list(allow_upstream)
         self.proxy_args = tuple(proxy_args)
@@ -283,6 +287,10 @@ class Stack:
                 self.allow_upstream.append(host)
 
     async def start_nats(self) -> str:
+        try:  # before anything in the data dir is touched: a second stack there is refused at once
+            self.lock.acquire()
+        except DataDirInUse as exc:
+            raise StackError(str(exc)) from None
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self._nats_url is None:
             passwords = accounts.new_passwords() if self.secure else {}
@@ -540,6 +548,7 @@ class Stack:
             await asyncio.to_thread(self.embedded.stop)
         if self.cluster is not None:
             await asyncio.to_thread(self.cluster.stop)
+        self.lock.release()
 
 
 # -- laswrr up ------------------------------------------------------------------------------------------

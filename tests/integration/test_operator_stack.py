@@ -312,3 +312,53 @@ def test_export_writes_continuations_attempts_and_phase_changes(up: Up, tmp_path
     registered = duckdb.connect().execute(f"SELECT count(*) FROM read_parquet('{out / 'phase_changes.parquet'}') "
                             "WHERE from_phase = 'new'").fetchone()
     assert registered is not None and registered[0] >= 4  # the four engines' registrations
+
+
+# -- round two (issue 43), item 1: a second `laswrr up` on a data dir in use is refused at once ------------
+
+
+def test_a_second_up_on_the_same_data_dir_is_refused_at_once_touching_nothing(up: Up) -> None:
+    watched = [up.data / "secrets" / f"{role}.env" for role in ("operator", "viewer")]
+    watched += [up.data / "nats-server.conf", up.data / "secrets" / "nats-server.conf"]
+    before = {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in watched if path.exists()}
+    assert before, "the running stack wrote no secrets?"
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "laswrr", "up", "--data-dir", str(up.data), "--proxy-port", "0",
+                           "--dashboard-port", "0"], capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - started
+    print(f"second `laswrr up` on a data dir in use: refused in {took:.2f} s (exit {done.returncode})")
+    assert done.returncode != 0 and "running" not in done.stdout, (done.stdout, done.stderr)
+    assert f"data dir {up.data} in use by pid {up.proc.pid}" in done.stderr, done.stderr
+    assert took < 15, took  # the Python start-up, no NATS nor DuckDB wait (26 s before)
+    assert {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in before} == before
+    assert up.proc.poll() is None
+    # the first stack still answers with its credentials
+    nodes = laswrr("nodes", "--json", url=up.url("viewer"), timeout=60)
+    assert nodes.returncode == 0 and "sim-910c-1" in nodes.stdout, nodes.stderr
+
+
+# -- round two, item 3: the read-only viewer reads the live log; a refusal names the role needed -------------
+
+
+def test_the_viewer_reads_the_live_log_and_a_forbidden_role_fails_fast(up: Up) -> None:
+    db = str(up.data / "events.duckdb")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "laswrr", "report", "--db", db, "--json", "--nats-url",
+                           up.url("viewer")], capture_output=True, text=True, timeout=90)
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["events"] > 0
+    query = subprocess.run([sys.executable, "-m", "laswrr", "query", "--db", db, "--nats-url", up.url("viewer"),
+                            "SELECT count(*) AS n FROM requests"], capture_output=True, text=True, timeout=90)
+    assert query.returncode == 0 and query.stdout.splitlines()[0] == "n", (query.stdout, query.stderr)
+    started = time.monotonic()
+    refused = subprocess.run([sys.executable, "-m", "laswrr", "report", "--db", db, "--nats-url", up.url("collector")],
+                             capture_output=True, text=True, timeout=90)
+    refused_s = time.monotonic() - started
+    print(f"report --db of the live log: viewer {took:.2f} s; collector refused in {refused_s:.2f} s")
+    assert refused.returncode != 0 and refused_s < 20, (refused_s, refused.stderr)
+    assert "user 'collector' may not ask the recorder for a copy" in refused.stderr, refused.stderr
+    assert "viewer.env" in refused.stderr and urlsplit(up.url("collector")).password not in refused.stderr
+    # and the viewer still cannot act on anything (its role is read-only)
+    act = laswrr("capacity", "sim-910-1", "1", url=up.url("viewer"))
+    assert act.returncode == 2 and "may not send admin commands" in act.stderr
