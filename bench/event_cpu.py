@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from laswrr.schemas import events as ev
+from laswrr.schemas import facts
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import batch_item, batch_payload, encode
 from laswrr.services.natsbus import connect, ensure_streams
@@ -66,8 +67,7 @@ def request_events(requests: int) -> list[tuple[str, str, bytes]]:
 
 def messages(events: list[tuple[str, str, bytes]], batch: int) -> list[tuple[str, bytes]]:
     if batch == 1:
-        return [((sj.req_started if kind == ev.RequestStarted.KIND else sj.req_finished)(node), data)
-                for kind, node, data in events]
+        return [(f"{facts.BY_KIND[kind].subject}.{node}", data) for kind, node, data in events]
     return [(sj.req_batch("proxy"), batch_payload(BOOT, n + 1, [batch_item(*e) for e in events[i:i + batch]]))
             for n, i in enumerate(range(0, len(events), batch))]
 

@@ -2,8 +2,8 @@
 
 A trace scenario in virtual time routes on fixed weights (``bench.virtual``). A timeline scenario
 (``silent-slowdown-mindie``, ``announced-drop``, ...) is about how the weights *move*, so here the
-real core (``scheduler.core.Scheduler``, through ``apply_guarded`` as the scheduler service applies
-its inputs) takes the inputs the running stack would give it, stamped with virtual time:
+real core (``scheduler.core.Scheduler``, through ``scheduler.fold.Fold`` as the scheduler service
+applies its inputs) takes the inputs the running stack would give it, stamped with virtual time:
 
 * the nodes' registrations at 0 (and ``scenario.scheduler_config`` as an ``lb.admin.config``);
 * ``lb.clock.tick`` every ``TICK_S`` (the scheduler's ``--tick-ms`` 100); every snapshot the core
@@ -59,7 +59,7 @@ from laswrr.bench.report import silent_loss
 from laswrr.bench.scenarios import Scenario
 from laswrr.bench.virtual_peers import PEER_DELAY_MS, VirtualChannel
 from laswrr.bench.workload import RequestSpec, generate, prompt_text
-from laswrr.scheduler.core import Scheduler, apply_guarded
+from laswrr.scheduler.fold import Fold, rejections
 from laswrr.scheduler.routing.prompt import prompt_text as indexed_text
 from laswrr.scheduler.routing.prompt import request_size
 from laswrr.scheduler.routing.router import DEFAULT_POOL, PEER_PICK_S, PEER_STAGGER_S, Admission, Router
@@ -172,17 +172,17 @@ class _Core:
     """The scheduler core fed envelopes stamped with virtual time; the snapshots it emits."""
 
     def __init__(self) -> None:
-        self.scheduler = Scheduler()
+        self.fold = Fold()
         self.seq = 0
         self.snapshots: list[tuple[float, Any]] = []
 
     def put(self, now: float, subject: str, payload: dict[str, Any]) -> list[Any]:
         self.seq += 1
         envelope = Envelope(self.seq, T0_NS + round(now * 1e9), subject, msgspec.json.encode(payload))
-        outputs, fault = apply_guarded(self.scheduler, envelope)
-        if fault is not None:
-            raise RuntimeError(f"the core broke an invariant on {subject}: {fault}")
-        rejected = [o for o in outputs if o.subject == sj.OUT_REJECTED]
+        outputs = self.fold.apply(envelope)
+        if self.fold.fault is not None:
+            raise RuntimeError(f"the core broke an invariant on {subject}: {self.fold.fault}")
+        rejected = rejections(outputs)
         if rejected:
             raise RuntimeError(f"the core rejected {subject} {payload}: {rejected[0].data.decode()}")
         snaps = [decode_snapshot(o.data) for o in outputs if o.subject == sj.out_snapshot(DEFAULT_POOL)]

@@ -22,7 +22,7 @@ import msgspec
 
 from laswrr.replay.store import split_payload
 from laswrr.scheduler.config import SchedulerConfig
-from laswrr.scheduler.core import Scheduler, apply_guarded
+from laswrr.scheduler.fold import Fold
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope, Output, encode
 from laswrr.schemas.outputs import Rejected
@@ -94,7 +94,8 @@ def output_line(output: Output, ts_ns: int) -> bytes:
 
 def replay_lines(lines: Iterable[bytes], config: SchedulerConfig | None = None,
                  errors: list[LineError] | None = None) -> Iterator[bytes]:
-    scheduler = Scheduler(config)
+    fold = Fold(config=config)
+    scheduler = fold.scheduler
     for item in read_events(lines):
         if isinstance(item, LineError):
             if errors is not None:
@@ -103,6 +104,5 @@ def replay_lines(lines: Iterable[bytes], config: SchedulerConfig | None = None,
             yield output_line(Output(sj.OUT_REJECTED, encode(rejected), item.seq, cause=rejected.cause),
                               scheduler.state.now_ns)
             continue
-        outputs, _ = apply_guarded(scheduler, item)  # a core exception: the service's rejection
-        for output in outputs:
+        for output in fold.apply(item):  # a core exception: the service's rejection
             yield output_line(output, scheduler.state.now_ns)

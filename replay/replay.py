@@ -4,7 +4,7 @@ Theory of operation. The scheduler's outputs are a pure function of its inputs (
 the recorded inputs (their exact payload bytes, ``store.PAYLOAD_SQL``), applied in stream-sequence order to a fresh ``Scheduler`` that starts from
 ``SchedulerConfig()`` defaults (recorded ``lb.admin.config`` events then set the configuration
 that was in force), must reproduce every recorded output byte for byte. Inputs go through
-``apply_guarded`` as in the service, so an input on which the core raised is reproduced as the
+the fold (``scheduler.fold.Fold``, ``apply_guarded``) as in the service, so an input on which the core raised is reproduced as the
 same recorded ``internal error while applying`` rejection.
 
 Outputs are matched by their cause, never by LB_OUT order: two scheduler replicas may
@@ -15,8 +15,7 @@ two outputs of one input on one subject (a node that goes draining -> drained at
 kept. A byte-identical republish of one output is counted once. An output the service found
 too large to publish was recorded as a rejection with cause ``unpublishable_output`` and the
 ``limit`` it applied; the replay applies the same replacement (``schemas.codec.publishable``)
-with that limit. Logs are read as wire contract v1 (docs/wire.md); a future version's
-reader upcasts older events in one place, ``schemas.upcast``.
+with that limit. Logs are read as wire contract v1 (docs/wire.md), the only version there is.
 
 Checks, each naming the input sequence number where it fails:
   * gap      - a sequence number is missing between the first and last recorded input (a
@@ -43,14 +42,13 @@ from typing import Any
 import duckdb
 
 from laswrr.replay.store import PAYLOAD_SQL
-from laswrr.scheduler import config as config_mod
-from laswrr.scheduler.core import Scheduler, apply_guarded
+from laswrr.replay.store import core_outputs_filter
+from laswrr.scheduler.fold import Fold
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope, Output, publishable, unpublishable_limit
 
 FETCH_ROWS = 50_000
-CORE_OUT_FILTER = (f"(subject LIKE '{sj.OUT_SNAPSHOT}.%' OR subject LIKE '{sj.OUT_PHASE}.%' "
-                   f"OR subject = '{sj.OUT_REJECTED}' OR subject = '{sj.OUT_CONFIG}')")
+CORE_OUT_FILTER = core_outputs_filter()
 _KEY = "CASE WHEN raw IS NULL AND json_valid(data) THEN TRY_CAST(data->>'as_of_seq' AS BIGINT) END"
 INPUTS_SQL = f"SELECT seq, ts_ns, subject, {PAYLOAD_SQL} FROM events WHERE stream = 'LB_EVENTS' ORDER BY seq"
 OUTPUTS_SQL = (f"SELECT key, seq, subject, encode(data) FROM (SELECT {_KEY} AS key, seq, subject, data "
@@ -249,13 +247,6 @@ def check_order(con: duckdb.DuckDBPyConnection, result: ReplayResult) -> set[int
     return missing
 
 
-def make_scheduler(overrides: dict[str, Any] | None) -> Scheduler:
-    config = config_mod.SchedulerConfig()
-    if overrides:
-        config = config_mod.with_changes(config, overrides)
-    return Scheduler(config)
-
-
 def replay_db(con: duckdb.DuckDBPyConnection, overrides: dict[str, Any] | None = None,
               on_outputs: OutputHook | None = None, verify: bool = True) -> ReplayResult:
     """Replay every recorded input; compare with the recorded outputs unless ``verify`` is off.
@@ -275,10 +266,8 @@ def replay_db(con: duckdb.DuckDBPyConnection, overrides: dict[str, Any] | None =
         _check_unreadable(con, result)
         missing = check_order(con, result)
     recorded = RecordedOutputs(con.cursor().execute(OUTPUTS_SQL)) if verify else None
-    scheduler = make_scheduler(overrides)
-    replayer = _Replayer(scheduler, result, recorded, max_key, missing, on_outputs)
-    inputs = con.cursor().execute(INPUTS_SQL)
-    replayer.run(inputs, overrides)
+    replayer = _Replayer(Fold(overrides=overrides), result, recorded, max_key, missing, on_outputs)
+    replayer.run(con.cursor().execute(INPUTS_SQL))
     result.verified_through = min(max_key, result.last_seq or 0) if verify else 0
     if recorded is not None:
         replayer.orphans(recorded.take_below((result.last_seq or 0) + 1))
@@ -292,19 +281,17 @@ class _Replayer:
     Recorded outputs for an input that produced none are found at the next input with outputs
     (or at the end) as orphans."""
 
-    def __init__(self, scheduler: Scheduler, result: ReplayResult, recorded: RecordedOutputs | None,
+    def __init__(self, fold: Fold, result: ReplayResult, recorded: RecordedOutputs | None,
                  max_key: int, missing: set[int], on_outputs: OutputHook | None) -> None:
-        self.scheduler, self.result, self.recorded = scheduler, result, recorded
+        self.fold, self.result, self.recorded = fold, result, recorded
         self.max_key, self.missing, self.on_outputs = max_key, missing, on_outputs
 
-    def run(self, inputs: duckdb.DuckDBPyConnection, overrides: dict[str, Any] | None = None) -> None:
-        """Apply every input; ``overrides`` (what-if) are re-applied after each recorded config event."""
-        scheduler = self.scheduler
+    def run(self, inputs: duckdb.DuckDBPyConnection) -> None:
+        """Apply every input (the fold re-applies what-if overrides after each recorded config event)."""
+        apply = self.fold.apply
         for batch in fetch_batches(inputs):
             for envelope in starmap(Envelope, batch):
-                outputs, _ = apply_guarded(scheduler, envelope)
-                if overrides and envelope.subject == sj.ADMIN_CONFIG:
-                    scheduler.state.config = config_mod.with_changes(scheduler.state.config, overrides)
+                outputs = apply(envelope)
                 if outputs:
                     self.produced(envelope, outputs)
 

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import duckdb
 
+from laswrr.schemas import facts
+
 EVENTS_DDL = """
 CREATE TABLE IF NOT EXISTS events (
     stream  VARCHAR NOT NULL,
@@ -110,7 +112,31 @@ def split_payload(payload: bytes) -> tuple[str, bytes | None]:
 
 
 def views_sql() -> str:
-    return resources.files("laswrr.replay").joinpath("views.sql").read_text(encoding="utf-8")
+    """The ``fact_kinds`` view (from the fact table), then the analyst views of views.sql."""
+    return fact_kinds_sql() + resources.files("laswrr.replay").joinpath("views.sql").read_text(encoding="utf-8")
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def fact_kinds_sql() -> str:
+    """``fact_kinds(kind, struct, family, key, batchable, output)``: the fact table (schemas.facts)
+    as a view, one row per kind, ``family`` its subject (or prefix, ``key`` then saying what the
+    last token names: ``node``, ``proxy`` or ``pool``; ``none`` for a whole subject)."""
+    rows = ",\n    ".join(
+        f"({_quote(f.kind)}, {_quote(f.struct.__name__)}, {_quote(f.subject)}, {_quote(f.key.word)}, "
+        f"{str(f.batchable).lower()}, {str(f in facts.OUTPUTS).lower()})" for f in facts.FACTS)
+    return ("-- The fact table (schemas/facts.py), written by replay/store.py before the views below.\n"
+            "CREATE OR REPLACE VIEW fact_kinds AS\n"
+            f"SELECT * FROM (VALUES\n    {rows}\n) AS t(kind, struct, family, key, batchable, output);\n\n")
+
+
+def core_outputs_filter() -> str:
+    """A SQL condition on ``subject`` true for every output subject of the core (schemas.facts.OUTPUTS)."""
+    terms = [f"subject = {_quote(f.subject)}" if f.key is facts.Key.NONE else f"subject LIKE {_quote(f.subject + '.%')}"
+             for f in facts.OUTPUTS]
+    return f"({' OR '.join(terms)})"
 
 
 def create_schema(con: duckdb.DuckDBPyConnection) -> None:

@@ -1,10 +1,10 @@
 """Crafted logs for tests and benchmarks, recorded exactly as the running stack records them.
 
 ``LogBuilder`` plays the stream and the scheduler service: each ``add`` assigns the next
-LB_EVENTS sequence number and an event time, applies the input to the real core (through
-``apply_guarded``, as the service does), and appends the core's outputs to LB_OUT the way the
-service publishes them (``Nats-Msg-Id`` =
-``Output.msg_id``, so a repeated id is dropped as JetStream's de-duplication drops it).
+LB_EVENTS sequence number and an event time, applies the input to the real core through the
+service's fold (``scheduler.fold.Fold``), and appends the core's outputs to LB_OUT the way the
+service publishes them (the fold drops a repeated ``Nats-Msg-Id`` = ``Output.msg_id`` as
+JetStream's de-duplication drops it).
 ``write_db`` stores both streams in a DuckDB file through ``replay.store`` (the recorder's own
 insert path). ``workload`` builds a realistic mixed log: node registrations, 100 ms ticks, engine
 samples, request start/finish pairs, a capacity drop and a drain.
@@ -20,7 +20,7 @@ import msgspec
 from laswrr.replay import store
 from laswrr.replay.portable import input_line
 from laswrr.scheduler.config import SchedulerConfig
-from laswrr.scheduler.core import Scheduler, apply_guarded
+from laswrr.scheduler.fold import Fold
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope
 from laswrr.schemas.words import RequestOutcome
@@ -32,12 +32,12 @@ T0_NS = 1_700_000_000_000_000_000
 
 class LogBuilder:
     def __init__(self, config: SchedulerConfig | None = None, start_ns: int = T0_NS) -> None:
-        self.scheduler = Scheduler(config)
+        self.fold = Fold(config=config, dedupe=True)
+        self.scheduler = self.fold.scheduler
         self.inputs = store.Columns(sj.EVENTS_STREAM)
         self.outputs = store.Columns(sj.OUT_STREAM)
         self.now_ns = start_ns
         self.tick_no = 0
-        self._msg_ids: set[str] = set()
 
     @property
     def seq(self) -> int:
@@ -54,11 +54,7 @@ class LogBuilder:
             raw = msgspec.json.encode({} if payload is None else payload)
         seq = len(self.inputs) + 1
         self.inputs.append(seq, self.now_ns, subject, raw)
-        outputs, _ = apply_guarded(self.scheduler, Envelope(seq, self.now_ns, subject, raw))
-        for output in outputs:
-            if output.msg_id in self._msg_ids:
-                continue  # JetStream de-duplication drops a repeated Nats-Msg-Id
-            self._msg_ids.add(output.msg_id)
+        for output in self.fold.apply(Envelope(seq, self.now_ns, subject, raw)):
             self.outputs.append(len(self.outputs) + 1, self.now_ns + 200_000, output.subject, output.data)
         return seq
 

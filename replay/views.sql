@@ -9,7 +9,9 @@
 -- in order (docs/wire.md, "Batched request events"); `input_events` unnests them, so a
 -- batched event is a row as it would be alone (its own subject, family, key and payload) at
 -- the batch's seq and ts_ns, with `event_index` its position in the batch (0 for a message
--- holding one event). Order events by (seq, event_index): several share a seq.
+-- holding one event). Order events by (seq, event_index): several share a seq. Which kinds a
+-- batch holds, the subject each has alone and whether its key is the batch's proxy come from
+-- `fact_kinds` (the fact table, schemas/facts.py; replay/store.py creates it before these views).
 
 CREATE OR REPLACE VIEW input_messages AS
 SELECT seq, ts_ns, subject,
@@ -23,21 +25,22 @@ CREATE OR REPLACE VIEW input_events AS
 SELECT seq, ts_ns, subject, family, key, j, data, raw, 0 AS event_index, NULL::VARCHAR AS batch_subject
 FROM input_messages WHERE family IS DISTINCT FROM 'lb.req.batch'
 UNION ALL
-SELECT seq, ts_ns, 'lb.' || kind || '.' || key AS subject, 'lb.' || kind AS family, key, j, j::VARCHAR AS data,
+SELECT seq, ts_ns, family || '.' || key AS subject, family, key, j, j::VARCHAR AS data,
        NULL::BLOB AS raw, event_index, batch_subject
 FROM (
-    SELECT seq, ts_ns, batch_subject, e->>0 AS kind, e->2 AS j, event_index,
-           CASE WHEN e->>0 IN ('proxy.heartbeat', 'proxy.stopped', 'req.refused', 'req.queued') THEN proxy
-                ELSE e->>1 END AS key
+    SELECT b.seq, b.ts_ns, b.batch_subject, b.j, b.event_index, f.family,
+           CASE WHEN f.key = 'proxy' THEN b.proxy ELSE b.item_key END AS key
     FROM (
-        SELECT seq, ts_ns, subject AS batch_subject, key AS proxy,
-               unnest(CAST(j->'events' AS JSON[])) AS e,
-               generate_subscripts(CAST(j->'events' AS JSON[]), 1) - 1 AS event_index
-        FROM input_messages
-        WHERE family = 'lb.req.batch' AND json_type(j->'events') = 'ARRAY')
-    WHERE json_type(e) = 'ARRAY')
-WHERE kind IN ('req.started', 'req.finished', 'req.refused', 'req.queued', 'proxy.heartbeat', 'proxy.stopped')
-  AND key IS NOT NULL;
+        SELECT seq, ts_ns, batch_subject, proxy, e->>0 AS kind, e->>1 AS item_key, e->2 AS j, event_index
+        FROM (
+            SELECT seq, ts_ns, subject AS batch_subject, key AS proxy,
+                   unnest(CAST(j->'events' AS JSON[])) AS e,
+                   generate_subscripts(CAST(j->'events' AS JSON[]), 1) - 1 AS event_index
+            FROM input_messages
+            WHERE family = 'lb.req.batch' AND json_type(j->'events') = 'ARRAY')
+        WHERE json_type(e) = 'ARRAY') AS b
+    JOIN fact_kinds f ON f.kind = b.kind AND f.batchable)
+WHERE key IS NOT NULL;
 
 CREATE OR REPLACE VIEW output_events AS
 SELECT seq, ts_ns, subject,

@@ -25,7 +25,8 @@ finished events were lost). An event without a boot id (published by hand, ``nat
 no process: it voids nothing and its heartbeat is liveness only.
 
 ``apply_guarded`` is how every driver of the core (the scheduler service, replay, what-if, the
-portable replay, synthetic logs) applies an input: an exception from ``apply`` is a broken
+portable replay, synthetic logs, the virtual bench) applies an input, through the one fold
+(``scheduler.fold.Fold``): an exception from ``apply`` is a broken
 invariant, not bad input, and becomes the recorded rejection ``internal error while applying:
 <Type>: <message>`` for that input, so one poisoned message cannot wedge the stream, and a
 replay reproduces the rejection at the same seq instead of crashing there.

@@ -21,7 +21,9 @@ from typing import Annotated, Any
 import msgspec
 
 from laswrr.schemas import events as ev
+from laswrr.schemas import facts
 from laswrr.schemas import subjects as sj
+from laswrr.schemas.facts import Key
 from laswrr.schemas.outputs import ConfigApplied, PhaseChanged, Rejected, WeightSnapshot, clip
 from laswrr.schemas.words import RejectCause
 
@@ -66,28 +68,16 @@ class Output(msgspec.Struct, frozen=True):
         return base if self.index == 0 else f"{base}:{self.index}"
 
 
+def _event(fact: facts.Fact) -> type[ev.Event]:
+    assert issubclass(fact.struct, ev.Event), fact
+    return fact.struct
+
+
+# The codec's lookups, derived from the fact table (schemas.facts).
 _BY_PREFIX: dict[str, type[ev.Event]] = {
-    sj.ADMIN_NODE: ev.NodeRegistered,
-    sj.ADMIN_REMOVE: ev.NodeRemoveRequested,
-    sj.ADMIN_CAPACITY: ev.CapacitySet,
-    sj.ADMIN_DRAIN: ev.DrainRequested,
-    sj.ADMIN_UNDRAIN: ev.UndrainRequested,
-    sj.METRICS_ENGINE: ev.EngineSampled,
-    sj.METRICS_NPU: ev.NpuSampled,
-    sj.METRICS_MODELS: ev.ModelsListed,
-    sj.HEALTH: ev.HealthProbed,
-    sj.REQ_STARTED: ev.RequestStarted,
-    sj.REQ_FINISHED: ev.RequestFinished,
-    sj.REQ_REFUSED: ev.RequestRefused,
-    sj.REQ_QUEUED: ev.RequestQueued,
-    sj.PROXY_HEARTBEAT: ev.ProxyHeartbeat,
-    sj.PROXY_STOPPED: ev.ProxyStopped,
-    sj.REQ_BATCH: ev.RequestBatch,
-}
+    fact.subject: _event(fact) for fact in facts.INPUTS if fact.key is not Key.NONE}
 _WHOLE_SUBJECT: dict[str, type[ev.Event]] = {
-    sj.CLOCK_TICK: ev.ClockTicked,
-    sj.ADMIN_CONFIG: ev.ConfigChanged,
-}
+    fact.subject: _event(fact) for fact in facts.INPUTS if fact.key is Key.NONE}
 _DECODERS: dict[type[ev.Event], msgspec.json.Decoder[Any]] = {
     cls: msgspec.json.Decoder(cls) for cls in (*_BY_PREFIX.values(), *_WHOLE_SUBJECT.values())
 }
@@ -131,18 +121,12 @@ def _decode_as(cls: type[ev.Event], data: bytes | msgspec.Raw) -> Any:
 
 # -- batches -----------------------------------------------------------------------------------------
 
-# The kinds a batch may hold, with the subject prefix each has alone; a request event's key is
-# its node, a proxy event's key (and a refusal's: it has no node) is the batch's proxy (the item carries null).
+# The kinds a batch may hold, with the subject prefix each has alone (in the table's order, which
+# a rejection's text lists); a request event's key is its node, a proxy-keyed event's key (a
+# refusal's too: it has no node) is the batch's proxy (the item carries null).
 BATCHABLE: dict[str, tuple[type[ev.Event], str]] = {
-    ev.RequestStarted.KIND: (ev.RequestStarted, sj.REQ_STARTED),
-    ev.RequestFinished.KIND: (ev.RequestFinished, sj.REQ_FINISHED),
-    ev.ProxyHeartbeat.KIND: (ev.ProxyHeartbeat, sj.PROXY_HEARTBEAT),
-    ev.ProxyStopped.KIND: (ev.ProxyStopped, sj.PROXY_STOPPED),
-    ev.RequestRefused.KIND: (ev.RequestRefused, sj.REQ_REFUSED),
-    ev.RequestQueued.KIND: (ev.RequestQueued, sj.REQ_QUEUED),
-}
-_PROXY_KINDS = frozenset((ev.ProxyHeartbeat.KIND, ev.ProxyStopped.KIND, ev.RequestRefused.KIND,
-                          ev.RequestQueued.KIND))
+    fact.kind: (_event(fact), fact.subject) for fact in facts.INPUTS if fact.batchable}
+_PROXY_KINDS = frozenset(fact.kind for fact in facts.INPUTS if fact.batchable and fact.key is Key.PROXY)
 _ITEM = msgspec.json.Decoder(ev.BatchedEvent)
 
 
@@ -298,15 +282,13 @@ def decode_rejected(data: bytes) -> Rejected:
 
 CoreOutput = WeightSnapshot | PhaseChanged | Rejected | ConfigApplied
 _OUTPUT_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
-    sj.OUT_SNAPSHOT: msgspec.json.Decoder(WeightSnapshot), sj.OUT_PHASE: msgspec.json.Decoder(PhaseChanged),
-    sj.OUT_REJECTED: _REJECTED, sj.OUT_CONFIG: msgspec.json.Decoder(ConfigApplied)}
+    fact.subject: _REJECTED if fact.struct is Rejected else msgspec.json.Decoder(fact.struct) for fact in facts.OUTPUTS}
 
 
 def decode_output(subject: str, data: bytes) -> CoreOutput:
     """An ``lb.out.*`` message as its schema struct (how every reader of outputs reads them);
     ``SchemaError`` for a subject the core does not publish on or a payload that is not its struct."""
-    family = subject if subject in (sj.OUT_REJECTED, sj.OUT_CONFIG) else subject.rpartition(".")[0]
-    decoder = _OUTPUT_DECODERS.get(family)
+    decoder = _OUTPUT_DECODERS.get(sj.split(subject)[0])
     if decoder is None:
         raise SchemaError(f"{subject!r} is not an output subject of the core", RejectCause.UNKNOWN_SUBJECT)
     try:

@@ -1,4 +1,6 @@
-"""Subject names of the wire contract (docs/wire.md): the one place that spells them.
+"""Subject names of the wire contract (docs/wire.md): the streams, the wildcards, and the
+facts' subjects and their builders, derived from the fact table (``schemas.facts``, the one place
+that spells a fact's subject and what its key names).
 
 Inputs live on stream LB_EVENTS (every ``lb.>`` subject except ``lb.out.>``); outputs on
 LB_OUT (``lb.out.>``); the latest snapshot of each pool also sits in KV bucket LB_WEIGHTS
@@ -8,6 +10,13 @@ under the pool's name. Node ids and pool names are single NATS tokens.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+
+import msgspec
+
+from laswrr.schemas import events as ev
+from laswrr.schemas import facts
+from laswrr.schemas import outputs as out
 
 EVENTS_STREAM = "LB_EVENTS"
 OUT_STREAM = "LB_OUT"
@@ -27,31 +36,33 @@ OUT_ALL = "lb.out.>"
 EVENTS_SUBJECTS = [ADMIN_ALL, METRICS_ALL, HEALTH_ALL, REQ_ALL, CLOCK_ALL, PROXY_ALL]
 OUT_SUBJECTS = [OUT_ALL]
 
-ADMIN_NODE = "lb.admin.node"
-ADMIN_REMOVE = "lb.admin.remove"
-ADMIN_CAPACITY = "lb.admin.capacity"
-ADMIN_DRAIN = "lb.admin.drain"
-ADMIN_UNDRAIN = "lb.admin.undrain"
-ADMIN_CONFIG = "lb.admin.config"
-METRICS_ENGINE = "lb.metrics.engine"
-METRICS_NPU = "lb.metrics.npu"
-METRICS_MODELS = "lb.metrics.models"
-HEALTH = "lb.health"
-REQ_STARTED = "lb.req.started"
-REQ_FINISHED = "lb.req.finished"
-REQ_REFUSED = "lb.req.refused"  # the proxy answered a request itself (keyed by proxy)
-REQ_QUEUED = "lb.req.queued"  # flow control held a request (keyed by proxy)
-REQ_BATCH = "lb.req.batch"  # one message holding a proxy's request events (and heartbeats) in order
-PROXY_HEARTBEAT = "lb.proxy.heartbeat"
-PROXY_STOPPED = "lb.proxy.stopped"
-CLOCK_TICK = "lb.clock.tick"
+# The facts' subjects (the whole subject, or the prefix a node, proxy or pool name follows):
+# spelled once, in the fact table (schemas.facts), and named here.
+ADMIN_NODE = facts.of(ev.NodeRegistered).subject
+ADMIN_REMOVE = facts.of(ev.NodeRemoveRequested).subject
+ADMIN_CAPACITY = facts.of(ev.CapacitySet).subject
+ADMIN_DRAIN = facts.of(ev.DrainRequested).subject
+ADMIN_UNDRAIN = facts.of(ev.UndrainRequested).subject
+ADMIN_CONFIG = facts.of(ev.ConfigChanged).subject
+METRICS_ENGINE = facts.of(ev.EngineSampled).subject
+METRICS_NPU = facts.of(ev.NpuSampled).subject
+METRICS_MODELS = facts.of(ev.ModelsListed).subject
+HEALTH = facts.of(ev.HealthProbed).subject
+REQ_STARTED = facts.of(ev.RequestStarted).subject
+REQ_FINISHED = facts.of(ev.RequestFinished).subject
+REQ_REFUSED = facts.of(ev.RequestRefused).subject  # the proxy answered a request itself
+REQ_QUEUED = facts.of(ev.RequestQueued).subject  # flow control held a request
+REQ_BATCH = facts.of(ev.RequestBatch).subject  # one message holding a proxy's request events (and heartbeats) in order
+PROXY_HEARTBEAT = facts.of(ev.ProxyHeartbeat).subject
+PROXY_STOPPED = facts.of(ev.ProxyStopped).subject
+CLOCK_TICK = facts.of(ev.ClockTicked).subject
 PEER = "lb.peer"  # core NATS, no stream: lb.peer.<pool>.<proxy> (schemas.peers)
 PEER_ALL = "lb.peer.>"
 
-OUT_SNAPSHOT = "lb.out.snapshot"
-OUT_REJECTED = "lb.out.rejected"
-OUT_PHASE = "lb.out.phase"
-OUT_CONFIG = "lb.out.config"  # the verdict on a valid lb.admin.config: the configuration now in force
+OUT_SNAPSHOT = facts.of(out.WeightSnapshot).subject
+OUT_REJECTED = facts.of(out.Rejected).subject
+OUT_PHASE = facts.of(out.PhaseChanged).subject
+OUT_CONFIG = facts.of(out.ConfigApplied).subject  # the verdict on a valid lb.admin.config: the configuration now in force
 
 # Core NATS request (not in any stream): a reader asks the recorder for a copy of its DuckDB file.
 RECORDER_SNAPSHOT = "lb.recorder.snapshot"
@@ -73,81 +84,41 @@ def _join(prefix: str, token: str, what: str) -> str:
     return f"{prefix}.{check_token(token, what)}"
 
 
-def admin_node(node: str) -> str:
-    return _join(ADMIN_NODE, node, "node id")
+def _builder(struct: type[msgspec.Struct]) -> Callable[[str], str]:
+    """``build(token)``: the subject of one ``struct`` fact whose key is ``token`` (checked)."""
+    fact = facts.of(struct)
+    prefix, what = fact.subject, fact.key.what
+
+    def build(token: str) -> str:
+        return f"{prefix}.{check_token(token, what)}"
+
+    build.__doc__ = f"``{fact.pattern}``: the subject of one ``{fact.kind}`` ({struct.__name__})."
+    return build
 
 
-def admin_remove(node: str) -> str:
-    return _join(ADMIN_REMOVE, node, "node id")
-
-
-def admin_capacity(node: str) -> str:
-    return _join(ADMIN_CAPACITY, node, "node id")
-
-
-def admin_drain(node: str) -> str:
-    return _join(ADMIN_DRAIN, node, "node id")
-
-
-def admin_undrain(node: str) -> str:
-    return _join(ADMIN_UNDRAIN, node, "node id")
-
-
-def metrics_engine(node: str) -> str:
-    return _join(METRICS_ENGINE, node, "node id")
-
-
-def metrics_npu(node: str) -> str:
-    return _join(METRICS_NPU, node, "node id")
-
-
-def metrics_models(node: str) -> str:
-    return _join(METRICS_MODELS, node, "node id")
-
-
-def health(node: str) -> str:
-    return _join(HEALTH, node, "node id")
-
-
-def req_started(node: str) -> str:
-    return _join(REQ_STARTED, node, "node id")
-
-
-def req_finished(node: str) -> str:
-    return _join(REQ_FINISHED, node, "node id")
-
-
-def req_refused(proxy: str) -> str:
-    return _join(REQ_REFUSED, proxy, "proxy name")
-
-
-def req_queued(proxy: str) -> str:
-    return _join(REQ_QUEUED, proxy, "proxy name")
-
-
-def req_batch(proxy: str) -> str:
-    return _join(REQ_BATCH, proxy, "proxy name")
-
-
-def proxy_heartbeat(proxy: str) -> str:
-    return _join(PROXY_HEARTBEAT, proxy, "proxy name")
-
-
-def proxy_stopped(proxy: str) -> str:
-    return _join(PROXY_STOPPED, proxy, "proxy name")
-
-
-def out_snapshot(pool: str) -> str:
-    return _join(OUT_SNAPSHOT, pool, "pool name")
-
-
-def out_phase(node: str) -> str:
-    return _join(OUT_PHASE, node, "node id")
+admin_node = _builder(ev.NodeRegistered)
+admin_remove = _builder(ev.NodeRemoveRequested)
+admin_capacity = _builder(ev.CapacitySet)
+admin_drain = _builder(ev.DrainRequested)
+admin_undrain = _builder(ev.UndrainRequested)
+metrics_engine = _builder(ev.EngineSampled)
+metrics_npu = _builder(ev.NpuSampled)
+metrics_models = _builder(ev.ModelsListed)
+health = _builder(ev.HealthProbed)
+req_started = _builder(ev.RequestStarted)
+req_finished = _builder(ev.RequestFinished)
+req_refused = _builder(ev.RequestRefused)
+req_queued = _builder(ev.RequestQueued)
+req_batch = _builder(ev.RequestBatch)
+proxy_heartbeat = _builder(ev.ProxyHeartbeat)
+proxy_stopped = _builder(ev.ProxyStopped)
+out_snapshot = _builder(out.WeightSnapshot)
+out_phase = _builder(out.PhaseChanged)
 
 
 def split(subject: str) -> tuple[str, str | None]:
     """``lb.admin.capacity.n1`` -> (``lb.admin.capacity``, ``n1``); ``lb.clock.tick`` -> (itself, None)."""
-    if subject in (CLOCK_TICK, ADMIN_CONFIG, OUT_REJECTED, OUT_CONFIG):
+    if subject in facts.WHOLE_SUBJECTS:
         return subject, None
     prefix, _, last = subject.rpartition(".")
     return prefix, last

@@ -30,7 +30,8 @@ Theory of operation.
 * **Configuration is an event.** A ``--config`` file that differs from the configuration in force
   in the log is published as ``lb.admin.config {"set": {changed keys}}``, so replay uses it too.
 * **Never dies on input.** Invalid input becomes ``lb.out.rejected`` (the core does that). Any
-  other exception from the core is a broken invariant: ``apply_guarded`` (scheduler/core.py)
+  other exception from the core is a broken invariant: the fold (``scheduler.fold.Fold``, the
+  same loop body replay and the other drivers use; ``apply_guarded``, scheduler/core.py)
   records it as a rejection, this service logs it with the seq, and the batch is acked, so one
   poisoned message cannot wedge the stream (and a replay reproduces the same rejection).
 * **Never stalls on output.** The core cuts every free-text field of its outputs
@@ -51,7 +52,6 @@ import os
 import socket
 import sys
 import time
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,9 +66,10 @@ from nats.js.kv import KeyValue
 from prometheus_client.core import CounterMetricFamily
 
 from laswrr.scheduler import config as config_mod
-from laswrr.scheduler.core import Scheduler, apply_guarded
+from laswrr.scheduler.core import Scheduler
+from laswrr.scheduler.fold import Fold
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.codec import Envelope, Output, encode, publishable
+from laswrr.schemas.codec import Envelope, Output, encode
 from laswrr.schemas.words import RejectCause
 from laswrr.services import settings
 from laswrr.services.jsreader import ConsumerGone, InOrder, PullReader, ack_all_consumer
@@ -121,11 +122,11 @@ HEADER_MARGIN_BYTES = 1024  # room for the headers (Nats-Msg-Id) within the conn
 
 @dataclass
 class Stats:
-    applied: int = 0
+    """The service's own counters (what the core did is counted by the fold: ``Fold.applied``,
+    ``Fold.rejections`` by cause, ``Fold.faults``)."""
+
     published: int = 0
-    rejected_internal: int = 0
     batches: int = 0
-    rejections: Counter[RejectCause] = field(default_factory=Counter)  # by Rejected.cause
     batch_seconds: Buckets = field(default_factory=lambda: Buckets(BATCH_BUCKETS))
     checkpointed_at: float = field(default_factory=time.time)  # wall time of the last checkpoint (or start)
 
@@ -138,7 +139,7 @@ class SchedulerService:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self.options = options or SchedulerOptions()
-        self.scheduler = Scheduler()
+        self.fold = Fold()
         self.publish_floor = 0
         self.ready = asyncio.Event()
         self.stats = Stats()
@@ -152,6 +153,10 @@ class SchedulerService:
         self._checkpoint_failing = Throttled(log)
         self._tick_tasks: set[asyncio.Task[Any]] = set()
         self._checkpointed_seq = 0
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.fold.scheduler
 
     @property
     def applied_seq(self) -> int:
@@ -204,7 +209,7 @@ class SchedulerService:
                 await self._write_checkpoint()
         await self._reader.close(delete_consumer=True)
         log.info("stopped at seq %d (%d events applied, %d outputs published)",
-                 self.applied_seq, self.stats.applied, self.stats.published)
+                 self.applied_seq, self.fold.applied, self.stats.published)
 
     # -- rebuild --------------------------------------------------------------------------------
 
@@ -215,7 +220,7 @@ class SchedulerService:
             log.warning("checkpoint at seq %d is ahead of LB_EVENTS (last %d): ignored",
                         restored.state.last_seq, info.last_seq)
         elif restored is not None:
-            self.scheduler, self._checkpointed_seq = restored, restored.state.last_seq
+            self.fold.scheduler, self._checkpointed_seq = restored, restored.state.last_seq
             log.info("restored checkpoint at seq %d", self._checkpointed_seq)
         start = self.applied_seq + 1
         if info.first_seq > start and info.messages > 0:
@@ -282,27 +287,19 @@ class SchedulerService:
     def _apply_all(self, envelopes: list[Envelope]) -> list[Output]:
         to_publish: list[Output] = []
         limit = self.nc.max_payload - HEADER_MARGIN_BYTES
+        fold = self.fold
         for envelope in envelopes:
-            outputs = publishable(self._apply(envelope), envelope.subject, limit)
-            self.stats.applied += 1
-            for output in outputs:
-                if output.cause is not None:
-                    self.stats.rejections[output.cause] += 1
+            outputs = fold.apply(envelope, limit)
+            if fold.fault is not None:
+                # A broken invariant in the core, not bad input (that is a Rejection inside apply):
+                # recorded as rejected by the fold, logged loudly here, and the batch is acked.
+                # The core is deterministic, so every replica (and a replay) fails the same way.
+                log.error("seq %d (%s): the scheduler core raised; recorded as rejected", envelope.seq,
+                          envelope.subject, exc_info=fold.fault)
             self._writer.note(outputs)
             if envelope.seq > self.publish_floor:
                 to_publish.extend(outputs)
         return to_publish
-
-    def _apply(self, envelope: Envelope) -> list[Output]:
-        outputs, exc = apply_guarded(self.scheduler, envelope)
-        if exc is not None:
-            # A broken invariant in the core, not bad input (that is a Rejection inside apply):
-            # recorded as rejected by apply_guarded, logged loudly here, and the batch is acked.
-            # The core is deterministic, so every replica (and a replay) fails the same way.
-            log.error("seq %d (%s): the scheduler core raised; recorded as rejected", envelope.seq,
-                      envelope.subject, exc_info=exc)
-            self.stats.rejected_internal += 1
-        return outputs
 
     # -- checkpoints, configuration, ticks ------------------------------------------------------
 
@@ -394,12 +391,13 @@ async def render_metrics(service: SchedulerService) -> bytes:
 
 def _families(service: SchedulerService) -> Iterator[Metric]:
     stats = service.stats
-    yield counter("laswrr_scheduler_events_applied", "Events of LB_EVENTS applied to the core", stats.applied)
+    fold = service.fold
+    yield counter("laswrr_scheduler_events_applied", "Events of LB_EVENTS applied to the core", fold.applied)
     yield counter("laswrr_scheduler_outputs_published", "Outputs acknowledged by LB_OUT", stats.published)
     rejections = CounterMetricFamily("laswrr_scheduler_rejections", "Inputs rejected, by cause (Rejected.cause)",
                                      labels=["reason"])
     for cause in RejectCause:  # every cause, 0 included: a bounded set of series
-        rejections.add_metric([cause.value], stats.rejections[cause])
+        rejections.add_metric([cause.value], fold.rejections[cause])
     yield rejections
     yield gauge("laswrr_scheduler_applied_seq", "Stream seq of the last applied event", service.applied_seq)
     yield gauge("laswrr_scheduler_checkpoint_age_seconds", "Time since the last checkpoint (or start)",

@@ -232,7 +232,7 @@ async def test_each_bad_admin_input_is_rejected_with_a_reason(
     for record, (subject, _, reason) in zip(rejected, BAD_ADMIN):
         assert record["subject"] == subject
         assert reason in record["reason"], record
-    assert service.stats.rejected_internal == 0
+    assert service.fold.faults == 0
 
 
 async def test_a_core_exception_is_rejected_and_acked_not_fatal(
@@ -252,7 +252,7 @@ async def test_a_core_exception_is_rejected_and_acked_not_fatal(
     await wait_for(lambda: _kv_at_least(js, after.seq))
     [(subject, data)] = await outputs_for(js, bad.seq)
     assert subject == sj.OUT_REJECTED and b"internal error" in data and b"broken invariant" in data
-    assert service.stats.rejected_internal == 1
+    assert service.fold.faults == 1
 
 
 # -- restart and replicas ---------------------------------------------------------------------------

@@ -57,7 +57,7 @@ async def record_live_run(nats_url: str, data_dir: Path) -> tuple[int, int]:
         await js.publish(sj.admin_capacity("b"), b'{"capacity": 2}')
         last = (await js.publish(sj.CLOCK_TICK, b'{"tick": 3}')).seq
         await live.settle(last)
-    assert live.service.stats.rejected_internal == 1
+    assert live.service.fold.faults == 1
     return poisoned, last
 
 
