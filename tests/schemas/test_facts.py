@@ -79,7 +79,8 @@ def test_the_views_fact_kinds_is_the_table() -> None:
 
 
 def test_docs_wire_md_holds_the_generated_table() -> None:
-    match = SECTION.search((ROOT / "docs/wire.md").read_text(encoding="utf-8"))
+    page = ROOT / "docs" / "wire.md"
+    match = SECTION.search(page.read_text(encoding="utf-8"))
     assert match is not None, "docs/wire.md has no <!-- generated: facts --> section"
     assert match["body"] == facts.markdown(), "regenerate: python -m laswrr.schemas.facts --markdown"
 
