@@ -39,7 +39,8 @@ from enum import StrEnum
 
 from laswrr.schemas.words import PdProtocol
 
-__all__ = ["Leg", "Outcome", "Step", "GiveUp", "Budget", "Decision", "TRANSITIONS", "AttemptError", "decide",
+__all__ = ["Leg", "Outcome", "Step", "GiveUp", "Budget", "Decision", "TRANSITIONS", "RETRIES", "CONTINUATIONS",
+           "AttemptError", "decide",
            "pair_leg", "next_leg", "attempt_id", "give_up_text"]
 
 
