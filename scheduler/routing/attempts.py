@@ -84,24 +84,17 @@ class GiveUp(StrEnum):
     NO_NODE = "no_node"  # no untried node (or pair) could take it
 
 
-TRANSITIONS: dict[tuple[Leg, Outcome], Step] = {
-    (Leg.WHOLE, Outcome.DONE): Step.ANSWER,
-    (Leg.WHOLE, Outcome.FAILED): Step.RETRY,
-    (Leg.WHOLE, Outcome.REFUSED): Step.GIVE_UP,
-    (Leg.WHOLE, Outcome.BROKEN): Step.CONTINUE,
-    (Leg.PREFILL, Outcome.DONE): Step.DECODE,
-    (Leg.PREFILL, Outcome.FAILED): Step.RETRY,
-    (Leg.PREFILL, Outcome.REFUSED): Step.GIVE_UP,
-    (Leg.DECODE, Outcome.DONE): Step.ANSWER,
-    (Leg.DECODE, Outcome.FAILED): Step.RETRY,
-    (Leg.DECODE, Outcome.REFUSED): Step.GIVE_UP,
-    (Leg.DECODE, Outcome.BROKEN): Step.CONTINUE_ON_PAIR,
-    (Leg.PAIR, Outcome.DONE): Step.ANSWER,
-    (Leg.PAIR, Outcome.FAILED): Step.NEW_PAIR,
-    (Leg.PAIR, Outcome.PARTNER_FAILED): Step.NEW_PAIR,
-    (Leg.PAIR, Outcome.REFUSED): Step.GIVE_UP,
-    (Leg.PAIR, Outcome.BROKEN): Step.CONTINUE_ON_PAIR,
+# leg: the step after each outcome, in ``Outcome``'s order (done, failed, refused, broken, partner_failed),
+# as in the module header; None: the leg cannot end so (``AttemptError``).
+_GRID: dict[Leg, tuple[Step | None, ...]] = {
+    Leg.WHOLE: (Step.ANSWER, Step.RETRY, Step.GIVE_UP, Step.CONTINUE, None),
+    Leg.PREFILL: (Step.DECODE, Step.RETRY, Step.GIVE_UP, None, None),
+    Leg.DECODE: (Step.ANSWER, Step.RETRY, Step.GIVE_UP, Step.CONTINUE_ON_PAIR, None),
+    Leg.PAIR: (Step.ANSWER, Step.NEW_PAIR, Step.GIVE_UP, Step.CONTINUE_ON_PAIR, Step.NEW_PAIR),
 }
+TRANSITIONS: dict[tuple[Leg, Outcome], Step] = {
+    (leg, outcome): step for leg, steps in _GRID.items() for outcome, step in zip(Outcome, steps, strict=True)
+    if step is not None}
 
 RETRIES = frozenset({Step.RETRY, Step.NEW_PAIR})  # the steps that spend a retry
 CONTINUATIONS = frozenset({Step.CONTINUE, Step.CONTINUE_ON_PAIR})  # the steps that spend a continuation

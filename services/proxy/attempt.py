@@ -58,12 +58,8 @@ class AttemptRunner:
                  aborting: Callable[[], bool], continue_limit: int, stall_timeout_s: float,
                  catalog: NodeModels | None) -> None:
         self.engines = engines  # the engine transport (services/proxy/transport.py)
-        self.router = router
-        self.events = events
-        self.metrics = metrics
-        self.aborting = aborting
-        self.continue_limit = continue_limit
-        self.stall_timeout_s = stall_timeout_s
+        self.router, self.events, self.metrics, self.aborting = router, events, metrics, aborting
+        self.continue_limit, self.stall_timeout_s = continue_limit, stall_timeout_s
         self.catalog = catalog  # model ids of nodes the snapshot has no list for
 
     # -- events ------------------------------------------------------------------------------------
@@ -121,7 +117,11 @@ class AttemptRunner:
     async def _send(self, exchange: Exchange, admission: Admission, state: AttemptState,
                     body: bytes) -> EngineReply | Failed:
         if exchange.alias is not None:  # a pool's name: this node's own model id (never another node's)
-            body = await self._as_node_model(body, exchange.alias, admission)
+            ids = admission.models
+            if ids is None and self.catalog is not None:  # not listed by the collector: the proxy's own cache
+                ids = await self.catalog.node_models(admission.url)
+            model = node_model(ids, exchange.alias)
+            body = body if model is None else with_model(body, model)
         state.sent = time.perf_counter()
         state.overhead = state.sent - exchange.arrived
         try:
@@ -129,7 +129,12 @@ class AttemptRunner:
         except (*TRANSPORT_ERRORS, ValueError) as exc:  # ValueError: a bad URL
             return Failed(failure_kind(exc), describe(exc))
         state.status = reply.status  # recorded on every attempt the engine answered, cancelled ones too
-        return reply
+        if reply.status < 500:
+            return reply
+        try:
+            return await self._failed_status(reply, admission, exchange)
+        finally:
+            reply.close()
 
     async def _attempt(self, request: web.BaseRequest, exchange: Exchange, admission: Admission,
                        state: AttemptState, body: bytes) -> Result:
@@ -137,8 +142,6 @@ class AttemptRunner:
         if isinstance(engine_response, Failed):
             return engine_response
         try:
-            if engine_response.status >= 500:
-                return await self._failed_status(engine_response, admission, exchange)
             if engine_response.content_type == "text/event-stream":
                 return await self._stream(request, exchange, admission, state, engine_response)
             if exchange.client is not None:  # a continuation refused (e.g. an engine without the options)
@@ -148,13 +151,6 @@ class AttemptRunner:
             return await self._buffered(request, exchange, admission, state, engine_response)
         finally:
             engine_response.close()  # no-op after a full read; on cancel or error it aborts the engine's work
-
-    async def _as_node_model(self, body: bytes, alias: str, admission: Admission) -> bytes:
-        ids = admission.models
-        if ids is None and self.catalog is not None:  # not listed by the collector: the proxy's own cache
-            ids = await self.catalog.node_models(admission.url)
-        model = node_model(ids, alias)
-        return body if model is None else with_model(body, model)
 
     async def _failed_status(self, engine_response: EngineReply, admission: Admission,
                              exchange: Exchange) -> Failed:
@@ -204,7 +200,7 @@ class AttemptRunner:
                 error, tail = await _pump(engine_response, client.response, first)
                 usage = usage_from_sse(tail)
             else:
-                error = await self._relay(engine_response, client, first, state)
+                error = await _relay(engine_response, client, first, state, self.stall_timeout_s)
                 usage = (client.text.prompt_tokens, client.text.attempt_tokens)
             if error is not None and client.text is not None and client.text.blocked is None:
                 return await _broken(exchange, client, state, status, error)
@@ -233,40 +229,6 @@ class AttemptRunner:
         exchange.client = ClientStream(response, state.first_byte, text, why)
         return exchange.client
 
-    async def _relay(self, engine_response: EngineReply, client: ClientStream, first: bytes,
-                     state: AttemptState) -> str | None:
-        """Forward whole events as they complete, reading each; the break, if the stream broke."""
-        text, response, content = client.text, client.response, engine_response.content
-        assert text is not None
-        framer, chunk = SseFramer(), first
-        while True:
-            outs: list[bytes] = []  # the whole events of this chunk, written together (one write, not one each)
-            broke = None
-            try:
-                for event in framer.feed(chunk):
-                    out = text.event(event)
-                    if out is not None:
-                        outs.append(out)
-            except EngineBroke as exc:
-                broke = str(exc)
-            if outs:
-                await response.write(outs[0] if len(outs) == 1 else b"".join(outs))  # ConnectionResetError: client gone
-                if state.first_byte is None:
-                    state.first_byte = time.perf_counter()
-            if broke is not None:
-                return broke
-            if not chunk:
-                return None if text.done or text.finished else "the stream ended before its finish"
-            try:
-                chunk = content.read_nowait()  # what has come meanwhile: no stall timer to set
-                if not chunk and not content.at_eof():
-                    async with asyncio.timeout(self.stall_timeout_s):
-                        chunk = await content.readany()
-            except asyncio.TimeoutError:
-                return None if text.done else f"stalled: no byte for {self.stall_timeout_s:g} s"
-            except TRANSPORT_ERRORS as exc:
-                return None if text.done else describe(exc)
-
     # -- a prefill leg (its answer is the pair's, never the client's) --------------------------------
 
     async def prefill(self, exchange: Exchange, admission: Admission, state: AttemptState,
@@ -277,8 +239,6 @@ class AttemptRunner:
         if isinstance(reply, Failed):
             return reply
         try:
-            if reply.status >= 500:
-                return await self._failed_status(reply, admission, exchange)
             try:
                 answer = await reply.read()
             except TRANSPORT_ERRORS as exc:
@@ -340,3 +300,38 @@ async def _pump(engine_response: EngineReply, response: web.StreamResponse, firs
         except TRANSPORT_ERRORS as exc:
             return describe(exc), b""
     return None, b"".join(tail)
+
+
+async def _relay(engine_response: EngineReply, client: ClientStream, first: bytes, state: AttemptState,
+                 stall_timeout_s: float) -> str | None:
+    """Forward whole events as they complete, reading each; the break, if the stream broke."""
+    text, response, content = client.text, client.response, engine_response.content
+    assert text is not None
+    framer, chunk = SseFramer(), first
+    while True:
+        outs: list[bytes] = []  # the whole events of this chunk, written together (one write, not one each)
+        broke = None
+        try:
+            for event in framer.feed(chunk):
+                out = text.event(event)
+                if out is not None:
+                    outs.append(out)
+        except EngineBroke as exc:
+            broke = str(exc)
+        if outs:
+            await response.write(outs[0] if len(outs) == 1 else b"".join(outs))  # ConnectionResetError: client gone
+            if state.first_byte is None:
+                state.first_byte = time.perf_counter()
+        if broke is not None:
+            return broke
+        if not chunk:
+            return None if text.done or text.finished else "the stream ended before its finish"
+        try:
+            chunk = content.read_nowait()  # what has come meanwhile: no stall timer to set
+            if not chunk and not content.at_eof():
+                async with asyncio.timeout(stall_timeout_s):
+                    chunk = await content.readany()
+        except asyncio.TimeoutError:
+            return None if text.done else f"stalled: no byte for {stall_timeout_s:g} s"
+        except TRANSPORT_ERRORS as exc:
+            return None if text.done else describe(exc)
