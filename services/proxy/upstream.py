@@ -125,18 +125,19 @@ class Forwarder:
             return course
         while True:
             result = await self._attempt(request, exchange, course)
-            if isinstance(result, bytes):  # a vllm prefill leg answered: the decode leg's body
-                course.leg, course.admission, course.decode = Leg.DECODE, course.decode, None  # type: ignore[assignment]
-                course.leg_body, course.number = result, course.number + 1
-                continue
-            outcome = outcome_of(result)
+            outcome = Outcome.DONE if isinstance(result, bytes) else outcome_of(result)
             if isinstance(result, Failed) and result.partner:
                 exchange.tried.remove(course.admission.node)  # cancelled for its prefill's failure: the node may serve
             decision = decide(course.leg, outcome, course.budget)
             if decision.step is Step.ANSWER:
                 assert isinstance(result, Done)
                 return result.response
-            assert not isinstance(result, Done)
+            if decision.step is Step.DECODE:  # a vllm prefill leg answered: ``result`` is the decode leg's body
+                assert isinstance(result, bytes) and course.decode is not None
+                course.leg, course.admission, course.decode = Leg.DECODE, course.decode, None
+                course.leg_body, course.number = result, course.number + 1
+                continue
+            assert isinstance(result, (Failed, Broken))
             answer = await self._take_over(exchange, course, result, outcome, decision)
             if answer is not None:
                 return answer
