@@ -21,7 +21,7 @@ prefill leg failed: the decode node is not at fault). ``TRANSITIONS`` maps (leg,
     decode   answer   retry     give up   continue_on_pair  -
     pair     answer   new_pair  give up   continue_on_pair  new_pair
 
-These rows are the "never cut" rules (docs/design.md): an attempt that fails before the client's
+These rows are the "never cut" rules (docs/proxy.md, "Streams that survive their engine"): an attempt that fails before the client's
 first byte is retried on another node (never one already tried) while ``max_retries`` allows; a
 ``vllm`` decode leg is retried on another decode node with the same KV params, a failed ``sglang``
 pair with a new pair; after the first byte a break is continued on another node (a new pair in a P/D
@@ -35,53 +35,52 @@ client's stream with an error event: the router never cuts an admitted request i
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from enum import StrEnum
+from enum import StrEnum, auto
 
 from laswrr.schemas.words import PdProtocol
 
 __all__ = ["Leg", "Outcome", "Step", "GiveUp", "Budget", "Decision", "TRANSITIONS", "RETRIES", "CONTINUATIONS",
-           "AttemptError", "decide",
-           "pair_leg", "next_leg", "attempt_id", "give_up_text"]
+           "AttemptError", "decide", "pair_leg", "next_leg", "attempt_id", "give_up_text"]
 
 
 class Leg(StrEnum):
-    """What one attempt is (module header)."""
+    """What one attempt is (module header); ``auto()``: each value is its name in lower case."""
 
-    WHOLE = "whole"
-    PREFILL = "prefill"
-    DECODE = "decode"
-    PAIR = "pair"
+    WHOLE = auto()
+    PREFILL = auto()
+    DECODE = auto()
+    PAIR = auto()
 
 
 class Outcome(StrEnum):
     """How one attempt ended, as far as what follows is concerned (module header)."""
 
-    DONE = "done"
-    FAILED = "failed"
-    REFUSED = "refused"
-    BROKEN = "broken"
-    PARTNER_FAILED = "partner_failed"
+    DONE = auto()
+    FAILED = auto()
+    REFUSED = auto()
+    BROKEN = auto()
+    PARTNER_FAILED = auto()
 
 
 class Step(StrEnum):
     """What the forwarder does next."""
 
-    ANSWER = "answer"  # the attempt's answer was the client's: nothing follows
-    DECODE = "decode"  # the pair's decode leg, on the pair's decode node (spends nothing)
-    RETRY = "retry"  # the same leg on another node of its role (a vllm decode leg: the same KV params)
-    NEW_PAIR = "new_pair"  # the request again, on a new prefill/decode pair
-    CONTINUE = "continue"  # the continuation request, on another node
-    CONTINUE_ON_PAIR = "continue_on_pair"  # the continuation request, on a new prefill/decode pair
-    GIVE_UP = "give_up"  # answer the last failure, or end the client's stream with an error event
+    ANSWER = auto()  # the attempt's answer was the client's: nothing follows
+    DECODE = auto()  # the pair's decode leg, on the pair's decode node (spends nothing)
+    RETRY = auto()  # the same leg on another node of its role (a vllm decode leg: the same KV params)
+    NEW_PAIR = auto()  # the request again, on a new prefill/decode pair
+    CONTINUE = auto()  # the continuation request, on another node
+    CONTINUE_ON_PAIR = auto()  # the continuation request, on a new prefill/decode pair
+    GIVE_UP = auto()  # answer the last failure, or end the client's stream with an error event
 
 
 class GiveUp(StrEnum):
     """Why nothing follows a failed or broken attempt."""
 
-    NOT_RETRYABLE = "not_retryable"  # the failure is the client's answer
-    NO_RETRY_LEFT = "no_retry_left"  # max_retries spent
-    CONTINUE_LIMIT = "continue_limit"  # continue_limit reached
-    NO_NODE = "no_node"  # no untried node (or pair) could take it
+    NOT_RETRYABLE = auto()  # the failure is the client's answer
+    NO_RETRY_LEFT = auto()  # max_retries spent
+    CONTINUE_LIMIT = auto()  # continue_limit reached
+    NO_NODE = auto()  # no untried node (or pair) could take it
 
 
 # leg: the step after each outcome, in ``Outcome``'s order (done, failed, refused, broken, partner_failed),

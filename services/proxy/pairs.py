@@ -1,6 +1,7 @@
-"""A P/D pool's pairs (``scheduler.routing.pd``; docs/proxy.md, "Prefill/decode pairs"): the IO of the two protocols' legs. What follows each leg is the forwarder's
-(``scheduler.routing.attempts``): ``vllm_prefill`` is one ``prefill`` attempt, ``SglangPair`` one
-``pair`` attempt (its decode leg, its prefill leg beside it)."""
+"""A P/D pool's pairs (``scheduler.routing.pd``; docs/proxy.md, "Prefill/decode pairs"): the IO
+of the two protocols' legs. What follows each leg is the forwarder's (``scheduler.routing.attempts``):
+``vllm_prefill`` is one ``prefill`` attempt, ``SglangPair`` one ``pair`` attempt (its decode leg,
+its prefill leg beside it)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The forwarder's attempt table (scheduler/routing/attempts.py): the "never cut" rules of
-docs/design.md as rows, checked without any IO. The proxy tests (tests/proxy/test_proxy_never_cut.py,
+docs/proxy.md as rows, checked without any IO. The proxy tests (tests/proxy/test_proxy_never_cut.py,
 test_proxy_continuation.py, test_proxy_pd.py) drive the same rules through real engines."""
 
 from __future__ import annotations
