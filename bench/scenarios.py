@@ -64,7 +64,7 @@ from typing import Any, Literal, get_args
 from laswrr.bench.metrics import CapacityAt, Phase, capacity_timeline
 from laswrr.bench.trace import TraceWindow
 from laswrr.bench.workload import Tenant, WorkloadSpec, mean_output_tokens
-from laswrr.schemas.words import NpuHealth
+from laswrr.schemas.words import NodeRole, NpuHealth
 from laswrr.services.sim_engine.config import HEALTH_STATES
 from laswrr.services.sim_engine.physics import EngineSim
 from laswrr.services.sim_engine.profiles import get_profile
@@ -80,7 +80,7 @@ class EngineSpec:
     chip: str
     capacity: int  # engine decode slots, and the capacity registered with the scheduler
     flavour: str = "vllm"  # mindie: MindIE-flavoured sim engine, read through its /v1/status and npu-exporter
-    role: str = "both"  # prefill | decode: a prefill/decode pool's node (the scenario's ``pd_protocol``)
+    role: str = NodeRole.BOTH  # prefill | decode: a prefill/decode pool's node (the scenario's ``pd_protocol``)
 
     @property
     def sim(self) -> tuple[str, str, int] | tuple[str, str, int, str]:

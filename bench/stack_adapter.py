@@ -38,6 +38,7 @@ import aiohttp
 from laswrr.bench.load import keys_file_text
 from laswrr.bench.scenarios import Scenario
 from laswrr.collectors.nodes import Node
+from laswrr.schemas.words import NodeRole
 from laswrr.services.children import preexec
 from laswrr.services.nats_server import free_port, free_ports
 from laswrr.services.up import SIM_MODEL, Stack
@@ -201,7 +202,7 @@ def pd_engine_args(scenario: Scenario, protocol: str | None,
     if protocol is None:
         return roles, args
     for engine in scenario.engines:
-        if engine.role == "both":
+        if engine.role == NodeRole.BOTH:
             continue
         port = free_port() if protocol == "sglang" and engine.role == "prefill" else None
         roles[engine.node] = {"role": engine.role, "pd_protocol": protocol, "bootstrap_port": port}
@@ -215,7 +216,7 @@ def pd_engine_args(scenario: Scenario, protocol: str | None,
 def peer_workers(router: str, nodes: list[Node]) -> list[str]:
     """A peer router's worker flags: ``--worker-urls``, or in its P/D mode its prefill nodes (with
     their bootstrap ports) and decode nodes."""
-    if all(n.role == "both" for n in nodes):
+    if all(n.role == NodeRole.BOTH for n in nodes):
         return ["--worker-urls", *[n.url for n in nodes]]
     flags = [PEER_PD[router][0]]
     for node in nodes:

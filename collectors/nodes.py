@@ -108,7 +108,7 @@ class Node:
     chips_per_npu: int = 1  # exporter device ids per NPU id (2: Atlas A3, 300I Duo)
     pod: tuple[str, str] = ("", "")  # (namespace, pod_name) the exporter labels this node's chips with
     status_url: str | None = None  # MindIE /v1/status (or /v2/status) on the management port
-    role: str = "both"  # prefill | decode | both (docs/proxy.md, "Prefill/decode pairs")
+    role: str = NodeRole.BOTH  # prefill | decode | both (docs/proxy.md, "Prefill/decode pairs")
     pd_protocol: str | None = None  # vllm | sglang: the pool's P/D protocol (required for prefill and decode)
     bootstrap_port: int | None = None  # an sglang prefill node's bootstrap server port (required for one)
 
@@ -135,7 +135,7 @@ class Node:
         if self.chip is not None:
             body["chip"] = self.chip
         body["capacity"] = self.capacity
-        if self.role != "both":
+        if self.role != NodeRole.BOTH:
             body["role"] = self.role
         if self.pd_protocol is not None:
             body["pd_protocol"] = self.pd_protocol
@@ -244,13 +244,13 @@ def _node(table: Any, index: int, registration: bool) -> Node:
     engine = table.get("engine", "auto")
     if engine not in ENGINE_NAMES:
         raise NodesConfigError(f"{where}: engine must be one of {', '.join(ENGINE_NAMES)}, got {engine!r}")
-    role = table.get("role", "both")
+    role = table.get("role", NodeRole.BOTH.value)
     if role not in ROLES:
         raise NodesConfigError(f"{where}: role must be one of {', '.join(ROLES)}, got {role!r}")
     protocol = table.get("pd_protocol")
     if protocol is not None and protocol not in PD_PROTOCOLS:
         raise NodesConfigError(f"{where}: pd_protocol must be one of {', '.join(PD_PROTOCOLS)}, got {protocol!r}")
-    if role != "both" and protocol is None:
+    if role != NodeRole.BOTH and protocol is None:
         raise NodesConfigError(f"{where}: a {role} node needs pd_protocol (one of {', '.join(PD_PROTOCOLS)})")
     bootstrap_port = _bootstrap_port(table.get("bootstrap_port"), role, protocol, where)
     selector = _selector(table, where)

@@ -31,6 +31,22 @@ class RequestOutcome(StrEnum):
     ENGINE_ERROR = "engine_error"
 
 
+class FailureKind(StrEnum):
+    """How a proxy attempt failed before any byte of it reached the client (services/proxy/exchange.py
+    ``Failed``): what the proxy answers when no attempt is left (502, 504, or the engine's own answer) and
+    whether another node may be tried (scheduler/routing/attempts.py). Not on the wire: the finished
+    event's ``error`` is the failure's text for people."""
+
+    UNREACHABLE = "engine_unreachable"  # connection refused or reset, an engine that hung up, a bad node URL: 502
+    TIMED_OUT = "timed_out"  # no byte within the transport's timeout: 504
+    ENGINE_5XX = "engine_5xx"  # the engine answered a 5xx: its answer passes through when no retry is left
+    ENGINE_REFUSED = "engine_refused"  # a prefill leg answered below 500 but not 2xx: the client's answer, not retried
+    NOT_SSE = "not_sse"  # a continuation answered with anything but SSE (an engine without the options): not retried
+    NO_KV_PARAMS = "no_kv_params"  # a vllm prefill answer without kv_transfer_params (no KV connector): 502
+    LEG_CANCELLED = "leg_cancelled"  # an sglang prefill leg cancelled: its decode leg ended or failed
+    PARTNER_FAILED = "partner_failed"  # a decode leg cancelled because its pair's prefill leg failed
+
+
 class RefusalCause(StrEnum):
     """Why a proxy answered a request itself, before binding it to any node (``lb.req.refused``
     ``cause``; docs/wire.md, "Engine errors and the router's own answers"). Each is also the ``reason``

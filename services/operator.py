@@ -231,7 +231,7 @@ def _write(builder: Any, body_of: Any) -> Any:
 
 def _register_body(args: argparse.Namespace) -> dict[str, Any]:
     given = {key: getattr(args, key) for key in REGISTERED_COLLECTOR_KEYS if getattr(args, key) is not None}
-    if args.role != "both" and args.pd_protocol is None:
+    if args.role != NodeRole.BOTH and args.pd_protocol is None:
         raise OperatorError(f"register --role {args.role} needs --pd-protocol (vllm or sglang)")
     sglang_prefill = args.role == "prefill" and args.pd_protocol == "sglang"
     if sglang_prefill and args.bootstrap_port is None:
@@ -532,7 +532,7 @@ def register(subparsers: Any) -> None:
     reg.add_argument("--pool", default="default", help="resource pool (default: default)")
     reg.add_argument("--chip", default=None, help="chip type: 910, 910B, 910C, ...")
     reg.add_argument("--capacity", type=int, default=None, help="concurrent requests the node serves")
-    reg.add_argument("--role", default="both", choices=[str(r) for r in NodeRole],
+    reg.add_argument("--role", default=NodeRole.BOTH.value, choices=[str(r) for r in NodeRole],
                      help="prefill, decode or both (default: both, a node that serves whole requests)")
     reg.add_argument("--pd-protocol", default=None, choices=[str(p) for p in PdProtocol],
                      help="the pool's prefill/decode protocol: vllm or sglang (required with --role prefill/decode)")

@@ -107,6 +107,7 @@ from laswrr.services.nats_server import EmbeddedNats, NatsCluster
 from laswrr.services.proxy.config import ProxyConfig
 from laswrr.services.proxy.workers import STOP_MARGIN_S
 from laswrr.schemas.codec import decode_snapshot
+from laswrr.schemas.words import NodeRole
 
 log = logging.getLogger("laswrr.up")
 
@@ -164,7 +165,7 @@ def render_nodes(nodes: Sequence[Node]) -> str:
     for node in nodes:
         lines.append("[[node]]")
         up_keys = {"id": node.id, "url": node.url, "pool": node.pool, "chip": node.chip, "capacity": node.capacity,
-                   "role": None if node.role == "both" else node.role, "pd_protocol": node.pd_protocol,
+                   "role": None if node.role == NodeRole.BOTH else node.role, "pd_protocol": node.pd_protocol,
                    "bootstrap_port": node.bootstrap_port}
         fields = {**{key: value for key, value in up_keys.items() if value is not None}, **node.extra}
         lines.extend(f"{key} = {_toml_value(value)}" for key, value in fields.items())

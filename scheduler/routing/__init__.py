@@ -19,6 +19,8 @@ Modules:
 * ``continuation``: continuing a broken stream on another node: which requests may be
   continued, SSE framing, reading what the client was sent (``StreamText``), rewriting the new
   node's events into one completion, and the continuation request's body.
+* ``attempts``: what the proxy does after each attempt of a request (retry, continue, a new
+  prefill/decode pair, give up), one transition table keyed by the attempt's leg and outcome.
 * ``flow``: flow control's rules: the order held requests leave in (bands, deficit round robin
   between tenants, bounds, TTL), Retry-After and per-key rate limits.
 

@@ -53,6 +53,7 @@ from laswrr.scheduler.routing.flow import (
 )
 from laswrr.scheduler.routing.prompt import RequestSize
 from laswrr.scheduler.routing.router import Admission, Router
+from laswrr.schemas.words import RefusalCause
 from laswrr.services.proxy.tasks import stop_task
 from laswrr.services.service_metrics import Buckets
 
@@ -205,7 +206,7 @@ class FlowAnswers:
 
     def left(self, pool: str, held: Held[Waiter]) -> None:
         """A held request's client went away (nobody to answer: counted only)."""
-        self.counts.refuse(pool, held.band, "client_disconnected")
+        self.counts.refuse(pool, held.band, RefusalCause.CLIENT_DISCONNECTED)
         self.counts.waited(pool, held.band, time.monotonic() - held.arrived)
 
 

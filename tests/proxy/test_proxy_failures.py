@@ -76,6 +76,33 @@ async def test_unreachable_only_node_is_502(core: CoreDriver, start_proxy: Start
         assert (await resp.json())["error"]["code"] == "upstream_unreachable"
 
 
+async def test_an_engine_that_never_answers_is_504(core: CoreDriver, start_proxy: StartProxy,
+                                                  http: aiohttp.ClientSession, tap: EventTap) -> None:
+    """A timeout is told by its failure kind, not by its text: 504 ``upstream_timeout``."""
+    held: list[asyncio.StreamWriter] = []  # the connections, kept open and never answered
+
+    async def accept(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        proxy = await start_proxy(upstream_timeout_s=0.3)
+        await wait_seq(proxy, "default", await core.register("silent", f"http://127.0.0.1:{port}"))
+        async with http.post(proxy.url + CHAT, json=STREAM) as resp:
+            assert resp.status == 504
+            body = await resp.json()
+        assert body["error"]["code"] == "upstream_timeout" and "silent timed out" in body["error"]["message"]
+        assert held, "the proxy must have reached the engine"
+        await wait_for(lambda: len(tap.of(sj.REQ_FINISHED)) == 1)
+        [(_, finished)] = tap.of(sj.REQ_FINISHED)
+        assert finished["outcome"] == "upstream_error" and finished["status"] is None
+    finally:
+        server.close()
+        for writer in held:
+            writer.close()
+
+
 async def test_cut_after_first_byte_ends_with_an_sse_error(engines, core: CoreDriver, start_proxy: StartProxy,
                                                            http: aiohttp.ClientSession, tap: EventTap) -> None:
     engine = await engines("a")

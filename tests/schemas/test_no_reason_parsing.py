@@ -139,3 +139,18 @@ def test_every_rejection_output_carries_the_cause_the_metric_counts() -> None:
     for seq, (subject, data) in enumerate(bad, 1):
         [output] = core.apply(Envelope(seq, seq, subject, data))
         assert output.subject == sj.OUT_REJECTED and output.cause == decode_rejected(output.data).cause
+
+
+# -- the proxy: a failure's kind is typed (schemas.words.FailureKind), never read from its text ------------
+
+PROXY = ["services/proxy", "scheduler/routing"]
+READ_TEXT = re.compile(r"\b(reason|error)\)?\.(startswith|endswith|split|partition|rpartition|find|"
+                       r"index|removeprefix)\(|startswith\(\s*RETRIED_PREFIX")
+
+
+def test_the_proxy_reads_no_failure_text() -> None:
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for folder in PROXY
+             for path in sorted((ROOT / folder).glob("*.py"))
+             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if READ_TEXT.search(line)]
+    assert not found, "classify by FailureKind, not by reason text:\n" + "\n".join(found)
+    assert READ_TEXT.search('        if self.reason.startswith("timeout"):')  # what the forwarder did before
