@@ -4,7 +4,7 @@
 
 * **pick**: each policy over 16 candidates with mixed weights and live in-flight counts; the
   figure is the median over ``--rounds`` batches of the per-pick time (target ≤ 5 µs).
-* **affinity pick**: the proxy's whole admission with prefix affinity (``Router.admit`` given
+* **affinity pick**: the proxy's whole admission with prefix affinity (``Admitter.admit`` given
   the prompt: its text from the decoded chat messages, the prefix keys, the index match, the
   guarded LA-SWRR pick, the index update; then ``release``) over 16 nodes, for 2 KB prompts
   drawn from 64 conversations that share a 1 KB system prompt, with requests kept in flight
@@ -72,7 +72,7 @@ def bench_affinity_pick(rounds: int) -> tuple[float, float, float]:
     from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
     from laswrr.schemas.words import Phase
     from laswrr.scheduler.routing.prompt import prompt_text, request_size
-    from laswrr.scheduler.routing.router import Router
+    from laswrr.scheduler.routing.router import AdmitRequest, Admission, Router
 
     load = LoadView(queue=0, running=0, kv=0, npu=0, latency=0, load=0, sample_age_ms=None, stale=False)
     views = [NodeView(node=n, url=f"http://{n}:8000", phase=Phase.ACTIVE, routable=True, capacity=10,
@@ -87,13 +87,15 @@ def bench_affinity_pick(rounds: int) -> tuple[float, float, float]:
 
     def timed(with_prompt: bool, peers: bool = False) -> float:
         router = Router("la-swrr", seed=1, proxy_id="me", share=peers)
-        router.offer(WeightSnapshot(pool="default", as_of_seq=1, tick=1, ts_ns=0, panic=False, nodes=views), now=0)
+        router.table.offer(WeightSnapshot(pool="default", as_of_seq=1, tick=1, ts_ns=0, panic=False, nodes=views), now=0)
         for k in range(3 if peers else 0):
-            router.peer_update(f"peer{k}", "default", PeerState(boot_id="b", seq=1, ts_ns=1,
+            assert router.channel is not None
+            router.channel.receive(f"peer{k}", "default", PeerState(boot_id="b", seq=1, ts_ns=1,
                                          inflight={n: 1 + k for n in NODES}, backlog={n: 500 * k for n in NODES},
                                          prefixes=[PrefixRecord(NODES[k], pack_keys([k + 1, k + 2]))]),
                                now=0.0)
-        held = [router.admit("default") for _ in range(24)]  # requests in flight meanwhile
+        admitter = router.admitter
+        held = [admitter.admit(AdmitRequest("default")) for _ in range(24)]  # requests in flight meanwhile
         state = {"i": 0}
 
         def one() -> None:
@@ -101,14 +103,14 @@ def bench_affinity_pick(rounds: int) -> tuple[float, float, float]:
             state["i"] += 1
             if with_prompt:
                 text = prompt_text(chat, None)
-                admission = router.admit("default", prompt=text, size=request_size(text, 128, None))
+                admission = admitter.admit(AdmitRequest("default", (), text, request_size(text, 128, None)))
             else:
-                admission = router.admit("default")
-            assert admission is not None
-            router.release(admission)
+                admission = admitter.admit(AdmitRequest("default"))
+            assert isinstance(admission, Admission)
+            admitter.release(admission)
 
         result = _median_ns_per_call(one, 1000, rounds) / 1000
-        assert all(h is not None for h in held)
+        assert all(isinstance(h, Admission) for h in held)
         return result
 
     return timed(True), timed(False), timed(True, peers=True)

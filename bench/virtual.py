@@ -61,7 +61,7 @@ from laswrr.bench.virtual_peers import PEER_DELAY_MS, VirtualChannel
 from laswrr.schemas.words import Phase, RequestOutcome
 from laswrr.scheduler.routing.prompt import prompt_text as indexed_text
 from laswrr.scheduler.routing.prompt import request_size
-from laswrr.scheduler.routing.router import DEFAULT_POOL, PEER_PICK_S, PEER_STAGGER_S, Admission, Router
+from laswrr.scheduler.routing.router import DEFAULT_POOL, PEER_PICK_S, PEER_STAGGER_S, AdmitRequest, Admission, Router, scorer_for
 from laswrr.services.sim_engine.physics import EngineSim
 from laswrr.services.sim_engine.profiles import get_profile
 
@@ -253,13 +253,13 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
     if policy == ORACLE:
         routers = []
     elif share:
-        routers = [Router(policy, seed + k, affinity=affinity, proxy_id=f"proxy-{k}", share=True,
+        routers = [Router(policy, seed + k, scorer=scorer_for(affinity), proxy_id=f"proxy-{k}", share=True,
                           peer_stagger_s=peer_stagger_ms / 1000, peer_pick_s=peer_pick_ms / 1000)
                    for k in range(proxies)]
     else:
-        routers = [Router(policy, seed + k, affinity=affinity) for k in range(proxies)]
+        routers = [Router(policy, seed + k, scorer=scorer_for(affinity)) for k in range(proxies)]
     for router in routers:
-        router.offer(_snapshot(scenario), now=0.0)
+        router.table.offer(_snapshot(scenario), now=0.0)
     traffic = traffic if traffic is not None else PeerTraffic()
     interval = peer_interval_ms / 1000
     queue: list[tuple[float, int, int, object]] = [(r.offset_s, _ARRIVE, i, r) for i, r in enumerate(requests)]
@@ -319,16 +319,17 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
                 node = min(engines, key=lambda n: (engines[n].first_token_eta(item.prompt_tokens, text, now), n))
             else:
                 router = routers[item.index % len(routers)]
-                if share:
-                    router.expire_peers(now)
+                if router.channel is not None:
+                    router.channel.expire(now)
                     wait = router.stagger_s(DEFAULT_POOL) if kind == _ARRIVE else 0.0
                     if wait:
                         heapq.heappush(queue, (now + wait, _PICK, order, (item, now)))
                         order += 1
                         continue
                 seen = indexed_text([{"role": "user", "content": text}], None)
-                admission = router.admit(DEFAULT_POOL, prompt=seen, size=request_size(seen, item.max_tokens, None))
-                assert admission is not None
+                admission = router.admitter.admit(AdmitRequest(DEFAULT_POOL, (), seen,
+                                                               request_size(seen, item.max_tokens, None)))
+                assert isinstance(admission, Admission)
                 node = admission.node
                 if share:  # a pick is told within peer_pick_s, as the proxy's bus does (Router.on_pick)
                     channel.picked(item.index % len(routers), now)
@@ -346,7 +347,7 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
                 ttft.append(event.time - arrived)
                 first_at[(item, event.req_id)] = event.time
                 if admission is not None and router is not None:
-                    router.prefilled(admission)
+                    router.admitter.prefilled(admission)
                     router.first_byte(event.time - arrived)
             if event.finished:
                 e2e.append(event.time - arrived)
@@ -355,7 +356,7 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
                 del live[(item, event.req_id)]
                 pending -= 1
                 if admission is not None and router is not None:
-                    router.release(admission)
+                    router.admitter.release(admission)
         wake(item, now)
     queries = sum(e.prefix_cache.queries for e in engines.values())
     hits = sum(e.prefix_cache.hits for e in engines.values())

@@ -2,18 +2,19 @@
 
 Each replica's message goes through the encoder and decoder the bus uses and is taken by every
 other replica ``delay_s`` later (``schedule`` runs the delivery then; 0: at once); a pick is told
-``Router.peer_pick_s`` later, with the others of that window, while some peer is heard, as the bus does; whole at the heartbeat and at the first message and every ``PEER_FULL_S``, else the changes since the previous one, as
-``services/proxy/bus.py`` sends them (``Router.peer_message``). ``traffic`` counts what the bus would carry.
+``PeerChannel.pick_s`` later, with the others of that window, while some peer is heard, as the
+bus does (it drains ``PeerChannel.picks``); what each message carries (whole or changes) is the
+channel's (``PeerChannel.speak``), as ``services/proxy/bus.py`` sends it. ``traffic`` counts what
+the bus would carry.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 from laswrr.scheduler.routing.router import DEFAULT_POOL, Router
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.peers import PEER_DECODER, PEER_ENCODER, PeerMessage, PeerState
+from laswrr.schemas.peers import PEER_DECODER, PEER_ENCODER, PeerMessage
 
 # The bus's delivery time of a message between proxies, modelled: a replica takes a peer's message
 # this long after it was sent. Measured on the real stack (`laswrr bench --scenario trace-mooncake
@@ -31,66 +32,59 @@ class VirtualChannel:
                  schedule: Callable[[float, Callable[[float], None]], None] | None = None) -> None:
         if delay_s > 0 and schedule is None:
             raise ValueError("a channel with a delay needs a schedule to deliver on")
-        self.routers = routers
+        self.channels = [router.channel for router in routers if router.channel is not None]
         self.delay_s = delay_s
         self.schedule = schedule
-        self.seqs = [0] * len(routers)
-        self.sent_at = [0.0] * len(routers)  # the first heartbeat is due half peer_stale_s in
-        self.full_at = [-math.inf] * len(routers)
         self.on_message = on_message  # (message, its bytes with the subject) for each message sent
         self.ts_ns = ts_ns
-        self.waiting = [False] * len(routers)  # a pick message of the replica waits for its window (peer_pick_s)
+        self.waiting = [False] * len(self.channels)  # a pick message of the replica waits for its window (pick_s)
 
     def start(self, now: float) -> None:
         """The replicas' first heartbeats, before any request (live proxies run before the load
         comes): each hears the others, so a pick is told within the window from the first one."""
-        for k in range(len(self.routers)):
+        for k in range(len(self.channels)):
             self.speak(k, now)
 
     def picked(self, k: int, now: float) -> None:
-        """Replica k admitted a request: if it hears a peer, its message goes ``peer_pick_s`` later
-        with every pick of that window, as the bus sends it (``Router.on_pick``; at once with
-        ``peer_pick_s`` 0 or without a schedule)."""
-        router = self.routers[k]
-        if not router.pools[DEFAULT_POOL].peers or self.waiting[k]:
+        """Replica k admitted a request: if it hears a peer, its message goes ``pick_s`` later
+        with every pick of that window, as the bus sends it (at once with ``pick_s`` 0 or without
+        a schedule)."""
+        channel = self.channels[k]
+        if not channel.picked or self.waiting[k]:
             return
-        if router.peer_pick_s <= 0 or self.schedule is None:
+        if channel.pick_s <= 0 or self.schedule is None:
+            channel.picks()
             self.speak(k, now)
             return
         self.waiting[k] = True
 
         def tell(at: float) -> None:
             self.waiting[k] = False
-            if DEFAULT_POOL in router.changed:  # else an interval's message told the window's picks already
+            if DEFAULT_POOL in channel.picks():  # else an interval's message told the window's picks already
                 self.speak(k, at)
 
-        self.schedule(now + router.peer_pick_s, tell)
+        self.schedule(now + channel.pick_s, tell)
 
     def due(self, k: int, now: float) -> bool:
-        """Replica k's interval message is due (``Router.peer_due``)."""
-        return self.routers[k].peer_due(DEFAULT_POOL, now - self.sent_at[k])
+        """Replica k's interval message is due (``PeerChannel.due``)."""
+        return self.channels[k].due(DEFAULT_POOL, now)
 
     def speak(self, k: int, now: float) -> None:
         """Replica k's message of the pool to the others."""
-        router = self.routers[k]
-        self.seqs[k] += 1
-        full = router.full_due(now - self.sent_at[k], now - self.full_at[k])
-        message = router.peer_message(DEFAULT_POOL, "virtual", self.seqs[k], self.ts_ns(now), full=full)
+        channel = self.channels[k]
+        message = channel.speak(DEFAULT_POOL, now, self.ts_ns(now), "virtual")
         if message is None:
             return
-        self.sent_at[k] = now
-        if isinstance(message, PeerState):
-            self.full_at[k] = now
+        channel.sent(DEFAULT_POOL, message, now)
         data = PEER_ENCODER.encode(message)
         if self.on_message is not None:
-            assert router.proxy_id is not None
-            self.on_message(message, len(data) + len(sj.peer(DEFAULT_POOL, router.proxy_id)))
+            self.on_message(message, len(data) + len(sj.peer(DEFAULT_POOL, channel.proxy_id)))
         taken = PEER_DECODER.decode(data)
 
         def deliver(at: float) -> None:
-            for j, other in enumerate(self.routers):
-                if j != k and router.proxy_id is not None:
-                    other.peer_update(router.proxy_id, DEFAULT_POOL, taken, at)
+            for j, other in enumerate(self.channels):
+                if j != k:
+                    other.receive(channel.proxy_id, DEFAULT_POOL, taken, at)
 
         if self.delay_s > 0:
             assert self.schedule is not None

@@ -62,7 +62,8 @@ from laswrr.bench.workload import RequestSpec, generate, prompt_text
 from laswrr.scheduler.fold import Fold, rejections
 from laswrr.scheduler.routing.prompt import prompt_text as indexed_text
 from laswrr.scheduler.routing.prompt import request_size
-from laswrr.scheduler.routing.router import DEFAULT_POOL, PEER_PICK_S, PEER_STAGGER_S, Admission, Router
+from laswrr.scheduler.routing.router import (DEFAULT_POOL, PEER_PICK_S, PEER_STAGGER_S, AdmitRequest, Admission, Router,
+                                             scorer_for)
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope, decode_snapshot
 from laswrr.schemas.words import NpuHealth, RequestOutcome
@@ -248,7 +249,7 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
     share = proxies > 1 and peer_interval_ms > 0
     names = [PROXY] if proxies == 1 else [f"{PROXY}-{k}" for k in range(proxies)]
     routers = [] if base == ORACLE else [
-        Router(base, seed + k, affinity=affinity, proxy_id=name, share=share, peer_stagger_s=peer_stagger_ms / 1000,
+        Router(base, seed + k, scorer=scorer_for(affinity), proxy_id=name, share=share, peer_stagger_s=peer_stagger_ms / 1000,
                peer_pick_s=peer_pick_ms / 1000,
                **VARIANTS.get(variant, {}))  # type: ignore[arg-type]
         for k, name in enumerate(names)]
@@ -270,7 +271,7 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
     def offer(now: float, snaps: list[Any]) -> None:
         for snap in snaps:
             for each in routers:
-                each.offer(snap, now)
+                each.table.offer(snap, now)
 
     if scenario.scheduler_config:
         offer(0.0, core.put(0.0, sj.ADMIN_CONFIG, {"set": dict(scenario.scheduler_config)}))
@@ -317,7 +318,7 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
         if e2e is not None:
             fresh[node][1].append(e2e)
         if routers and admission is not None:
-            routers[owner(spec)].release(admission)
+            routers[owner(spec)].admitter.release(admission)
         offer(now, core.put(now, sj.req_finished(node), {
             "request_id": request_id, "proxy": names[owner(spec)], "outcome": outcome.value, "pool": DEFAULT_POOL,
             "ttft_ms": None if first is None else round((first - arrived) * 1000, 3),
@@ -332,7 +333,9 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
             assert isinstance(item, int)
             if now > end_s and not live:
                 continue
-            routers[item].expire_peers(now)
+            expiring = routers[item].channel
+            if expiring is not None:
+                expiring.expire(now)
             if channel.due(item, now):
                 channel.speak(item, now)
             push(now + peer_interval_ms / 1000, _PEER, item)
@@ -414,8 +417,8 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
             else:
                 seen = indexed_text([{"role": "user", "content": text}], None)
                 size = request_size(seen, item.max_tokens, None)
-                admission = routers[owner(item)].admit(DEFAULT_POOL, prompt=seen, size=size)
-                assert admission is not None, "a pool with a routable node refused a request"
+                admission = routers[owner(item)].admitter.admit(AdmitRequest(DEFAULT_POOL, (), seen, size))
+                assert isinstance(admission, Admission), "a pool with a routable node refused a request"
                 node = admission.node
                 if share:  # a pick is told within peer_pick_s, as the proxy's bus does (Router.on_pick)
                     channel.picked(owner(item), now)
@@ -443,7 +446,7 @@ def run_timeline(scenario: Scenario, policy: str, seed: int, requests: Sequence[
                 live[key] = (spec, arrived, event.time, admission)
                 fresh[node][0].append(event.time - arrived)
                 if routers and admission is not None:
-                    routers[owner(spec)].prefilled(admission)
+                    routers[owner(spec)].admitter.prefilled(admission)
                     routers[owner(spec)].first_byte(event.time - arrived)
             if event.finished:
                 finish(node, event.req_id, event.time, RequestOutcome.COMPLETED)

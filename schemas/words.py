@@ -50,25 +50,36 @@ class FailureKind(StrEnum):
 class RefusalCause(StrEnum):
     """Why a proxy answered a request itself, before binding it to any node (``lb.req.refused``
     ``cause``; docs/wire.md, "Engine errors and the router's own answers"). Each is also the ``reason``
-    label of ``laswrr_proxy_rejected_total`` and the ``code`` of the OpenAI-style error body where
-    one fits. Flow control (held requests) adds its causes here."""
+    label of ``laswrr_proxy_rejected_total``; ``schemas.refusals.ANSWERS`` gives each its HTTP
+    status, OpenAI error type and ``code`` (the cause's own word where OpenAI has none). Flow
+    control (held requests) adds its causes here."""
 
     INVALID_API_KEY = "invalid_api_key"  # 401: no key, or not one of --api-keys
     KEY_MAX_INFLIGHT = "key_max_inflight"  # 429: the key's requests in flight reached its maximum
-    BAD_JSON = "bad_json"  # 400: the body is not a JSON object (or not UTF-8)
+    INVALID_JSON = "invalid_json"  # 400: the body is not a JSON object (or not UTF-8); "bad_json" in older logs
     BODY_TIMEOUT = "body_timeout"  # 408: the body did not arrive within --body-timeout-s
-    BODY_TOO_LARGE = "body_too_large"  # 413: over --max-body-bytes
+    REQUEST_TOO_LARGE = "request_too_large"  # 413: over --max-body-bytes; "body_too_large" in older logs
     UNKNOWN_MODEL = "unknown_model"  # 404: no pool of that name, and no node of the pool serves that model id
     NO_SNAPSHOT = "no_snapshot"  # 503: no routing snapshot yet
     NO_ROUTABLE_NODE = "no_routable_node"  # 503: no node of the pool (serving the model) can take it now
     STOPPING = "stopping"  # 503: the proxy is shutting down
-    # flow control (services/proxy/flow.py; the values of scheduler.routing.flow.Refused)
-    BAD_FLOW_HEADER = "bad_flow_header"  # 400: x-laswrr-priority or x-laswrr-ttl-ms not understood
+    # flow control (services/proxy/flow.py, scheduler/routing/flow.py)
+    INVALID_HEADER = "invalid_header"  # 400: x-laswrr-priority or x-laswrr-ttl-ms not understood; "bad_flow_header" in older logs
     QUEUE_FULL = "queue_full"  # 429: the (pool, band) queue is at its bound
     QUEUE_TIMEOUT = "queue_timeout"  # 429: held past its time to live
     RATE_LIMIT_REQUESTS = "rate_limit_requests"  # 429: the key's requests per minute
     RATE_LIMIT_TOKENS = "rate_limit_tokens"  # 429: the key's tokens per minute
     CLIENT_DISCONNECTED = "client_disconnected"  # 499 (nginx's word): the client left while its request was held
+
+    @classmethod
+    def _missing_(cls, value: object) -> RefusalCause | None:
+        """A log recorded before the log's words and the clients' codes became one word each
+        (CHANGELOG.md) still reads: its old word is the new one."""
+        return _OLD_REFUSAL_WORDS.get(value) if isinstance(value, str) else None
+
+
+_OLD_REFUSAL_WORDS = {"bad_json": RefusalCause.INVALID_JSON, "body_too_large": RefusalCause.REQUEST_TOO_LARGE,
+                      "bad_flow_header": RefusalCause.INVALID_HEADER}
 
 
 class Phase(StrEnum):

@@ -57,8 +57,9 @@ import math
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Generic, TypeVar
+
+from laswrr.schemas.words import RefusalCause
 
 BANDS: tuple[str, ...] = ("interactive", "default", "batch")
 """Priority bands, most urgent first; a request's band is its index here."""
@@ -79,16 +80,6 @@ BAND_ALIASES: dict[str, int] = {
 
 class FlowError(ValueError):
     """A header or keys-file value flow control cannot use; the message says which and why."""
-
-
-class Refused(StrEnum):
-    """Why flow control answered a request itself (the ``code`` of its error body)."""
-
-    QUEUE_FULL = "queue_full"  # 429: the (pool, band) queue is at its bound
-    QUEUE_TIMEOUT = "queue_timeout"  # 429: the request's TTL ran out while it was held
-    RATE_RPM = "rate_limit_requests"  # 429: the key's requests per minute
-    RATE_TPM = "rate_limit_tokens"  # 429: the key's tokens per minute
-    NO_ROUTABLE_NODE = "no_routable_node"  # 503: no routable node for longer than the short wait
 
 
 def band_of(header: str | None, key_max: int = INTERACTIVE) -> int:
@@ -269,12 +260,12 @@ class FlowQueue(Generic[T]):
         return found
 
     def offer(self, pool: str, band: int, tenant: str, work: int, now: float, ttl: float,
-              ticket: T, wide: bool = True) -> Held[T] | Refused:
-        """Hold a request; ``Refused.QUEUE_FULL`` when its (pool, band) is at the bound. ``wide``:
+              ticket: T, wide: bool = True) -> Held[T] | RefusalCause:
+        """Hold a request; ``RefusalCause.QUEUE_FULL`` when its (pool, band) is at the bound. ``wide``:
         any node of the pool may take it (``wide_depth`` counts those)."""
         bands = self._pool(pool).bands
         if bands[band].size >= self.config.bound:
-            return Refused.QUEUE_FULL
+            return RefusalCause.QUEUE_FULL
         self._seq += 1
         held = Held(self._seq, pool, band, tenant, max(1, work), now, now + ttl, ticket, wide=wide)
         bands[band].push(held)
@@ -432,14 +423,14 @@ class RateLimits:
             bucket.at = now
         return bucket
 
-    def charge(self, key: str, limits: KeyLimits, work: int, now: float) -> tuple[Refused, float] | None:
+    def charge(self, key: str, limits: KeyLimits, work: int, now: float) -> tuple[RefusalCause, float] | None:
         """Charge one request of ``work`` tokens to ``key``; None when allowed, else the limit
         it hit and the seconds until it would be allowed (nothing charged)."""
         checks = []
         if limits.rpm is not None:
-            checks.append((Refused.RATE_RPM, "r", limits.rpm, 1.0))
+            checks.append((RefusalCause.RATE_LIMIT_REQUESTS, "r", limits.rpm, 1.0))
         if limits.tpm is not None:
-            checks.append((Refused.RATE_TPM, "t", limits.tpm, float(min(work, limits.tpm))))
+            checks.append((RefusalCause.RATE_LIMIT_TOKENS, "t", limits.tpm, float(min(work, limits.tpm))))
         buckets = []
         for refused, kind, per_minute, cost in checks:
             bucket = self._level(key, kind, per_minute, now)

@@ -82,12 +82,13 @@ from laswrr.services.proxy.events import EventPublisher
 from laswrr.services.proxy.keys import NO_LIMITS, ApiKeys, UpstreamAuth
 from laswrr.services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from laswrr.services.proxy.models import ModelCatalog
-from laswrr.scheduler.routing.flow import BANDS, NO_TENANT, FlowConfig, FlowError, Refused, band_of, ttl_s, work_of
+from laswrr.scheduler.routing.flow import BANDS, NO_TENANT, FlowConfig, FlowError, band_of, ttl_s, work_of
 from laswrr.scheduler.routing.prompt import RequestSize, prompt_text, request_size
 from laswrr.services.proxy.flow import FlowAnswer, FlowCollector, FlowGate
 from laswrr.scheduler.routing.models import ModelPlan, Unknown, mixed_models, plan, pool_ids
-from laswrr.scheduler.routing.router import Refusal, Router
+from laswrr.scheduler.routing.router import AdmitRequest, Refusal, Router, scorer_for
 from laswrr.schemas.outputs import WeightSnapshot
+from laswrr.schemas.refusals import ANSWERS
 from laswrr.schemas.words import RefusalCause
 from laswrr.services.proxy.tasks import stop_task
 from laswrr.services.proxy.upstream import (
@@ -164,8 +165,7 @@ async def forward_by_model(request: web.BaseRequest, state: ProxyState) -> web.S
     arrived = time.perf_counter()
     if state.stopping:
         state.metrics.count_response(503)
-        return _refuse(state, 503, RefusalCause.STOPPING, "proxy is shutting down", "service_unavailable",
-                       "shutting_down", headers={"Retry-After": "1", "Connection": "close"})
+        return _refuse(state, RefusalCause.STOPPING, "proxy is shutting down", headers={"Retry-After": "1", "Connection": "close"})
     key_name = None
     if state.keys is not None:
         key_name = state.keys.identify(request.headers.get("Authorization"))
@@ -190,14 +190,14 @@ async def forward_by_model(request: web.BaseRequest, state: ProxyState) -> web.S
             state.keys.release(key_name)
 
 
-def _refuse(state: ProxyState, status: int, cause: RefusalCause, message: str, err_type: str, code: str,
-            headers: dict[str, str] | None = None, pool: str | None = None, model: str | None = None,
+def _refuse(state: ProxyState, cause: RefusalCause, message: str, headers: dict[str, str] | None = None, pool: str | None = None, model: str | None = None,
             key_name: str | None = None, param: str | None = None, request_id: str | None = None) -> web.Response:
     """The proxy answers a request itself (``status``, an OpenAI-style error): counted in
     ``/metrics`` by cause and status class, and recorded as ``lb.req.refused.<proxy>`` with a
     request id of its own (or ``request_id``: a held request's, named by its ``lb.req.queued``),
     which the answer names in ``x-laswrr-request-id``."""
     request_id = request_id or state.next_request_id()
+    status, err_type, code = ANSWERS[cause]
     state.metrics.count_refusal(cause, status)
     state.events.refused(request_id, status, cause, message, pool=pool, model=model, key_name=key_name)
     body = error_body(message, err_type, code)
@@ -209,14 +209,12 @@ def _refuse_key(state: ProxyState, keys: ApiKeys, key_name: str | None) -> web.R
     """None when the request may go on (its key now counted in flight); else the 401 or 429 to answer."""
     if key_name is None:
         state.metrics.count_response(401)
-        return _refuse(state, 401, RefusalCause.INVALID_API_KEY,
-                       "Incorrect or missing API key: send Authorization: Bearer <key>", "invalid_request_error",
-                       "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return _refuse(state, RefusalCause.INVALID_API_KEY,
+                       "Incorrect or missing API key: send Authorization: Bearer <key>", headers={"WWW-Authenticate": "Bearer"})
     if not keys.acquire(key_name):
         state.metrics.count_response(429)
-        return _refuse(state, 429, RefusalCause.KEY_MAX_INFLIGHT,
-                       f"Rate limit reached: {keys.max_inflight} requests in flight for this key", "requests",
-                       "rate_limit_exceeded", headers={"Retry-After": "1"}, key_name=key_name)
+        return _refuse(state, RefusalCause.KEY_MAX_INFLIGHT,
+                       f"Rate limit reached: {keys.max_inflight} requests in flight for this key", headers={"Retry-After": "1"}, key_name=key_name)
     return None
 
 
@@ -229,18 +227,16 @@ async def _forward(request: web.BaseRequest, state: ProxyState, arrived: float,
     try:
         peek = _PEEK.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        return _refuse(state, 400, RefusalCause.BAD_JSON, f"invalid JSON body: {exc}", "invalid_request_error",
-                       "invalid_json", key_name=key_name)
+        return _refuse(state, RefusalCause.INVALID_JSON, f"invalid JSON body: {exc}", key_name=key_name)
     router = state.router
     model = None if peek.model is None else peek.model[:MODEL_CHARS]
-    if not router.pools:  # cold start with NATS not (yet) reachable: nothing to route on
-        return _refuse(state, 503, RefusalCause.NO_SNAPSHOT, "no routing snapshot yet (is the scheduler running?)",
-                       "service_unavailable", "no_snapshot", headers={"Retry-After": "1"}, model=model,
+    if not router.table.names():  # cold start with NATS not (yet) reachable: nothing to route on
+        return _refuse(state, RefusalCause.NO_SNAPSHOT, "no routing snapshot yet (is the scheduler running?)",
+                       headers={"Retry-After": "1"}, model=model,
                        key_name=key_name)
     decision = await _plan(state, peek.model)
     if isinstance(decision, Unknown):
-        return _refuse(state, 404, RefusalCause.UNKNOWN_MODEL, _unknown_model(decision, router),
-                       "invalid_request_error", "model_not_found", pool=decision.pool, model=model,
+        return _refuse(state, RefusalCause.UNKNOWN_MODEL, _unknown_model(decision, router), pool=decision.pool, model=model,
                        key_name=key_name, param="model")
     pool = decision.pool
     text = prompt_text(peek.messages, peek.prompt)
@@ -251,13 +247,13 @@ async def _forward(request: web.BaseRequest, state: ProxyState, arrived: float,
     gate = state.flow
     if gate is not None:
         return await _flow_forward(request, state, gate, arrived, key_name, pool, body, text, size, decision, model)
-    admission = router.admit(pool, decision.exclude, prompt=text, size=size)
-    if admission is None:
-        saturated = router.refusal(pool, decision.exclude) is Refusal.SATURATED
+    admission = router.admitter.admit(AdmitRequest(pool, decision.exclude, text, size))
+    state.bus.picked()
+    if isinstance(admission, Refusal):
         serving = f" serving `{peek.model}`" if decision.exclude else ""
-        why = f"every routable node{serving} is at its in-flight cap" if saturated else f"no routable node{serving}"
-        return _refuse(state, 503, RefusalCause.NO_ROUTABLE_NODE, f"{why} in pool {pool!r}", "service_unavailable",
-                       "no_routable_node", headers={"Retry-After": "1"}, pool=pool, model=model, key_name=key_name)
+        why = f"every routable node{serving} is at its in-flight cap" if admission.saturated else \
+            f"no routable node{serving}"
+        return _refuse(state, admission.cause, f"{why} in pool {pool!r}", headers={"Retry-After": "1"}, pool=pool, model=model, key_name=key_name)
     request_id = state.next_request_id()
     headers = forward_headers(request.headers, request_id)
     state.upstream_auth.apply(headers)
@@ -279,8 +275,7 @@ async def _flow_forward(request: web.BaseRequest, state: ProxyState, gate: FlowG
         band = band_of(request.headers.get(PRIORITY_HEADER), limits.max_band)
         ttl = ttl_s(request.headers.get(TTL_HEADER), gate.ttl_default_s, gate.ttl_max_s)
     except FlowError as exc:
-        return _refuse(state, 400, RefusalCause.BAD_FLOW_HEADER, str(exc), "invalid_request_error", "invalid_header",
-                       pool=pool, model=model, key_name=key_name)
+        return _refuse(state, RefusalCause.INVALID_HEADER, str(exc), pool=pool, model=model, key_name=key_name)
     work = work_of(size.prompt_tokens, size.max_tokens, gate.queue.config.default_max_tokens)
     request_id = state.next_request_id()  # one id from lb.req.queued to lb.req.started or lb.req.refused
     held: list[str] = []
@@ -296,16 +291,15 @@ async def _flow_forward(request: web.BaseRequest, state: ProxyState, gate: FlowG
                                       on_hold)
         except asyncio.CancelledError:
             if held:  # the client left while its request was held: recorded, nobody to answer
-                state.metrics.count_refusal(RefusalCause.CLIENT_DISCONNECTED, 499)
-                state.events.refused(request_id, 499, RefusalCause.CLIENT_DISCONNECTED,
+                gone = RefusalCause.CLIENT_DISCONNECTED
+                state.metrics.count_refusal(gone, ANSWERS[gone].status)
+                state.events.refused(request_id, ANSWERS[gone].status, gone,
                                      "the client closed its connection while the request was held", pool=pool,
                                      model=model, key_name=key_name)
             raise
+    state.bus.picked()
     if isinstance(result, FlowAnswer):
-        err_type = "service_unavailable" if result.status == 503 else \
-            "tokens" if result.code is Refused.RATE_TPM else "requests"
-        return _refuse(state, result.status, RefusalCause(result.code.value), result.message, err_type,
-                       result.code.value, headers=dict(result.headers), pool=pool, model=model,
+        return _refuse(state, result.code, result.message, headers=dict(result.headers), pool=pool, model=model,
                        key_name=key_name, request_id=request_id)
     headers = forward_headers(request.headers, request_id)
     state.upstream_auth.apply(headers)
@@ -317,6 +311,7 @@ async def _flow_forward(request: web.BaseRequest, state: ProxyState, gate: FlowG
         return await state.forwarder.forward(request, exchange, result)
     finally:
         gate.released(pool)
+        state.bus.picked()  # a held request may have taken the slot
         gate.rates.settle(key_name, limits, work, exchange.used_tokens)
 
 
@@ -327,23 +322,23 @@ async def _plan(state: ProxyState, model: str | None) -> ModelPlan | Unknown:
     installed or a pool forgotten (``Router.views``), for at most ``PLANS_KEPT`` names (any a
     client sends); one made with the cache's answer only while the cache holds that answer
     (``ModelCatalog.pool_hint`` returns a new mapping at each refresh)."""
-    router = state.router
-    if state.plans_views != router.views:
+    table = state.router.table
+    if state.plans_views != table.views:
         state.plans.clear()
-        state.plans_views = router.views
-        _warn_mixed(state, {pool: route.snapshot for pool, route in router.pools.items()})
+        state.plans_views = table.views
+        _warn_mixed(state, table.snapshots())
     kept = state.plans.get(model)
     if kept is not None:
         decision, used = kept
         if used is None or (state.catalog is not None and await state.catalog.pool_hint() is used):
             return decision
-    snapshots = {pool: route.snapshot for pool, route in router.pools.items()}
+    snapshots = table.snapshots()
     hint = None
     if (model is not None and model not in snapshots and state.catalog is not None
             and not any(model in pool_ids(snapshot.nodes) for snapshot in snapshots.values())):
         hint = await state.catalog.pool_hint()
     decision = plan(snapshots, model, hint)
-    if state.plans_views == router.views and (model is None or len(model) <= MODEL_CHARS):
+    if state.plans_views == table.views and (model is None or len(model) <= MODEL_CHARS):
         if len(state.plans) >= PLANS_KEPT:
             state.plans.clear()
         state.plans[model] = (decision, hint)
@@ -382,15 +377,14 @@ async def _read_body(request: web.BaseRequest, state: ProxyState,
     except web.HTTPRequestEntityTooLarge:
         return _too_large(state, limit, key_name)
     except asyncio.TimeoutError:
-        return _refuse(state, 408, RefusalCause.BODY_TIMEOUT,
-                       f"request body not received within {state.config.body_timeout_s:g} s", "invalid_request_error",
-                       "request_timeout", headers={"Connection": "close"}, key_name=key_name)
+        return _refuse(state, RefusalCause.BODY_TIMEOUT,
+                       f"request body not received within {state.config.body_timeout_s:g} s", headers={"Connection": "close"}, key_name=key_name)
     if not body.isascii():  # JSON is UTF-8 (RFC 8259): a field the peek skips must be too
         try:
             body.decode("utf-8")
         except UnicodeDecodeError as exc:
-            return _refuse(state, 400, RefusalCause.BAD_JSON, f"invalid JSON body: not UTF-8 at byte {exc.start}",
-                           "invalid_request_error", "invalid_json", key_name=key_name)
+            return _refuse(state, RefusalCause.INVALID_JSON, f"invalid JSON body: not UTF-8 at byte {exc.start}",
+                           key_name=key_name)
     return body
 
 
@@ -414,12 +408,11 @@ _QUIET = quiet_parser_errors()
 
 
 def _too_large(state: ProxyState, limit: int, key_name: str | None) -> web.Response:
-    return _refuse(state, 413, RefusalCause.BODY_TOO_LARGE, f"request body exceeds the {limit}-byte limit",
-                   "invalid_request_error", "request_too_large", headers={"Connection": "close"}, key_name=key_name)
+    return _refuse(state, RefusalCause.REQUEST_TOO_LARGE, f"request body exceeds the {limit}-byte limit", headers={"Connection": "close"}, key_name=key_name)
 
 
 def _unknown_model(unknown: Unknown, router: Router) -> str:
-    pools = ", ".join(sorted(router.pools)) or "none yet"
+    pools = ", ".join(sorted(router.table.names())) or "none yet"
     if unknown.model is None:
         return f"no model given and no pool 'default' (pools: {pools})"
     if unknown.ids:
@@ -454,12 +447,12 @@ async def readiness(request: web.BaseRequest, state: ProxyState) -> web.Response
 
 
 def not_ready_reason(state: ProxyState) -> str | None:
-    pools = state.router.pools
+    table = state.router.table
     if state.stopping:
         return "stopping"
-    if not pools:
+    if not table.names():
         return "no_snapshot"
-    if not any(route.targets for route in pools.values()):
+    if not any(table.candidates(pool) for pool in table.names()):
         return "no_routable_node"
     return None
 
@@ -479,22 +472,23 @@ def health_report(state: ProxyState) -> dict[str, object]:
     now_ns, now = time.time_ns(), time.monotonic()
     pools = {}
     stale = not state.bus.connected
-    for name, route in sorted(state.router.pools.items()):
-        age = max(0.0, (now_ns - route.snapshot.ts_ns) / 1e9)
+    table = state.router.table
+    for name, snapshot in sorted(table.snapshots().items()):
+        age = max(0.0, (now_ns - snapshot.ts_ns) / 1e9)
         stale = stale or age > state.config.stale_after_s
-        pools[name] = {"as_of_seq": route.snapshot.as_of_seq, "tick": route.snapshot.tick, "age_s": round(age, 3),
-                       "received_s_ago": round(now - route.received_at, 3), "panic": route.snapshot.panic,
-                       "nodes": len(route.snapshot.nodes), "routable": sorted(route.targets)}
+        pools[name] = {"as_of_seq": snapshot.as_of_seq, "tick": snapshot.tick, "age_s": round(age, 3),
+                       "received_s_ago": round(now - (table.received_at(name) or now), 3), "panic": snapshot.panic,
+                       "nodes": len(snapshot.nodes), "routable": sorted(table.candidates(name))}
     status = "stopping" if state.stopping else "no_snapshot" if not pools else "stale" if stale else "ok"
     return {"status": status, "proxy": state.config.proxy_id, "policy": state.config.policy,
             "affinity": state.router.affinity_mode,
-            "nats_connected": state.bus.connected, "inflight": state.router.total_inflight,
+            "nats_connected": state.bus.connected, "inflight": table.load.total,
             "events_buffered": state.events.buffered, "events_dropped": state.events.dropped, "pools": pools}
 
 
 async def metrics(request: web.BaseRequest, state: ProxyState) -> web.Response:
     state.metrics.refresh(state.router, state.events, state.bus.connected, state.bus.view_lag,
-                          state.bus if state.bus.peer_interval_s > 0 else None)
+                          state.bus.peers)
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -503,7 +497,8 @@ async def metrics(request: web.BaseRequest, state: ProxyState) -> web.Response:
 async def _heartbeats(state: ProxyState) -> None:
     while True:
         await asyncio.sleep(state.config.heartbeat_s)
-        state.events.heartbeat(state.router.total_inflight, state.router.applied_seq())
+        table = state.router.table
+        state.events.heartbeat(table.load.total, table.applied_seq())
 
 
 @contextlib.asynccontextmanager
@@ -535,8 +530,8 @@ async def _resources(state: ProxyState) -> AsyncIterator[None]:
 
 def build_state(config: ProxyConfig) -> ProxyState:
     config.validate()
-    router = Router(config.policy, config.seed, config.inflight_cap_per_capacity, config.affinity,
-                    config.affinity_blocks, proxy_id=config.proxy_id, flow_limits=config.flow_control,
+    router = Router(config.policy, config.seed, config.inflight_cap_per_capacity,
+                    scorer_for(config.affinity, config.affinity_blocks), proxy_id=config.proxy_id, flow_limits=config.flow_control,
                     share=config.peer_interval_ms > 0, peer_stale_s=config.peer_stale_ms / 1000,
                     peer_stagger_s=config.peer_stagger_ms / 1000, peer_pick_s=config.peer_pick_ms / 1000)
     events = EventPublisher(config.proxy_id, capacity=config.event_buffer, batch_max=config.event_batch_max,

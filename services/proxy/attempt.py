@@ -108,7 +108,7 @@ class AttemptRunner:
                             status=state.status, response=None if partner.retryable else partner.response,
                             retryable=partner.retryable, partner=True)
         finally:
-            self.router.release(admission)
+            self.router.admitter.release(admission)
         if isinstance(result, Done):
             self.finish(attempt_id, admission, result.attempt)
             self._observe(exchange, state)
@@ -189,7 +189,7 @@ class AttemptRunner:
             first = await engine_response.content.readany()
         except TRANSPORT_ERRORS as exc:
             return Failed(failure_kind(exc), describe(exc), status=engine_response.status)
-        self.router.prefilled(admission)  # the engine's first token: the prompt is no longer its backlog
+        self.router.admitter.prefilled(admission)  # the engine's first token: the prompt is no longer its backlog
         state.streaming = True
         received = time.perf_counter()
         status = engine_response.status
@@ -255,7 +255,7 @@ class AttemptRunner:
     def prefilled(self, attempt_id: str, admission: Admission, exchange: Exchange, state: AttemptState,
                   usage: Usage) -> None:
         """Record a prefill leg that answered: its node's prefill rate, and its finished event."""
-        self.router.prefill_done(admission, time.perf_counter() - state.started)
+        self.router.admitter.prefill_done(admission, time.perf_counter() - state.started)
         self.finish(attempt_id, admission, Attempt(outcome=RequestOutcome.COMPLETED, status=state.status,
                                                    duration_ms=ms(time.perf_counter() - exchange.arrived),
                                                    prompt_tokens=usage[0], completion_tokens=usage[1]))

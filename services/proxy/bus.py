@@ -16,9 +16,9 @@ never meets an older snapshot than one it already saw. After ``nats stream rm`` 
 JetStream store) a fresh scheduler counts from 1 again, and "newest wins" alone would ignore it
 forever. So the link tracks the identity of the stream it reads, its creation time
 (``StreamInfo.created``, kept across server restarts, new for a recreated stream): it reads it
-after creating each watcher, and again (at most once per ``stream_check_s``) when the router
+after creating each watcher, and again (at most once per ``stream_check_s``) when the table
 refuses a snapshot as not newer, which is the symptom a recreated stream shows on a watcher
-that survived it. A changed identity calls ``Router.new_stream``: each pool takes the next
+that survived it. A changed identity calls ``RoutingTable.new_stream``: each pool takes the next
 snapshot offered, whatever its ``as_of_seq``, and the refused one is offered again. Wall-clock
 ``ts_ns`` is not used to order snapshots: it can step backwards, the stream identity cannot.
 
@@ -27,26 +27,24 @@ often) or fails, it is re-created; the new watcher first re-delivers the newest 
 key, so nothing published during an outage is missed, and older ones are ignored by the router.
 
 The channel between proxies (docs/proxy.md, "The channel between proxies"; with a router that
-``share``s, ``--peer-interval-ms`` > 0). Once connected, the link subscribes ``lb.peer.>`` (plain
-core NATS: nothing is stored) and hands every other proxy's message to ``Router.peer_update``
-with the pool and the sender read from its subject. Each admission (``Router.on_pick``) wakes
-its ``_picks`` task, which publishes the pool's ``Router.peer_message`` on
-``lb.peer.<pool>.<proxy>`` ``--peer-pick-ms`` (1 ms) later, with every pick of that window in the
-one message (a burst's picks together; at any rate at most one pick message a window): the
-peers count a pick within a millisecond and the bus's delivery, not an interval later, which is
-what keeps replicas from all sending one burst to the node that looked lightest to each. Its ``_peers``
-task wakes every ``peer_interval_s``, drops the peers silent for ``peer_stale_ms`` and
-publishes, for each pool whose own counts changed otherwise (a first byte, a release) or whose
-last message is half ``peer_stale_ms`` old (the heartbeat), the same message. While the proxy
-hears no peer it sends its first whole view and then only the heartbeat (``Router.peer_due``):
-nobody listens to the rest. A message carries
-the pool's whole view at the heartbeat and when the last whole one is ``PEER_FULL_S`` (5 s) old,
-else only the changes since the previous message (``schemas.peers``). Each pool's messages are
-counted apart, so a receiver sees a gap when one was lost. A bad message is counted and
-skipped; with NATS away nothing is sent and the peers fall back to the snapshots' counts of
-this proxy. ``on_view(pool)`` (flow control's wake-up, when set) is called after each snapshot
-installed, each peer message taken and each peer dropped: a slot another proxy freed is seen at
-once.
+has a channel, ``--peer-interval-ms`` > 0): ``PeerLink``, the IO of the sans-IO
+``scheduler.routing.peers.PeerChannel``. Once connected, it subscribes ``lb.peer.>`` (plain core
+NATS: nothing is stored) and hands every other proxy's message to ``PeerChannel.receive`` with
+the pool and the sender read from its subject. The channel never calls back: the link drains
+its outboxes. After an admission the shell calls ``picked()``, which wakes the ``_picks`` task:
+``--peer-pick-ms`` (1 ms) later it publishes, on ``lb.peer.<pool>.<proxy>``, the message of each
+pool ``PeerChannel.picks()`` names (every pick of that window in the one message; at any rate at
+most one pick message a window): the peers count a pick within a millisecond and the bus's
+delivery, not an interval later, which is what keeps replicas from all sending one burst to the
+node that looked lightest to each. Its ``_peers`` task wakes every ``peer_interval_s``, drops
+the peers silent for ``peer_stale_ms`` (``PeerChannel.expire``) and publishes each pool's
+message that is due (``PeerChannel.due``: own counts changed otherwise, a first byte, a release,
+while a peer is heard; or the heartbeat). What a message carries (whole or changes) is the
+channel's (``PeerChannel.speak``). A bad message is counted and skipped; with NATS away nothing
+is sent and the peers fall back to the snapshots' counts of this proxy. ``on_view(pool)`` (flow
+control's wake-up, when set) is called after each snapshot installed, each peer message taken
+and each peer dropped: a slot another proxy freed is seen at once; the picks it makes are told
+as the others.
 
 Stopping: ``start`` runs ``run`` as a task; ``close`` sets ``closing`` (every loop of ``run``
 checks it), stops that task with ``tasks.stop_task`` (which cancels again when Python 3.11's
@@ -76,10 +74,12 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.outputs import WeightSnapshot
 from laswrr.schemas.peers import PEER_DECODER, PEER_ENCODER, PeerState
+from laswrr.scheduler.routing.peers import PeerChannel
 from laswrr.services.natsbus import NatsAuth, StreamLimits, connect, ensure_streams, redact_url
 from laswrr.services.service_metrics import Buckets
 from laswrr.services.proxy.events import EventPublisher
 from laswrr.scheduler.routing.router import Router
+from laswrr.scheduler.routing.table import Offered
 from laswrr.services.proxy.tasks import bounded, stop_task
 
 log = logging.getLogger("laswrr.proxy.bus")
@@ -87,6 +87,110 @@ log = logging.getLogger("laswrr.proxy.bus")
 _SNAPSHOT = msgspec.json.Decoder(WeightSnapshot)
 WEIGHTS_STREAM = f"KV_{sj.WEIGHTS_BUCKET}"
 VIEW_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class PeerLink:
+    """The channel between proxies' IO (module docstring): receive, and drain the channel's outboxes."""
+
+    def __init__(self, channel: PeerChannel, publisher: EventPublisher, interval_s: float,
+                 viewed: Callable[[str], None]) -> None:
+        self.channel = channel
+        self.publisher = publisher
+        self.interval_s = interval_s
+        self._viewed = viewed
+        self.peer_lag = Buckets(VIEW_LAG_BUCKETS)  # each peer message's age when taken (its ts_ns: the sender's clock)
+        self.peer_sent = self.peer_sent_bytes = self.peer_received = self.peer_bad = 0
+        self.peer_sent_whole = 0  # of peer_sent, the whole views (PeerState); the others carried changes
+        self.peer_heard = 0  # every message on lb.peer.> delivered here (own ones are not: no_echo)
+        self._pick = asyncio.Event()
+        self._sending = asyncio.Lock()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self, nc: Client) -> None:
+        await nc.subscribe(sj.PEER_ALL, cb=self.receive)
+        self._tasks = [asyncio.create_task(self._peers(nc), name="proxy-peers"),
+                       asyncio.create_task(self._picks(nc), name="proxy-peer-picks")]
+
+    def picked(self) -> None:
+        """Some admission may have been made: tell the channel's picks within its window."""
+        if self.channel.picked:
+            self._pick.set()
+
+    async def receive(self, msg: Msg) -> None:
+        self.peer_heard += 1
+        sender = sj.peer_of(msg.subject)
+        try:
+            if sender is None:
+                raise ValueError("not an lb.peer.<pool>.<proxy> subject")
+            message = PEER_DECODER.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            self.peer_bad += 1
+            log.debug("ignoring a bad message on %s: %s", msg.subject, exc)
+            return
+        pool, proxy = sender
+        self.peer_lag.observe(max(0.0, (time.time_ns() - message.ts_ns) / 1e9))
+        if self.channel.receive(proxy, pool, message, time.monotonic()):
+            self.peer_received += 1
+            self._viewed(pool)
+            self.picked()
+
+    async def _picks(self, nc: Client) -> None:
+        """At an admission: publish its pool's view ``PeerChannel.pick_s`` later, with every other
+        pick of that window (module docstring)."""
+        channel = self.channel
+        while True:
+            await self._pick.wait()
+            if channel.pick_s > 0:
+                await asyncio.sleep(channel.pick_s)
+            self._pick.clear()
+            pools = channel.picks()
+            if nc.is_connected:
+                now = time.monotonic()
+                for pool in pools:
+                    await self._send(nc, pool, now)
+
+    async def _peers(self, nc: Client) -> None:
+        """Every ``interval_s``: drop the stale peers, publish each pool's due message."""
+        channel = self.channel
+        while True:
+            await asyncio.sleep(self.interval_s)
+            now = time.monotonic()
+            if channel.expire(now):
+                for pool in channel.table.names():
+                    self._viewed(pool)
+                self.picked()
+            if not nc.is_connected:
+                continue
+            for pool in channel.table.names():
+                if channel.due(pool, now):
+                    await self._send(nc, pool, now)
+
+    async def _send(self, nc: Client, pool: str, now: float) -> None:
+        """The pool's next message (``PeerChannel.speak``). One that cannot be published leaves a
+        gap in the counter, so the peers take no change before the next whole view."""
+        async with self._sending:  # one message at a time: a pool's changes reach NATS in their order
+            channel = self.channel
+            message = channel.speak(pool, now, time.time_ns(), self.publisher.boot_id)
+            if message is None:
+                return
+            data = PEER_ENCODER.encode(message)
+            subject = sj.peer(pool, channel.proxy_id)
+            try:
+                await nc.publish(subject, data)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("peer message for %s not sent: %s", pool, exc)
+                return
+            channel.sent(pool, message, now)
+            if isinstance(message, PeerState):
+                self.peer_sent_whole += 1
+            self.peer_sent += 1
+            self.peer_sent_bytes += len(data) + len(subject)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            await stop_task(task)
 
 
 class BusLink:
@@ -98,38 +202,28 @@ class BusLink:
         self.limits = limits
         self.auth = auth
         self.name = name
-        self.router = router
+        self.table = router.table
         self.publisher = publisher
         self.rewatch_s = rewatch_s
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s
         self.stream_check_s = stream_check_s
         self.stream_created: datetime | None = None  # identity of the LB_WEIGHTS stream being read
-        self.refused: WeightSnapshot | None = None  # the last snapshot the router refused as not newer
+        self.refused: WeightSnapshot | None = None  # the last snapshot the table refused as not newer
         self._stream_checked_at = -math.inf
         self.nc: Client | None = None
         self.closing = False
         self._task: asyncio.Task[None] | None = None
         self.last_update = 0.0
         # wall clock now - event time of each snapshot installed: how old the other replicas'
-        # in-flight counts are when routing starts on them (scheduler/routing/router.py, "One load view")
+        # in-flight counts are when routing starts on them (scheduler/routing/table.py, "One load view")
         self.view_lag = Buckets(VIEW_LAG_BUCKETS)
-        self.peer_lag = Buckets(VIEW_LAG_BUCKETS)  # each peer message's age when taken (its ts_ns: the sender's clock)
         self.peer_interval_s = peer_interval_s
-        self._peer_task: asyncio.Task[None] | None = None
-        self._picks_task: asyncio.Task[None] | None = None
-        self._picked: set[str] = set()  # pools with an admission not told to the peers yet
-        self._pick = asyncio.Event()
-        self._peer_seq: dict[str, int] = {}  # pool -> its messages' counter
-        self._peer_sent_at: dict[str, float] = {}  # pool -> when its last message went
-        self._peer_full_at: dict[str, float] = {}  # pool -> when its last whole view (PeerState) went
-        self._sending = asyncio.Lock()
-        self.peer_sent = self.peer_sent_bytes = self.peer_received = self.peer_bad = 0
-        self.peer_sent_whole = 0  # of peer_sent, the whole views (PeerState); the others carried changes
-        self.peer_heard = 0  # every message on lb.peer.> delivered here (own ones are not: no_echo)
         # called with a pool's name when its view changed (a snapshot installed, a peer's message
         # taken, a peer dropped): flow control's held requests may go now (services/proxy/flow.py)
         self.on_view: Callable[[str], None] | None = None
+        self.peers = PeerLink(router.channel, publisher, peer_interval_s, self._viewed) \
+            if router.channel is not None and peer_interval_s > 0 else None
 
     @property
     def connected(self) -> bool:
@@ -139,6 +233,11 @@ class BusLink:
         self._task = asyncio.create_task(self.run(), name="proxy-bus")
         return self._task
 
+    def picked(self) -> None:
+        """An admission was made (or may have been): the peers hear of it within the pick window."""
+        if self.peers is not None and self.nc is not None:
+            self.peers.picked()
+
     async def run(self) -> None:
         nc = await self._connect()
         if self.closing:  # a cancel was lost while connecting: do not keep a second connection
@@ -146,11 +245,8 @@ class BusLink:
             return
         self.nc = nc
         self.publisher.attach(nc)
-        if self.router.share and self.peer_interval_s > 0:
-            await nc.subscribe(sj.PEER_ALL, cb=self._peer_message)
-            self.router.on_pick = self._on_pick
-            self._peer_task = asyncio.create_task(self._peers(nc), name="proxy-peers")
-            self._picks_task = asyncio.create_task(self._picks(nc), name="proxy-peer-picks")
+        if self.peers is not None:
+            await self.peers.start(nc)
         js = nc.jetstream()
         await self._bootstrap(js)
         failures = 0
@@ -231,7 +327,7 @@ class BusLink:
                 await watcher.stop()
 
     async def _check_stream(self, js: JetStreamContext) -> bool:
-        """Note the identity of LB_WEIGHTS; True (and the router told) if it changed: the stream was recreated."""
+        """Note the identity of LB_WEIGHTS; True (and the table told) if it changed: the stream was recreated."""
         self._stream_checked_at = time.monotonic()
         created = (await js.stream_info(WEIGHTS_STREAM)).created
         known, self.stream_created = self.stream_created, created
@@ -239,48 +335,47 @@ class BusLink:
             return False
         log.warning("%s was recreated (created %s, was %s): the next snapshot of each pool replaces the one held",
                     WEIGHTS_STREAM, created, known)
-        self.router.new_stream()
+        self.table.new_stream()
         return True
 
     async def _held_is_forged(self, js: JetStreamContext, pool: str) -> bool:
         """True (and the pool forgotten) when the snapshot held for ``pool`` claims an
         ``as_of_seq`` beyond LB_EVENTS' last seq while the refused one does not: no scheduler
         wrote the held one, and "newest wins" would otherwise keep it against every real snapshot."""
-        route, refused = self.router.pools.get(pool), self.refused
-        if route is None or refused is None or refused.pool != pool:
+        held, refused = self.table.snapshots().get(pool), self.refused
+        if held is None or refused is None or refused.pool != pool:
             return False
         last = (await js.stream_info(sj.EVENTS_STREAM)).state.last_seq
-        if route.snapshot.as_of_seq <= last or refused.as_of_seq > last:
+        if held.as_of_seq <= last or refused.as_of_seq > last:
             return False
         log.warning("the snapshot held for pool %s claims as_of_seq %d, beyond LB_EVENTS' last seq %d: "
-                    "not a scheduler's; replaced by the next one", pool, route.snapshot.as_of_seq, last)
-        self.router.forget(pool)
+                    "not a scheduler's; replaced by the next one", pool, held.as_of_seq, last)
+        self.table.forget(pool)
         return True
 
     def apply(self, entry: KeyValue.Entry) -> bool:
-        """Apply one KV entry; True when it is a snapshot the router refused as not newer than its own."""
+        """Apply one KV entry; True when it is a snapshot the table refused as not newer than its own."""
         self.last_update = time.monotonic()
         if entry.operation in (KV_DEL, KV_PURGE):
             log.info("pool %s removed from %s", entry.key, sj.WEIGHTS_BUCKET)
-            self.router.forget(entry.key)
+            self.table.forget(entry.key)
             return False
         try:
             snapshot = _SNAPSHOT.decode(entry.value or b"")
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("ignoring bad snapshot under %s/%s: %s", sj.WEIGHTS_BUCKET, entry.key, exc)
             return False
-        held = self.router.pools.get(snapshot.pool)
-        before = None if held is None else held.targets.keys() | held.decode_targets.keys()
-        if not self.router.offer(snapshot, time.monotonic()):
+        offered = self.table.offer(snapshot, time.monotonic())
+        if not offered:
             self.refused = snapshot
             return True
-        route = self.router.pools[snapshot.pool]  # its candidates, as PoolRoute.install chose them
-        if before and before - (route.targets.keys() | route.decode_targets.keys()):
+        if offered is Offered.NARROWED:
             # a node left rotation (a drain): say at once which snapshot this proxy routes on, after
             # the events of every admission it made before (the scheduler's drained waits for it)
-            self.publisher.heartbeat(self.router.total_inflight, self.router.applied_seq())
+            self.publisher.heartbeat(self.table.load.total, self.table.applied_seq())
         self.view_lag.observe(max(0.0, (time.time_ns() - snapshot.ts_ns) / 1e9))
         self._viewed(snapshot.pool)
+        self.picked()
         return False
 
     def _viewed(self, pool: str) -> None:
@@ -290,96 +385,11 @@ class BusLink:
             except Exception:  # a bug there must not stop the watch or the channel
                 log.exception("waking pool %s after a view change failed", pool)
 
-    async def _peer_message(self, msg: Msg) -> None:
-        self.peer_heard += 1
-        sender = sj.peer_of(msg.subject)
-        try:
-            if sender is None:
-                raise ValueError("not an lb.peer.<pool>.<proxy> subject")
-            message = PEER_DECODER.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-            self.peer_bad += 1
-            log.debug("ignoring a bad message on %s: %s", msg.subject, exc)
-            return
-        pool, proxy = sender
-        self.peer_lag.observe(max(0.0, (time.time_ns() - message.ts_ns) / 1e9))
-        if self.router.peer_update(proxy, pool, message, time.monotonic()):
-            self.peer_received += 1
-            self._viewed(pool)
-
-    def _on_pick(self, pool: str) -> None:
-        self._picked.add(pool)
-        self._pick.set()
-
-    async def _picks(self, nc: Client) -> None:
-        """At an admission: publish its pool's view ``Router.peer_pick_s`` later, with every other
-        pick of that window (module docstring)."""
-        router = self.router
-        while not self.closing:
-            await self._pick.wait()
-            if router.peer_pick_s > 0:
-                await asyncio.sleep(router.peer_pick_s)
-            self._pick.clear()
-            pools, self._picked = self._picked, set()
-            if nc.is_connected:
-                now = time.monotonic()
-                for pool in pools:
-                    if pool in router.changed:  # else an interval's message told the window's picks already
-                        await self._send(nc, pool, now)
-
-    async def _peers(self, nc: Client) -> None:
-        """Every ``peer_interval_s``: drop the stale peers, publish each pool's changed view."""
-        router = self.router
-        while not self.closing:
-            await asyncio.sleep(self.peer_interval_s)
-            now = time.monotonic()
-            if router.expire_peers(now):
-                for pool in list(router.pools):
-                    self._viewed(pool)
-            if not nc.is_connected:
-                continue
-            for pool in list(router.pools):
-                if router.peer_due(pool, now - self._peer_sent_at.get(pool, -math.inf)):
-                    await self._send(nc, pool, now)
-
-    async def _send(self, nc: Client, pool: str, now: float) -> None:
-        """The pool's message: whole at the heartbeat, else the changes (``Router.peer_message``).
-        One that cannot be published leaves a gap in the counter, so the peers take no change
-        before the next whole view."""
-        async with self._sending:  # one message at a time: a pool's changes reach NATS in their order
-            await self._send_one(nc, pool, now)
-
-    async def _send_one(self, nc: Client, pool: str, now: float) -> None:
-        router = self.router
-        seq = self._peer_seq[pool] = self._peer_seq.get(pool, 0) + 1
-        full = router.full_due(now - self._peer_sent_at.get(pool, -math.inf),
-                               now - self._peer_full_at.get(pool, -math.inf))
-        message = router.peer_message(pool, self.publisher.boot_id, seq, time.time_ns(), full=full)
-        if message is None or router.proxy_id is None:
-            return
-        data = PEER_ENCODER.encode(message)
-        subject = sj.peer(pool, router.proxy_id)
-        try:
-            await nc.publish(subject, data)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.debug("peer message for %s not sent: %s", pool, exc)
-            return
-        self._peer_sent_at[pool] = now
-        if isinstance(message, PeerState):
-            self._peer_full_at[pool] = now
-            self.peer_sent_whole += 1
-        self.peer_sent += 1
-        self.peer_sent_bytes += len(data) + len(subject)
-
     async def close(self, drain_timeout_s: float = 5.0) -> None:
         """Stop ``run``, then drain the connection (bounded); close it when the drain fails or is late."""
         self.closing = True
-        self.router.on_pick = None
-        for task in (self._peer_task, self._picks_task):
-            if task is not None:
-                await stop_task(task)
+        if self.peers is not None:
+            await self.peers.close()
         if self._task is not None:
             await stop_task(self._task)
         nc = self.nc

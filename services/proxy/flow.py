@@ -48,11 +48,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from laswrr.scheduler.routing.flow import (
-    BANDS, BATCH, INTERACTIVE, FlowConfig, FlowQueue, Held, KeyLimits, RateLimits, Refused, defer_to_peers,
+    BANDS, BATCH, INTERACTIVE, FlowConfig, FlowQueue, Held, KeyLimits, RateLimits, defer_to_peers,
     retry_after_header,
 )
 from laswrr.scheduler.routing.prompt import RequestSize
-from laswrr.scheduler.routing.router import Admission, Router
+from laswrr.scheduler.routing.router import AdmitRequest, Admission, Refusal, Router
 from laswrr.schemas.words import RefusalCause
 from laswrr.services.proxy.tasks import stop_task
 from laswrr.services.service_metrics import Buckets
@@ -66,7 +66,7 @@ class FlowAnswer:
     """The proxy's own answer to a request flow control did not dispatch."""
 
     status: int
-    code: Refused
+    code: RefusalCause
     message: str
     retry_after: int | None
 
@@ -122,8 +122,8 @@ class KeyRates:
         if refused is None:
             return None
         cause, seconds = refused
-        what = "requests" if cause is Refused.RATE_RPM else "tokens"
-        per = limits.rpm if cause is Refused.RATE_RPM else limits.tpm
+        what = "requests" if cause is RefusalCause.RATE_LIMIT_REQUESTS else "tokens"
+        per = limits.rpm if cause is RefusalCause.RATE_LIMIT_REQUESTS else limits.tpm
         return FlowAnswer(429, cause, f"Rate limit reached for this key: {per} {what} per minute",
                           retry_after_header(min(seconds, self.retry_after_cap_s)))
 
@@ -186,21 +186,21 @@ class FlowAnswers:
         self.no_node_wait_s = no_node_wait_s
 
     def queue_full(self, pool: str, lane: str, band: int, now: float) -> FlowAnswer:
-        self.counts.refuse(pool, band, Refused.QUEUE_FULL.value)
-        return FlowAnswer(429, Refused.QUEUE_FULL, f"queue of pool {pool!r}, band {BANDS[band]!r} is full "
+        self.counts.refuse(pool, band, RefusalCause.QUEUE_FULL.value)
+        return FlowAnswer(429, RefusalCause.QUEUE_FULL, f"queue of pool {pool!r}, band {BANDS[band]!r} is full "
                           f"({self.queue.config.bound} requests held)", self.queue.retry_after(lane, band, now, pool))
 
     def no_node(self, pool: str, band: int, exclude: frozenset[str] = frozenset()) -> FlowAnswer:
-        self.counts.refuse(pool, band, Refused.NO_ROUTABLE_NODE.value)
+        self.counts.refuse(pool, band, RefusalCause.NO_ROUTABLE_NODE.value)
         serving = " serving its model" if exclude else ""
-        return FlowAnswer(503, Refused.NO_ROUTABLE_NODE,
+        return FlowAnswer(503, RefusalCause.NO_ROUTABLE_NODE,
                           f"no routable node{serving} in pool {pool!r} for {self.no_node_wait_s:g} s",
                           retry_after_header(max(1.0, self.no_node_wait_s)))
 
     def expired(self, pool: str, held: Held[Waiter], now: float) -> FlowAnswer:
-        self.counts.refuse(pool, held.band, Refused.QUEUE_TIMEOUT.value)
+        self.counts.refuse(pool, held.band, RefusalCause.QUEUE_TIMEOUT.value)
         self.counts.waited(pool, held.band, now - held.arrived)
-        return FlowAnswer(429, Refused.QUEUE_TIMEOUT, f"held {now - held.arrived:.1f} s in the queue of pool "
+        return FlowAnswer(429, RefusalCause.QUEUE_TIMEOUT, f"held {now - held.arrived:.1f} s in the queue of pool "
                           f"{pool!r} without a free slot (its time to live)",
                           self.queue.retry_after(held.pool, held.band, now, pool))
 
@@ -248,8 +248,8 @@ class FlowGate:
         # held requests need
         behind = any(queue.depth(key, b) for key in {pool, lane} for b in range(band + 1)) or self._defer(pool, band)
         if not behind:
-            admission = router.admit(pool, exclude, prompt=text, size=size, limited=True, reserve=self._reserve(band))
-            if admission is not None:
+            admission = router.admitter.admit(AdmitRequest(pool, exclude, text, size, True, self._reserve(band)))
+            if isinstance(admission, Admission):
                 self.no_node_since.pop(lane, None)
                 self.counts.admit(pool, band, "direct")
                 return admission
@@ -261,7 +261,7 @@ class FlowGate:
             self.no_node_since.pop(lane, None)
         waiter = Waiter(asyncio.get_running_loop().create_future(), text, size, exclude)
         held = queue.offer(lane, band, tenant, work, now, ttl, waiter, wide=not exclude)
-        if isinstance(held, Refused):
+        if isinstance(held, RefusalCause):
             return self.answers.queue_full(pool, lane, band, now)
         self.pump(pool)
         self._announce(pool)
@@ -290,13 +290,12 @@ class FlowGate:
         elif waiter.future.done() and not waiter.future.cancelled():
             result = waiter.future.result()
             if isinstance(result, Admission):  # admitted just before the cancel: give the slot back
-                self.router.release(result)
+                self.router.admitter.release(result)
                 self.released(result.pool)
 
     def _routable(self, pool: str, exclude: frozenset[str] = frozenset()) -> bool:
         """Some routable node of ``pool`` outside ``exclude`` (one serving the request's model)."""
-        route = self.router.pools.get(pool)
-        return route is not None and any(node not in exclude for node in route.targets)
+        return bool(self.router.table.candidates(pool, exclude))
 
     # -- dispatch --------------------------------------------------------------------------------
 
@@ -318,13 +317,14 @@ class FlowGate:
     def _defer(self, pool: str, band: int) -> bool:
         """A request of ``band`` leaves the pool's free slots to the other proxies' more urgent
         held requests (``scheduler.routing.flow.defer_to_peers``)."""
-        if band == INTERACTIVE or not self.router.share:
+        channel, admitter = self.router.channel, self.router.admitter
+        if band == INTERACTIVE or channel is None:
             return False
-        peers = self.router.peer_held(pool)
+        peers = channel.peer_held(pool)
         if not peers:
             return False
-        every = self.router.free_slots(pool)
-        usable = self.router.free_slots(pool, self._reserve(band))
+        every = admitter.free_slots(pool)
+        usable = admitter.free_slots(pool, self._reserve(band))
         if not defer_to_peers(band, peers, usable, 0 if every is None or usable is None else every - usable):
             return False
         self.deferred += 1
@@ -336,7 +336,7 @@ class FlowGate:
         each lane only on its own nodes, the most urgent band first across lanes; a band the
         other proxies hold more urgent requests for waits while they need every free slot
         (``_defer``), except for the starvation guard's turn."""
-        router, queue = self.router, self.queue
+        admitter, queue = self.router.admitter, self.queue
         reserve = queue.config.interactive_reserve
         moved = False
         while True:
@@ -344,9 +344,9 @@ class FlowGate:
             for lane, exclude in self.lanes.of(pool):
                 if not queue.depth(lane):
                     continue
-                if router.can_take(pool, exclude, reserve=reserve):
+                if admitter.can_take(pool, exclude, reserve=reserve):
                     upto = BATCH
-                elif queue.depth(lane, INTERACTIVE) and router.can_take(pool, exclude):
+                elif queue.depth(lane, INTERACTIVE) and admitter.can_take(pool, exclude):
                     upto = INTERACTIVE
                 else:
                     continue
@@ -364,9 +364,9 @@ class FlowGate:
             waiter = held.ticket
             if waiter.future.done():  # cancelled with its handler
                 continue
-            admission = router.admit(pool, waiter.exclude, prompt=waiter.text, size=waiter.size, limited=True,
-                                     reserve=self._reserve(held.band))
-            if admission is None:  # can_take said one of its nodes could: never expected; answered, not lost
+            admission = admitter.admit(AdmitRequest(pool, waiter.exclude, waiter.text, waiter.size, True,
+                                                    self._reserve(held.band)))
+            if isinstance(admission, Refusal):  # can_take said one of its nodes could: never expected; answered, not lost
                 waiter.future.set_result(self.answers.no_node(pool, held.band, waiter.exclude))
                 continue
             waiter.future.set_result(admission)
@@ -376,8 +376,8 @@ class FlowGate:
     def _announce(self, pool: str) -> None:
         """This proxy's held requests of ``pool`` per band (those any node may take: the pool's
         own lane) for its next peer message (``Router.note_held``)."""
-        router, queue = self.router, self.queue
-        if not router.share:
+        channel, queue = self.router.channel, self.queue
+        if channel is None:
             return
         now = time.monotonic()
         held, oldest = {}, {}
@@ -386,7 +386,7 @@ class FlowGate:
             if count:
                 held[name] = count
                 oldest[name] = round(queue.oldest_wait(pool, band, now) * 1000)
-        router.note_held(pool, held, oldest)
+        channel.note_held(pool, held, oldest)
 
     # -- while anything is held: expiries and the no-node wait --------------------------------------
 

@@ -165,14 +165,15 @@ def _routing_families(router: Router) -> Iterator[Metric]:
                                  labels=labels)
     estimate = GaugeMetricFamily("laswrr_node_inflight_estimate", "Pool-wide in-flight estimate the pick uses: "
                                  "other replicas' as of the snapshot plus this proxy's own", labels=labels)
-    for pool, route in sorted(router.pools.items()):
-        for view in route.snapshot.nodes:
+    load = router.table.load
+    for pool, snapshot in sorted(router.table.snapshots().items()):
+        for view in snapshot.nodes:
             key = [pool, view.node]
             effective.add_metric(key, view.effective_weight)
             target.add_metric(key, view.target_weight)
             routable.add_metric(key, 1.0 if view.routable else 0.0)
-            inflight.add_metric(key, router.inflight.get(view.node, 0))
-            estimate.add_metric(key, router.load.get(view.node, 0))
+            inflight.add_metric(key, load.own.get(view.node, 0))
+            estimate.add_metric(key, load.load.get(view.node, 0))
             for name in PHASES:
                 phase.add_metric([*key, name], 1.0 if view.phase == name else 0.0)
     yield from (effective, target, routable, phase, inflight, estimate)
@@ -243,9 +244,9 @@ class ProxyMetrics:
     def refresh(self, router: Router, publisher: EventPublisher, nats_connected: bool,
                 view_lag: Buckets | None = None, peers: PeerCounts | None = None) -> None:
         now_ns = time.time_ns()
-        for pool, route in router.pools.items():
-            self.snapshot_age.labels(pool=pool).set(max(0.0, (now_ns - route.snapshot.ts_ns) / 1e9))
-            self.snapshot_seq.labels(pool=pool).set(route.snapshot.as_of_seq)
+        for pool, snapshot in router.table.snapshots().items():
+            self.snapshot_age.labels(pool=pool).set(max(0.0, (now_ns - snapshot.ts_ns) / 1e9))
+            self.snapshot_seq.labels(pool=pool).set(snapshot.as_of_seq)
         self.nats_connected.set(1 if nats_connected else 0)
         self.events_buffered.set(publisher.buffered)
         self.router, self.publisher, self.view_lag, self.peers = router, publisher, view_lag, peers

@@ -51,7 +51,7 @@ class ModelCatalog:
         if not self.fresh():
             await self.refresh()
         data = self.entries or [
-            {"id": pool, "object": "model", "created": 0, "owned_by": "laswrr"} for pool in sorted(self.router.pools)
+            {"id": pool, "object": "model", "created": 0, "owned_by": "laswrr"} for pool in sorted(self.router.table.names())
         ]
         return {"object": "list", "data": data}
 
@@ -73,7 +73,7 @@ class ModelCatalog:
             self._refresh = asyncio.create_task(self.refresh())
 
     async def refresh(self) -> None:
-        targets = sorted(set(self.router.routable_urls()))
+        targets = sorted(set(self.router.table.routable_urls()))
         answers = await asyncio.gather(*(self._fetch(url) for _, url in targets))
         entries: dict[str, dict[str, Any]] = {}
         model_pools: dict[str, str] = {}

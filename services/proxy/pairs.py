@@ -34,10 +34,10 @@ async def vllm_prefill(runner: AttemptRunner, exchange: Exchange, admission: Adm
         result = await runner.prefill(exchange, admission, state, pd.prefill_body(base))  # a JSON object (app.py)
     except asyncio.CancelledError:
         runner.cancelled(attempt_id, admission, exchange, state)
-        runner.router.release(decode)
+        runner.router.admitter.release(decode)
         raise
     finally:
-        runner.router.release(admission)
+        runner.router.admitter.release(admission)
     if isinstance(result, Failed):
         return result
     try:
@@ -90,7 +90,7 @@ class SglangPair:
                                                             state.status, error=failed.reason))
             return failed
         finally:
-            runner.router.release(admission)
+            runner.router.admitter.release(admission)
         if isinstance(result, Failed):
             exchange.tried.append(admission.node)
             runner.finish(leg.attempt_id, admission, Attempt(outcome=result.outcome(), status=result.status,

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from laswrr.schemas.refusals import ANSWERS
 from laswrr.schemas.words import NodeRole, PdProtocol, RefusalCause, RequestOutcome
 from laswrr.scheduler.routing.attempts import (
     CONTINUATIONS,
@@ -67,7 +68,7 @@ from laswrr.scheduler.routing.attempts import (
     next_leg,
     pair_leg,
 )
-from laswrr.scheduler.routing.router import Admission, Router
+from laswrr.scheduler.routing.router import AdmitRequest, Admission, Router
 from laswrr.services.proxy.answers import (
     REQUEST_ID_HEADER,
     error_body,
@@ -147,7 +148,7 @@ class Forwarder:
         if admission.role == NodeRole.PREFILL and self._decode_only(admission):
             alone = self._admit(exchange, None, NodeRole.DECODE)
             if alone is not None:  # none: the pair's own refusal below answers
-                self.router.release(admission)
+                self.router.admitter.release(admission)
                 admission = alone
         course = Course(Budget(self.max_retries, self.continue_limit), Leg.WHOLE, admission)
         if admission.role == NodeRole.DECODE:
@@ -155,11 +156,13 @@ class Forwarder:
         elif admission.role == NodeRole.PREFILL:
             course.leg, course.decode = pair_leg(admission.protocol), self._admit(exchange, None, NodeRole.DECODE)
             if course.decode is None:
-                self.router.release(admission)
+                self.router.admitter.release(admission)
                 message = f"no routable decode node in pool {exchange.pool} for the prefill/decode pair"
-                self.events.refused(exchange.request_id, 503, RefusalCause.NO_ROUTABLE_NODE, message,
+                cause = RefusalCause.NO_ROUTABLE_NODE
+                answer = ANSWERS[cause]
+                self.events.refused(exchange.request_id, answer.status, cause, message,
                                     pool=exchange.pool, key_name=exchange.key_name)
-                return error_response(503, message, "service_unavailable", RefusalCause.NO_ROUTABLE_NODE.value,
+                return error_response(answer.status, message, answer.type, answer.code,
                                       headers={REQUEST_ID_HEADER: exchange.request_id})
         return course
 
@@ -207,7 +210,7 @@ class Forwarder:
         if taker is None:
             assert cause is not None
             if course.decode is not None:  # a vllm pair's prefill leg: its decode node never ran
-                self.router.release(course.decode)
+                self.router.admitter.release(course.decode)
             why = give_up_text(course.leg, outcome, cause, self.continue_limit)
             return await self._give_up(result, course.admission, exchange, why)
         course.budget = course.budget.spend(step)
@@ -226,7 +229,7 @@ class Forwarder:
             return taker, None
         decode = self._admit(exchange, None, NodeRole.DECODE)
         if decode is None:
-            self.router.release(taker)
+            self.router.admitter.release(taker)
             return None, None
         return taker, decode
 
@@ -234,11 +237,13 @@ class Forwarder:
         """The one call of the admitter: a node of ``role`` not tried yet; a new sglang pair avoids
         the ``suspect`` prefill nodes while another prefill node can serve (the decode's failure may
         have been its bootstrap with a prefill engine that died), else takes them again."""
+        admitter = self.router.admitter
         if suspect and role is None:
-            admission = self.router.admit(exchange.pool, [*exchange.avoid(), *suspect])
-            if admission is not None:
+            admission = admitter.admit(AdmitRequest(exchange.pool, [*exchange.avoid(), *suspect]))
+            if isinstance(admission, Admission):
                 return admission
-        return self.router.admit(exchange.pool, exchange.avoid(), role=role)
+        result = admitter.admit(AdmitRequest(exchange.pool, exchange.avoid(), role=role))
+        return result if isinstance(result, Admission) else None
 
     async def _give_up(self, result: Failed | Broken, admission: Admission, exchange: Exchange,
                        why: str) -> web.StreamResponse:

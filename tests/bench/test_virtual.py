@@ -86,16 +86,16 @@ def test_the_virtual_channel_delivers_a_message_the_delay_after_it_was_sent() ->
     scenario = get_scenario("smoke-trace")
     routers = [Router("la-swrr", k, proxy_id=f"proxy-{k}", share=True) for k in range(2)]
     for router in routers:
-        router.offer(_snapshot(scenario), now=0.0)
+        router.table.offer(_snapshot(scenario), now=0.0)
     due: list[tuple[float, Callable[[float], None]]] = []
     channel = VirtualChannel(routers, delay_s=0.001, schedule=lambda at, deliver: due.append((at, deliver)))
     channel.start(0.0)
-    assert not routers[1].pools[DEFAULT_POOL].peers  # sent, not taken yet
+    assert not routers[1].table.route(DEFAULT_POOL).peers  # sent, not taken yet
     assert [at for at, _ in due] == [0.001, 0.001]
     for at, deliver in due:
         deliver(at)
-    assert set(routers[1].pools[DEFAULT_POOL].peers) == {"proxy-0"}
-    assert routers[1].pools[DEFAULT_POOL].peers["proxy-0"].received_at == 0.001
+    assert set(routers[1].table.route(DEFAULT_POOL).peers) == {"proxy-0"}
+    assert routers[1].table.route(DEFAULT_POOL).peers["proxy-0"].received_at == 0.001
     try:
         VirtualChannel(routers, delay_s=0.001)
     except ValueError as exc:

@@ -177,8 +177,9 @@ async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0, what: st
 
 async def wait_seq(proxy: RunningProxy, pool: str, seq: int) -> None:
     """Until the proxy routes on a snapshot of ``pool`` at least as new as ``seq``."""
-    routes = proxy.state.router.pools
-    await wait_for(lambda: pool in routes and routes[pool].snapshot.as_of_seq >= seq, what=f"{pool} snapshot {seq}")
+    table = proxy.state.router.table
+    await wait_for(lambda: pool in table.snapshots() and table.snapshots()[pool].as_of_seq >= seq,
+                   what=f"{pool} snapshot {seq}")
 
 
 

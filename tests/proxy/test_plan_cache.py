@@ -33,7 +33,7 @@ def listed(catalog: ModelCatalog, model_pools: dict[str, str]) -> None:
 async def test_a_plan_made_with_the_model_listing_follows_its_refresh() -> None:
     router = Router("la-swrr", seed=1)
     for pool in ("pa", "pb"):
-        router.offer(snapshot(pool, 1), 0.0)
+        router.table.offer(snapshot(pool, 1), 0.0)
     catalog = ModelCatalog(engines=None, router=router)  # type: ignore[arg-type]  # never fetches here
     state = ProxyState(config=ProxyConfig(), router=router, events=None, metrics=None, bus=None,  # type: ignore[arg-type]
                        catalog=catalog)
@@ -46,6 +46,6 @@ async def test_a_plan_made_with_the_model_listing_follows_its_refresh() -> None:
     assert await _plan(state, "m") == ModelPlan("pb")
 
     kept = await _plan(state, "m")
-    router.offer(snapshot("pa", 2), 0.0)  # a snapshot installed: every plan is made again
+    router.table.offer(snapshot("pa", 2), 0.0)  # a snapshot installed: every plan is made again
     again = await _plan(state, "m")
     assert again == kept and again is not kept

@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 
 from laswrr.scheduler.routing.prompt import RequestSize, prompt_text, request_size
+from tests.scheduler.routing_help import admit
 from laswrr.scheduler.routing.router import Router
 from tests.proxy.test_proxy_routing import node, snap
 
@@ -20,29 +21,29 @@ def picks_of(router: Router, sized: bool) -> list[str]:
     """60 unshared 2000-character prompts, one of every three released after the next two."""
     picks, held = [], []
     for i in range(60):
-        admission = router.admit("default", prompt=f"request {i} ".encode() * 200,
+        admission = admit(router, "default", prompt=f"request {i} ".encode() * 200,
                                  size=RequestSize(500) if sized else None)
         assert admission is not None
         picks.append(admission.node)
         held.append(admission)
         if i % 3 == 2:
-            router.release(held.pop(0))
+            router.admitter.release(held.pop(0))
     return picks
 
 
 def test_unsized_requests_pick_exactly_as_la_swrr() -> None:
-    on, off = Router("la-swrr", seed=7), Router("la-swrr", seed=7, affinity="none")
+    on, off = Router("la-swrr", seed=7), Router("la-swrr", seed=7, scorer=None)
     for router in (on, off):
-        router.offer(snap(1, node("a", 5), node("b", 1), node("c", 1)), now=0)
+        router.table.offer(snap(1, node("a", 5), node("b", 1), node("c", 1)), now=0)
     assert picks_of(on, sized=False) == picks_of(off, sized=False)
-    assert off.pools["default"].index is None and on.pools["default"].index is not None
+    assert off.table.route("default").index is None and on.table.route("default").index is not None
 
 
 def test_equal_unshared_requests_on_equal_weights_pick_exactly_as_la_swrr() -> None:
     """Equal costs, no backlog leaving: the work referee is the request referee in other units."""
-    on, off = Router("la-swrr", seed=7), Router("la-swrr", seed=7, affinity="none")
+    on, off = Router("la-swrr", seed=7), Router("la-swrr", seed=7, scorer=None)
     for router in (on, off):
-        router.offer(snap(1, node("a", 3), node("b", 3), node("c", 3)), now=0)
+        router.table.offer(snap(1, node("a", 3), node("b", 3), node("c", 3)), now=0)
     assert picks_of(on, sized=True) == picks_of(off, sized=True)
 
 
@@ -51,18 +52,18 @@ def test_the_work_referee_sends_a_request_past_a_prefill_backlog() -> None:
     first byte. Counting requests they are level; counting work, b is lighter and takes the next."""
     for leader_first in (True, False):
         router = Router("la-swrr", seed=3)
-        router.offer(snap(1, node("a", 4), node("b", 4)), now=0)
-        first = router.admit("default", prompt=b"p" * 80_000, size=RequestSize(20_000))
-        second = router.admit("default", prompt=b"q" * 2_000, size=RequestSize(500))
+        router.table.offer(snap(1, node("a", 4), node("b", 4)), now=0)
+        first = admit(router, "default", prompt=b"p" * 80_000, size=RequestSize(20_000))
+        second = admit(router, "default", prompt=b"q" * 2_000, size=RequestSize(500))
         assert first is not None and second is not None and first.node != second.node
-        router.prefilled(second)
-        assert router.backlog == {first.node: 20_000}
+        router.admitter.prefilled(second)
+        assert router.table.load.backlog == {first.node: 20_000}
         if not leader_first:  # the SWRR leader now is the other node: the referee must still move it
-            router.pools["default"].policy.swrr.cw.reverse()
-        third = router.admit("default", prompt=b"r" * 2_000, size=RequestSize(500))
+            router.table.route("default").first.policy.swrr.cw.reverse()
+        third = admit(router, "default", prompt=b"r" * 2_000, size=RequestSize(500))
         assert third is not None and third.node == second.node
-        router.release(first)
-        assert first.node not in router.backlog
+        router.admitter.release(first)
+        assert first.node not in router.table.load.backlog
 
 
 def sized(prompt: bytes) -> RequestSize:
@@ -71,17 +72,17 @@ def sized(prompt: bytes) -> RequestSize:
 
 def test_a_conversation_stays_on_its_node_while_the_guard_allows() -> None:
     router = Router("la-swrr", seed=1)
-    router.offer(snap(1, node("a", 4), node("b", 4), node("c", 4)), now=0)
-    first = router.admit("default", prompt=turn(1, 2), size=sized(turn(1, 2)))
+    router.table.offer(snap(1, node("a", 4), node("b", 4), node("c", 4)), now=0)
+    first = admit(router, "default", prompt=turn(1, 2), size=sized(turn(1, 2)))
     assert first is not None
-    router.release(first)
+    router.admitter.release(first)
     for turns in range(3, 9):
-        admission = router.admit("default", prompt=turn(1, turns), size=sized(turn(1, turns)))
+        admission = admit(router, "default", prompt=turn(1, turns), size=sized(turn(1, turns)))
         assert admission is not None and admission.node == first.node
-        router.release(admission)
+        router.admitter.release(admission)
     # the same turn sent again and again with nothing finishing: its node takes the first ones,
     # then the guard spreads them (the cached prefix makes it cheaper, not unbounded)
-    busy = [router.admit("default", prompt=turn(1, 8), size=sized(turn(1, 8))) for _ in range(6)]
+    busy = [admit(router, "default", prompt=turn(1, 8), size=sized(turn(1, 8))) for _ in range(6)]
     nodes = [b.node for b in busy if b is not None]
     assert len(nodes) == 6 and nodes[0] == first.node
     assert 2 <= nodes.count(first.node) <= 4 and len(set(nodes)) == 3, nodes
@@ -89,27 +90,27 @@ def test_a_conversation_stays_on_its_node_while_the_guard_allows() -> None:
 
 def test_ejected_and_removed_nodes_are_dropped_from_the_index() -> None:
     router = Router("la-swrr", seed=1)
-    router.offer(snap(1, node("a", 4), node("b", 4)), now=0)
+    router.table.offer(snap(1, node("a", 4), node("b", 4)), now=0)
     for i in range(4):
-        admission = router.admit("default", prompt=turn(i, 3), size=RequestSize(10))
+        admission = admit(router, "default", prompt=turn(i, 3), size=RequestSize(10))
         assert admission is not None
-        router.release(admission)
-    index = router.pools["default"].index
+        router.admitter.release(admission)
+    index = router.table.route("default").index
     assert index is not None and sorted(index.nodes()) == ["a", "b"]
     ejected = msgspec.structs.replace(node("a", 0, routable=False), phase="ejected")
-    router.offer(snap(2, ejected, node("b", 4)), now=1)
+    router.table.offer(snap(2, ejected, node("b", 4)), now=1)
     assert index.nodes() == ["b"]
-    router.offer(snap(3, node("b", 4, routable=False)), now=2)  # draining: its cache is still there
+    router.table.offer(snap(3, node("b", 4, routable=False)), now=2)  # draining: its cache is still there
     assert index.nodes() == ["b"]
-    router.offer(snap(4, node("c", 4)), now=3)  # b removed
+    router.table.offer(snap(4, node("c", 4)), now=3)  # b removed
     assert index.nodes() == []
 
 
 def test_other_policies_have_no_affinity() -> None:
     router = Router("p2c", seed=1)
-    router.offer(snap(1, node("a", 4), node("b", 4)), now=0)
-    assert router.pools["default"].index is None and router.affinity_mode == "none"
-    assert router.admit("default", prompt=b"z" * 4096, size=RequestSize(10)) is not None
+    router.table.offer(snap(1, node("a", 4), node("b", 4)), now=0)
+    assert router.table.route("default").index is None and router.affinity_mode == "none"
+    assert admit(router, "default", prompt=b"z" * 4096, size=RequestSize(10)) is not None
 
 
 def test_prompt_text_and_tokens_of_bodies() -> None:

@@ -150,12 +150,12 @@ async def until_tokens(queue: asyncio.Queue[int], k: int) -> None:
 async def make_routable(core: CoreDriver, proxy: RunningProxy, engine: EngineProcess) -> None:
     """Register ``engine`` and tick until the proxy's snapshot lets it take requests."""
     await wait_seq(proxy, "default", await core.register(engine.node, engine.url, capacity=4))
-    targets = proxy.state.router.pools["default"].targets
+    targets = proxy.state.router.table.route("default").first.targets
     for _ in range(100):
         if engine.node in targets:
             return
         await wait_seq(proxy, "default", await core.tick())
-        targets = proxy.state.router.pools["default"].targets
+        targets = proxy.state.router.table.route("default").first.targets
     raise AssertionError(f"{engine.node} never became routable")
 
 

@@ -142,7 +142,7 @@ async def test_client_disconnect_cancels_upstream(engines, core: CoreDriver, sta
     await wait_for(lambda: len(tap.of(sj.REQ_FINISHED)) == 1)
     [(_, finished)] = tap.of(sj.REQ_FINISHED)
     assert finished["outcome"] == "client_cancelled" and finished["ttft_ms"] is not None
-    assert proxy.state.router.total_inflight == 0
+    assert proxy.state.router.table.load.total == 0
 
 
 async def test_no_routable_node_is_503_with_retry_after(engines, core: CoreDriver, start_proxy: StartProxy,

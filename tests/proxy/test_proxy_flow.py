@@ -56,7 +56,7 @@ async def one_node(core: CoreDriver, engines: Any, start_proxy: StartProxy, capa
     seq = await core.register("a", engine.url, capacity=capacity)
     proxy = await start_proxy(flow_control=True, **flags)
     await wait_seq(proxy, "default", seq)
-    view = proxy.state.router.pools["default"].snapshot.nodes[0]
+    view = proxy.state.router.table.route("default").snapshot.nodes[0]
     assert view.concurrency_limit == capacity  # the slot limit, published by the core (factor 1.0)
     return engine, proxy
 
@@ -258,14 +258,14 @@ async def test_two_proxies_hold_their_own_queues_on_the_pool_wide_view(
         p1 = await start_proxy(proxy_id="p1", flow_control=flow)
         p2 = await start_proxy(proxy_id="p2", flow_control=flow)
         for proxy in (p1, p2):
-            await wait_for(lambda proxy=proxy: "a" in getattr(proxy.state.router.pools.get("default"), "targets", {}),
+            await wait_for(lambda proxy=proxy: "a" in proxy.state.router.table.candidates("default"),
                            timeout=10, what="routes on a")
         first = asyncio.create_task(post(http, p1, body("p1-long", chunks=30, delay=0.1)))
         second = asyncio.create_task(post(http, p1, body("p1-long2", chunks=30, delay=0.1)))
         await wait_for(lambda: len(engine.received) == 2, what="a full through p1")
 
         def p2_sees_a_full() -> bool:
-            route = p2.state.router.pools["default"]
+            route = p2.state.router.table.route("default")
             return route.snapshot.nodes[0].inflight == 2
 
         await wait_for(p2_sees_a_full, timeout=10, what="p2's snapshot shows p1's two requests")
@@ -357,8 +357,8 @@ async def test_a_slot_another_proxy_frees_goes_to_the_more_urgent_band_it_holds(
     p2 = await start_proxy(proxy_id="p2", flow_control=True)
     for proxy in (p1, p2):
         await wait_seq(proxy, "default", seq)
-    await wait_for(lambda: "p2" in p1.state.router.pools["default"].peers
-                   and "p1" in p2.state.router.pools["default"].peers, what="each hears the other")
+    await wait_for(lambda: "p2" in p1.state.router.table.route("default").peers
+                   and "p1" in p2.state.router.table.route("default").peers, what="each hears the other")
     short = asyncio.create_task(post(http, p2, body("p2-short", chunks=10, delay=0.1)))
     long = asyncio.create_task(post(http, p2, body("p2-long", chunks=60, delay=0.1)))
     await wait_for(lambda: len(engine.received) == 2, what="a full through p2")

@@ -67,7 +67,7 @@ async def test_removal_and_new_snapshots_leave_admitted_requests_alone(
     await core.send(sj.admin_remove("a"), {})
     await core.send(sj.admin_node("b"), {"url": b.url, "capacity": 9})
     await wait_seq(proxy, "default", core.seq)
-    assert "a" not in proxy.state.router.pools["default"].targets
+    assert "a" not in proxy.state.router.table.route("default").first.targets
     results = await asyncio.gather(*streams)
     assert all(data.endswith(b"data: [DONE]\n\n") for _, data in results)
 

@@ -82,7 +82,7 @@ async def test_replicas_side_by_side_heartbeat_and_share_snapshots(engines, core
         await wait_seq(proxy, "default", seq)
         # the replicas share their in-flight (lb.peer): a release is told within --peer-interval-ms,
         # so the second one starts once it has heard the first one's last release
-        await wait_for(lambda p=proxy: not p.state.router.pools["default"].others, what="the other replica idle")
+        await wait_for(lambda p=proxy: not p.state.router.table.route("default").others, what="the other replica idle")
         for _ in range(4):
             async with http.post(proxy.url + CHAT, json={"model": "m", "messages": []}) as resp:
                 assert resp.status == 200

@@ -45,28 +45,28 @@ async def two_proxies(engines: Any, core: CoreDriver, start_proxy: StartProxy, i
 async def test_a_prompt_admitted_through_one_proxy_steers_the_other_to_the_same_node(
         engines: Any, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession) -> None:
     a, b = await two_proxies(engines, core, start_proxy, interval_ms=20)
-    await wait_for(lambda: "proxy-a" in b.state.router.pools["default"].peers, what="B hears A's heartbeat")
+    await wait_for(lambda: "proxy-a" in b.state.router.table.route("default").peers, what="B hears A's heartbeat")
     kept = []
     for k in range(6):
         first = await ask(http, a.url, conversation(k))
-        index = b.state.router.pools["default"].index
+        index = b.state.router.table.route("default").index
         assert index is not None
         keys = index.keys(prompt_text([{"role": "user", "content": conversation(k)}], None))
         await wait_for(lambda: first in index.depths(keys, [first]) and index.depths(keys, [first])[first] > 0,
                        what="B's index holds A's prefix")
-        peers = b.state.router.pools["default"].peers
+        peers = b.state.router.table.route("default").peers
         await wait_for(lambda: not peers["proxy-a"].inflight and not peers["proxy-a"].backlog,
                        what="B hears A's request end (its backlog there would hold B off: the guard)")
         kept.append(await ask(http, b.url, conversation(k)) == first)
     assert kept == [True] * 6
-    assert b.state.bus.peer_received > 0 and a.state.bus.peer_sent > 0
+    assert b.state.bus.peers.peer_received > 0 and a.state.bus.peers.peer_sent > 0
 
 
 async def test_without_the_channel_the_other_proxy_goes_elsewhere(
         engines: Any, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession) -> None:
     a, b = await two_proxies(engines, core, start_proxy, interval_ms=0)
     kept = [await ask(http, b.url, conversation(k)) == await ask(http, a.url, conversation(k)) for k in range(6)]
-    assert not all(kept) and b.state.router.pools["default"].peers == {}
+    assert not all(kept) and b.state.router.table.route("default").peers == {}
 
 
 async def test_a_silent_peer_is_dropped_and_routing_falls_back_to_the_snapshot(
@@ -74,17 +74,17 @@ async def test_a_silent_peer_is_dropped_and_routing_falls_back_to_the_snapshot(
     a, b = await two_proxies(engines, core, start_proxy, interval_ms=20, stale_ms=300)
     body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}],
             "test": {"chunks": 400, "delay": 0.05}}
-    route = b.state.router.pools["default"]
+    route = b.state.router.table.route("default")
     async with http.post(a.url + CHAT, json=body) as stream:
         node = stream.headers["x-laswrr-node"]
         await wait_for(lambda: route.others.get(node) == 1, what="B counts A's stream on its node")
-        assert b.state.router.load.get(node) == 1  # the snapshot (no events consumed here) says 0
+        assert b.state.router.table.load.load.get(node) == 1  # the snapshot (no events consumed here) says 0
         assert a.state.bus.nc is not None
         await a.state.bus.nc.close()  # A falls silent on the bus (its stream goes on)
         await wait_for(lambda: "proxy-a" not in route.peers, timeout=5, what="B drops the silent peer")
         assert route.others == others_inflight(route.snapshot, "proxy-b")  # exactly the snapshot's rule
-        assert b.state.router.load.get(node) is None
-        assert b.state.router.peer_backlog == {}
+        assert b.state.router.table.load.load.get(node) is None
+        assert b.state.router.table.load.peer_backlog == {}
         stream.close()
 
 
@@ -94,11 +94,11 @@ async def test_a_pick_reaches_the_peer_at_once_not_an_interval_later(
     a, b = await two_proxies(engines, core, start_proxy, interval_ms=60_000, stale_ms=600_000)
     body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}],
             "test": {"chunks": 400, "delay": 0.05}}
-    route = b.state.router.pools["default"]
+    route = b.state.router.table.route("default")
     async with http.post(a.url + CHAT, json=body) as stream:
         node = stream.headers["x-laswrr-node"]
         await wait_for(lambda: route.others.get(node) == 1, timeout=5, what="B counts A's stream at its pick")
-        assert a.state.bus.peer_sent >= 1
+        assert a.state.bus.peers.peer_sent >= 1
         stream.close()
 
 
@@ -115,19 +115,19 @@ async def test_the_picks_of_a_window_reach_the_peer_in_one_message(
     b = await start_proxy(proxy_id="proxy-b", peer_interval_ms=20, peer_stale_ms=600_000)
     for proxy in (a, b):
         await wait_seq(proxy, "default", seq)
-    await wait_for(lambda: "proxy-b" in a.state.router.pools["default"].peers, what="A hears B")
-    sent = a.state.bus.peer_sent
+    await wait_for(lambda: "proxy-b" in a.state.router.table.route("default").peers, what="A hears B")
+    sent = a.state.bus.peers.peer_sent
     body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}],
             "test": {"chunks": 400, "delay": 0.05}}
     streams = []
     try:
         for _ in range(6):
             streams.append(await http.post(a.url + CHAT, json=body))
-        assert sum(a.state.router.inflight.values()) == 6
-        peers = b.state.router.pools["default"].peers
+        assert sum(a.state.router.table.load.own.values()) == 6
+        peers = b.state.router.table.route("default").peers
         await wait_for(lambda: "proxy-a" in peers and sum(peers["proxy-a"].inflight.values()) == 6, timeout=5,
                        what="B counts A's six streams")
-        assert a.state.bus.peer_sent - sent == 1
+        assert a.state.bus.peers.peer_sent - sent == 1
     finally:
         for stream in streams:
             stream.close()
@@ -139,16 +139,16 @@ async def test_a_proxy_is_not_sent_back_its_own_peer_messages(
     connection is ``no_echo``, so NATS never delivers those back to it to decode and drop (one wasted delivery
     and decode per request before). The other proxy hears each of them."""
     a, b = await two_proxies(engines, core, start_proxy, interval_ms=20)
-    await wait_for(lambda: "proxy-a" in b.state.router.pools["default"].peers, what="B hears A")
-    await wait_for(lambda: "proxy-b" in a.state.router.pools["default"].peers, what="A hears B")
-    a_heard, b_heard, b_sent = a.state.bus.peer_heard, b.state.bus.peer_heard, b.state.bus.peer_sent
+    await wait_for(lambda: "proxy-a" in b.state.router.table.route("default").peers, what="B hears A")
+    await wait_for(lambda: "proxy-b" in a.state.router.table.route("default").peers, what="A hears B")
+    a_heard, b_heard, b_sent = a.state.bus.peers.peer_heard, b.state.bus.peers.peer_heard, b.state.bus.peers.peer_sent
     for k in range(20):
         await ask(http, a.url, conversation(k))
-    await wait_for(lambda: b.state.bus.peer_heard - b_heard >= 20, what="B hears A's 20 picks")
-    assert a.state.bus.peer_sent >= 20
+    await wait_for(lambda: b.state.bus.peers.peer_heard - b_heard >= 20, what="B hears A's 20 picks")
+    assert a.state.bus.peers.peer_sent >= 20
     # A hears only what B sent (its heartbeats, a message every half --peer-stale-ms), none of its
     # own 20 picks, however long the asks took
-    assert a.state.bus.peer_heard - a_heard <= b.state.bus.peer_sent - b_sent
+    assert a.state.bus.peers.peer_heard - a_heard <= b.state.bus.peers.peer_sent - b_sent
 
 
 async def test_the_peer_follows_the_counts_through_changes_only(
@@ -156,38 +156,38 @@ async def test_the_peer_follows_the_counts_through_changes_only(
     """After its first whole view, A tells B only what changed (schemas.peers ``PeerDelta``): B's
     count of A's requests follows A's own through picks, first bytes and releases, to zero."""
     a, b = await two_proxies(engines, core, start_proxy, interval_ms=20, stale_ms=600_000)
-    await wait_for(lambda: "proxy-a" in b.state.router.pools["default"].peers, what="B hears A")
-    await wait_for(lambda: "proxy-b" in a.state.router.pools["default"].peers, what="A hears B")
+    await wait_for(lambda: "proxy-a" in b.state.router.table.route("default").peers, what="B hears A")
+    await wait_for(lambda: "proxy-b" in a.state.router.table.route("default").peers, what="A hears B")
     # hearing B, A sent B its whole view again (B may have missed its first): wait until it went
-    await wait_for(lambda: "default" not in a.state.router.changed, what="A's whole view to B sent")
-    whole = a.state.bus.peer_sent_whole
-    sent = a.state.bus.peer_sent
-    peer = b.state.router.pools["default"].peers
+    await wait_for(lambda: "default" not in a.state.router.channel.changed, what="A's whole view to B sent")
+    whole = a.state.bus.peers.peer_sent_whole
+    sent = a.state.bus.peers.peer_sent
+    peer = b.state.router.table.route("default").peers
 
     def b_sees_a() -> bool:
-        return peer["proxy-a"].inflight == a.state.router.inflight and \
-            peer["proxy-a"].backlog == a.state.router.backlog
+        return peer["proxy-a"].inflight == a.state.router.table.load.own and \
+            peer["proxy-a"].backlog == a.state.router.table.load.backlog
 
     body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}],
             "test": {"chunks": 6, "delay": 0.05}}
     streams = [await http.post(a.url + CHAT, json=body) for _ in range(6)]
-    assert sum(a.state.router.inflight.values()) == 6
+    assert sum(a.state.router.table.load.own.values()) == 6
     await wait_for(b_sees_a, timeout=5, what="B counts A's 6 streams")
     for stream in streams:
         await stream.read()
         stream.close()
-    await wait_for(lambda: not a.state.router.inflight and b_sees_a() and not peer["proxy-a"].inflight,
+    await wait_for(lambda: not a.state.router.table.load.own and b_sees_a() and not peer["proxy-a"].inflight,
                    timeout=5, what="B sees A idle")
-    assert a.state.bus.peer_sent - sent >= 2 and a.state.bus.peer_sent_whole == whole  # changes only
+    assert a.state.bus.peers.peer_sent - sent >= 2 and a.state.bus.peers.peer_sent_whole == whole  # changes only
     async with http.get(a.url + "/metrics") as resp:
         text = await resp.text()
     assert f'laswrr_proxy_peer_messages_total{{kind="whole"}} {float(whole)}' in text
-    assert f'laswrr_proxy_peer_messages_total{{kind="changes"}} {float(a.state.bus.peer_sent - whole)}' in text
-    assert f"laswrr_proxy_peer_bytes_total {float(a.state.bus.peer_sent_bytes)}" in text
+    assert f'laswrr_proxy_peer_messages_total{{kind="changes"}} {float(a.state.bus.peers.peer_sent - whole)}' in text
+    assert f"laswrr_proxy_peer_bytes_total {float(a.state.bus.peers.peer_sent_bytes)}" in text
     # B took A's messages: each one's age then is in B's laswrr_proxy_peer_lag_seconds (one clock
     # here, so the bus's delivery time), one observation a message, none of them negative
-    lag = b.state.bus.peer_lag
-    assert lag.count >= a.state.bus.peer_sent - sent and lag.total >= 0
+    lag = b.state.bus.peers.peer_lag
+    assert lag.count >= a.state.bus.peers.peer_sent - sent and lag.total >= 0
     async with http.get(b.url + "/metrics") as resp:
         text = await resp.text()
     assert f"laswrr_proxy_peer_lag_seconds_count {float(lag.count)}" in text
@@ -204,7 +204,7 @@ async def test_a_proxy_alone_sends_only_its_heartbeat(
     for k in range(20):
         await ask(http, alone.url, conversation(k))
     bus = alone.state.bus
-    assert bus.peer_sent <= 4 and bus.peer_sent == bus.peer_sent_whole, (bus.peer_sent, bus.peer_sent_whole)
+    assert bus.peers.peer_sent <= 4 and bus.peers.peer_sent == bus.peers.peer_sent_whole, (bus.peers.peer_sent, bus.peers.peer_sent_whole)
 
 
 async def test_a_proxy_ranked_after_another_picks_after_hearing_its_pick(
@@ -219,8 +219,8 @@ async def test_a_proxy_ranked_after_another_picks_after_hearing_its_pick(
     b = await start_proxy(proxy_id="proxy-b", peer_interval_ms=20, peer_stale_ms=2000, peer_stagger_ms=400)
     for proxy in (a, b):
         await wait_seq(proxy, "default", seq)
-    await wait_for(lambda: "proxy-a" in b.state.router.pools["default"].peers
-                   and "proxy-b" in a.state.router.pools["default"].peers, what="A and B hear each other")
+    await wait_for(lambda: "proxy-a" in b.state.router.table.route("default").peers
+                   and "proxy-b" in a.state.router.table.route("default").peers, what="A and B hear each other")
     assert (a.state.router.stagger_s("default"), b.state.router.stagger_s("default")) == (0.0, 0.4)
     b.state.router.first_byte(30.0)  # as if B's requests had taken 30 s to their first byte: the whole turn
 
@@ -238,5 +238,5 @@ async def test_a_proxy_ranked_after_another_picks_after_hearing_its_pick(
             timed(b.url, f"{k} B asks " * 40, {"chunks": 1}))
         assert len({node for node, _ in on_a}) == 3  # A spread its three
         assert on_b not in {node for node, _ in on_a} and b_took >= 0.4  # B took the node A left free
-        await wait_for(lambda: not a.state.router.inflight and not b.state.router.pools["default"].others,
+        await wait_for(lambda: not a.state.router.table.load.own and not b.state.router.table.route("default").others,
                        what="A's request ended, and B heard it")

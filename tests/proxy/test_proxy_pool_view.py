@@ -13,6 +13,7 @@ import zlib
 import pytest
 
 from laswrr.scheduler.policies import Candidate, PickContext, make_policy
+from tests.scheduler.routing_help import admit
 from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
 from laswrr.scheduler.routing.router import Admission, Router, others_inflight
 
@@ -46,35 +47,35 @@ def test_others_are_the_snapshot_count_less_this_proxys_share() -> None:
 
 def test_the_estimate_is_others_plus_own_live_count() -> None:
     router = Router("la-swrr", seed=1, proxy_id="me")
-    router.offer(snap(1, [view("a", 4, inflight=3), view("b", 4)], {"other": {"a": 3}}), now=0)
-    assert router.load == {"a": 3}
-    picks = [router.admit("default") for _ in range(3)]
+    router.table.offer(snap(1, [view("a", 4, inflight=3), view("b", 4)], {"other": {"a": 3}}), now=0)
+    assert router.table.load.load == {"a": 3}
+    picks = [admit(router, "default") for _ in range(3)]
     assert [p.node for p in picks if p] == ["b", "b", "b"]  # a carries the other replica's three
-    assert router.load == {"a": 3, "b": 3} and router.inflight == {"b": 3}
+    assert router.table.load.load == {"a": 3, "b": 3} and router.table.load.own == {"b": 3}
     # the scheduler has seen two of ours now, and the other replica's finished
-    router.offer(snap(2, [view("a", 4), view("b", 4, inflight=2)], {"me": {"b": 2}}), now=1)
-    assert router.load == {"b": 3}  # own live count, counted once
+    router.table.offer(snap(2, [view("a", 4), view("b", 4, inflight=2)], {"me": {"b": 2}}), now=1)
+    assert router.table.load.load == {"b": 3}  # own live count, counted once
     for admission in picks:
         assert admission is not None
-        router.release(admission)
-    assert router.load == {} and router.inflight == {}
+        router.admitter.release(admission)
+    assert router.table.load.load == {} and router.table.load.own == {}
 
 
 def test_the_cap_applies_to_the_estimate() -> None:
     router = Router("least-request", seed=0, proxy_id="me", inflight_cap_per_capacity=0.5)
-    router.offer(snap(1, [view("a", 4, inflight=2, capacity=4), view("b", 4, capacity=4)],
+    router.table.offer(snap(1, [view("a", 4, inflight=2, capacity=4), view("b", 4, capacity=4)],
                       {"other": {"a": 2}}), now=0)
-    picks = [router.admit("default") for _ in range(4)]
+    picks = [admit(router, "default") for _ in range(4)]
     assert [p.node if p else None for p in picks] == ["b", "b", None, None]  # a is at 2 = ceil(0.5 x 4)
 
 
 def test_forgetting_a_pool_forgets_its_others() -> None:
     router = Router("la-swrr", seed=1, proxy_id="me")
-    router.offer(snap(1, [view("a", 4, inflight=3)], {"other": {"a": 3}}, pool="x"), now=0)
-    router.offer(snap(1, [view("b", 4, inflight=1)], {"other": {"b": 1}}, pool="y"), now=0)
-    assert router.load == {"a": 3, "b": 1}
-    router.forget("x")
-    assert router.load == {"b": 1}
+    router.table.offer(snap(1, [view("a", 4, inflight=3)], {"other": {"a": 3}}, pool="x"), now=0)
+    router.table.offer(snap(1, [view("b", 4, inflight=1)], {"other": {"b": 1}}, pool="y"), now=0)
+    assert router.table.load.load == {"a": 3, "b": 1}
+    router.table.forget("x")
+    assert router.table.load.load == {"b": 1}
 
 
 class OldReferee:

@@ -43,7 +43,7 @@ async def test_refusals_are_recorded_with_their_cause_and_engine_4xx_is_engine_e
     assert await post(KEY, data=b"{not json") == 400
     assert await post(KEY, data=b"x" * 4096) == 413
     held = asyncio.create_task(post(KEY, json={**BODY, "stream": True, "test": {"chunks": 20, "delay": 0.05}}))
-    await wait_for(lambda: proxy.state.router.total_inflight == 1, what="the key's first request in flight")
+    await wait_for(lambda: proxy.state.router.table.load.total == 1, what="the key's first request in flight")
     assert await post(KEY, json=BODY) == 429
     assert await held == 200
     assert await post(KEY, json={**BODY, "test": {"status": 422}}) == 422  # the engine's own answer

@@ -29,7 +29,7 @@ async def test_a_node_loaded_through_one_proxy_is_avoided_by_another(
         a, b = await engines("a"), await engines("b")
         await js.publish(sj.admin_node("a"), json.dumps({"url": a.url, "capacity": 4}).encode())
         proxy_a = await start_proxy(proxy_id="proxy-a")
-        await wait_for(lambda: "a" in getattr(proxy_a.state.router.pools.get("default"), "targets", {}),
+        await wait_for(lambda: "a" in proxy_a.state.router.table.candidates("default"),
                        what="proxy A routes on a")
         body = {"model": "m", "stream": True, "messages": [], "test": {"chunks": 100, "delay": 0.05}}
         streams = [await http.post(proxy_a.url + CHAT, json=body) for _ in range(3)]  # a is the only node yet
@@ -39,8 +39,8 @@ async def test_a_node_loaded_through_one_proxy_is_avoided_by_another(
         proxy_b = await start_proxy(proxy_id="proxy-b")
 
         def b_sees_a_loaded() -> bool:
-            route = proxy_b.state.router.pools.get("default")
-            if route is None or set(route.targets) != {"a", "b"}:
+            route = proxy_b.state.router.table.route("default")
+            if route is None or set(route.first.targets) != {"a", "b"}:
                 return False
             views = {v.node: v for v in route.snapshot.nodes}
             return views["a"].inflight == 3 and views["a"].effective_weight == views["b"].effective_weight

@@ -149,7 +149,7 @@ async def test_readiness_waits_for_a_snapshot_with_a_routable_node(
     await wait_seq(proxy, "default", await core.register("n1", "http://127.0.0.1:9"))
     assert await probe("/readiness") == (200, {"status": "ready", "proxy": "test-proxy"})
     await wait_seq(proxy, "default", await core.capacity("n1", 0))
-    await wait_for(lambda: not proxy.state.router.pools["default"].targets, what="n1 not routable")
+    await wait_for(lambda: not proxy.state.router.table.route("default").first.targets, what="n1 not routable")
     assert (await probe("/readiness"))[1]["reason"] == "no_routable_node"
 
 

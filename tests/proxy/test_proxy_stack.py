@@ -35,15 +35,14 @@ async def test_drain_through_the_scheduler_service(engines, nc: Any, start_proxy
         for node, engine in (("a", a), ("b", b)):
             await js.publish(sj.admin_node(node), json.dumps({"url": engine.url, "capacity": 4}).encode())
         proxy = await start_proxy(policy="rr")
-        await wait_for(lambda: len(proxy.state.router.pools.get("default") and
-                                   proxy.state.router.pools["default"].targets or ()) == 2, what="both nodes routable")
+        await wait_for(lambda: len(proxy.state.router.table.candidates("default")) == 2, what="both nodes routable")
 
         body = {"model": "m", "stream": True, "messages": [], "test": {"chunks": 15, "delay": 0.05}}
         responses = [await http.post(proxy.url + CHAT, json=body) for _ in range(4)]
         await wait_for(lambda: service.scheduler.state.nodes["a"].inflight == 2, what="scheduler counts a's streams")
         await js.publish(sj.admin_drain("a"), b"{}")
         await wait_for(lambda: ("a", "draining") in phases, what="a draining")
-        await wait_for(lambda: "a" not in proxy.state.router.pools["default"].targets, what="proxy sees the drain")
+        await wait_for(lambda: "a" not in proxy.state.router.table.route("default").first.targets, what="proxy sees the drain")
         assert ("a", "drained") not in phases  # two streams still run on a
 
         async with http.post(proxy.url + CHAT, json=dict(body, test={"chunks": 1})) as late:

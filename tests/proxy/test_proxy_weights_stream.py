@@ -49,9 +49,9 @@ async def _recreate_and_follow(nc: Any, core: CoreDriver, engines: Any, proxy: A
 
     ticker = asyncio.create_task(tick_forever()) if ticking else None
     try:
-        await wait_for(lambda: set(proxy.state.router.pools["default"].targets) == {"b"}, timeout=30,
+        await wait_for(lambda: set(proxy.state.router.table.route("default").first.targets) == {"b"}, timeout=30,
                        what="the snapshots of the new stream")
-        assert proxy.state.router.pools["default"].snapshot.as_of_seq <= fresh.seq  # numbered by the new stream
+        assert proxy.state.router.table.route("default").snapshot.as_of_seq <= fresh.seq  # numbered by the new stream
         assert proxy.state.bus.stream_created not in (None, first_stream)
         assert await _node_of(http, proxy.url) == "b"
         later = await fresh.tick()  # and it keeps following the new stream's numbering
@@ -102,10 +102,10 @@ async def test_a_forged_snapshot_beyond_the_log_gives_way_to_the_schedulers(engi
 
     await core.register("real", real.url)  # the scheduler's snapshots: as_of_seq 1, 2, ...
     for _ in range(50):
-        if set(proxy.state.router.pools["default"].targets) == {"real"}:
+        if set(proxy.state.router.table.route("default").first.targets) == {"real"}:
             break
         await core.tick()
         await asyncio.sleep(0.1)
-    assert set(proxy.state.router.pools["default"].targets) == {"real"}
-    assert proxy.state.router.pools["default"].snapshot.as_of_seq <= 51
+    assert set(proxy.state.router.table.route("default").first.targets) == {"real"}
+    assert proxy.state.router.table.route("default").snapshot.as_of_seq <= 51
     assert await _node_of(http, proxy.url) == "real"

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from laswrr.schemas.words import RefusalCause
 from laswrr.scheduler.routing.flow import (
-    BATCH, DEFAULT, INTERACTIVE, FlowConfig, FlowError, FlowQueue, KeyLimits, RateLimits, Refused, band_of,
+    BATCH, DEFAULT, INTERACTIVE, FlowConfig, FlowError, FlowQueue, KeyLimits, RateLimits, band_of,
     defer_to_peers, retry_after_header, ttl_s, work_of,
 )
 from laswrr.scheduler.weights import concurrency_limit
@@ -106,7 +107,7 @@ def test_wide_depth_counts_the_requests_any_node_may_take() -> None:
     narrow = queue.offer("p", DEFAULT, "", 10, 0.0, 30, "one-model", wide=False)
     queue.offer("p", BATCH, "", 10, 0.0, 1, "short")
     assert (queue.depth("p", DEFAULT), queue.wide_depth("p", DEFAULT), queue.wide_depth("p", BATCH)) == (2, 1, 1)
-    assert not isinstance(narrow, Refused) and queue.remove(narrow)
+    assert not isinstance(narrow, RefusalCause) and queue.remove(narrow)
     assert [h.ticket for h in queue.expire(5.0)] == ["short"]
     assert (queue.wide_depth("p", DEFAULT), queue.wide_depth("p", BATCH), queue.wide_depth("q", BATCH)) == (1, 0, 0)
     assert queue.pop("p") is not None and queue.wide_depth("p", DEFAULT) == 0
@@ -195,11 +196,11 @@ def test_drr_skips_rounds_exactly_as_textbook_drr(requests: list[tuple[str, int]
 
 def test_bound_per_pool_and_band() -> None:
     queue = _queue(bound=2)
-    assert not isinstance(queue.offer("p", BATCH, "", 1, 0.0, 30, "b1"), Refused)
-    assert not isinstance(queue.offer("p", BATCH, "", 1, 0.0, 30, "b2"), Refused)
-    assert queue.offer("p", BATCH, "", 1, 0.0, 30, "b3") is Refused.QUEUE_FULL
-    assert not isinstance(queue.offer("p", INTERACTIVE, "", 1, 0.0, 30, "i1"), Refused)  # another band
-    assert not isinstance(queue.offer("q", BATCH, "", 1, 0.0, 30, "qb"), Refused)  # another pool
+    assert not isinstance(queue.offer("p", BATCH, "", 1, 0.0, 30, "b1"), RefusalCause)
+    assert not isinstance(queue.offer("p", BATCH, "", 1, 0.0, 30, "b2"), RefusalCause)
+    assert queue.offer("p", BATCH, "", 1, 0.0, 30, "b3") is RefusalCause.QUEUE_FULL
+    assert not isinstance(queue.offer("p", INTERACTIVE, "", 1, 0.0, 30, "i1"), RefusalCause)  # another band
+    assert not isinstance(queue.offer("q", BATCH, "", 1, 0.0, 30, "qb"), RefusalCause)  # another pool
     assert queue.depth("p") == 3 and queue.depth("p", BATCH) == 2 and queue.depth("q") == 1
 
 
@@ -208,7 +209,7 @@ def test_ttl_expiry_and_removal() -> None:
     a = queue.offer("p", DEFAULT, "x", 1, 0.0, 5.0, "a")
     b = queue.offer("p", DEFAULT, "y", 1, 1.0, 2.0, "b")
     c = queue.offer("p", BATCH, "x", 1, 2.0, 10.0, "c")
-    assert not isinstance(b, Refused) and not isinstance(a, Refused) and not isinstance(c, Refused)
+    assert not isinstance(b, RefusalCause) and not isinstance(a, RefusalCause) and not isinstance(c, RefusalCause)
     assert queue.next_deadline() == 3.0
     assert queue.expire(2.9) == []
     assert [h.ticket for h in queue.expire(5.0)] == ["b", "a"]  # oldest deadline first
@@ -254,7 +255,7 @@ def test_rate_limits_requests_per_minute() -> None:
     assert rates.charge("k", limits, 10, 0.0) is None
     assert rates.charge("k", limits, 10, 0.0) is None
     refused = rates.charge("k", limits, 10, 0.0)
-    assert refused is not None and refused[0] is Refused.RATE_RPM and refused[1] == pytest.approx(30.0)
+    assert refused is not None and refused[0] is RefusalCause.RATE_LIMIT_REQUESTS and refused[1] == pytest.approx(30.0)
     assert rates.charge("other", limits, 10, 0.0) is None  # per key
     assert rates.charge("k", limits, 10, 29.0) is not None
     assert rates.charge("k", limits, 10, 30.0) is None  # one request refilled in 30 s
@@ -265,12 +266,12 @@ def test_rate_limits_tokens_charged_at_admission_and_settled() -> None:
     limits = KeyLimits(tpm=1000)
     assert rates.charge("k", limits, 800, 0.0) is None  # the estimate: prompt + max_tokens
     refused = rates.charge("k", limits, 300, 0.0)
-    assert refused is not None and refused[0] is Refused.RATE_TPM and refused[1] == pytest.approx(6.0)
+    assert refused is not None and refused[0] is RefusalCause.RATE_LIMIT_TOKENS and refused[1] == pytest.approx(6.0)
     rates.settle("k", limits, charged=800, used=200, now=0.0)  # it used 200: 600 given back
     assert rates.charge("k", limits, 300, 0.0) is None
     rates.settle("k", limits, charged=300, used=1500, now=0.0)  # it used more: the key owes it
     refused = rates.charge("k", limits, 1, 0.0)
-    assert refused is not None and refused[0] is Refused.RATE_TPM
+    assert refused is not None and refused[0] is RefusalCause.RATE_LIMIT_TOKENS
     assert rates.charge("k", KeyLimits(), 10**9, 0.0) is None  # no limits: always allowed
 
 

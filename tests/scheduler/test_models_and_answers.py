@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 import json
 
 from laswrr.schemas import subjects as sj
@@ -78,8 +80,17 @@ def test_engine_errors_never_eject_a_node_and_5xx_still_do() -> None:
     assert feed.phase("n1") == "ejected"
 
 
-def test_every_flow_control_refusal_is_a_recorded_cause() -> None:
-    from laswrr.scheduler.routing.flow import Refused
+def test_every_refusal_cause_has_one_answer_and_old_words_still_read() -> None:
+    from laswrr.schemas.events import RequestRefused
+    from laswrr.schemas.refusals import ANSWERS
     from laswrr.schemas.words import RefusalCause
 
-    assert {code.value for code in Refused} <= {cause.value for cause in RefusalCause}
+    assert set(ANSWERS) == set(RefusalCause)
+    # the log's word is the code clients get for the three that differed (CHANGELOG.md)
+    for cause in (RefusalCause.INVALID_JSON, RefusalCause.REQUEST_TOO_LARGE, RefusalCause.INVALID_HEADER):
+        assert ANSWERS[cause].code == cause.value
+    for old, new in (("bad_json", "invalid_json"), ("body_too_large", "request_too_large"),
+                     ("bad_flow_header", "invalid_header")):
+        event = msgspec.json.decode(msgspec.json.encode({"request_id": "r", "proxy": "p", "status": 400, "cause": old,
+                                                         "error": "x"}), type=RequestRefused)
+        assert event.cause is RefusalCause(new)

@@ -11,8 +11,10 @@ import msgspec
 import pytest
 
 from laswrr.scheduler.routing import pd
+from tests.scheduler.routing_help import admit
 from laswrr.scheduler.routing.prompt import prompt_text, request_size
-from laswrr.scheduler.routing.router import DEFAULT_POOL, Refusal, Router
+from laswrr.schemas.words import RefusalCause
+from laswrr.scheduler.routing.router import DEFAULT_POOL, AdmitRequest, Refusal, Router
 from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
 from laswrr.schemas.words import NodeRole, PdProtocol
 
@@ -32,51 +34,51 @@ def snap(seq: int, *nodes: NodeView) -> WeightSnapshot:
 
 
 def pd_pool(router: Router, p2_routable: bool = True) -> None:
-    router.offer(snap(1, view("p1", 6.0, NodeRole.PREFILL), view("p2", 2.0, NodeRole.PREFILL, routable=p2_routable),
+    router.table.offer(snap(1, view("p1", 6.0, NodeRole.PREFILL), view("p2", 2.0, NodeRole.PREFILL, routable=p2_routable),
                       view("d1", 3.0, NodeRole.DECODE), view("d2", 1.0, NodeRole.DECODE)), now=0.0)
 
 
 def test_a_pair_is_a_prefill_pick_and_a_decode_pick_each_on_its_roles_weights() -> None:
-    router = Router("la-swrr", seed=1, affinity="none")
+    router = Router("la-swrr", seed=1, scorer=None)
     pd_pool(router)
     prefills, decodes = Counter[str](), Counter[str]()
     for _ in range(80):
-        first = router.admit(DEFAULT_POOL)
-        second = router.admit(DEFAULT_POOL, role=NodeRole.DECODE)
+        first = admit(router, DEFAULT_POOL)
+        second = admit(router, DEFAULT_POOL, role=NodeRole.DECODE)
         assert first is not None and second is not None
         assert (first.role, second.role) == (NodeRole.PREFILL, NodeRole.DECODE)
         prefills[first.node] += 1
         decodes[second.node] += 1
-        router.release(first)
-        router.release(second)
+        router.admitter.release(first)
+        router.admitter.release(second)
     assert prefills == {"p1": 60, "p2": 20} and decodes == {"d1": 60, "d2": 20}  # 6:2 and 3:1, smooth WRR
 
 
 def test_retries_and_refusals_stay_within_a_role() -> None:
-    router = Router("la-swrr", seed=1, affinity="none")
+    router = Router("la-swrr", seed=1, scorer=None)
     pd_pool(router, p2_routable=False)
-    first = router.admit(DEFAULT_POOL)
+    first = admit(router, DEFAULT_POOL)
     assert first is not None and first.node == "p1"
-    assert router.admit(DEFAULT_POOL, tried=["p1"]) is None  # p2 draining: no other prefill node
-    assert router.refusal(DEFAULT_POOL, tried=["p1"]) == Refusal.NO_NODE
-    decode = router.admit(DEFAULT_POOL, tried=["d1"], role=NodeRole.DECODE)
+    assert admit(router, DEFAULT_POOL, tried=["p1"]) is None  # p2 draining: no other prefill node
+    assert router.admitter.admit(AdmitRequest(DEFAULT_POOL, ["p1"])) == Refusal(RefusalCause.NO_ROUTABLE_NODE)
+    decode = admit(router, DEFAULT_POOL, tried=["d1"], role=NodeRole.DECODE)
     assert decode is not None and decode.node == "d2"
 
 
 def test_a_pool_without_roles_admits_whole_requests_and_an_sglang_pool_pairs() -> None:
     plain = Router("la-swrr", seed=1)
-    plain.offer(snap(1, view("n1", 1.0, None), view("n2", 1.0, None)), now=0.0)
-    whole = plain.admit(DEFAULT_POOL)
+    plain.table.offer(snap(1, view("n1", 1.0, None), view("n2", 1.0, None)), now=0.0)
+    whole = admit(plain, DEFAULT_POOL)
     assert whole is not None and whole.role is None and whole.protocol is None
-    assert plain.admit(DEFAULT_POOL, role=NodeRole.DECODE) is None
+    assert admit(plain, DEFAULT_POOL, role=NodeRole.DECODE) is None
     sglang = Router("la-swrr", seed=1)  # its both node is picked by neither role
     prefill_view = msgspec.structs.replace(view("p1", 5.0, NodeRole.PREFILL, PdProtocol.SGLANG), bootstrap_port=8998)
-    sglang.offer(snap(1, prefill_view, view("d1", 5.0, NodeRole.DECODE, PdProtocol.SGLANG), view("b1", 1.0, None)),
+    sglang.table.offer(snap(1, prefill_view, view("d1", 5.0, NodeRole.DECODE, PdProtocol.SGLANG), view("b1", 1.0, None)),
                  now=0.0)
-    firsts = [sglang.admit(DEFAULT_POOL) for _ in range(5)]
+    firsts = [admit(sglang, DEFAULT_POOL) for _ in range(5)]
     assert {(a.node, a.role, a.protocol, a.bootstrap_port) for a in firsts if a is not None} == {
         ("p1", NodeRole.PREFILL, PdProtocol.SGLANG, 8998)}
-    decodes = [sglang.admit(DEFAULT_POOL, role=NodeRole.DECODE) for _ in range(5)]
+    decodes = [admit(sglang, DEFAULT_POOL, role=NodeRole.DECODE) for _ in range(5)]
     assert {(a.node, a.role, a.bootstrap_port) for a in decodes if a is not None} == {("d1", NodeRole.DECODE, None)}
 
 
@@ -85,10 +87,10 @@ def test_prefix_affinity_applies_to_the_prefill_pick() -> None:
     pd_pool(router)
     raw = prompt_text(None, "the same long system prompt " * 200)
     size = request_size(raw, 8, None)
-    first = router.admit(DEFAULT_POOL, prompt=raw, size=size)
+    first = admit(router, DEFAULT_POOL, prompt=raw, size=size)
     assert first is not None
-    router.release(first)
-    again = [router.admit(DEFAULT_POOL, prompt=raw, size=size) for _ in range(3)]
+    router.admitter.release(first)
+    again = [admit(router, DEFAULT_POOL, prompt=raw, size=size) for _ in range(3)]
     assert {a.node for a in again if a is not None} == {first.node}  # the node holding the prompt's prefix
 
 
@@ -128,21 +130,21 @@ def test_the_prefill_pick_weighs_the_prefill_backlog_the_proxies_share() -> None
 
     def picks(peer_backlog: dict[str, int]) -> tuple[Counter[str], Counter[str]]:
         router = Router("la-swrr", seed=1, proxy_id="b", share=True)
-        router.offer(snap(1, view("p1", 1.0, NodeRole.PREFILL), view("p2", 1.0, NodeRole.PREFILL),
+        router.table.offer(snap(1, view("p1", 1.0, NodeRole.PREFILL), view("p2", 1.0, NodeRole.PREFILL),
                           view("d1", 1.0, NodeRole.DECODE), view("d2", 1.0, NodeRole.DECODE)), now=0.0)
         if peer_backlog:
-            assert router.peer_update("a", DEFAULT_POOL, PeerState(boot_id="x", seq=1, ts_ns=1,
+            assert router.channel.receive("a", DEFAULT_POOL, PeerState(boot_id="x", seq=1, ts_ns=1,
                                                 backlog=peer_backlog), now=0.0)
         prefills, decodes = Counter[str](), Counter[str]()
         for i in range(8):
             raw = prompt_text(None, f"request {i}: " + "a distinct prompt " * 100)
-            first = router.admit(DEFAULT_POOL, prompt=raw, size=request_size(raw, 8, None))
-            second = router.admit(DEFAULT_POOL, role=NodeRole.DECODE)
+            first = admit(router, DEFAULT_POOL, prompt=raw, size=request_size(raw, 8, None))
+            second = admit(router, DEFAULT_POOL, role=NodeRole.DECODE)
             assert first is not None and second is not None
             prefills[first.node] += 1
             decodes[second.node] += 1
-            router.release(first)
-            router.release(second)
+            router.admitter.release(first)
+            router.admitter.release(second)
         return prefills, decodes
 
     alone, alone_decodes = picks({})
@@ -155,16 +157,16 @@ def _long_prompt_picks(router: Router, count: int) -> Counter[str]:
     """``count`` long prompts, each alone on an idle pool (released before the next)."""
     picks = Counter[str]()
     for k in range(count):
-        seen = prompt_text(None, f"{router.sized} " + "x" * 32_000)  # no prefix shared with another
-        first = router.admit(DEFAULT_POOL, prompt=seen, size=request_size(seen, 16, None))
+        seen = prompt_text(None, f"{router.table.scorer.sized} " + "x" * 32_000)  # no prefix shared with another
+        first = admit(router, DEFAULT_POOL, prompt=seen, size=request_size(seen, 16, None))
         assert first is not None and first.role == NodeRole.PREFILL
         picks[first.node] += 1
-        router.release(first)
+        router.admitter.release(first)
     return picks
 
 
 def _equal_prefill_pool(router: Router) -> None:
-    router.offer(snap(1, view("p1", 4.0, NodeRole.PREFILL), view("p2", 4.0, NodeRole.PREFILL),
+    router.table.offer(snap(1, view("p1", 4.0, NodeRole.PREFILL), view("p2", 4.0, NodeRole.PREFILL),
                       view("d1", 4.0, NodeRole.DECODE)), now=0.0)
 
 
@@ -173,16 +175,16 @@ def test_a_prefill_node_measured_at_half_speed_gets_no_long_prompt_while_the_fas
     _equal_prefill_pool(router)
     assert _long_prompt_picks(router, 10) == {"p1": 5, "p2": 5}  # unmeasured: the rotation, as without speeds
     for node, seconds in (("p1", 0.5), ("p2", 1.0)):  # 8,000 tokens each, p2 twice as long
-        leg = router.admit(DEFAULT_POOL, tried=["p2" if node == "p1" else "p1"])
+        leg = admit(router, DEFAULT_POOL, tried=["p2" if node == "p1" else "p1"])
         assert leg is not None and leg.node == node
         leg.work = 8_000
-        router.prefill_done(leg, seconds)
-        router.release(leg)
-    assert router.prefill_rate == {"p1": 16_000.0, "p2": 8_000.0}
+        router.admitter.prefill_done(leg, seconds)
+        router.admitter.release(leg)
+    assert router.table.speeds.rate == {"p1": 16_000.0, "p2": 8_000.0}
     picks = _long_prompt_picks(router, 10)
     assert picks["p1"] >= 9  # idle p1 finishes first; p2 gets a probe once the drift brought it back
     # p1 busy with more work than the request: the slower p2 now finishes first
-    busy = router.admit(DEFAULT_POOL, tried=["p2"], prompt=b"y" * 64_000, size=request_size(b"y" * 64_000, 16, None))
+    busy = admit(router, DEFAULT_POOL, tried=["p2"], prompt=b"y" * 64_000, size=request_size(b"y" * 64_000, 16, None))
     assert busy is not None and busy.node == "p1"
     assert _long_prompt_picks(router, 1) == {"p2": 1}
 
@@ -190,20 +192,20 @@ def test_a_prefill_node_measured_at_half_speed_gets_no_long_prompt_while_the_fas
 def test_prefill_rates_come_from_legs_with_work_and_alike_nodes_keep_the_rotation() -> None:
     router = Router("la-swrr", seed=1)
     _equal_prefill_pool(router)
-    leg = router.admit(DEFAULT_POOL)
+    leg = admit(router, DEFAULT_POOL)
     assert leg is not None
     leg.work = 100  # the round trip, not the rate
-    router.prefill_done(leg, 0.01)
-    assert router.prefill_rate == {}
+    router.admitter.prefill_done(leg, 0.01)
+    assert router.table.speeds.rate == {}
     leg.work = 9_000
-    router.prefill_done(leg, 1.0)
-    router.prefill_done(leg, 0.5)  # the moving average: 9,000 + 0.3 x (18,000 - 9,000)
-    assert router.prefill_rate == {leg.node: pytest.approx(11_700.0)}
-    router.release(leg)
+    router.admitter.prefill_done(leg, 1.0)
+    router.admitter.prefill_done(leg, 0.5)  # the moving average: 9,000 + 0.3 x (18,000 - 9,000)
+    assert router.table.speeds.rate == {leg.node: pytest.approx(11_700.0)}
+    router.admitter.release(leg)
     other = "p2" if leg.node == "p1" else "p1"
-    router.prefill_rate[other] = 10_000.0  # within PREFILL_SPEED_ALIKE of the fastest: alike
+    router.table.speeds.rate[other] = 10_000.0  # within PREFILL_SPEED_ALIKE of the fastest: alike
     assert _long_prompt_picks(router, 10) == {"p1": 5, "p2": 5}
-    decode = router.admit(DEFAULT_POOL, role=NodeRole.DECODE)
+    decode = admit(router, DEFAULT_POOL, role=NodeRole.DECODE)
     assert decode is not None
-    router.prefill_done(decode, 1.0)  # a decode leg is no prefill measure
-    assert "d1" not in router.prefill_rate
+    router.admitter.prefill_done(decode, 1.0)  # a decode leg is no prefill measure
+    assert "d1" not in router.table.speeds.rate

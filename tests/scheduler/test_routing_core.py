@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from laswrr.scheduler.policies import POLICIES, Candidate, PickContext, make_policy
+from tests.scheduler.routing_help import admit
 from laswrr.scheduler.policies.affinity import Affinity
 from laswrr.scheduler.routing.prompt import prompt_text, request_size
-from laswrr.scheduler.routing.router import DEFAULT_POOL, Admission, Refusal, Router
+from laswrr.scheduler.routing.router import DEFAULT_POOL, AdmitRequest, Admission, Refusal, Router
+from laswrr.schemas.words import RefusalCause
 from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,33 +63,37 @@ def test_the_router_keeps_a_prefix_index_only_for_a_policy_that_uses_affinity() 
     assert [n for n, cls in POLICIES.items() if cls.uses_affinity] == ["la-swrr"]
     for name, cls in POLICIES.items():
         router = Router(name, seed=0)
-        router.offer(snap(1, node("a", 1)), now=0)
+        router.table.offer(snap(1, node("a", 1)), now=0)
         assert router.affinity_mode == ("prefix" if cls.uses_affinity else "none")
-        assert (router.pools[DEFAULT_POOL].index is not None) == cls.uses_affinity
-    assert Router("la-swrr", seed=0, affinity="none").affinity_mode == "none"
+        assert (router.table.route(DEFAULT_POOL).index is not None) == cls.uses_affinity
+    assert Router("la-swrr", seed=0, scorer=None).affinity_mode == "none"
+
+
+def why(router: Router, pool: str, tried: tuple[str, ...] = ()) -> Refusal:
+    result = router.admitter.admit(AdmitRequest(pool, tried))
+    assert isinstance(result, Refusal)
+    return result
 
 
 def test_refusal_tells_a_saturated_pool_from_one_with_no_routable_node() -> None:
     router = Router("least-request", seed=0, inflight_cap_per_capacity=0.5)  # caps: a ceil(1.5) = 2, b 1
-    assert router.refusal("nowhere") is Refusal.NO_POOL
-    router.offer(snap(1, node("a", 1, capacity=3), node("b", 1, capacity=1), node("c", 1, routable=False)), now=0)
-    held = [router.admit(DEFAULT_POOL) for _ in range(3)]
-    assert all(held) and router.admit(DEFAULT_POOL) is None
-    assert router.refusal(DEFAULT_POOL) is Refusal.SATURATED
-    assert router.admit(DEFAULT_POOL, tried=["a"]) is None
-    assert router.refusal(DEFAULT_POOL, tried=["a"]) is Refusal.SATURATED  # b untried, at its cap
-    assert router.refusal(DEFAULT_POOL, tried=["a", "b"]) is Refusal.NO_NODE  # c is not routable
+    assert why(router, "nowhere") == Refusal(RefusalCause.NO_SNAPSHOT)
+    router.table.offer(snap(1, node("a", 1, capacity=3), node("b", 1, capacity=1), node("c", 1, routable=False)), now=0)
+    held = [admit(router, DEFAULT_POOL) for _ in range(3)]
+    assert all(held)
+    assert why(router, DEFAULT_POOL) == Refusal(RefusalCause.NO_ROUTABLE_NODE, saturated=True)
+    assert why(router, DEFAULT_POOL, ("a",)).saturated  # b untried, at its cap
+    assert why(router, DEFAULT_POOL, ("a", "b")) == Refusal(RefusalCause.NO_ROUTABLE_NODE)  # c is not routable
     first = held[0]
     assert isinstance(first, Admission)
-    router.release(first)
-    assert router.admit(DEFAULT_POOL) is not None  # a slot came free: the same call admits again
+    router.admitter.release(first)
+    assert admit(router, DEFAULT_POOL) is not None  # a slot came free: the same call admits again
 
     uncapped = Router("rr", seed=0)
-    uncapped.offer(snap(1, node("a", 1)), now=0)
-    assert uncapped.admit(DEFAULT_POOL, tried=["a"]) is None
-    assert uncapped.refusal(DEFAULT_POOL, tried=["a"]) is Refusal.NO_NODE
-    uncapped.offer(snap(2, node("a", 1, routable=False)), now=1)
-    assert uncapped.admit(DEFAULT_POOL) is None and uncapped.refusal(DEFAULT_POOL) is Refusal.NO_NODE
+    uncapped.table.offer(snap(1, node("a", 1)), now=0)
+    assert not why(uncapped, DEFAULT_POOL, ("a",)).saturated
+    uncapped.table.offer(snap(2, node("a", 1, routable=False)), now=1)
+    assert why(uncapped, DEFAULT_POOL) == Refusal(RefusalCause.NO_ROUTABLE_NODE)
 
 
 def _drive(policy: str, script: list[tuple[str, int]]) -> list[str]:
@@ -100,18 +106,18 @@ def _drive(policy: str, script: list[tuple[str, int]]) -> list[str]:
         if op == "snapshot":
             seq += 1
             rng = random.Random(arg)
-            router.offer(snap(seq, *(node(n, rng.choice([0.0, 0.5, 1.0, 2.0, 4.0]), capacity=8)
+            router.table.offer(snap(seq, *(node(n, rng.choice([0.0, 0.5, 1.0, 2.0, 4.0]), capacity=8)
                                      for n in "abcde")), now=float(seq))
         elif op == "admit":
             text = prompt_text([{"role": "user", "content": f"conversation {arg % 7} " * (40 + arg % 50)}], None)
-            admission = router.admit(DEFAULT_POOL, prompt=text, size=request_size(text, 64, None))
+            admission = admit(router, DEFAULT_POOL, prompt=text, size=request_size(text, 64, None))
             picks.append(admission.node if admission is not None else "-")
             if admission is not None:
                 open_.append(admission)
         elif op == "first_byte" and open_:
-            router.prefilled(open_[arg % len(open_)])
+            router.admitter.prefilled(open_[arg % len(open_)])
         elif op == "release" and open_:
-            router.release(open_.pop(arg % len(open_)))
+            router.admitter.release(open_.pop(arg % len(open_)))
     return picks
 
 

@@ -9,6 +9,7 @@ it as that id (single-pool clients that send any name keep working).
 from __future__ import annotations
 
 from laswrr.scheduler.routing.models import ModelPlan, Unknown, mixed_models, node_model, plan
+from tests.scheduler.routing_help import admit
 from laswrr.scheduler.routing.router import Router
 from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
 
@@ -71,13 +72,13 @@ def test_pools_by_name_by_listing_and_by_the_proxys_cache() -> None:
 
 def test_the_admission_carries_the_nodes_model_ids() -> None:
     router = Router("rr", seed=0)
-    router.offer(MIXED["default"], now=0)
+    router.table.offer(MIXED["default"], now=0)
     seen = {}
     for _ in range(3):
-        admission = router.admit("default")
+        admission = admit(router, "default")
         assert admission is not None
         seen[admission.node] = admission.models
-        router.release(admission)
+        router.admitter.release(admission)
     assert seen == {"a": ["qwen"], "b": ["qwen"], "c": ["llama"]}
-    only_c = router.admit("default", plan(MIXED, "llama").exclude)  # type: ignore[union-attr]
+    only_c = admit(router, "default", plan(MIXED, "llama").exclude)  # type: ignore[union-attr]
     assert only_c is not None and only_c.node == "c"

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from laswrr.scheduler.routing.prompt import prompt_text, request_size
+from tests.scheduler.routing_help import admit
 from laswrr.scheduler.routing.router import DEFAULT_POOL, PEER_STAGGER_S, PEER_STALE_S, Router
 from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
 from laswrr.scheduler.policies.affinity import grid_positions
@@ -34,16 +35,16 @@ def snap(seq: int, ts_ns: int = 0, inflight: dict[str, int] | None = None,
 
 def router(proxy: str, share: bool = True) -> Router:
     r = Router("la-swrr", 7 + ord(proxy[0]), proxy_id=proxy, share=share)  # seeded by its id, as proxies are
-    r.offer(snap(1), now=0.0)
+    r.table.offer(snap(1), now=0.0)
     return r
 
 
 def ask(r: Router, text: str, done: bool = False) -> str:
     seen = prompt_text([{"role": "user", "content": text}], None)
-    admission = r.admit(DEFAULT_POOL, prompt=seen, size=request_size(seen, 16, None))
+    admission = admit(r, DEFAULT_POOL, prompt=seen, size=request_size(seen, 16, None))
     assert admission is not None
     if done:
-        r.release(admission)
+        r.admitter.release(admission)
     return admission.node
 
 
@@ -54,20 +55,20 @@ def long_prompt(seed: str) -> str:
 def test_a_prompt_admitted_by_a_peer_makes_this_proxy_prefer_the_same_node() -> None:
     a, b = router("A"), router("B")
     node = ask(a, long_prompt("conversation one "))
-    state = a.peer_message(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
+    state = a.channel.message(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
     assert state is not None and state.prefixes and state.prefixes[0].node == node
     assert state.inflight == {node: 1} and state.backlog[node] > 1000  # its whole prompt, not prefilled yet
-    assert b.peer_update("A", DEFAULT_POOL, PEER_DECODER.decode(PEER_ENCODER.encode(state)), now=0.01)
-    assert b.pools[DEFAULT_POOL].others == {node: 1} and b.load == {node: 1}  # A's request counted on B at once
-    assert b.peer_backlog == state.backlog
+    assert b.channel.receive("A", DEFAULT_POOL, PEER_DECODER.decode(PEER_ENCODER.encode(state)), now=0.01)
+    assert b.table.route(DEFAULT_POOL).others == {node: 1} and b.table.load.load == {node: 1}  # A's request counted on B at once
+    assert b.table.load.peer_backlog == state.backlog
     # A's request is still prefilling there: B's guard sends the same prompt elsewhere
     assert ask(b, long_prompt("conversation one "), done=True) != node
     # A's request finished: B now goes where A's prefix is
     c, d = router("A"), router("C")
     node = ask(c, long_prompt("conversation two "), done=True)
-    state = c.peer_message(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
+    state = c.channel.message(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
     assert state is not None and state.inflight == {} and state.backlog == {}
-    d.peer_update("A", DEFAULT_POOL, state, now=0.0)
+    d.channel.receive("A", DEFAULT_POOL, state, now=0.0)
     assert ask(d, long_prompt("conversation two ")) == node
 
 
@@ -83,59 +84,59 @@ def test_without_the_channel_the_other_proxy_does_not_know_the_prefix() -> None:
     ask(a, long_prompt("another user "), done=True)
     for k in range(8):
         first = ask(a, long_prompt(f"conversation {k} "), done=True)
-        state = a.peer_message(DEFAULT_POOL, "boot", k + 1, ts_ns=k + 1)
+        state = a.channel.message(DEFAULT_POOL, "boot", k + 1, ts_ns=k + 1)
         assert state is not None
-        b.peer_update("A", DEFAULT_POOL, state, now=0.0)
+        b.channel.receive("A", DEFAULT_POOL, state, now=0.0)
         assert ask(b, long_prompt(f"conversation {k} "), done=True) == first
 
 
 def test_a_stale_or_missing_peer_falls_back_to_the_snapshot_counts() -> None:
     b = router("B")
-    b.offer(snap(2, ts_ns=5, inflight={"a": 3}, proxy_inflight={"A": {"a": 3}}), now=0.0)
-    assert b.pools[DEFAULT_POOL].others == {"a": 3}  # the snapshot's view of A
+    b.table.offer(snap(2, ts_ns=5, inflight={"a": 3}, proxy_inflight={"A": {"a": 3}}), now=0.0)
+    assert b.table.route(DEFAULT_POOL).others == {"a": 3}  # the snapshot's view of A
     state = PeerState(boot_id="x", seq=1, ts_ns=6, inflight={"c": 2},
                       backlog={"c": 900})
-    assert b.peer_update("A", DEFAULT_POOL, state, now=1.0)
-    assert b.pools[DEFAULT_POOL].others == {"c": 2}  # A's newer message replaces the snapshot's view of A
-    assert b.load == {"c": 2} and b.peer_backlog == {"c": 900}
-    assert b.expire_peers(now=1.0 + PEER_STALE_S / 2) == 0
-    assert b.expire_peers(now=1.0 + PEER_STALE_S + 0.01) == 1
-    assert b.pools[DEFAULT_POOL].others == {"a": 3} and b.load == {"a": 3} and b.peer_backlog == {}
+    assert b.channel.receive("A", DEFAULT_POOL, state, now=1.0)
+    assert b.table.route(DEFAULT_POOL).others == {"c": 2}  # A's newer message replaces the snapshot's view of A
+    assert b.table.load.load == {"c": 2} and b.table.load.peer_backlog == {"c": 900}
+    assert b.channel.expire(now=1.0 + PEER_STALE_S / 2) == 0
+    assert b.channel.expire(now=1.0 + PEER_STALE_S + 0.01) == 1
+    assert b.table.route(DEFAULT_POOL).others == {"a": 3} and b.table.load.load == {"a": 3} and b.table.load.peer_backlog == {}
     # a message older than the snapshot's view of that peer is not used either
-    assert b.peer_update("A", DEFAULT_POOL, PeerState(boot_id="x", seq=2, ts_ns=4, inflight={"c": 2}),
+    assert b.channel.receive("A", DEFAULT_POOL, PeerState(boot_id="x", seq=2, ts_ns=4, inflight={"c": 2}),
                          now=2.0)
-    assert b.pools[DEFAULT_POOL].others == {"a": 3}
+    assert b.table.route(DEFAULT_POOL).others == {"a": 3}
 
 
 def test_an_older_message_is_ignored_and_a_new_boot_replaces_the_peer() -> None:
     b = router("B")
-    assert b.peer_update("A", DEFAULT_POOL, PeerState(boot_id="1", seq=5, ts_ns=1, inflight={"a": 1}), 0.0)
-    assert not b.peer_update("A", DEFAULT_POOL, PeerState(boot_id="1", seq=4, ts_ns=2,
+    assert b.channel.receive("A", DEFAULT_POOL, PeerState(boot_id="1", seq=5, ts_ns=1, inflight={"a": 1}), 0.0)
+    assert not b.channel.receive("A", DEFAULT_POOL, PeerState(boot_id="1", seq=4, ts_ns=2,
                                        inflight={"a": 9}), 0.0)
-    assert b.load == {"a": 1}
-    assert b.peer_update("A", DEFAULT_POOL, PeerState(boot_id="2", seq=1, ts_ns=3, inflight={"b": 1}), 0.0)
-    assert b.load == {"b": 1}
-    assert not b.peer_update("B", DEFAULT_POOL, PeerState(boot_id="9", seq=1, ts_ns=3), 0.0)  # its own
-    assert not b.peer_update("A", "other", PeerState(boot_id="2", seq=2, ts_ns=3), 0.0)  # unknown pool
+    assert b.table.load.load == {"a": 1}
+    assert b.channel.receive("A", DEFAULT_POOL, PeerState(boot_id="2", seq=1, ts_ns=3, inflight={"b": 1}), 0.0)
+    assert b.table.load.load == {"b": 1}
+    assert not b.channel.receive("B", DEFAULT_POOL, PeerState(boot_id="9", seq=1, ts_ns=3), 0.0)  # its own
+    assert not b.channel.receive("A", "other", PeerState(boot_id="2", seq=2, ts_ns=3), 0.0)  # unknown pool
 
 
 def test_prefix_records_are_capped_newest_first() -> None:
     a = Router("la-swrr", 7, proxy_id="A", share=True, peer_max_keys=20, peer_grid=0)  # every key told
-    a.offer(snap(1), now=0.0)
+    a.table.offer(snap(1), now=0.0)
     for k in range(4):
         ask(a, long_prompt(f"prompt {k} "))  # 11 keys each (6000 chars / 512)
-    state = a.peer_message(DEFAULT_POOL, "b", 1, 1)
+    state = a.channel.message(DEFAULT_POOL, "b", 1, 1)
     assert state is not None
     assert [r.count for r in state.prefixes] == [9, 11]  # the newest whole, the one before cut to its lead
-    again = a.peer_message(DEFAULT_POOL, "b", 2, 2)
-    assert again is not None and again.prefixes == [] and not a.changed
+    again = a.channel.message(DEFAULT_POOL, "b", 2, 2)
+    assert again is not None and again.prefixes == [] and not a.channel.changed
 
 
 def test_one_proxy_without_the_channel_is_unchanged() -> None:
     texts = [long_prompt(f"c{k % 5} ") for k in range(40)]
     plain, shared = Router("la-swrr", 3, proxy_id="A"), Router("la-swrr", 3, proxy_id="A", share=True)
     for r in (plain, shared):
-        r.offer(snap(1), now=0.0)
+        r.table.offer(snap(1), now=0.0)
     assert [ask(plain, t) for t in texts] == [ask(shared, t) for t in texts]
 
 
@@ -164,75 +165,75 @@ def test_changes_between_whole_views_give_the_peers_the_same_counts() -> None:
     kinds = []
     for step, text in enumerate(texts):
         seen = prompt_text([{"role": "user", "content": text}], None)
-        admission = a.admit(DEFAULT_POOL, prompt=seen, size=request_size(seen, 16, None))
+        admission = admit(a, DEFAULT_POOL, prompt=seen, size=request_size(seen, 16, None))
         assert admission is not None
         live.append(admission)
         if step % 3 == 1:
-            a.prefilled(live[0])
+            a.admitter.prefilled(live[0])
         if step % 4 == 3:
-            a.release(live.pop(0))
-        changes = a.peer_message(DEFAULT_POOL, "boot", step + 1, ts_ns=step + 1)
+            a.admitter.release(live.pop(0))
+        changes = a.channel.message(DEFAULT_POOL, "boot", step + 1, ts_ns=step + 1)
         assert changes is not None
         kinds.append(type(changes).__name__)
-        whole = PeerState(boot_id="boot", seq=step + 1, ts_ns=step + 1, inflight=dict(a.inflight),
-                          backlog=dict(a.backlog))
-        assert b.peer_update("A", DEFAULT_POOL, PEER_DECODER.decode(PEER_ENCODER.encode(changes)), now=0.0)
-        assert c.peer_update("A", DEFAULT_POOL, whole, now=0.0)
-        assert b.load == c.load == a.load and b.peer_backlog == c.peer_backlog == a.backlog
-        assert b.pools[DEFAULT_POOL].others == c.pools[DEFAULT_POOL].others
+        whole = PeerState(boot_id="boot", seq=step + 1, ts_ns=step + 1, inflight=dict(a.table.load.own),
+                          backlog=dict(a.table.load.backlog))
+        assert b.channel.receive("A", DEFAULT_POOL, PEER_DECODER.decode(PEER_ENCODER.encode(changes)), now=0.0)
+        assert c.channel.receive("A", DEFAULT_POOL, whole, now=0.0)
+        assert b.table.load.load == c.table.load.load == a.table.load.load and b.table.load.peer_backlog == c.table.load.peer_backlog == a.table.load.backlog
+        assert b.table.route(DEFAULT_POOL).others == c.table.route(DEFAULT_POOL).others
     assert kinds == ["PeerState"] + ["PeerDelta"] * 11
     ask(a, "x")
-    missed = a.peer_message(DEFAULT_POOL, "boot", 13, ts_ns=13)  # never reaches B
+    missed = a.channel.message(DEFAULT_POOL, "boot", 13, ts_ns=13)  # never reaches B
     assert isinstance(missed, PeerDelta)
     ask(a, "y")
-    later = a.peer_message(DEFAULT_POOL, "boot", 14, ts_ns=14)
-    assert isinstance(later, PeerDelta) and not b.peer_update("A", DEFAULT_POOL, later, now=0.0)
-    assert b.load != a.load
-    heartbeat = a.peer_message(DEFAULT_POOL, "boot", 15, ts_ns=15, full=True)
-    assert isinstance(heartbeat, PeerState) and b.peer_update("A", DEFAULT_POOL, heartbeat, now=0.0)
-    assert b.load == a.load and b.peer_backlog == a.backlog
-    assert b.peer_update("A", DEFAULT_POOL, a.peer_message(DEFAULT_POOL, "boot", 16, ts_ns=16), now=0.0)  # type: ignore[arg-type]
+    later = a.channel.message(DEFAULT_POOL, "boot", 14, ts_ns=14)
+    assert isinstance(later, PeerDelta) and not b.channel.receive("A", DEFAULT_POOL, later, now=0.0)
+    assert b.table.load.load != a.table.load.load
+    heartbeat = a.channel.message(DEFAULT_POOL, "boot", 15, ts_ns=15, full=True)
+    assert isinstance(heartbeat, PeerState) and b.channel.receive("A", DEFAULT_POOL, heartbeat, now=0.0)
+    assert b.table.load.load == a.table.load.load and b.table.load.peer_backlog == a.table.load.backlog
+    assert b.channel.receive("A", DEFAULT_POOL, a.channel.message(DEFAULT_POOL, "boot", 16, ts_ns=16), now=0.0)  # type: ignore[arg-type]
 
 
 def test_records_never_sent_stay_bounded() -> None:
     a = Router("la-swrr", 7, proxy_id="A", share=True, peer_max_keys=5)
-    a.offer(snap(1), now=0.0)
+    a.table.offer(snap(1), now=0.0)
     for k in range(40):  # NATS away: nobody calls peer_message
         ask(a, long_prompt(f"prompt {k} "), done=True)
-    assert len(a.pools[DEFAULT_POOL].outbox) == 5
+    assert len(a.table.route(DEFAULT_POOL).outbox) == 5
 
 
 def test_held_counts_travel_and_the_free_slots_are_the_pool_wide_ones() -> None:
     a, b = router("A"), router("B")
     limited = WeightSnapshot(pool=DEFAULT_POOL, as_of_seq=2, tick=2, ts_ns=0, panic=False,
                              nodes=[msgspec.structs.replace(view(n), concurrency_limit=2) for n in NODES])
-    a.offer(limited, now=0.0)
-    b.offer(limited, now=0.0)
-    assert b.free_slots(DEFAULT_POOL) == 8 and b.free_slots("nowhere") == 0
+    a.table.offer(limited, now=0.0)
+    b.table.offer(limited, now=0.0)
+    assert b.admitter.free_slots(DEFAULT_POOL) == 8 and b.admitter.free_slots("nowhere") == 0
     wide = WeightSnapshot(pool="wide", as_of_seq=2, tick=2, ts_ns=0, panic=False,
                           nodes=[msgspec.structs.replace(view(n), concurrency_limit=10) for n in NODES])
-    b.offer(wide, now=0.0)
-    assert (b.free_slots("wide"), b.free_slots("wide", reserve=0.1)) == (40, 36)  # 9 of each 10 outside the reserve
-    a.changed.clear()
-    a.note_held(DEFAULT_POOL, {"interactive": 2, "batch": 7}, {"interactive": 40, "batch": 900})
-    assert DEFAULT_POOL in a.changed  # a changed count goes out within one interval
+    b.table.offer(wide, now=0.0)
+    assert (b.admitter.free_slots("wide"), b.admitter.free_slots("wide", reserve=0.1)) == (40, 36)  # 9 of each 10 outside the reserve
+    a.channel.changed.clear()
+    a.channel.note_held(DEFAULT_POOL, {"interactive": 2, "batch": 7}, {"interactive": 40, "batch": 900})
+    assert DEFAULT_POOL in a.channel.changed  # a changed count goes out within one interval
     for _ in range(3):
         ask(a, "x")
-    state = a.peer_message(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
+    state = a.channel.message(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
     assert state is not None and state.held == {"interactive": 2, "batch": 7}
     assert state.held_oldest_ms == {"interactive": 40, "batch": 900}
-    a.note_held(DEFAULT_POOL, {"interactive": 2, "batch": 7}, {"interactive": 60, "batch": 950})
-    assert DEFAULT_POOL not in a.changed  # only the ages moved: the next message or heartbeat carries them
-    assert b.peer_update("A", DEFAULT_POOL, PEER_DECODER.decode(PEER_ENCODER.encode(state)), now=0.01)
-    assert b.peer_held(DEFAULT_POOL) == {"interactive": 2, "batch": 7}
-    assert b.free_slots(DEFAULT_POOL) == 5  # A's three requests, counted through its message
-    a.note_held(DEFAULT_POOL, {}, {})
-    assert DEFAULT_POOL in a.changed and a.peer_message(DEFAULT_POOL, "boot-a", 2, ts_ns=20).held == {}  # type: ignore[union-attr]
-    b.expire_peers(now=0.01 + PEER_STALE_S + 0.1)
-    assert b.peer_held(DEFAULT_POOL) == {}  # a silent peer's held requests are forgotten with it
+    a.channel.note_held(DEFAULT_POOL, {"interactive": 2, "batch": 7}, {"interactive": 60, "batch": 950})
+    assert DEFAULT_POOL not in a.channel.changed  # only the ages moved: the next message or heartbeat carries them
+    assert b.channel.receive("A", DEFAULT_POOL, PEER_DECODER.decode(PEER_ENCODER.encode(state)), now=0.01)
+    assert b.channel.peer_held(DEFAULT_POOL) == {"interactive": 2, "batch": 7}
+    assert b.admitter.free_slots(DEFAULT_POOL) == 5  # A's three requests, counted through its message
+    a.channel.note_held(DEFAULT_POOL, {}, {})
+    assert DEFAULT_POOL in a.channel.changed and a.channel.message(DEFAULT_POOL, "boot-a", 2, ts_ns=20).held == {}  # type: ignore[union-attr]
+    b.channel.expire(now=0.01 + PEER_STALE_S + 0.1)
+    assert b.channel.peer_held(DEFAULT_POOL) == {}  # a silent peer's held requests are forgotten with it
     unlimited = WeightSnapshot(pool=DEFAULT_POOL, as_of_seq=3, tick=3, ts_ns=0, panic=False, nodes=[view("a")])
-    b.offer(unlimited, now=0.02)
-    assert b.free_slots(DEFAULT_POOL) is None  # a node without a slot limit: never saturated
+    b.table.offer(unlimited, now=0.02)
+    assert b.admitter.free_slots(DEFAULT_POOL) is None  # a node without a slot limit: never saturated
 
 
 def test_grid_positions() -> None:
@@ -245,10 +246,10 @@ def test_a_peer_tells_a_few_keys_of_a_long_prompt_and_its_continuation_follows_t
     a, b = router("A"), router("B")
     first = (long_prompt("a long conversation ") * 6)[:30000]  # 58 blocks
     node = ask(a, first, done=True)
-    state = a.peer_message(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
+    state = a.channel.message(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
     assert state is not None and [r.count for r in state.prefixes] == [7]  # blocks 0, 1, 3, 7, 15, 31, 47
-    assert b.peer_update("A", DEFAULT_POOL, PEER_DECODER.decode(PEER_ENCODER.encode(state)), now=0.01)
-    index = b.pools[DEFAULT_POOL].index
+    assert b.channel.receive("A", DEFAULT_POOL, PEER_DECODER.decode(PEER_ENCODER.encode(state)), now=0.01)
+    index = b.table.route(DEFAULT_POOL).index
     assert index is not None and index.grid == 16
     keys = index.keys(prompt_text([{"role": "user", "content": first + " and the next turn"}], None))
     preferred, depth, floor = index.match(keys, list(NODES))
@@ -256,7 +257,7 @@ def test_a_peer_tells_a_few_keys_of_a_long_prompt_and_its_continuation_follows_t
     assert ask(b, first + " and the next turn") == node
     # the same prompt again through A: the node holds it already, nothing more to tell
     ask(a, first, done=True)
-    again = a.peer_message(DEFAULT_POOL, "boot-a", 2, ts_ns=11)
+    again = a.channel.message(DEFAULT_POOL, "boot-a", 2, ts_ns=11)
     assert again is not None and again.prefixes == []
 
 
@@ -264,8 +265,8 @@ def test_a_record_with_torn_keys_is_a_hint_lost() -> None:
     b = router("B")
     bad = PeerState(boot_id="x", seq=1, ts_ns=1, inflight={"a": 1},
                     prefixes=[PrefixRecord("a", b"\x01\x02\x03")])
-    assert b.peer_update("A", DEFAULT_POOL, bad, now=0.0) and b.load == {"a": 1}
-    index = b.pools[DEFAULT_POOL].index
+    assert b.channel.receive("A", DEFAULT_POOL, bad, now=0.0) and b.table.load.load == {"a": 1}
+    index = b.table.route(DEFAULT_POOL).index
     assert index is not None and index.entries() == 0
 
 
@@ -274,54 +275,55 @@ def test_a_peer_new_to_this_proxy_gets_its_whole_view_next() -> None:
     its first one, this proxy's next message, due within one interval, is whole again."""
     a, b = router("A"), router("B")
     ask(b, "x")
-    assert isinstance(b.peer_message(DEFAULT_POOL, "boot-b", 1, ts_ns=1), PeerState)
+    assert isinstance(b.channel.message(DEFAULT_POOL, "boot-b", 1, ts_ns=1), PeerState)
     ask(b, "y")
-    assert isinstance(b.peer_message(DEFAULT_POOL, "boot-b", 2, ts_ns=2), PeerDelta)
-    assert DEFAULT_POOL not in b.changed
-    first = a.peer_message(DEFAULT_POOL, "boot-a", 1, ts_ns=3)
-    assert isinstance(first, PeerState) and b.peer_update("A", DEFAULT_POOL, first, now=0.0)
-    assert DEFAULT_POOL in b.changed and b.peer_due(DEFAULT_POOL, since_s=0.0)
-    whole = b.peer_message(DEFAULT_POOL, "boot-b", 3, ts_ns=4)
-    assert isinstance(whole, PeerState) and whole.inflight == b.inflight
+    assert isinstance(b.channel.message(DEFAULT_POOL, "boot-b", 2, ts_ns=2), PeerDelta)
+    assert DEFAULT_POOL not in b.channel.changed
+    first = a.channel.message(DEFAULT_POOL, "boot-a", 1, ts_ns=3)
+    assert isinstance(first, PeerState) and b.channel.receive("A", DEFAULT_POOL, first, now=0.0)
+    assert DEFAULT_POOL in b.channel.changed and b.channel.due(DEFAULT_POOL, now=0.0)
+    whole = b.channel.message(DEFAULT_POOL, "boot-b", 3, ts_ns=4)
+    assert isinstance(whole, PeerState) and whole.inflight == b.table.load.own
     # its next message from the same boot is news, not a new peer
     ask(a, "z")
-    assert b.peer_update("A", DEFAULT_POOL, a.peer_message(DEFAULT_POOL, "boot-a", 2, ts_ns=5), now=0.0)  # type: ignore[arg-type]
-    assert DEFAULT_POOL not in b.changed
+    assert b.channel.receive("A", DEFAULT_POOL, a.channel.message(DEFAULT_POOL, "boot-a", 2, ts_ns=5), now=0.0)  # type: ignore[arg-type]
+    assert DEFAULT_POOL not in b.channel.changed
     # A restarts: a new boot
-    restarted = router("A").peer_message(DEFAULT_POOL, "boot-a2", 1, ts_ns=6)
-    assert isinstance(restarted, PeerState) and b.peer_update("A", DEFAULT_POOL, restarted, now=0.0)
-    assert isinstance(b.peer_message(DEFAULT_POOL, "boot-b", 4, ts_ns=7), PeerState)
+    restarted = router("A").channel.message(DEFAULT_POOL, "boot-a2", 1, ts_ns=6)
+    assert isinstance(restarted, PeerState) and b.channel.receive("A", DEFAULT_POOL, restarted, now=0.0)
+    assert isinstance(b.channel.message(DEFAULT_POOL, "boot-b", 4, ts_ns=7), PeerState)
 
 
 def test_a_proxy_that_hears_no_peer_tells_nobody_but_its_heartbeat() -> None:
     """Alone, a proxy sends its first whole view and then only its heartbeat: no message per pick,
     first byte or release. Once it hears a peer, every pick is told at once again."""
-    picks: list[str] = []
     a = router("A")
-    a.on_pick = picks.append
+    channel = a.channel
+    assert channel is not None
     ask(a, "first", done=True)
-    assert picks == [DEFAULT_POOL]  # its first whole view: a peer that starts later hears of it
-    assert isinstance(a.peer_message(DEFAULT_POOL, "boot-a", 1, ts_ns=1), PeerState)
+    assert channel.picks() == [DEFAULT_POOL]  # its first whole view: a peer that starts later hears of it
+    assert isinstance(channel.message(DEFAULT_POOL, "boot-a", 1, ts_ns=1), PeerState)
+    channel.sent(DEFAULT_POOL, PeerState(boot_id="boot-a", seq=1, ts_ns=1), now=0.0)
     for k in range(5):
         ask(a, f"alone {k}", done=True)
-    assert picks == [DEFAULT_POOL] and DEFAULT_POOL in a.changed
-    assert not a.peer_due(DEFAULT_POOL, since_s=0.1)  # changed, but nobody to tell
-    assert a.peer_due(DEFAULT_POOL, since_s=PEER_STALE_S / 2)  # the heartbeat
+    assert channel.picks() == [] and DEFAULT_POOL in channel.changed
+    assert not channel.due(DEFAULT_POOL, now=0.1)  # changed, but nobody to tell
+    assert channel.due(DEFAULT_POOL, now=PEER_STALE_S / 2)  # the heartbeat
     b = router("B")
-    assert a.peer_update("B", DEFAULT_POOL, b.peer_message(DEFAULT_POOL, "boot-b", 1, ts_ns=2), now=0.0)  # type: ignore[arg-type]
-    assert a.peer_due(DEFAULT_POOL, since_s=0.0)  # B is new: A's whole view within one interval
+    assert channel.receive("B", DEFAULT_POOL, b.channel.message(DEFAULT_POOL, "boot-b", 1, ts_ns=2), now=0.0)  # type: ignore[arg-type, union-attr]
+    assert channel.due(DEFAULT_POOL, now=0.0)  # B is new: A's whole view within one interval
     ask(a, "heard", done=True)
-    assert picks == [DEFAULT_POOL, DEFAULT_POOL]
+    assert channel.picks() == [DEFAULT_POOL]
 
 
 def test_a_heartbeat_to_nobody_carries_no_prefix_records() -> None:
     a = router("A")
     ask(a, long_prompt("first "))
-    first = a.peer_message(DEFAULT_POOL, "boot-a", 1, ts_ns=1)
+    first = a.channel.message(DEFAULT_POOL, "boot-a", 1, ts_ns=1)
     assert first is not None and first.prefixes  # the first whole view: a later peer may hear it
     ask(a, long_prompt("second "))
-    beat = a.peer_message(DEFAULT_POOL, "boot-a", 2, ts_ns=2, full=True)
-    assert isinstance(beat, PeerState) and beat.prefixes == [] and not a.pools[DEFAULT_POOL].outbox
+    beat = a.channel.message(DEFAULT_POOL, "boot-a", 2, ts_ns=2, full=True)
+    assert isinstance(beat, PeerState) and beat.prefixes == [] and not a.table.route(DEFAULT_POOL).outbox
 
 
 def test_a_proxy_waits_before_a_pick_by_its_rank_among_the_proxies_it_hears() -> None:
@@ -331,8 +333,8 @@ def test_a_proxy_waits_before_a_pick_by_its_rank_among_the_proxies_it_hears() ->
     assert routers[0].stagger_s(DEFAULT_POOL) == routers[1].stagger_s(DEFAULT_POOL) == 0.0  # alone: no wait
     for me in routers:
         for other in names:
-            if other != me.proxy_id:
-                assert me.peer_update(other, DEFAULT_POOL, PeerState(boot_id=other, seq=1, ts_ns=1), now=0.0)
+            if other != me.table.proxy_id:
+                assert me.channel.receive(other, DEFAULT_POOL, PeerState(boot_id=other, seq=1, ts_ns=1), now=0.0)
     step = PEER_STAGGER_S
     assert [r.stagger_s(DEFAULT_POOL) for r in routers] == [0.0, step, 2 * step, 3 * step, 3 * step]  # at most 3 turns
     c = routers[2]
@@ -340,12 +342,12 @@ def test_a_proxy_waits_before_a_pick_by_its_rank_among_the_proxies_it_hears() ->
     assert c.stagger_s(DEFAULT_POOL) == pytest.approx(2 * 0.005)
     for _ in range(200):
         c.first_byte(0.003)  # requests answered in 3 ms: a turn of 0.1 ms is none
-    assert c.stagger_s(DEFAULT_POOL) == 0.0 and c.first_byte_s is not None and c.first_byte_s < 0.004
-    c.first_byte_s = None
+    assert c.stagger_s(DEFAULT_POOL) == 0.0 and c.channel.first_byte_s is not None and c.channel.first_byte_s < 0.004
+    c.channel.first_byte_s = None
     assert c.stagger_s("other pool") == 0.0
-    assert c.expire_peers(now=PEER_STALE_S + 1) == 4 and c.stagger_s(DEFAULT_POOL) == 0.0  # its peers went silent
+    assert c.channel.expire(now=PEER_STALE_S + 1) == 4 and c.stagger_s(DEFAULT_POOL) == 0.0  # its peers went silent
     off = Router("la-swrr", 1, proxy_id="C", share=True, peer_stagger_s=0.0)
-    off.offer(snap(1), now=0.0)
-    off.peer_update("A", DEFAULT_POOL, PeerState(boot_id="A", seq=1, ts_ns=1), now=0.0)
+    off.table.offer(snap(1), now=0.0)
+    off.channel.receive("A", DEFAULT_POOL, PeerState(boot_id="A", seq=1, ts_ns=1), now=0.0)
     assert off.stagger_s(DEFAULT_POOL) == 0.0
     assert router("C", share=False).stagger_s(DEFAULT_POOL) == 0.0  # without the channel
