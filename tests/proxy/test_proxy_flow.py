@@ -362,12 +362,12 @@ async def test_a_slot_another_proxy_frees_goes_to_the_more_urgent_band_it_holds(
     short = asyncio.create_task(post(http, p2, body("p2-short", chunks=10, delay=0.1)))
     long = asyncio.create_task(post(http, p2, body("p2-long", chunks=60, delay=0.1)))
     await wait_for(lambda: len(engine.received) == 2, what="a full through p2")
-    await wait_for(lambda: p1.state.router.load.get("a") == 2, what="p1 counts p2's two requests (its messages)")
+    await wait_for(lambda: p1.state.router.table.load.load.get("a") == 2, what="p1 counts p2's two requests (its messages)")
     batch = await hold(http, p2, body("p2-batch"), {"x-laswrr-priority": "batch"})
     interactive = await hold(http, p1, body("p1-interactive"), {"x-laswrr-priority": "interactive"})
-    await wait_for(lambda: p2.state.router.peer_held("default") == {"interactive": 1},
+    await wait_for(lambda: p2.state.router.channel.peer_held("default") == {"interactive": 1},
                    what="p2 hears that p1 holds an interactive request")
-    assert p1.state.router.peer_held("default") == {"batch": 1}
+    assert p1.state.router.channel.peer_held("default") == {"batch": 1}
     status, headers, _ = await interactive  # before p2-long ends (6 s): woken by p2's message
     assert status == 200 and headers["x-laswrr-node"] == "a" and not long.done()
     assert tags(engine) == ["p2-short", "p2-long", "p1-interactive"] and not batch.done()

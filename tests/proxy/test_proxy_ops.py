@@ -41,7 +41,7 @@ async def test_metrics_exposition(engines, core: CoreDriver, start_proxy: StartP
         assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
         text = await resp.text()
     for line in ('laswrr_proxy_requests_total{node="a",outcome="completed",pool="default"} 1.0',
-                 'laswrr_proxy_rejected_total{reason="bad_json"} 1.0',
+                 'laswrr_proxy_rejected_total{reason="invalid_json"} 1.0',
                  'laswrr_node_inflight{node="a",pool="default"} 0.0',
                  'laswrr_node_effective_weight{node="a",pool="default"} 4.0',
                  'laswrr_node_target_weight{node="a",pool="default"}',

@@ -143,7 +143,7 @@ def legs(tap: EventTap, request_id: str) -> list[tuple[str, dict[str, Any]]]:
 async def test_requests_complete_through_a_pair(engines: StartEngine, core: CoreDriver, start_proxy: StartProxy,
                                                 http: aiohttp.ClientSession, tap: EventTap) -> None:
     p1, p2, d1 = await engines("p1", "prefill"), await engines("p2", "prefill"), await engines("d1", "decode")
-    proxy = await start_proxy(scorer=None)
+    proxy = await start_proxy(affinity="none")
     await register(core, proxy, p1, p2, d1)
     expected = "".join(filler_tokens(0, PROMPT, 12))
     answers = await asyncio.gather(*(stream(http, proxy, body(12)) for _ in range(6)))
@@ -172,7 +172,7 @@ async def _prefill_killed_mid_request(protocol: str, engines: StartEngine, core:
     doomed, d1 = await engines("doomed", "prefill", protocol), await engines("d1", "decode", protocol)
     rescuer = await engines("rescuer", "prefill", protocol)
     await doomed.admin(http, slowdown=50.0)
-    proxy = await start_proxy(scorer=None, max_retries=1)
+    proxy = await start_proxy(affinity="none", max_retries=1)
     await register(core, proxy, doomed, d1)
     reading = asyncio.create_task(stream(http, proxy, body(20, prompt_tokens=4000)))
     for _ in range(500):
@@ -209,7 +209,7 @@ async def test_a_drained_prefill_node_is_drained_when_its_own_legs_end(
     p1, d1 = await engines("p1", "prefill"), await engines("d1", "decode")
     await p1.admin(http, slowdown=20.0)  # prefill ~2 s
     await d1.admin(http, slowdown=20.0)  # 60 tokens ~4 s
-    proxy = await start_proxy(scorer=None)
+    proxy = await start_proxy(affinity="none")
     await register(core, proxy, p1, d1)
     relayed = 0
     drained_by: list[tuple[str, str | None]] = []  # the input on which p1 turned drained
@@ -251,7 +251,7 @@ async def test_sglang_pairs_run_both_legs_at_once_with_one_bootstrap_room(
         tap: EventTap) -> None:
     p1, p2 = await engines("p1", "prefill", "sglang"), await engines("p2", "prefill", "sglang")
     d1 = await engines("d1", "decode", "sglang")
-    proxy = await start_proxy(scorer=None)
+    proxy = await start_proxy(affinity="none")
     await register(core, proxy, p1, p2, d1)
     expected = "".join(filler_tokens(0, PROMPT, 12))
     answers = await asyncio.gather(*(stream(http, proxy, body(12)) for _ in range(6)))
@@ -279,7 +279,7 @@ async def test_sglang_a_decode_killed_cancels_its_prefill_at_once_and_a_new_pair
     p1 = await engines("p1", "prefill", "sglang")
     doomed, rescuer = await engines("doomed", "decode", "sglang"), await engines("rescuer", "decode", "sglang")
     await p1.admin(http, slowdown=50.0)  # its prefill of 4,000 tokens: ~5 s
-    proxy = await start_proxy(scorer=None, max_retries=1)
+    proxy = await start_proxy(affinity="none", max_retries=1)
     await register(core, proxy, p1, doomed)
     reading = asyncio.create_task(stream(http, proxy, body(20, prompt_tokens=4000)))
     await wait_for(lambda: bool(tap.of(sj.REQ_STARTED)) and len(tap.of(sj.REQ_STARTED)) == 2, what="both legs started")
@@ -337,7 +337,7 @@ async def test_a_decode_engine_killed_mid_stream_is_continued_on_a_new_pair(
     p1 = await engines("p1", "prefill", protocol)
     doomed, rescuer = await engines("doomed", "decode", protocol), await engines("rescuer", "decode", protocol)
     await doomed.admin(http, fail="stall_stream", cut_after=7)
-    proxy = await start_proxy(scorer=None)
+    proxy = await start_proxy(affinity="none")
     await register(core, proxy, p1, doomed)
     seen: asyncio.Queue[int] = asyncio.Queue()
     reading = asyncio.create_task(stream(http, proxy, body(30), seen))
@@ -363,7 +363,7 @@ async def test_a_short_prompt_goes_to_its_decode_node_alone(
     """--pd-decode-only-tokens 64: a ~10-token prompt is one attempt on the decode node (its
     engine prefills it), a ~370-token one a pair; both answers whole."""
     p1, d1 = await engines("p1", "prefill"), await engines("d1", "decode", "vllm", "--pd-local-prefill")
-    proxy = await start_proxy(scorer=None, pd_decode_only_tokens=64)
+    proxy = await start_proxy(affinity="none", pd_decode_only_tokens=64)
     await register(core, proxy, p1, d1)
     short_id, short_text, short_errors = await stream(http, proxy, body(12))
     long_prompt = {**body(12), "prompt": PROMPT * 40}

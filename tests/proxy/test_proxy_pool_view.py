@@ -121,20 +121,20 @@ def test_with_one_replica_the_picks_are_exactly_the_old_referees(policy: str, se
             weights = {n: rng.choice([1, 2, 4, 8]) for n in names}
             snapshot = snap(seq, [view(n, weights[n], inflight=seen.get(n, 0)) for n in names],
                             {"solo": {n: c for n, c in sorted(seen.items()) if c}} if seen else None)
-            new.offer(snapshot, now=step)
+            new.table.offer(snapshot, now=step)
             old.install(snapshot)
         elif roll < 0.6 or not held:
             tried = set(rng.sample(names, rng.choice([0, 0, 0, 1, 2])))
-            admission = new.admit("default", tried=tried)
+            admission = admit(new, "default", tried=tried)
             picks_new.append(admission.node if admission else None)
             picks_old.append(old.admit(tried))
             if admission is not None:
                 held.append(admission)
         else:
             admission = held.pop(rng.randrange(len(held)))
-            new.release(admission)
+            new.admitter.release(admission)
             old.release(admission.node)
-        assert new.load == new.inflight == old.own
-        history.append(dict(new.inflight))
+        assert new.table.load.load == new.table.load.own == old.own
+        history.append(dict(new.table.load.own))
     assert picks_new == picks_old
     assert len(set(picks_new)) > 1

@@ -51,8 +51,8 @@ async def test_refusals_are_recorded_with_their_cause_and_engine_4xx_is_engine_e
     await wait_seq(proxy, "default", await core.capacity("a", 0))
     assert await post(KEY, json=BODY) == 503
 
-    refused = {0: ("no_snapshot", 503), 1: ("invalid_api_key", 401), 2: ("bad_json", 400),
-               3: ("body_too_large", 413), 4: ("key_max_inflight", 429), 8: ("no_routable_node", 503)}
+    refused = {0: ("no_snapshot", 503), 1: ("invalid_api_key", 401), 2: ("invalid_json", 400),
+               3: ("request_too_large", 413), 4: ("key_max_inflight", 429), 8: ("no_routable_node", 503)}
     await wait_for(lambda: len(tap.of(sj.REQ_REFUSED)) == len(refused), what="the refusals in LB_EVENTS")
     events = [data for _, data in tap.of(sj.REQ_REFUSED)]
     assert [(e["cause"], e["status"]) for e in events] == list(refused.values())
