@@ -81,7 +81,7 @@ class WeightSnapshot(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     ``proxy_inflight`` is, per proxy id, its requests the scheduler holds open on each node of
     the pool (``{proxy: {node: count}}``, proxies and nodes sorted, zero counts left out): what
     ``NodeView.inflight`` is made of. A proxy routes on ``inflight - proxy_inflight[itself] + its
-    own live count`` (the pool-wide view, scheduler/routing/router.py). Omitted when the pool has
+    own live count`` (the pool-wide view, scheduler/routing/load.py). Omitted when the pool has
     no request open."""
 
     KIND: ClassVar[str] = "out.weight_snapshot"

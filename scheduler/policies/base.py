@@ -6,14 +6,14 @@ Every policy has that one call; the ``PickContext`` (Envoy's ``LoadBalancerConte
 everything a pick may look at, and a policy reads what it uses and ignores the rest:
 
 * ``inflight``: each node's in-flight count (the proxy's pool-wide estimate,
-  ``scheduler.routing.router``); every policy but round robin reads it;
+  ``scheduler.routing.load``); every policy but round robin reads it;
 * ``exclude``: nodes the pick must not return (tried for this request, or over a limit);
 * ``affinity``: the request's work and prefix preference (``policies.affinity.Affinity``), or
   None; only policies with ``uses_affinity`` read it, and the router builds it only for them.
 
 A new field (a request's priority) is a field here with a default: the policies that do not use
 it need no change. Prefill/decode roles are not a field: a P/D pool's route holds one policy per
-role (``scheduler.routing.router``). Randomness comes only from the ``Rng`` the caller
+role (``scheduler.routing.route``). Randomness comes only from the ``Rng`` the caller
 seeded. A candidate of weight 0 is never picked.
 """
 

@@ -3,7 +3,7 @@
 Each pick runs one nginx SWRR add step over the eligible nodes; the node with the highest
 accumulator is the leader L. The challenger C is the eligible node that would be lightest per
 unit of weight after taking the request (least ``(inflight + 1) / w``; ties: higher accumulator,
-then list order). In-flight counts are the proxy's pool-wide estimate (scheduler/routing/router.py):
+then list order). In-flight counts are the proxy's pool-wide estimate (scheduler/routing/load.py):
 its own requests live, never stale, plus the other replicas' as of the snapshot; snapshot
 weights (and those other replicas' counts) may be a tick (100 ms) old. The referee:
 

@@ -7,7 +7,7 @@ the order is deterministic and unit-tested (tests/scheduler/test_flow.py).
 Rules (docs/proxy.md, "Flow control"):
 
 * **Saturation: the slot limit.** A node can take a request while its pool-wide in-flight
-  estimate (``scheduler.routing.router``'s ``load``) is under its *concurrency limit*, which the
+  estimate (``scheduler.routing.load``) is under its *concurrency limit*, which the
   scheduler computes and publishes in the snapshot (``NodeView.concurrency_limit``) by
   ``scheduler.weights.concurrency_limit``: ``ceil(concurrency_limit_factor x slots)``, at least
   1, with ``slots`` the node's believed decode slots (its capacity, or fewer after queue

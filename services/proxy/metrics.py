@@ -15,7 +15,7 @@ scraped. So are the routing decisions of the snapshots in force, per ``{pool, no
 ``laswrr_node_phase{phase}`` (1 for the current phase, 0 for the others) and
 ``laswrr_node_inflight`` (this proxy's own live count, the router's), ``laswrr_node_inflight_estimate``
 (the pool-wide estimate the pick uses: the other replicas' requests as of the snapshot plus this
-proxy's own, scheduler/routing/router.py), and the event publisher's counters
+proxy's own, scheduler/routing/load.py), and the event publisher's counters
 (``laswrr_proxy_events_published_total``, ``laswrr_proxy_events_dropped_total``,
 ``laswrr_proxy_event_batches_published_total``, ``laswrr_proxy_event_batches_resent_total``) and its
 batch sizes (the histogram ``laswrr_proxy_event_batch_size``: events per acknowledged

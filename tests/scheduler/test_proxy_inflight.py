@@ -1,7 +1,7 @@
 """The snapshot's ``proxy_inflight``: each proxy's share of every node's in-flight count.
 
 A proxy routes on ``inflight - proxy_inflight[itself] + its own live count`` (the pool-wide
-view, scheduler/routing/router.py), so the split must add up to ``inflight`` exactly, follow
+view, scheduler/routing/load.py), so the split must add up to ``inflight`` exactly, follow
 every way a request ends (finished, voided by a heartbeat, a new boot id, the proxy stopping or
 expiring, the node removed), stay sorted (replicas emit the same bytes), and be left out when no
 request is open, so the snapshots of such states are the bytes the core emitted before.

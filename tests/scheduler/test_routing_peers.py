@@ -1,4 +1,4 @@
-"""The channel between proxies, pure (scheduler/routing/router.py, "the channel between proxies";
+"""The channel between proxies, pure (scheduler/routing/peers.py;
 docs/proxy.md): a peer's message replaces the snapshot's view of that peer while fresh and newer,
 its prefix records steer this proxy to the same node, and a stale or missing peer falls back to
 the snapshot's counts, exactly the rule without the channel."""
