@@ -55,25 +55,7 @@ class Broken(Exception):
 
 # -- is the request continuable? ------------------------------------------------------------------
 
-class _RequestPeek(msgspec.Struct):
-    """The body fields that decide continuability; prompts and messages stay undecoded."""
-
-    n: Any = None
-    best_of: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = None
-    seed: Any = None
-    response_format: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
-    prompt: msgspec.Raw = msgspec.Raw(b"null")
-
-
-_PEEK = msgspec.json.Decoder(_RequestPeek)
+_TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])  # a body's top level: prompts and messages stay undecoded
 
 
 def route_kind(path_qs: str) -> Kind | None:
@@ -85,22 +67,27 @@ def not_continuable(kind: Kind | None, body: bytes) -> str | None:
     if kind is None:
         return "this route is not continuable"
     try:
-        peek = _PEEK.decode(body)
+        fields = _TOP.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return "the request body is not a JSON object"
-    if (peek.n not in (None, 1)) or (peek.best_of not in (None, 1)):
+
+    def value(name: str) -> Any:  # only the fields that decide are decoded (null or absent: None)
+        raw = fields.get(name)
+        return None if raw is None else msgspec.json.decode(raw)
+
+    if (value("n") not in (None, 1)) or (value("best_of") not in (None, 1)):
         return "n > 1"
-    if peek.logprobs not in (None, False) or peek.top_logprobs not in (None, 0):
+    if value("logprobs") not in (None, False) or value("top_logprobs") not in (None, 0):
         return "logprobs requested"
-    if peek.echo:
+    if value("echo"):
         return "echo requested"
-    if peek.seed is not None:
+    if value("seed") is not None:
         return "seed given (exact reproducibility)"
-    response_format = peek.response_format
+    response_format = value("response_format")
     if (isinstance(response_format, dict) and response_format.get("type") not in (None, "text")) or \
-            any(getattr(peek, name) is not None for name in _STRUCTURED):
+            any(value(name) is not None for name in _STRUCTURED):
         return "structured output"
-    if kind == "completion" and not _one_text_prompt(peek.prompt):
+    if kind == "completion" and not _one_text_prompt(fields.get("prompt", msgspec.Raw(b"null"))):
         return "the prompt is not one string"
     return None
 

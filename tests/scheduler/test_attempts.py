@@ -6,23 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from laswrr.scheduler.routing.attempts import (
-    CONTINUATIONS,
-    RETRIES,
-    TRANSITIONS,
-    AttemptError,
-    Budget,
-    Decision,
-    GiveUp,
-    Leg,
-    Outcome,
-    Step,
-    attempt_id,
-    decide,
-    give_up_text,
-    next_leg,
-    pair_leg,
-)
+from laswrr.scheduler.routing.attempts import (CONTINUATIONS, RETRIES, TRANSITIONS, AttemptError, Budget, Decision,
+                                              GiveUp, Leg, Outcome, Step, attempt_id, decide, give_up_text, next_leg,
+                                              pair_leg)
 from laswrr.schemas.words import PdProtocol
 
 ROOMY = Budget(max_retries=2, continue_limit=1)
