@@ -34,6 +34,15 @@ Theory of operation
   changed, when the node was (re-)registered, and every ``models_refresh_s`` (60 s) unchanged;
   the proxies route model ids on them (docs/wire.md, "Model ids"). A failed listing
   publishes nothing: the last list stands.
+* An engine sample, an NPU sample or a passed health probe that says what the node's last published
+  one of its kind said (but for its time, and a probe's latency) is not published again before
+  ``keepalive_s`` (10 s; 0: every one is), so an idle pool's log does not grow by samples; a
+  failed probe is always published (the scheduler counts them). So that the scheduler does not
+  age a sample it is not sent again, each sample's ``max_age_ms`` says it stands for the
+  keep-alive plus two of its polling periods (``stands_for_ms``). A node whose last engine
+  sample and probe were both unchanged is idle: it is polled every ``idle_interval_s`` (2 s)
+  instead of ``interval_s`` until one of them changes (a busy engine's running count changes at
+  every scrape), so an idle pool costs the collector a quarter of the scrapes.
 * A scrape that is not an engine exposition (garbage, HTML, cut before the gauges) publishes
   nothing and is counted; so are HTTP errors, timeouts, npu-smi failures and publish errors.
   Warnings are rate-limited per (node, problem); totals are logged every ``stats_interval_s``
@@ -59,6 +68,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
+import msgspec
 from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -75,7 +85,7 @@ from laswrr.collectors.npu import NpuSmiError, run_npu_smi, select_chips, split_
 from laswrr.collectors.prometheus import EngineMetrics, engine_sample
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import encode
-from laswrr.schemas.events import EngineSampled, Event, ModelsListed, NpuSampled
+from laswrr.schemas.events import EngineSampled, Event, HealthProbed, ModelsListed, NpuSampled
 
 log = logging.getLogger("laswrr.collector")
 Labels = tuple[tuple[str, str], ...]
@@ -87,6 +97,18 @@ MAX_AGE_PERIODS = 2
 def max_age_ms(period_s: float) -> int:
     """``NpuSampled.max_age_ms`` of a source polled every ``period_s``: ``MAX_AGE_PERIODS`` periods."""
     return max(1, round(MAX_AGE_PERIODS * period_s * 1000))
+
+
+def stands_for_ms(period_s: float, keepalive_s: float) -> int:
+    """``max_age_ms`` of a sample polled every ``period_s`` and repeated unchanged every ``keepalive_s``."""
+    return max_age_ms(period_s) + round(keepalive_s * 1000)
+
+
+def sample_content(event: Event) -> bytes:
+    """What makes two samples the same: all but the time (and a health probe's latency)."""
+    if isinstance(event, HealthProbed):
+        return encode(msgspec.structs.replace(event, ts_ns=None, latency_ms=None))
+    return encode(msgspec.structs.replace(event, ts_ns=None))  # type: ignore[call-arg]
 
 
 @dataclass(frozen=True)
@@ -105,6 +127,8 @@ class Settings:
     fault_table: FaultTable | None = None  # None: collectors/faultcodes.toml
     models_interval_s: float = 5.0  # GET /v1/models per node (a change is published at once)
     models_refresh_s: float = 60.0  # an unchanged list is published again this often (a fresh scheduler learns it)
+    keepalive_s: float = 10.0  # an unchanged engine/NPU sample or passed probe is published again this often; 0: always
+    idle_interval_s: float = 2.0  # polling period of a node whose samples stopped changing (<= interval_s: off)
 
 
 # --------------------------------------------------------------------------- counters and logs
@@ -120,6 +144,7 @@ _HELP = {
     "model_listings": "engine /v1/models listings by outcome (ok, garbage, http_error, timeout, unreachable)",
     "status_polls": "MindIE status polls by outcome (ok, not_ready, garbage, http_error, timeout, unreachable)",
     "published": "samples published to LB_EVENTS by kind",
+    "unchanged": "samples not published because they said what the last one said (within --keepalive-ms) by kind",
     "publish_errors": "samples that could not be published by kind",
     "late_ticks": "polling ticks skipped because the previous round overran its interval",
 }
@@ -229,6 +254,8 @@ class Collector:
         self._prev: dict[str, EngineMetrics] = {}
         self._models_sent: dict[str, tuple[list[str], float]] = {}  # node -> (ids published, monotonic time)
         self._engine_kind: dict[str, str] = {}
+        self._sent: dict[str, tuple[bytes, float]] = {}  # subject -> (sample_content, monotonic time published)
+        self._unchanged: set[str] = set()  # subjects whose last sample said what the one before said
         self._start_nodes = list(nodes)  # npu-smi hosts come from the start-up list only
         self._node_tasks: dict[str, asyncio.Task[None]] = {}
         self._exporter_tasks: dict[str, asyncio.Task[None]] = {}
@@ -265,6 +292,9 @@ class Collector:
             task.cancel()
         self._prev.pop(node_id, None)  # histogram deltas start again from the next scrape
         self._models_sent.pop(node_id, None)  # a (re-)registered node's ids are published again
+        for subject in (sj.metrics_engine(node_id), sj.metrics_npu(node_id), sj.health(node_id)):
+            self._sent.pop(subject, None)  # and its samples
+            self._unchanged.discard(subject)
         if node is None:
             self.nodes.pop(node_id, None)
         else:
@@ -304,7 +334,13 @@ class Collector:
                          phase: float) -> None:
         loop = asyncio.get_running_loop()
         list_at = 0.0
+        idle_rounds = max(1, round(self.settings.idle_interval_s / self.settings.interval_s))
+        quiet = {sj.metrics_engine(node.id), sj.health(node.id)}
+        rounds = 0
         async for _ in self._ticks(self.settings.interval_s, stop, node.id, phase):
+            rounds += 1
+            if quiet <= self._unchanged and rounds % idle_rounds:
+                continue  # idle: polled every idle_interval_s
             jobs = [self._engine_once(node, session), self._health_once(node, session)]
             if loop.time() >= list_at:
                 list_at = loop.time() + self.settings.models_interval_s
@@ -354,8 +390,13 @@ class Collector:
                 self._prev[node.id] = scrape.metrics
         if polled is not None:
             sample = await self._with_status(node, session, sample, polled, ts_ns)
-        if sample is not None:
-            await self._publish("engine", sj.metrics_engine(node.id), sample)
+        if sample is None:
+            self._unchanged.discard(sj.metrics_engine(node.id))  # no sample: not idle, polled every interval
+        else:
+            if self.settings.keepalive_s > 0:
+                period = max(self.settings.interval_s, self.settings.idle_interval_s)  # an idle node's
+                sample = msgspec.structs.replace(sample, max_age_ms=stands_for_ms(period, self.settings.keepalive_s))
+            await self._publish("engine", sj.metrics_engine(node.id), sample, repeat=False)
 
     async def _with_status(self, node: Node, session: aiohttp.ClientSession, sample: EngineSampled | None,
                            polled: Polled, ts_ns: int) -> EngineSampled | None:
@@ -407,7 +448,7 @@ class Collector:
             self.warn.resolved(key, f"node {node.id}: health ok again")
         else:
             self.warn.warning(key, f"node {node.id}: health probe {node.health_url} failed: {probe.error}")
-        await self._publish("health", sj.health(node.id), probe)
+        await self._publish("health", sj.health(node.id), probe, repeat=not probe.ok)
 
     async def _npu_once(self, host: NpuHost) -> None:
         key = f"npu-smi:{host.command}"
@@ -432,7 +473,8 @@ class Collector:
                 self.warn.warning(f"{node.id}:npu", f"node {node.id}: npu-smi {host.command!r} lists no {what}")
             if mine:
                 publishes.append(self._publish("npu", sj.metrics_npu(node.id), NpuSampled(
-                    chips=mine, ts_ns=ts_ns, max_age_ms=max_age_ms(self.settings.npu_interval_s))))
+                    chips=mine, ts_ns=ts_ns, max_age_ms=self._stands_for_ms(self.settings.npu_interval_s)),
+                    repeat=False))
         await asyncio.gather(*publishes)
 
     async def _exporter_once(self, url: str, session: aiohttp.ClientSession, period_s: float) -> None:
@@ -459,10 +501,28 @@ class Collector:
                 continue
             chips = [to_npu_chip(chip, self.fault_table, node.chips_per_npu) for chip in mine]
             publishes.append(self._publish("npu", sj.metrics_npu(node.id), NpuSampled(
-                chips=chips, ts_ns=ts_ns, max_age_ms=max_age_ms(period_s))))
+                chips=chips, ts_ns=ts_ns, max_age_ms=self._stands_for_ms(period_s)), repeat=False))
         await asyncio.gather(*publishes)
 
-    async def _publish(self, kind: str, subject: str, event: Event) -> bool:
+    def _stands_for_ms(self, period_s: float) -> int:
+        return stands_for_ms(period_s, self.settings.keepalive_s)
+
+    async def _publish(self, kind: str, subject: str, event: Event, repeat: bool = True) -> bool:
+        """Publish ``event``; ``repeat=False``: not when it says what the last one on ``subject``
+        said, unless ``keepalive_s`` has passed since (counted as ``unchanged``)."""
+        content, now = b"", time.monotonic()
+        if repeat or self.settings.keepalive_s <= 0:
+            self._unchanged.discard(subject)  # a failed probe: the node is not idle
+        else:
+            content = sample_content(event)
+            sent = self._sent.get(subject)
+            if sent is not None and sent[0] == content:
+                self._unchanged.add(subject)
+                if now - sent[1] < self.settings.keepalive_s:
+                    self.stats.inc("unchanged", kind=kind)
+                    return True
+            else:
+                self._unchanged.discard(subject)
         try:
             await self.js.publish(subject, encode(event), timeout=self.settings.publish_timeout_s,
                                   stream=sj.EVENTS_STREAM)
@@ -473,6 +533,8 @@ class Collector:
             self.warn.warning(f"publish:{kind}", f"cannot publish {subject}: {type(exc).__name__}: {exc}")
             return False
         self.stats.inc("published", kind=kind)
+        if content:
+            self._sent[subject] = (content, now)
         return True
 
 

@@ -66,6 +66,15 @@ def _end_request(node: NodeState, request: OpenRequest) -> None:
         node.inflight_tokens -= request.tokens
 
 
+def _without_clock(state: CoreState) -> bytes:
+    """``state`` encoded without what every tick moves: the log position, the tick, the time
+    and the sample ages a snapshot shows (``Scheduler.tick_changes``)."""
+    nodes = {key: node if node.load is None else
+             msgspec.structs.replace(node, load=msgspec.structs.replace(node.load, sample_age_ms=None))
+             for key, node in state.nodes.items()}
+    return msgspec.msgpack.encode(msgspec.structs.replace(state, nodes=nodes, now_ns=0, tick=0, last_seq=0))
+
+
 class Rejection(ValueError):
     """An input that is well-formed but cannot be applied to the current state; ``cause`` is
     the code its rejection records."""
@@ -252,6 +261,21 @@ class Scheduler:
 
     def checkpoint(self) -> bytes:
         return msgspec.msgpack.encode(self.state)
+
+    def tick_changes(self, now_ns: int) -> bool:
+        """Whether ``lb.clock.tick`` applied at ``now_ns`` would change anything but the clock.
+
+        False at a fixed point: no timer due (drain deadline, ejection, slow start, backoff
+        decay, proxy expiry), no easing step pending, no signal still ageing or regaining; the
+        tick would only move ``tick``, ``now_ns`` and the snapshots' sample ages. The tick is
+        tried on a copy of the state (this state is not touched), so the answer is exactly the
+        fold's. The scheduler service publishes a tick only when this is True, or as a
+        keep-alive (services/scheduler_service.py); a skipped tick is not in the log, so replay
+        is unaffected, and a deadline still fires at the first period after it."""
+        trial = Scheduler.restore(self.checkpoint())
+        tick = encode(events.ClockTicked(tick=self.state.tick + 1))
+        trial.apply(Envelope(seq=self.state.last_seq + 1, ts_ns=now_ns, subject=subjects.CLOCK_TICK, data=tick))
+        return _without_clock(trial.state) != _without_clock(self.state)
 
     @classmethod
     def restore(cls, data: bytes) -> "Scheduler":
@@ -525,7 +549,7 @@ class Scheduler:
     def _on_engine(self, key: str, event: events.EngineSampled) -> None:
         node = self._require(key)
         node.running, node.waiting, node.kv = event.running, event.waiting, event.kv_cache_usage
-        node.engine_ns = self.state.now_ns
+        node.engine_ns, node.engine_max_age_ms = self.state.now_ns, event.max_age_ms
         node.free_slots, node.free_blocks, node.total_blocks = event.free_slots, event.free_blocks, event.total_blocks
         blocks = reweigh.block_usage(event.free_blocks, event.total_blocks)
         node.kv = event.kv_cache_usage if blocks is None else blocks  # the engine's KV blocks over a derived %

@@ -121,7 +121,7 @@ def node_signals(node: NodeState, latency: float, slots: float | None, now_ns: i
     """The node's signals at ``now_ns``: occupancy (``occupancy``) against its believed slots (or
     its capacity), engine and NPU samples aged by their own sample times."""
     age = None if node.engine_ns is None else now_ns - node.engine_ns
-    stale = weights.staleness(age, config)
+    stale = weights.staleness(age, config, node.engine_max_age_ms)
     sampled = None if node.running is None else node.running + (node.waiting or 0)
     capacity = node.capacity if slots is None else max(1, round(slots))
     queue, running = weights.occupancy_signals(capacity, sampled, stale, occupancy(node, mean_tokens),

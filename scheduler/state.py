@@ -65,6 +65,7 @@ class NodeState(msgspec.Struct, kw_only=True):
     npu_max_age_ms: int | None = None
     bootstrap_port: int | None = None  # an sglang prefill node's bootstrap server port (lb.admin.node)
     drain_seq: int = 0  # the input seq that put it in draining: each proxy's heartbeat must reach it
+    engine_max_age_ms: int | None = None  # how long the last engine sample stands for (EngineSampled.max_age_ms)
 
 
 class OpenRequest(msgspec.Struct, frozen=True):

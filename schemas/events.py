@@ -114,6 +114,10 @@ class EngineSampled(Event, frozen=True, kw_only=True):
     # / _hits_total: prompt tokens looked up / found cached, since the engine started); None: it has none.
     prefix_cache_queries: NonNegFloat | None = None
     prefix_cache_hits: NonNegFloat | None = None
+    # How long the sample stands for: the collector publishes an unchanged sample again only this
+    # often (its keep-alive), so the scheduler ages it only after that, as NpuSampled.max_age_ms.
+    # None (a log written before the field, a sample published by hand): stale_after_ms.
+    max_age_ms: PosInt | None = None
 
 
 class NpuChip(msgspec.Struct, frozen=True, kw_only=True):

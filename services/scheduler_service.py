@@ -26,7 +26,12 @@ Theory of operation.
   Between replicas (active-active), the msg ids de-duplicate outputs published within the window.
 * **Time.** Once caught up, the service publishes ``lb.clock.tick {"tick": n}`` every
   ``tick_ms`` with ``n = wall-clock ns // period`` and ``Nats-Msg-Id: tick-<n>``: replicas agree
-  on ``n``, so JetStream keeps one tick per period.
+  on ``n``, so JetStream keeps one tick per period. A tick that would change nothing but the
+  clock (``Scheduler.tick_changes``: no timer due, no easing step pending, no signal ageing; an
+  idle pool) is not published, except one every ``tick_keepalive_ms`` (5 s; the proxies call a
+  snapshot older than 10 s stale) counted from the last tick in the log, so an idle stack's log
+  does not grow by ten ticks and snapshots a second. A deadline still fires at the first period
+  after it: the check runs every period, on the state the log has built, with time passed in.
 * **Configuration is an event.** A ``--config`` file that differs from the configuration in force
   in the log is published as ``lb.admin.config {"set": {changed keys}}``, so replay uses it too.
 * **Never dies on input.** Invalid input becomes ``lb.out.rejected`` (the core does that). Any
@@ -108,6 +113,7 @@ def default_replica_id() -> str:
 class SchedulerOptions:
     config_file: str | None = None
     tick_ms: int = settings.DEFAULT_TICK_MS  # 0: publish no ticks (tests drive time themselves)
+    tick_keepalive_ms: int = 5000  # a tick that changes nothing is published only this often; 0: every tick
     replica_id: str = field(default_factory=default_replica_id)
     batch: int = 1000
     fetch_timeout_s: float = 0.25
@@ -153,6 +159,7 @@ class SchedulerService:
         self._checkpoint_failing = Throttled(log)
         self._tick_tasks: set[asyncio.Task[Any]] = set()
         self._checkpointed_seq = 0
+        self._last_tick_ns = 0  # wall time of the last tick published, or event time of the last one applied
 
     @property
     def scheduler(self) -> Scheduler:
@@ -297,6 +304,8 @@ class SchedulerService:
                 log.error("seq %d (%s): the scheduler core raised; recorded as rejected", envelope.seq,
                           envelope.subject, exc_info=fold.fault)
             self._writer.note(outputs)
+            if envelope.subject == sj.CLOCK_TICK:
+                self._last_tick_ns = max(self._last_tick_ns, envelope.ts_ns)
             if envelope.seq > self.publish_floor:
                 to_publish.extend(outputs)
         return to_publish
@@ -353,9 +362,18 @@ class SchedulerService:
             n = tick_number(time.time_ns(), period_ns)
             if n != last:
                 last = n
-                await self._publish_tick(n)
+                if self._tick_due(time.time_ns()):
+                    await self._publish_tick(n)
             delay_ns = (n + 1) * period_ns - time.time_ns()
             await asyncio.sleep(max(0.0, delay_ns / 1e9))
+
+    def _tick_due(self, now_ns: int) -> bool:
+        """Publish this period's tick? Yes when it would change the state, or as the keep-alive."""
+        keepalive_ns = self.options.tick_keepalive_ms * 1_000_000
+        if keepalive_ns > 0 and now_ns - self._last_tick_ns < keepalive_ns and not self.scheduler.tick_changes(now_ns):
+            return False
+        self._last_tick_ns = now_ns
+        return True
 
     async def _publish_tick(self, n: int) -> None:
         """Fire and forget (a late tick is useless; the next period brings the next one)."""
@@ -424,6 +442,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--config", metavar="FILE.toml", help="scheduler configuration to put in force")
     parser.add_argument("--tick-ms", type=settings.duration("ms"), default=SchedulerOptions.tick_ms,
                         help="tick period in ms (default %(default)s; 0 publishes no ticks)")
+    parser.add_argument("--tick-keepalive-ms", type=settings.duration("ms"), default=SchedulerOptions.tick_keepalive_ms,
+                        help="a tick that would change nothing (an idle pool) is published only this often "
+                             "(default %(default)s; 0: every tick)")
     parser.add_argument("--replica-id", default=None, help="name of this replica (default host-pid)")
     parser.add_argument("--batch", type=int, default=SchedulerOptions.batch,
                         help="events fetched per batch (default %(default)s)")
@@ -442,11 +463,12 @@ def register(subparsers: Any) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     settings.configure_logging(args, "scheduler")
-    if args.tick_ms < 0 or args.batch < 1 or args.checkpoint_every < 0:
-        log.error("--tick-ms and --checkpoint-every must be >= 0, --batch >= 1")
+    if args.tick_ms < 0 or args.tick_keepalive_ms < 0 or args.batch < 1 or args.checkpoint_every < 0:
+        log.error("--tick-ms, --tick-keepalive-ms and --checkpoint-every must be >= 0, --batch >= 1")
         return 2
     try:
         options = SchedulerOptions(config_file=args.config, tick_ms=args.tick_ms, batch=args.batch,
+                                   tick_keepalive_ms=args.tick_keepalive_ms,
                                    checkpoint_every=args.checkpoint_every, use_checkpoint=not args.no_checkpoint,
                                    replica_id=args.replica_id or default_replica_id(),
                                    allow_upstream=_patterns(args.allow_upstream), stream_replicas=args.stream_replicas)

@@ -32,7 +32,9 @@ from laswrr.services.sim_engine.app import RunningServer
 from laswrr.services.sim_engine.config import SimConfig
 
 # Generous timeouts: engines run in the test's own event loop and CI machines are shared.
-FAST = Settings(interval_s=0.2, timeout_s=1.0, npu_interval_s=0.5, npu_timeout_s=10.0, stats_interval_s=60.0)
+# keepalive_s=0: every sample published (the tests count them); test_unchanged_samples_... has the keep-alive
+FAST = Settings(interval_s=0.2, timeout_s=1.0, npu_interval_s=0.5, npu_timeout_s=10.0, stats_interval_s=60.0,
+                keepalive_s=0.0)
 SIM = SimConfig(chip="910B", capacity=4, port=0, speed=1.0)
 REPO = Path(__file__).resolve().parents[2]
 
@@ -333,6 +335,44 @@ async def test_failing_npu_smi_is_counted_and_engine_samples_continue(
     assert stats.total("npu_smi_runs", outcome="exit_status") == stats.total("npu_smi_runs") >= 2
     assert stats.total("published", kind="engine") >= engine_before + 2  # the engine loop kept going
     assert of(await EventLog(js).read(), NpuSampled, "n") == []
+
+
+async def test_unchanged_samples_wait_for_the_keepalive_and_say_how_long_they_stand(
+        nc: Client, start_engine: Callable[..., Awaitable[RunningServer]]) -> None:
+    """An idle engine: its samples and passed probes say the same each round, so after the first
+    one only a keep-alive goes out; each engine sample stands for the keep-alive and two rounds."""
+    engine = await start_engine(speed=20.0)
+    js = nc.jetstream()
+    running = Running([node("n", engine.url)], js, replace(FAST, keepalive_s=1.5, idle_interval_s=0.0))
+    stats = running.collector.stats
+    deadline = time.monotonic() + 30
+    while stats.total("scrapes") < 20 and time.monotonic() < deadline:  # 20 rounds of 0.2 s: >= 4 s
+        await asyncio.sleep(0.1)
+    await running.stop()
+    rounds = stats.total("scrapes")
+    samples = await EventLog(js).read()
+    engine_samples, probes = of(samples, EngineSampled, "n"), of(samples, HealthProbed, "n")
+    assert rounds >= 20
+    # one per keep-alive (rounds x 0.2 s / 1.5 s, plus the first), never one per round
+    assert 2 <= len(engine_samples) <= rounds * 0.2 / 1.5 + 2 < rounds / 2, (len(engine_samples), rounds)
+    assert 2 <= len(probes) <= rounds * 0.2 / 1.5 + 2, (len(probes), rounds)
+    assert stats.total("unchanged", kind="engine") == rounds - len(engine_samples)
+    assert {e.max_age_ms for e in engine_samples if isinstance(e, EngineSampled)} == {1500 + 400}
+
+
+async def test_an_idle_node_is_polled_every_idle_interval(
+        nc: Client, start_engine: Callable[..., Awaitable[RunningServer]]) -> None:
+    engine = await start_engine(speed=20.0)
+    running = Running([node("n", engine.url)], nc.jetstream(), replace(FAST, keepalive_s=10.0, idle_interval_s=1.0))
+    stats = running.collector.stats
+    deadline = time.monotonic() + 30
+    while stats.total("unchanged", kind="engine") < 1 and time.monotonic() < deadline:  # idle from here
+        await asyncio.sleep(0.05)
+    before, started = stats.total("scrapes"), time.monotonic()
+    await asyncio.sleep(3.0)
+    scrapes, elapsed = stats.total("scrapes") - before, time.monotonic() - started
+    await running.stop()
+    assert 1 <= scrapes <= elapsed / 1.0 + 1 < elapsed / 0.2 / 2, (scrapes, elapsed)  # not one per 0.2 s
 
 
 async def test_samples_reach_the_scheduler_core(nc: Client, start_engine: Callable[..., Awaitable[RunningServer]]) -> None:

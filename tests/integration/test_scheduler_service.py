@@ -329,8 +329,8 @@ async def _applied(service: SchedulerService, seq: int) -> bool:
 
 async def test_two_replicas_yield_one_output_stream_and_one_tick_per_period(
         js: JetStreamContext, run_service: RunService) -> None:
-    a, halt_a = await run_service(tick_ms=50, replica_id="a")
-    b, halt_b = await run_service(tick_ms=50, replica_id="b")
+    a, halt_a = await run_service(tick_ms=50, replica_id="a", tick_keepalive_ms=0)  # every tick, idle or not
+    b, halt_b = await run_service(tick_ms=50, replica_id="b", tick_keepalive_ms=0)
     for node in ("a", "b"):
         await js.publish(f"lb.admin.node.{node}", b'{"url": "http://%s", "capacity": 8}' % node.encode())
     await js.publish("lb.admin.capacity.a", b'{"capacity": 2}')
