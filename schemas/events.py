@@ -15,7 +15,7 @@ from typing import Annotated, ClassVar, Literal, get_args
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from laswrr.schemas.words import NodeRole, PdProtocol, RefusalCause, RequestOutcome
+from laswrr.schemas.words import Band, HoldCause, NodeRole, PdProtocol, RefusalCause, RequestOutcome
 
 # Integers are bounded by 2^53: exact in every JSON reader, and storable in the core's msgpack
 # checkpoint (an unbounded int would be accepted here and break the checkpoint later).
@@ -253,11 +253,11 @@ class RequestQueued(Event, frozen=True, kw_only=True):
     request_id: Annotated[str, Meta(min_length=1, max_length=256)]
     proxy: Name
     pool: Name = "default"
-    band: Literal["interactive", "default", "batch"] = "default"
+    band: Band = Band.DEFAULT
     key_name: Annotated[str, Meta(max_length=128)] | None = None
     work: NonNegInt | None = None
     ttl_ms: NonNegInt | None = None
-    cause: Literal["saturated", "behind", "no_routable_node"] = "saturated"
+    cause: HoldCause = HoldCause.SATURATED
     ts_ns: int | None = None
     boot_id: Name | None = None
 

@@ -1,11 +1,11 @@
 """The shared words of the wire contract (v1, docs/wire.md): one definition each.
 
-Request outcomes, node phases and the triggers between them, why a node is drained, ejected or
-changed phase, NPU health levels, and why an input was rejected. Each is a ``StrEnum``, so a
-member is its string on the wire, in checkpoints and in SQL (``RequestOutcome.COMPLETED ==
-"completed"``), and a typed msgspec field decodes only the listed values: a ``lb.req.finished``
-with an unknown outcome is a recorded rejection on ``lb.out.rejected``, not a silent new
-category. Adding a word is one line here; readers that list every word (``laswrr report``, the
+Request outcomes, why a request was refused or held and its priority band, node phases and the
+triggers between them, why a node is drained, ejected or changed phase, NPU health levels, and
+why an input was rejected. Each is a ``StrEnum``, so a member is its string on the wire, in
+checkpoints and in SQL (``RequestOutcome.COMPLETED == "completed"``), and a typed msgspec field
+decodes only the listed values: a ``lb.req.finished`` with an unknown outcome is a recorded
+rejection on ``lb.out.rejected``, not a silent new category. Adding a word is one line here; readers that list every word (``laswrr report``, the
 metrics, the views' checks in tests/schemas/test_words_spelled_once.py) iterate the enum.
 
 Reasons (``Rejected.reason``, ``PhaseChanged.reason``) are text for people; what a machine
@@ -80,6 +80,38 @@ class RefusalCause(StrEnum):
 
 _OLD_REFUSAL_WORDS = {"bad_json": RefusalCause.INVALID_JSON, "body_too_large": RefusalCause.REQUEST_TOO_LARGE,
                       "bad_flow_header": RefusalCause.INVALID_HEADER}
+
+
+class Band(StrEnum):
+    """A request's priority band under flow control (``x-laswrr-priority``, a key's
+    ``max_priority``, ``lb.req.queued`` ``band``, the peers' held counts, the ``band`` label of
+    the queue metrics; docs/design.md, "Flow control"). Declaration order is urgency order, most
+    urgent first (``Band.rank``): a band is served only when every more urgent one is empty."""
+
+    INTERACTIVE = "interactive"
+    DEFAULT = "default"
+    BATCH = "batch"
+
+    @property
+    def rank(self) -> int:
+        """0 for the most urgent band, then 1, 2 (declaration order)."""
+        return BAND_RANK[self]
+
+    def at_least_as_urgent(self) -> tuple[Band, ...]:
+        """This band and the more urgent ones, most urgent first."""
+        return BANDS[:BAND_RANK[self] + 1]
+
+
+BANDS: tuple[Band, ...] = tuple(Band)
+BAND_RANK: dict[Band, int] = {band: rank for rank, band in enumerate(Band)}
+
+
+class HoldCause(StrEnum):
+    """Why flow control held a request (``lb.req.queued`` ``cause``; docs/design.md, "Flow control")."""
+
+    SATURATED = "saturated"  # every routable node (serving its model) at its limit
+    BEHIND = "behind"  # requests of the pool were held already, or the other proxies hold more urgent ones
+    NO_ROUTABLE_NODE = "no_routable_node"  # no routable node (serving its model) for now: it waits a short while
 
 
 class Phase(StrEnum):

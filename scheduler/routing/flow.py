@@ -55,15 +55,12 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from laswrr.schemas.words import RefusalCause
+from laswrr.schemas.words import BANDS, Band, RefusalCause
 
-BANDS: tuple[str, ...] = ("interactive", "default", "batch")
-"""Priority bands, most urgent first; a request's band is its index here."""
-INTERACTIVE, DEFAULT, BATCH = 0, 1, 2
 NO_TENANT = ""  # the tenant of every request without an API key
 
 # Peers' conventions, mapped onto the three bands (docs/proxy.md, "Flow control"): an explicit
@@ -71,10 +68,11 @@ NO_TENANT = ""  # the tenant of every request without an API key
 # (> 0 interactive, 0 default, < 0 batch); vLLM's and SGLang's request ``priority`` is an integer
 # where *lower* is more urgent (the same numbers read the other way), so the header takes names
 # only and the mapping is documented for clients to apply, not guessed from a number.
-BAND_ALIASES: dict[str, int] = {
-    "interactive": INTERACTIVE, "critical": INTERACTIVE, "high": INTERACTIVE, "realtime": INTERACTIVE,
-    "default": DEFAULT, "standard": DEFAULT, "normal": DEFAULT,
-    "batch": BATCH, "sheddable": BATCH, "low": BATCH, "background": BATCH,
+BAND_ALIASES: dict[str, Band] = {
+    **{band.value: band for band in Band},
+    "critical": Band.INTERACTIVE, "high": Band.INTERACTIVE, "realtime": Band.INTERACTIVE,
+    "standard": Band.DEFAULT, "normal": Band.DEFAULT,
+    "sheddable": Band.BATCH, "low": Band.BATCH, "background": Band.BATCH,
 }
 
 
@@ -82,17 +80,17 @@ class FlowError(ValueError):
     """A header or keys-file value flow control cannot use; the message says which and why."""
 
 
-def band_of(header: str | None, key_max: int = INTERACTIVE) -> int:
+def band_of(header: str | None, key_max: Band = Band.INTERACTIVE) -> Band:
     """The band of a request: its ``x-laswrr-priority`` (``default`` when absent), never more
     urgent than its key's maximum ``key_max``. An unknown name raises ``FlowError``."""
     if header is None or not header.strip():
-        band = DEFAULT
+        band = Band.DEFAULT
     else:
         name = header.strip().lower()
         if name not in BAND_ALIASES:
-            raise FlowError(f"x-laswrr-priority must be one of {', '.join(BANDS)} (got {header[:40]!r})")
+            raise FlowError(f"x-laswrr-priority must be one of {', '.join(Band)} (got {header[:40]!r})")
         band = BAND_ALIASES[name]
-    return max(band, key_max)
+    return band if band.rank >= key_max.rank else key_max
 
 
 def ttl_s(header: str | None, default_s: float, max_s: float) -> float:
@@ -120,15 +118,15 @@ def reserved_limit(limit: int, reserve: float) -> int:
     return max(1, limit - math.floor(round(reserve * limit, 9)))
 
 
-def defer_to_peers(band: int, peer_held: dict[str, int], free: int | None, reserved_free: int = 0) -> bool:
+def defer_to_peers(band: Band, peer_held: Mapping[str, int], free: int | None, reserved_free: int = 0) -> bool:
     """True when a request of ``band`` must leave the pool's ``free`` slots it may use (None:
     unlimited) to the requests the other proxies hold in more urgent bands (``peer_held``: band
     name -> count). ``reserved_free``: the free slots of the interactive reserve besides, which only
     interactive requests may use; the peers' interactive requests are counted into them first."""
-    if free is None or band == INTERACTIVE or not peer_held:
+    if free is None or band is Band.INTERACTIVE or not peer_held:
         return False
-    spill = max(0, peer_held.get(BANDS[INTERACTIVE], 0) - reserved_free)
-    ahead = spill + sum(peer_held.get(BANDS[b], 0) for b in range(INTERACTIVE + 1, band))
+    spill = max(0, peer_held.get(Band.INTERACTIVE, 0) - reserved_free)
+    ahead = spill + sum(peer_held.get(b, 0) for b in band.at_least_as_urgent()[1:-1])
     return ahead > 0 and free <= ahead
 
 
@@ -141,7 +139,7 @@ class Held(Generic[T]):
 
     seq: int  # arrival order in this queue, from 1
     pool: str
-    band: int
+    band: Band
     tenant: str
     work: int
     arrived: float
@@ -256,26 +254,26 @@ class FlowQueue(Generic[T]):
     def _pool(self, pool: str) -> _Pool[T]:
         found = self.pools.get(pool)
         if found is None:
-            found = self.pools[pool] = _Pool([_Band() for _ in BANDS])
+            found = self.pools[pool] = _Pool([_Band() for _ in Band])  # by ``Band.rank``
         return found
 
-    def offer(self, pool: str, band: int, tenant: str, work: int, now: float, ttl: float,
+    def offer(self, pool: str, band: Band, tenant: str, work: int, now: float, ttl: float,
               ticket: T, wide: bool = True) -> Held[T] | RefusalCause:
         """Hold a request; ``RefusalCause.QUEUE_FULL`` when its (pool, band) is at the bound. ``wide``:
         any node of the pool may take it (``wide_depth`` counts those)."""
         bands = self._pool(pool).bands
-        if bands[band].size >= self.config.bound:
+        if bands[band.rank].size >= self.config.bound:
             return RefusalCause.QUEUE_FULL
         self._seq += 1
         held = Held(self._seq, pool, band, tenant, max(1, work), now, now + ttl, ticket, wide=wide)
-        bands[band].push(held)
+        bands[band.rank].push(held)
         heapq.heappush(self._deadlines, (held.deadline, held.seq, held))
         self.size += 1
         return held
 
-    def pop(self, pool: str, upto: int = BATCH) -> Held[T] | None:
+    def pop(self, pool: str, upto: Band = Band.BATCH) -> Held[T] | None:
         """The next request to dispatch in ``pool`` (strict bands, the guard, DRR), removed; only
-        from the bands up to ``upto`` (``INTERACTIVE``: only a request that may use the reserve)."""
+        from the bands up to ``upto`` (``Band.INTERACTIVE``: only a request that may use the reserve)."""
         state = self.pools.get(pool)
         if state is None:
             return None
@@ -284,7 +282,7 @@ class FlowQueue(Generic[T]):
         choice = self.next_band(pool, upto)
         if choice is None:
             return None
-        chosen = bands[choice[0]]
+        chosen = bands[choice[0].rank]
         held = chosen.pop(self.config.quantum)
         if chosen is lowest:
             state.since_lowest = 0
@@ -294,22 +292,22 @@ class FlowQueue(Generic[T]):
         self.size -= 1
         return held
 
-    def next_band(self, pool: str, upto: int = BATCH) -> tuple[int, bool] | None:
+    def next_band(self, pool: str, upto: Band = Band.BATCH) -> tuple[Band, bool] | None:
         """The band ``pop(pool, upto)`` would take a request from, and whether the starvation guard
         chose it (True: the lowest band's guaranteed turn); None when nothing is held there."""
         state = self.pools.get(pool)
         if state is None:
             return None
         bands = state.bands
-        if bands[-1].size and state.since_lowest >= self.config.batch_every - 1 and upto == BATCH:
-            return len(bands) - 1, True
-        return next(((b, False) for b in range(upto + 1) if bands[b].size), None)
+        if bands[-1].size and state.since_lowest >= self.config.batch_every - 1 and upto is Band.BATCH:
+            return BANDS[-1], True
+        return next(((b, False) for b in upto.at_least_as_urgent() if bands[b.rank].size), None)
 
     def remove(self, held: Held[T]) -> bool:
         """Take ``held`` out (its client left, or it is answered otherwise); False if already out."""
         if not held.queued:
             return False
-        self.pools[held.pool].bands[held.band].remove(held)
+        self.pools[held.pool].bands[held.band.rank].remove(held)
         held.queued = False
         self.size -= 1
         return True
@@ -340,22 +338,22 @@ class FlowQueue(Generic[T]):
             for fifo in list(band.tenants.values()):
                 yield from list(fifo)
 
-    def depth(self, pool: str, band: int | None = None) -> int:
+    def depth(self, pool: str, band: Band | None = None) -> int:
         state = self.pools.get(pool)
         if state is None:
             return 0
         if band is None:
             return sum(b.size for b in state.bands)
-        return state.bands[band].size
+        return state.bands[band.rank].size
 
-    def wide_depth(self, pool: str, band: int) -> int:
+    def wide_depth(self, pool: str, band: Band) -> int:
         """The requests of ``pool`` and ``band`` held that any node of the pool may take."""
         state = self.pools.get(pool)
-        return 0 if state is None else state.bands[band].wide
+        return 0 if state is None else state.bands[band.rank].wide
 
-    def oldest_wait(self, pool: str, band: int, now: float) -> float:
+    def oldest_wait(self, pool: str, band: Band, now: float) -> float:
         state = self.pools.get(pool)
-        oldest = state.bands[band].oldest() if state is not None else None
+        oldest = state.bands[band.rank].oldest() if state is not None else None
         return 0.0 if oldest is None else max(0.0, now - oldest)
 
     # -- Retry-After ---------------------------------------------------------------------------
@@ -376,10 +374,10 @@ class FlowQueue(Generic[T]):
         span = max(now, state.releases[-1]) - state.releases[0]
         return (len(state.releases) - 1) / span if span > 0 else None
 
-    def retry_after(self, pool: str, band: int, now: float, rate_of: str | None = None) -> int | None:
+    def retry_after(self, pool: str, band: Band, now: float, rate_of: str | None = None) -> int | None:
         """Whole seconds a refused request of ``band`` should wait (module docstring), or None
         when under one second; ``rate_of``: the key whose releases count, when not ``pool``."""
-        ahead = sum(self.depth(pool, b) for b in range(band + 1)) + 1
+        ahead = sum(self.depth(pool, b) for b in band.at_least_as_urgent()) + 1
         rate = self.release_rate(pool if rate_of is None else rate_of, now)
         estimate = self.config.retry_after_cap_s if rate is None else min(ahead / rate, self.config.retry_after_cap_s)
         return retry_after_header(estimate)
@@ -402,7 +400,7 @@ class _Bucket:
 class KeyLimits:
     """One API key's flow-control fields from the keys file (``services/proxy/keys.py``)."""
 
-    max_band: int = INTERACTIVE  # the most urgent band it may use (default: every band)
+    max_band: Band = Band.INTERACTIVE  # the most urgent band it may use (default: every band)
     rpm: int | None = None  # requests per minute
     tpm: int | None = None  # tokens (work) per minute
 

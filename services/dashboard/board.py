@@ -45,13 +45,12 @@ from laswrr.schemas.events import (
     CapacitySet, NodeRegistered, NpuSampled, RequestFinished, RequestQueued, RequestRefused, RequestStarted,
 )
 from laswrr.schemas.outputs import PhaseChanged, Rejected, WeightSnapshot
-from laswrr.schemas.words import NPU_SEVERITY, NpuHealth, Phase
+from laswrr.schemas.words import NPU_SEVERITY, Band, NpuHealth, Phase
 
 MS = 1_000_000
 S = 1_000_000_000
 ALL_POOLS = "*"
 REQUEST_WINDOW_S = 60.0  # the sliding window of the request statistics
-BANDS = ("interactive", "default", "batch")  # flow control's priority bands (scheduler.routing.flow)
 MAX_POINTS = 1500  # per node and query: denser curves are thinned (marks never are)
 
 _SNAPSHOT = msgspec.json.Decoder(WeightSnapshot)
@@ -88,7 +87,7 @@ class _Pool:
     # (ts_ns, outcome, ttft_ms, duration_ms, who answered and the status class: "engine 2xx", "router 4xx", ...)
     requests: list[tuple[int, str, float | None, float | None, str]] = field(default_factory=list)
     # flow control's held requests: per band, (ts_ns, depth) at each change, in time order
-    queued: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: {band: [] for band in BANDS})
+    queued: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: {band.value: [] for band in Band})
 
 
 def _ts(entry: tuple[Any, ...]) -> int:
@@ -279,10 +278,10 @@ class Board:
         """Flow control's held requests of ``pool`` per band as of ``at_ns`` (every proxy's)."""
         found = self.pools.get(pool)
         depth = {}
-        for band in BANDS:
+        for band in Band:
             changes = found.queued[band] if found is not None else []
             i = bisect_right(changes, (at_ns, math.inf))
-            depth[band] = changes[i - 1][1] if i else 0
+            depth[band.value] = changes[i - 1][1] if i else 0
         return depth
 
     def state(self, at_ns: int) -> dict[str, Any]:
@@ -299,7 +298,7 @@ class Board:
         (a point at ``start``), thinned to ``MAX_POINTS`` (each kept point is a real change)."""
         found = self.pools.get(pool)
         series: dict[str, list[list[int]]] = {}
-        for band in BANDS:
+        for band in Band:
             changes = found.queued[band] if found is not None else []
             lo, hi = bisect_right(changes, (start_ns, math.inf)), bisect_right(changes, (end_ns, math.inf))
             points = [[start_ns // MS, changes[lo - 1][1] if lo else 0]]
@@ -308,7 +307,7 @@ class Board:
             points += [[ts // MS, depth] for ts, depth in window[::step]]
             if window and (len(window) - 1) % step:
                 points.append([window[-1][0] // MS, window[-1][1]])
-            series[band] = points
+            series[band.value] = points
         return series
 
     def history(self, at_ns: int, window_s: float) -> dict[str, Any]:

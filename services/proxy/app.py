@@ -82,14 +82,14 @@ from laswrr.services.proxy.events import EventPublisher
 from laswrr.services.proxy.keys import NO_LIMITS, ApiKeys, UpstreamAuth
 from laswrr.services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from laswrr.services.proxy.models import ModelCatalog
-from laswrr.scheduler.routing.flow import BANDS, NO_TENANT, FlowConfig, FlowError, band_of, ttl_s, work_of
+from laswrr.scheduler.routing.flow import NO_TENANT, FlowConfig, FlowError, band_of, ttl_s, work_of
 from laswrr.scheduler.routing.prompt import RequestSize, prompt_text, request_size
 from laswrr.services.proxy.flow import FlowAnswer, FlowCollector, FlowGate
 from laswrr.scheduler.routing.models import ModelPlan, Unknown, mixed_models, plan, pool_ids
 from laswrr.scheduler.routing.router import AdmitRequest, Refusal, Router, scorer_for
 from laswrr.schemas.outputs import WeightSnapshot
 from laswrr.schemas.refusals import ANSWERS
-from laswrr.schemas.words import RefusalCause
+from laswrr.schemas.words import HoldCause, RefusalCause
 from laswrr.services.proxy.tasks import stop_task
 from laswrr.services.proxy.upstream import (
     REQUEST_ID_HEADER,
@@ -278,11 +278,11 @@ async def _flow_forward(request: web.BaseRequest, state: ProxyState, gate: FlowG
         return _refuse(state, RefusalCause.INVALID_HEADER, str(exc), pool=pool, model=model, key_name=key_name)
     work = work_of(size.prompt_tokens, size.max_tokens, gate.queue.config.default_max_tokens)
     request_id = state.next_request_id()  # one id from lb.req.queued to lb.req.started or lb.req.refused
-    held: list[str] = []
+    held: list[HoldCause] = []
 
-    def on_hold(cause: str) -> None:
+    def on_hold(cause: HoldCause) -> None:
         held.append(cause)
-        state.events.queued(request_id, pool, BANDS[band], key_name, work, round(ttl * 1000), cause)
+        state.events.queued(request_id, pool, band, key_name, work, round(ttl * 1000), cause)
 
     result = gate.rates.charge(key_name, limits, work)
     if result is None:

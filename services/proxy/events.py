@@ -80,7 +80,7 @@ from laswrr.schemas import events as ev
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import MAX_PAYLOAD_BYTES, batch_item, batch_item_head, batch_payload, encode
 from laswrr.schemas.outputs import clip
-from laswrr.schemas.words import NodeRole, RefusalCause, RequestOutcome
+from laswrr.schemas.words import Band, HoldCause, NodeRole, RefusalCause, RequestOutcome
 from laswrr.services.natsbus import publish_acked
 from laswrr.services.service_metrics import Buckets
 from laswrr.scheduler.routing.prompt import RequestSize
@@ -284,11 +284,11 @@ class EventPublisher:
                                   boot_id=self.boot_id)
         self._put(self._refused_head + encode(event) + b"]")
 
-    def queued(self, request_id: str, pool: str, band: str, key_name: str | None, work: int, ttl_ms: int,
-               cause: str) -> None:
+    def queued(self, request_id: str, pool: str, band: Band, key_name: str | None, work: int, ttl_ms: int,
+               cause: HoldCause) -> None:
         """Flow control held a request (``lb.req.queued``, keyed by this proxy like a heartbeat)."""
-        event = ev.RequestQueued(request_id=request_id, proxy=self.proxy_id, pool=pool, band=band,  # type: ignore[arg-type]
-                                 key_name=key_name, work=work, ttl_ms=ttl_ms, cause=cause,  # type: ignore[arg-type]
+        event = ev.RequestQueued(request_id=request_id, proxy=self.proxy_id, pool=pool, band=band,
+                                 key_name=key_name, work=work, ttl_ms=ttl_ms, cause=cause,
                                  ts_ns=time.time_ns(), boot_id=self.boot_id)
         self._put(self._queued_head + encode(event) + b"]")
 

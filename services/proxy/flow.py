@@ -48,12 +48,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from laswrr.scheduler.routing.flow import (
-    BANDS, BATCH, INTERACTIVE, FlowConfig, FlowQueue, Held, KeyLimits, RateLimits, defer_to_peers,
-    retry_after_header,
+    FlowConfig, FlowQueue, Held, KeyLimits, RateLimits, defer_to_peers, retry_after_header,
 )
 from laswrr.scheduler.routing.prompt import RequestSize
 from laswrr.scheduler.routing.router import AdmitRequest, Admission, Refusal, Router
-from laswrr.schemas.words import RefusalCause
+from laswrr.schemas.words import Band, HoldCause, RefusalCause
 from laswrr.services.proxy.tasks import stop_task
 from laswrr.services.service_metrics import Buckets
 
@@ -87,22 +86,22 @@ class Waiter:
 class FlowCounts:
     """What /metrics shows of flow control (``FlowCollector``)."""
 
-    admitted: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (pool, band, how) -> n
-    refused: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (pool, band, cause) -> n
-    waits: dict[tuple[str, str], Buckets] = field(default_factory=dict)  # (pool, band) -> queue wait
+    admitted: dict[tuple[str, Band, str], int] = field(default_factory=dict)  # (pool, band, how) -> n
+    refused: dict[tuple[str, Band, str], int] = field(default_factory=dict)  # (pool, band, cause) -> n
+    waits: dict[tuple[str, Band], Buckets] = field(default_factory=dict)  # (pool, band) -> queue wait
 
-    def admit(self, pool: str, band: int, how: str) -> None:
-        key = (pool, BANDS[band], how)
+    def admit(self, pool: str, band: Band, how: str) -> None:
+        key = (pool, band, how)
         self.admitted[key] = self.admitted.get(key, 0) + 1
 
-    def refuse(self, pool: str, band: int, cause: str) -> None:
-        key = (pool, BANDS[band], cause)
+    def refuse(self, pool: str, band: Band, cause: str) -> None:
+        key = (pool, band, cause)
         self.refused[key] = self.refused.get(key, 0) + 1
 
-    def waited(self, pool: str, band: int, seconds: float) -> None:
-        series = self.waits.get((pool, BANDS[band]))
+    def waited(self, pool: str, band: Band, seconds: float) -> None:
+        series = self.waits.get((pool, band))
         if series is None:
-            series = self.waits[pool, BANDS[band]] = Buckets(WAIT_BUCKETS)
+            series = self.waits[pool, band] = Buckets(WAIT_BUCKETS)
         series.observe(seconds)
 
 
@@ -168,11 +167,11 @@ class FlowLanes:
         """The pools that ever held a request."""
         return sorted({self.pool_of(key) for key in self.queue.pools})
 
-    def depth(self, pool: str, band: int | None = None) -> int:
+    def depth(self, pool: str, band: Band | None = None) -> int:
         """Requests of ``pool`` held (in ``band``), every lane."""
         return sum(self.queue.depth(key, band) for key, _ in self.of(pool))
 
-    def oldest_wait(self, pool: str, band: int, now: float) -> float:
+    def oldest_wait(self, pool: str, band: Band, now: float) -> float:
         return max(self.queue.oldest_wait(key, band, now) for key, _ in self.of(pool))
 
 
@@ -185,12 +184,12 @@ class FlowAnswers:
         self.counts = counts
         self.no_node_wait_s = no_node_wait_s
 
-    def queue_full(self, pool: str, lane: str, band: int, now: float) -> FlowAnswer:
+    def queue_full(self, pool: str, lane: str, band: Band, now: float) -> FlowAnswer:
         self.counts.refuse(pool, band, RefusalCause.QUEUE_FULL.value)
-        return FlowAnswer(429, RefusalCause.QUEUE_FULL, f"queue of pool {pool!r}, band {BANDS[band]!r} is full "
+        return FlowAnswer(429, RefusalCause.QUEUE_FULL, f"queue of pool {pool!r}, band {band.value!r} is full "
                           f"({self.queue.config.bound} requests held)", self.queue.retry_after(lane, band, now, pool))
 
-    def no_node(self, pool: str, band: int, exclude: frozenset[str] = frozenset()) -> FlowAnswer:
+    def no_node(self, pool: str, band: Band, exclude: frozenset[str] = frozenset()) -> FlowAnswer:
         self.counts.refuse(pool, band, RefusalCause.NO_ROUTABLE_NODE.value)
         serving = " serving its model" if exclude else ""
         return FlowAnswer(503, RefusalCause.NO_ROUTABLE_NODE,
@@ -234,9 +233,9 @@ class FlowGate:
 
     # -- admission -------------------------------------------------------------------------------
 
-    async def admit(self, pool: str, band: int, tenant: str, work: int, ttl: float, text: bytes,
+    async def admit(self, pool: str, band: Band, tenant: str, work: int, ttl: float, text: bytes,
                     size: RequestSize | None, exclude: frozenset[str] = frozenset(),
-                    on_hold: Callable[[str], None] | None = None) -> Admission | FlowAnswer:
+                    on_hold: Callable[[HoldCause], None] | None = None) -> Admission | FlowAnswer:
         """Admit now, or hold until a node can take the request (module docstring); never on a
         node in ``exclude`` (those that do not serve the request's model id). ``on_hold`` is
         called with why, once, if the request waits (``lb.req.queued``'s ``cause``)."""
@@ -246,7 +245,8 @@ class FlowGate:
         # a new request never overtakes held ones of its band or more urgent (the queue orders
         # them; in its lane and the pool's), nor takes a slot the other proxies' more urgent
         # held requests need
-        behind = any(queue.depth(key, b) for key in {pool, lane} for b in range(band + 1)) or self._defer(pool, band)
+        behind = any(queue.depth(key, b) for key in {pool, lane} for b in band.at_least_as_urgent()) \
+            or self._defer(pool, band)
         if not behind:
             admission = router.admitter.admit(AdmitRequest(pool, exclude, text, size, True, self._reserve(band)))
             if isinstance(admission, Admission):
@@ -269,7 +269,8 @@ class FlowGate:
             result = waiter.future.result()
         else:
             if on_hold is not None:
-                on_hold("no_routable_node" if not self._routable(pool, exclude) else "behind" if behind else "saturated")
+                on_hold(HoldCause.NO_ROUTABLE_NODE if not self._routable(pool, exclude)
+                        else HoldCause.BEHIND if behind else HoldCause.SATURATED)
             self._tick_while_held()
             try:
                 result = await waiter.future
@@ -305,8 +306,8 @@ class FlowGate:
         if self.lanes.depth(pool):
             self.pump(pool)
 
-    def _reserve(self, band: int) -> float:
-        return 0.0 if band == INTERACTIVE else self.queue.config.interactive_reserve
+    def _reserve(self, band: Band) -> float:
+        return 0.0 if band is Band.INTERACTIVE else self.queue.config.interactive_reserve
 
     def wake(self, pool: str) -> None:
         """The pool's view changed (a snapshot, a peer's message: ``BusLink.on_view``): a slot
@@ -314,11 +315,11 @@ class FlowGate:
         if self.lanes.depth(pool):
             self.pump(pool)
 
-    def _defer(self, pool: str, band: int) -> bool:
+    def _defer(self, pool: str, band: Band) -> bool:
         """A request of ``band`` leaves the pool's free slots to the other proxies' more urgent
         held requests (``scheduler.routing.flow.defer_to_peers``)."""
         channel, admitter = self.router.channel, self.router.admitter
-        if band == INTERACTIVE or channel is None:
+        if band is Band.INTERACTIVE or channel is None:
             return False
         peers = channel.peer_held(pool)
         if not peers:
@@ -340,18 +341,18 @@ class FlowGate:
         reserve = queue.config.interactive_reserve
         moved = False
         while True:
-            best: tuple[int, bool, str, int] | None = None
+            best: tuple[Band, bool, str, Band] | None = None
             for lane, exclude in self.lanes.of(pool):
                 if not queue.depth(lane):
                     continue
                 if admitter.can_take(pool, exclude, reserve=reserve):
-                    upto = BATCH
-                elif queue.depth(lane, INTERACTIVE) and admitter.can_take(pool, exclude):
-                    upto = INTERACTIVE
+                    upto = Band.BATCH
+                elif queue.depth(lane, Band.INTERACTIVE) and admitter.can_take(pool, exclude):
+                    upto = Band.INTERACTIVE
                 else:
                     continue
                 choice = queue.next_band(lane, upto)
-                if choice is not None and (best is None or choice[0] < best[0]):
+                if choice is not None and (best is None or choice[0].rank < best[0].rank):
                     best = (choice[0], choice[1], lane, upto)
             if best is None:
                 break
@@ -380,12 +381,13 @@ class FlowGate:
         if channel is None:
             return
         now = time.monotonic()
-        held, oldest = {}, {}
-        for band, name in enumerate(BANDS):
+        held: dict[Band, int] = {}
+        oldest: dict[Band, int] = {}
+        for band in Band:
             count = queue.wide_depth(pool, band)
             if count:
-                held[name] = count
-                oldest[name] = round(queue.oldest_wait(pool, band, now) * 1000)
+                held[band] = count
+                oldest[band] = round(queue.oldest_wait(pool, band, now) * 1000)
         channel.note_held(pool, held, oldest)
 
     # -- while anything is held: expiries and the no-node wait --------------------------------------
@@ -442,19 +444,19 @@ class FlowCollector(Collector):
         oldest = GaugeMetricFamily("laswrr_proxy_queue_oldest_wait_seconds",
                                    "How long the oldest held request has waited", labels=labels)
         for pool in gate.lanes.pools():
-            for band, name in enumerate(BANDS):
-                depth.add_metric([pool, name], gate.lanes.depth(pool, band))
-                oldest.add_metric([pool, name], gate.lanes.oldest_wait(pool, band, now))
+            for band in Band:
+                depth.add_metric([pool, band.value], gate.lanes.depth(pool, band))
+                oldest.add_metric([pool, band.value], gate.lanes.oldest_wait(pool, band, now))
         admitted = CounterMetricFamily("laswrr_proxy_flow_admitted", "Requests admitted by flow control, "
                                        "directly or after being held", labels=[*labels, "how"])
         for admitted_key, n in sorted(gate.counts.admitted.items()):
-            admitted.add_metric(list(admitted_key), n)
+            admitted.add_metric([str(label) for label in admitted_key], n)
         refused = CounterMetricFamily("laswrr_proxy_flow_refused", "Requests flow control answered itself, by cause",
                                       labels=[*labels, "cause"])
         for refused_key, n in sorted(gate.counts.refused.items()):
-            refused.add_metric(list(refused_key), n)
+            refused.add_metric([str(label) for label in refused_key], n)
         waits = HistogramMetricFamily("laswrr_proxy_queue_wait_seconds",
                                       "Time held before dispatch, expiry or the client leaving", labels=labels)
         for wait_key, buckets in sorted(gate.counts.waits.items()):
-            waits.add_metric(list(wait_key), buckets.exposition(), buckets.total)
+            waits.add_metric([str(label) for label in wait_key], buckets.exposition(), buckets.total)
         yield from (depth, oldest, admitted, refused, waits)

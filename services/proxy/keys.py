@@ -31,7 +31,8 @@ from pathlib import Path
 
 from multidict import CIMultiDict
 
-from laswrr.scheduler.routing.flow import BAND_ALIASES, BANDS, KeyLimits
+from laswrr.scheduler.routing.flow import KeyLimits
+from laswrr.schemas.words import Band
 
 BEARER = "bearer "
 NO_LIMITS = KeyLimits()
@@ -58,11 +59,12 @@ def _limits(fields: list[str], where: str) -> KeyLimits:
             raise KeysFileError(f"{where}: a key must be one word (name:key or key), then optional fields "
                                 f"max_priority=, rpm=, tpm=, each once (not {item[:40]!r})")
         values[field_name] = value
-    band = 0
+    band = Band.INTERACTIVE
     if "max_priority" in values:
-        if values["max_priority"] not in BANDS:
-            raise KeysFileError(f"{where}: max_priority must be one of {', '.join(BANDS)}")
-        band = BAND_ALIASES[values["max_priority"]]
+        try:
+            band = Band(values["max_priority"])
+        except ValueError:
+            raise KeysFileError(f"{where}: max_priority must be one of {', '.join(Band)}") from None
     rates: dict[str, int | None] = {"rpm": None, "tpm": None}
     for field_name in rates:
         if field_name in values:

@@ -15,6 +15,7 @@ import pytest
 
 from proxy_support import CoreDriver, StartProxy, wait_for, wait_seq
 from laswrr.schemas import subjects as sj
+from laswrr.schemas.words import Band
 from laswrr.services.proxy.app import RunningProxy
 from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService
 
@@ -280,14 +281,14 @@ async def test_two_proxies_hold_their_own_queues_on_the_pool_wide_view(
 
 
 def test_keys_file_fields_and_old_files() -> None:
-    from laswrr.scheduler.routing.flow import BATCH, DEFAULT, INTERACTIVE, KeyLimits
+    from laswrr.scheduler.routing.flow import KeyLimits
     from laswrr.services.proxy.keys import KeysFileError, parse_key_lines
 
     lines = parse_key_lines("alice:k1\nk2\n  bob : k3 \nbig:k4 max_priority=batch tpm=1000\nk5 rpm=3 max_priority=default")
     assert [(name, limits) for name, _, limits in lines] == [
         ("alice", KeyLimits()), ("key-2", KeyLimits()), ("bob", KeyLimits()),
-        ("big", KeyLimits(max_band=BATCH, tpm=1000)), ("key-5", KeyLimits(max_band=DEFAULT, rpm=3))]
-    assert KeyLimits().max_band == INTERACTIVE  # a key without a maximum may use every band
+        ("big", KeyLimits(max_band=Band.BATCH, tpm=1000)), ("key-5", KeyLimits(max_band=Band.DEFAULT, rpm=3))]
+    assert KeyLimits().max_band is Band.INTERACTIVE  # a key without a maximum may use every band
     for bad, words in (("a:k x=1", "optional fields"), ("a:k rpm=0", "positive integer"),
                        ("a:k max_priority=urgent", "max_priority must be"), ("a:k rpm=1 rpm=2", "each once"),
                        ("a:k tpm=1.5", "positive integer")):

@@ -11,10 +11,13 @@ from hypothesis import strategies as st
 
 from laswrr.schemas.words import RefusalCause
 from laswrr.scheduler.routing.flow import (
-    BATCH, DEFAULT, INTERACTIVE, FlowConfig, FlowError, FlowQueue, KeyLimits, RateLimits, band_of,
+    FlowConfig, FlowError, FlowQueue, KeyLimits, RateLimits, band_of,
     defer_to_peers, retry_after_header, ttl_s, work_of,
 )
 from laswrr.scheduler.weights import concurrency_limit
+from laswrr.schemas.words import Band
+
+INTERACTIVE, DEFAULT, BATCH = Band
 
 
 def test_band_header_names_and_the_keys_maximum() -> None:
