@@ -50,6 +50,8 @@ from laswrr.bench.workload import RequestSpec
 from laswrr.collectors.nodes import Node
 from laswrr.services.natsbus import connect
 from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import encode
+from laswrr.schemas.events import CapacitySet, DrainRequested, Event
 from laswrr.schemas.outputs import WeightSnapshot
 
 log = logging.getLogger("laswrr.bench")
@@ -90,8 +92,8 @@ class SnapshotWatch:
 
         await self._nc.subscribe(f"{sj.OUT_SNAPSHOT}.>", cb=on_msg)
 
-    async def publish(self, subject: str, payload: dict[str, Any]) -> None:
-        await self._nc.publish(subject, msgspec.json.encode(payload))
+    async def publish(self, subject: str, event: Event) -> None:
+        await self._nc.publish(subject, encode(event))
         await self._nc.flush()
 
     async def stop(self) -> None:
@@ -127,12 +129,12 @@ async def apply_action(action: Action, engine_urls: dict[str, str], http: aiohtt
     shows) and, for an announced capacity, the admin event at once. ``engine_admin`` False (real
     engines, which have no admin API): the announcement alone."""
     if action.kind == "drain":  # the operator's drain alone: the engine is untouched
-        await watch.publish(sj.admin_drain(action.node), {})
+        await watch.publish(sj.admin_drain(action.node), DrainRequested())
         return
     changes = {action.kind: action.value}
     calls = [_engine_admin(http, engine_urls[action.node], changes)] if engine_admin else []
     if action.kind == "capacity" and action.announce:
-        calls.append(watch.publish(sj.admin_capacity(action.node), {"capacity": int(action.value)}))
+        calls.append(watch.publish(sj.admin_capacity(action.node), CapacitySet(capacity=int(action.value))))
     await asyncio.gather(*calls)
 
 

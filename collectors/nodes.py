@@ -65,7 +65,7 @@ from urllib.parse import urlsplit
 
 from laswrr.collectors.npu import ChipSelector, split_command
 from laswrr.collectors.prometheus import EngineKind
-from laswrr.schemas.events import ENGINE_NAMES
+from laswrr.schemas.events import ENGINE_NAMES, NodeRegistered
 from laswrr.schemas.subjects import SubjectError, check_token
 from laswrr.schemas.words import NodeRole, PdProtocol
 
@@ -108,8 +108,8 @@ class Node:
     chips_per_npu: int = 1  # exporter device ids per NPU id (2: Atlas A3, 300I Duo)
     pod: tuple[str, str] = ("", "")  # (namespace, pod_name) the exporter labels this node's chips with
     status_url: str | None = None  # MindIE /v1/status (or /v2/status) on the management port
-    role: str = NodeRole.BOTH  # prefill | decode | both (docs/proxy.md, "Prefill/decode pairs")
-    pd_protocol: str | None = None  # vllm | sglang: the pool's P/D protocol (required for prefill and decode)
+    role: NodeRole = NodeRole.BOTH  # prefill | decode | both (docs/proxy.md, "Prefill/decode pairs")
+    pd_protocol: PdProtocol | None = None  # the pool's P/D protocol (required for prefill and decode)
     bootstrap_port: int | None = None  # an sglang prefill node's bootstrap server port (required for one)
 
     def __post_init__(self) -> None:
@@ -124,25 +124,17 @@ class Node:
         return (self.id, self.url, self.metrics_url, self.health_url, self.engine, self.npu_smi, self.selector,
                 self.npu_exporter, self.chips_per_npu, self.pod, self.status_url)
 
-    def registration(self) -> dict[str, Any]:
-        """The ``lb.admin.node.<id>`` body (plain JSON, as `nats pub` would send it): url, pool,
-        chip when given, capacity, and the collector keys (``REGISTERED_COLLECTOR_KEYS``) that
-        ``extra`` gives explicitly, so a registration never overrides the collector's own file
-        with a default."""
+    def registration(self) -> NodeRegistered:
+        """The ``lb.admin.node.<id>`` event (publish it with ``schemas.codec.encode``): url, pool,
+        chip when given, capacity, role, and the collector keys (``REGISTERED_COLLECTOR_KEYS``)
+        that ``extra`` gives explicitly; a key not given is None, so a registration never
+        overrides the collector's own file with a default (``collectors.registrations``)."""
         if self.capacity is None:
             raise NodesConfigError(f"node {self.id!r}: capacity must be given to register it")
-        body: dict[str, Any] = {"url": self.url, "pool": self.pool}
-        if self.chip is not None:
-            body["chip"] = self.chip
-        body["capacity"] = self.capacity
-        if self.role != NodeRole.BOTH:
-            body["role"] = self.role
-        if self.pd_protocol is not None:
-            body["pd_protocol"] = self.pd_protocol
-        if self.bootstrap_port is not None:
-            body["bootstrap_port"] = self.bootstrap_port
-        body.update({key: self.extra[key] for key in REGISTERED_COLLECTOR_KEYS if self.extra.get(key) is not None})
-        return body
+        given = {key: self.extra[key] for key in REGISTERED_COLLECTOR_KEYS if self.extra.get(key) is not None}
+        chip = {} if self.chip is None else {"chip": self.chip}
+        return NodeRegistered(url=self.url, pool=self.pool, capacity=self.capacity, role=self.role,
+                              pd_protocol=self.pd_protocol, bootstrap_port=self.bootstrap_port, **chip, **given)
 
 
 # -- one table --------------------------------------------------------------------------------------
@@ -244,13 +236,15 @@ def _node(table: Any, index: int, registration: bool) -> Node:
     engine = table.get("engine", "auto")
     if engine not in ENGINE_NAMES:
         raise NodesConfigError(f"{where}: engine must be one of {', '.join(ENGINE_NAMES)}, got {engine!r}")
-    role = table.get("role", NodeRole.BOTH.value)
+    role = table.get("role", NodeRole.BOTH)
     if role not in ROLES:
         raise NodesConfigError(f"{where}: role must be one of {', '.join(ROLES)}, got {role!r}")
+    role = NodeRole(role)
     protocol = table.get("pd_protocol")
     if protocol is not None and protocol not in PD_PROTOCOLS:
         raise NodesConfigError(f"{where}: pd_protocol must be one of {', '.join(PD_PROTOCOLS)}, got {protocol!r}")
-    if role != NodeRole.BOTH and protocol is None:
+    protocol = None if protocol is None else PdProtocol(protocol)
+    if role is not NodeRole.BOTH and protocol is None:
         raise NodesConfigError(f"{where}: a {role} node needs pd_protocol (one of {', '.join(PD_PROTOCOLS)})")
     bootstrap_port = _bootstrap_port(table.get("bootstrap_port"), role, protocol, where)
     selector = _selector(table, where)
@@ -267,9 +261,9 @@ def _node(table: Any, index: int, registration: bool) -> Node:
         role=role, pd_protocol=protocol, bootstrap_port=bootstrap_port)
 
 
-def _bootstrap_port(value: Any, role: str, protocol: str | None, where: str) -> int | None:
+def _bootstrap_port(value: Any, role: NodeRole, protocol: PdProtocol | None, where: str) -> int | None:
     """An sglang prefill node's bootstrap server port: required for one, refused for any other node."""
-    sglang_prefill = role == "prefill" and protocol == "sglang"
+    sglang_prefill = role is NodeRole.PREFILL and protocol is PdProtocol.SGLANG
     if value is None:
         if sglang_prefill:
             raise NodesConfigError(f"{where}: an sglang prefill node needs bootstrap_port (its engine's "

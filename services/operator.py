@@ -35,8 +35,11 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 
 from laswrr.collectors.nodes import REGISTERED_COLLECTOR_KEYS, Node, NodesConfigError, load_nodes
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.codec import SchemaError, decode_output
-from laswrr.schemas.events import ENGINE_NAMES
+from laswrr.schemas.codec import SchemaError, decode_output, encode
+from laswrr.schemas.events import (
+    ENGINE_NAMES, CapacitySet, ConfigChanged, DrainRequested, Event, NodeRegistered, NodeRemoveRequested,
+    UndrainRequested,
+)
 from laswrr.schemas.outputs import ConfigApplied, NodeView, PhaseChanged, Rejected, WeightSnapshot
 from laswrr.schemas.words import NodeRole, PdProtocol, Phase
 from laswrr.services import settings
@@ -194,8 +197,8 @@ async def _fold_until(queue: asyncio.Queue[Msg], outcome: Outcome, deadline: flo
             applied_at = time.monotonic()
 
 
-def run_write(args: argparse.Namespace, subject: str, body: dict[str, Any], node: str | None) -> int:
-    payload = json.dumps(body).encode()
+def run_write(args: argparse.Namespace, subject: str, body: Event, node: str | None) -> int:
+    payload = encode(body)
     try:
         outcome = asyncio.run(publish_and_wait(args.nats_url, subject, payload, node, args.wait,
                                                settings.nats_auth(args)))
@@ -229,22 +232,24 @@ def _write(builder: Any, body_of: Any) -> Any:
     return handler
 
 
-def _register_body(args: argparse.Namespace) -> dict[str, Any]:
+def _register_body(args: argparse.Namespace) -> NodeRegistered:
     given = {key: getattr(args, key) for key in REGISTERED_COLLECTOR_KEYS if getattr(args, key) is not None}
     if args.role != NodeRole.BOTH and args.pd_protocol is None:
         raise OperatorError(f"register --role {args.role} needs --pd-protocol (vllm or sglang)")
-    sglang_prefill = args.role == "prefill" and args.pd_protocol == "sglang"
+    sglang_prefill = args.role == NodeRole.PREFILL and args.pd_protocol == PdProtocol.SGLANG
     if sglang_prefill and args.bootstrap_port is None:
         raise OperatorError("register --role prefill --pd-protocol sglang needs --bootstrap-port (the engine's "
                             "--disaggregation-bootstrap-port)")
     if not sglang_prefill and args.bootstrap_port is not None:
         raise OperatorError("register --bootstrap-port is only for an sglang prefill node")
     node = Node(id=args.node, url=args.url, pool=args.pool, chip=args.chip or None, capacity=args.capacity,
-                extra=given, role=args.role, pd_protocol=args.pd_protocol, bootstrap_port=args.bootstrap_port)
+                extra=given, role=NodeRole(args.role),
+                pd_protocol=None if args.pd_protocol is None else PdProtocol(args.pd_protocol),
+                bootstrap_port=args.bootstrap_port)
     return node.registration()
 
 
-def nodes_file_bodies(path: str) -> list[tuple[str, dict[str, Any]]]:
+def nodes_file_bodies(path: str) -> list[tuple[str, NodeRegistered]]:
     """``(subject, lb.admin.node body)`` per ``[[node]]`` of a nodes.toml (``Node.registration``),
     validated by collectors/nodes.py before anything is published."""
     try:
@@ -273,7 +278,7 @@ def run_register(args: argparse.Namespace) -> int:
     return max(run_write(args, subject, body, subject.rsplit(".", 1)[1]) for subject, body in bodies)
 
 
-def config_body(pairs: list[str]) -> dict[str, Any]:
+def config_body(pairs: list[str]) -> ConfigChanged:
     """``["max_capacity=8192", "allow_upstream=10.0.0.0/8"]`` -> ``{"set": {...}}``: a value
     that reads as JSON (a number, true/false) is that, anything else a string."""
     changes: dict[str, Any] = {}
@@ -286,7 +291,7 @@ def config_body(pairs: list[str]) -> dict[str, Any]:
         except ValueError:
             value = text
         changes[key] = value if isinstance(value, (int, float, bool, str)) else text
-    return {"set": changes}
+    return ConfigChanged(set=changes)
 
 
 def run_config(args: argparse.Namespace) -> int:
@@ -511,15 +516,16 @@ def register(subparsers: Any) -> None:
     capacity.add_argument("node", metavar="NODE")
     capacity.add_argument("capacity", type=int, metavar="N")
     _common(capacity)
-    capacity.set_defaults(func=_write(sj.admin_capacity, lambda a: {"capacity": a.capacity}))
+    capacity.set_defaults(func=_write(sj.admin_capacity, lambda a: CapacitySet(capacity=a.capacity)))
 
-    for name, builder, text in (("drain", sj.admin_drain, "admit no new requests to NODE; in-flight ones finish"),
-                                ("undrain", sj.admin_undrain, "return a drained NODE with slow start"),
-                                ("remove", sj.admin_remove, "drain NODE, then forget it")):
+    for name, builder, event, text in (
+            ("drain", sj.admin_drain, DrainRequested(), "admit no new requests to NODE; in-flight ones finish"),
+            ("undrain", sj.admin_undrain, UndrainRequested(), "return a drained NODE with slow start"),
+            ("remove", sj.admin_remove, NodeRemoveRequested(), "drain NODE, then forget it")):
         parser = subparsers.add_parser(name, help=text, description=f"Publish {builder('NODE')} {{}}: {text}.")
         parser.add_argument("node", metavar="NODE")
         _common(parser)
-        parser.set_defaults(func=_write(builder, lambda a: {}))
+        parser.set_defaults(func=_write(builder, lambda a, event=event: event))
 
     reg = subparsers.add_parser("register", help="register or update a node",
                                 description="Publish lb.admin.node.NODE {url, pool, chip, capacity, metrics_url, "

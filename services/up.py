@@ -106,7 +106,7 @@ from laswrr.services.natsbus import (AUTH_ENV, MAX_REPLICAS, NatsAuth, StreamLim
 from laswrr.services.nats_server import EmbeddedNats, NatsCluster
 from laswrr.services.proxy.config import ProxyConfig
 from laswrr.services.proxy.workers import STOP_MARGIN_S
-from laswrr.schemas.codec import decode_snapshot
+from laswrr.schemas.codec import decode_snapshot, encode
 from laswrr.schemas.words import NodeRole
 
 log = logging.getLogger("laswrr.up")
@@ -426,7 +426,7 @@ class Stack:
         js = self._nc.jetstream()
         registered: dict[str, int] = {}
         for node in nodes:
-            ack = await js.publish(sj.admin_node(node.id), json.dumps(node.registration()).encode())
+            ack = await js.publish(sj.admin_node(node.id), encode(node.registration()))
             registered[node.id] = ack.seq
         self.nodes = [n for n in self.nodes if n.id not in registered] + list(nodes)
         if wait_s:

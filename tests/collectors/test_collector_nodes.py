@@ -10,7 +10,9 @@ import pytest
 
 from laswrr.collectors.nodes import Node, NodesConfigError, load_nodes, parse_nodes
 from laswrr.collectors.npu import ChipSelector, select_chips
-from laswrr.schemas.events import NpuChip
+from laswrr.schemas.codec import decode_event, encode
+from laswrr.schemas.events import NodeRegistered, NpuChip
+from laswrr.schemas.words import NodeRole, PdProtocol
 
 
 def parse(text: str) -> tuple[list[Node], list[str]]:
@@ -152,9 +154,11 @@ id = "b"
 url = "http://h:3"
 capacity = 2
 """)
-    assert full.registration() == {"url": "http://h:1", "pool": "p", "chip": "910B", "capacity": 8,
-                                   "health_url": "http://h:2/health", "engine": "mindie"}
-    assert bare.registration() == {"url": "http://h:3", "pool": "default", "capacity": 2}  # no defaults sent
+    assert full.registration() == NodeRegistered(url="http://h:1", pool="p", chip="910B", capacity=8,
+                                                 health_url="http://h:2/health", engine="mindie")
+    # nothing but what was given: a key left out stays None (the collector's own file then counts)
+    assert bare.registration() == NodeRegistered(url="http://h:3", pool="default", capacity=2)
+    assert decode_event("lb.admin.node.b", encode(bare.registration())) == ("b", bare.registration())
     with pytest.raises(NodesConfigError, match="capacity must be given"):
         Node(id="c", url="http://h:4").registration()
 
@@ -174,9 +178,9 @@ capacity = 4
 role = "both"
 """)
     assert warnings == []
-    assert prefill.registration() == {"url": "http://h:1", "pool": "default", "capacity": 4, "role": "prefill",
-                                      "pd_protocol": "vllm"}
-    assert both.registration() == {"url": "http://h:2", "pool": "default", "capacity": 4}  # the default is not sent
+    assert prefill.registration() == NodeRegistered(url="http://h:1", pool="default", capacity=4,
+                                                    role=NodeRole.PREFILL, pd_protocol=PdProtocol.VLLM)
+    assert both.registration() == NodeRegistered(url="http://h:2", pool="default", capacity=4)
     with pytest.raises(NodesConfigError, match="node 'd1': a decode node needs pd_protocol"):
         parse('[[node]]\nid = "d1"\nurl = "http://h:1"\nrole = "decode"\n')
     with pytest.raises(NodesConfigError, match="node 'd1': role must be one of both, prefill, decode, got 'leader'"):
@@ -188,9 +192,9 @@ role = "both"
 def test_an_sglang_prefill_node_names_its_bootstrap_port() -> None:
     (prefill,), warnings = parse('[[node]]\nid = "p1"\nurl = "http://h:1"\ncapacity = 4\nrole = "prefill"\n'
                                  'pd_protocol = "sglang"\nbootstrap_port = 8998\n')
-    assert warnings == [] and prefill.registration() == {
-        "url": "http://h:1", "pool": "default", "capacity": 4, "role": "prefill", "pd_protocol": "sglang",
-        "bootstrap_port": 8998}
+    assert warnings == [] and prefill.registration() == NodeRegistered(
+        url="http://h:1", pool="default", capacity=4, role=NodeRole.PREFILL, pd_protocol=PdProtocol.SGLANG,
+        bootstrap_port=8998)
     with pytest.raises(NodesConfigError, match="node 'p1': an sglang prefill node needs bootstrap_port"):
         parse('[[node]]\nid = "p1"\nurl = "http://h:1"\nrole = "prefill"\npd_protocol = "sglang"\n')
     with pytest.raises(NodesConfigError, match="node 'd1': bootstrap_port is only for an sglang prefill node"):

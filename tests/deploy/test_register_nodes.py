@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from laswrr.schemas.events import NodeRegistered
+from laswrr.schemas.words import NodeRole, PdProtocol
 from laswrr.services.operator import OperatorError, nodes_file_bodies
 
 
@@ -28,9 +30,9 @@ def test_bodies_are_what_lb_admin_node_takes(tmp_path: Path) -> None:
                      'metrics_url = "http://10.0.0.5:8000/metrics"\n'
                      '[[node]]\nid = "n2"\nurl = "http://10.0.0.6:1025"\npool = "mindie"\ncapacity = 16\n')
     assert nodes_file_bodies(str(nodes)) == [
-        ("lb.admin.node.n1", {"url": "http://10.0.0.5:8000", "pool": "default", "chip": "910B", "capacity": 8,
-                              "metrics_url": "http://10.0.0.5:8000/metrics"}),
-        ("lb.admin.node.n2", {"url": "http://10.0.0.6:1025", "pool": "mindie", "capacity": 16}),
+        ("lb.admin.node.n1", NodeRegistered(url="http://10.0.0.5:8000", pool="default", chip="910B", capacity=8,
+                                            metrics_url="http://10.0.0.5:8000/metrics")),
+        ("lb.admin.node.n2", NodeRegistered(url="http://10.0.0.6:1025", pool="mindie", capacity=16)),
     ]
 
 
@@ -64,10 +66,10 @@ def test_register_flags_carry_role_and_pd_protocol() -> None:
     args = argparse.Namespace(node="p1", url="http://10.0.0.5:8000", pool="pd", chip=None, capacity=4,
                               role="prefill", pd_protocol="vllm", metrics_url=None, health_url=None,
                               status_url=None, npu_exporter=None, engine=None, bootstrap_port=None)
-    assert _register_body(args) == {"url": "http://10.0.0.5:8000", "pool": "pd", "capacity": 4, "role": "prefill",
-                                    "pd_protocol": "vllm"}
+    assert _register_body(args) == NodeRegistered(url="http://10.0.0.5:8000", pool="pd", capacity=4,
+                                                  role=NodeRole.PREFILL, pd_protocol=PdProtocol.VLLM)
     args.pd_protocol, args.bootstrap_port = "sglang", 8998
-    assert _register_body(args)["bootstrap_port"] == 8998
+    assert _register_body(args).bootstrap_port == 8998
     missing = register("p1", "--url", "http://a:1", "--capacity", "4", "--role", "decode")
     assert missing.returncode == 2 and missing.stderr.strip() == (
         "laswrr: register --role decode needs --pd-protocol (vllm or sglang)")
