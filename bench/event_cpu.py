@@ -27,6 +27,7 @@ from laswrr.schemas import events as ev
 from laswrr.schemas import facts
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import batch_item, batch_payload, encode
+from laswrr.schemas.words import RequestOutcome
 from laswrr.services.natsbus import connect, ensure_streams
 from laswrr.services.nats_server import EmbeddedNats
 from laswrr.services.recorder import Recorder, RecorderOptions
@@ -49,7 +50,7 @@ def request_events(requests: int) -> list[tuple[str, str, bytes]]:
 
     def finish(node: str, rid: str) -> None:
         out.append((ev.RequestFinished.KIND, node, encode(ev.RequestFinished(
-            request_id=rid, proxy="proxy", outcome="completed", ttft_ms=81.2, duration_ms=1270.5, prompt_tokens=412,
+            request_id=rid, proxy="proxy", outcome=RequestOutcome.COMPLETED, ttft_ms=81.2, duration_ms=1270.5, prompt_tokens=412,
             completion_tokens=96, status=200, ts_ns=time.time_ns(), boot_id=BOOT))))
 
     for r in range(requests):

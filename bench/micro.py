@@ -29,7 +29,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from laswrr.scheduler.core import Scheduler
-from laswrr.schemas.words import NpuHealth
+from laswrr.schemas.words import NpuHealth, RequestOutcome
 from laswrr.scheduler.policies import POLICIES, Candidate, PickContext, make_policy
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope
@@ -148,7 +148,7 @@ def mix_stream(seconds: int, rps: int) -> list[Envelope]:
             add(start + 2, sj.req_started(node), {"request_id": rid, "proxy": "proxy-a", "pool": "default",
                                                   "snapshot_seq": 1})
             add(start + 2 + 400 * ms + (request % 11) * 20 * ms, sj.req_finished(node), {
-                "request_id": rid, "proxy": "proxy-a", "pool": "default", "outcome": "completed",
+                "request_id": rid, "proxy": "proxy-a", "pool": "default", "outcome": RequestOutcome.COMPLETED,
                 "ttft_ms": 150.0 + request % 50, "duration_ms": 900.0})
     events.sort(key=lambda e: e[0])  # stable: same-time events keep their order
     return [Envelope(seq, ts + 1_700_000_000_000_000_000, subject, data)

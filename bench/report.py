@@ -29,7 +29,7 @@ from typing import Any
 
 from laswrr.bench.metrics import ClientOutcome, RequestResult, balance, by_phase, latency_summary, node_shares, ratio, tenant_summary
 from laswrr.bench.scenarios import Scenario
-from laswrr.schemas.words import NpuHealth, Phase
+from laswrr.schemas.words import Band, NpuHealth, Phase
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +199,7 @@ def overload_goals(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
         return {}
     t = flow["tenants"]
     out: dict[str, Any] = {}
-    p99 = (t["per_priority"].get("interactive") or {}).get("ttft_p99")
+    p99 = (t["per_priority"].get(Band.INTERACTIVE) or {}).get("ttft_p99")
     out["interactive_ttft_p99_s"] = {"value": p99, "goal": 1.0, "met": p99 is not None and p99 <= 1.0}
     jain_value = t["jain_of_fair_share"]
     out["jain_of_max_min_fair_share"] = {"value": jain_value, "goal": 0.9,

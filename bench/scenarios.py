@@ -64,7 +64,7 @@ from typing import Any, Literal, get_args
 from laswrr.bench.metrics import CapacityAt, Phase, capacity_timeline
 from laswrr.bench.trace import TraceWindow
 from laswrr.bench.workload import Tenant, WorkloadSpec, mean_output_tokens
-from laswrr.schemas.words import NodeRole, NpuHealth
+from laswrr.schemas.words import Band, NodeRole, NpuHealth
 from laswrr.services.sim_engine.config import HEALTH_STATES
 from laswrr.services.sim_engine.physics import EngineSim
 from laswrr.services.sim_engine.profiles import get_profile
@@ -80,7 +80,7 @@ class EngineSpec:
     chip: str
     capacity: int  # engine decode slots, and the capacity registered with the scheduler
     flavour: str = "vllm"  # mindie: MindIE-flavoured sim engine, read through its /v1/status and npu-exporter
-    role: str = NodeRole.BOTH  # prefill | decode: a prefill/decode pool's node (the scenario's ``pd_protocol``)
+    role: NodeRole = NodeRole.BOTH  # prefill | decode: a prefill/decode pool's node (the scenario's ``pd_protocol``)
 
     @property
     def sim(self) -> tuple[str, str, int] | tuple[str, str, int, str]:
@@ -319,8 +319,8 @@ OVERLOAD = Scenario(
     util=2.0,
     workload=WorkloadSpec(cancel_share=0.0),
     focus_phase="overload",
-    tenants=(Tenant("batch-job", 10.0, "batch"), Tenant("user-interactive", 1.0, "interactive"),
-             Tenant("user-default", 1.0, "default"), Tenant("user-mix", 1.0, "mix")),
+    tenants=(Tenant("batch-job", 10.0, Band.BATCH), Tenant("user-interactive", 1.0, Band.INTERACTIVE),
+             Tenant("user-default", 1.0, Band.DEFAULT), Tenant("user-mix", 1.0, "mix")),
     rows_before=("la-swrr+flow",),  # one run for every row: flow control, today's default, today's cap, the peers
     rows_after=("la-swrr+cap",),
 )
@@ -371,8 +371,8 @@ PD = Scenario(
     name="pd",
     description="a prefill/decode pool: 2 prefill + 2 decode 910B, prefill p2 at half speed throughout, decode d2 "
                 "drained mid-run (lb.admin.drain: laswrr drains it; a peer router cannot be told)",
-    engines=(EngineSpec("p1", "910B", 10, role="prefill"), EngineSpec("p2", "910B", 10, role="prefill"),
-             EngineSpec("d1", "910B", 10, role="decode"), EngineSpec("d2", "910B", 10, role="decode")),
+    engines=(EngineSpec("p1", "910B", 10, role=NodeRole.PREFILL), EngineSpec("p2", "910B", 10, role=NodeRole.PREFILL),
+             EngineSpec("d1", "910B", 10, role=NodeRole.DECODE), EngineSpec("d2", "910B", 10, role=NodeRole.DECODE)),
     phases=_three_phases(("steady", "drain", "after"), 12.0, 24.0, 36.0),
     actions=(Action(0.0, "slowdown", "p2", 2.0, label="p2 at half speed"),
              Action(12.0, "drain", "d2", None, label="d2 drained")),

@@ -38,7 +38,7 @@ import aiohttp
 from laswrr.bench.load import keys_file_text
 from laswrr.bench.scenarios import Scenario
 from laswrr.collectors.nodes import Node
-from laswrr.schemas.words import NodeRole
+from laswrr.schemas.words import NodeRole, PdProtocol
 from laswrr.services.children import preexec
 from laswrr.services.nats_server import free_port, free_ports
 from laswrr.services.up import SIM_MODEL, Stack
@@ -204,12 +204,12 @@ def pd_engine_args(scenario: Scenario, protocol: str | None,
     for engine in scenario.engines:
         if engine.role == NodeRole.BOTH:
             continue
-        port = free_port() if protocol == "sglang" and engine.role == "prefill" else None
+        port = free_port() if protocol == PdProtocol.SGLANG and engine.role == NodeRole.PREFILL else None
         roles[engine.node] = {"role": engine.role, "pd_protocol": protocol, "bootstrap_port": port}
         args[engine.node] = ("--pd-role", engine.role, "--pd-protocol", protocol,
                              *(("--bootstrap-port", str(port)) if port is not None else ()),
-                             *(("--pd-local-prefill",) if local_prefill and engine.role == "decode"
-                               and protocol == "vllm" else ()))
+                             *(("--pd-local-prefill",) if local_prefill and engine.role == NodeRole.DECODE
+                               and protocol == PdProtocol.VLLM else ()))
     return roles, args
 
 
@@ -220,9 +220,9 @@ def peer_workers(router: str, nodes: list[Node]) -> list[str]:
         return ["--worker-urls", *[n.url for n in nodes]]
     flags = [PEER_PD[router][0]]
     for node in nodes:
-        if node.role == "prefill":
+        if node.role == NodeRole.PREFILL:
             flags += ["--prefill", node.url, *([str(node.bootstrap_port)] if node.bootstrap_port else [])]
-        elif node.role == "decode":
+        elif node.role == NodeRole.DECODE:
             flags += ["--decode", node.url]
     return flags
 

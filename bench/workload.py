@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, replace
 from statistics import NormalDist
 from typing import Any, Literal
 
+from laswrr.schemas.words import Band
+
 Arrival = Literal["poisson", "bursty"]
 ARRIVALS: tuple[str, ...] = ("poisson", "bursty")
 
@@ -114,7 +116,7 @@ def assign_tenants(requests: Sequence[RequestSpec], tenants: Sequence[Tenant], s
     for spec in requests:
         tenant = rng.choices(tenants, weights)[0]
         mix = rng.random()
-        priority = tenant.priority if tenant.priority != "mix" else ("interactive" if mix < 0.5 else "default")
+        priority = tenant.priority if tenant.priority != "mix" else (Band.INTERACTIVE if mix < 0.5 else Band.DEFAULT)
         out.append(replace(spec, tenant=tenant.name, priority=priority))
     return out
 

@@ -45,7 +45,7 @@ from laswrr.schemas.events import (
     CapacitySet, NodeRegistered, NpuSampled, RequestFinished, RequestQueued, RequestRefused, RequestStarted,
 )
 from laswrr.schemas.outputs import PhaseChanged, Rejected, WeightSnapshot
-from laswrr.schemas.words import NPU_SEVERITY, Band, NpuHealth, Phase
+from laswrr.schemas.words import NPU_SEVERITY, Band, NpuHealth, Phase, RequestOutcome
 
 MS = 1_000_000
 S = 1_000_000_000
@@ -267,8 +267,8 @@ class Board:
                           bisect_right(requests, at_ns, key=_ts)]
         outcomes = Counter(entry[1] for entry in window)
         answers = Counter(entry[4] for entry in window)
-        ttft = sorted(t for _, o, t, _, _ in window if o == "completed" and t is not None)
-        e2e = sorted(d for _, o, _, d, _ in window if o == "completed" and d is not None)
+        ttft = sorted(t for _, o, t, _, _ in window if o == RequestOutcome.COMPLETED and t is not None)
+        e2e = sorted(d for _, o, _, d, _ in window if o == RequestOutcome.COMPLETED and d is not None)
         return {"window_s": window_s, "count": len(window), "rate_per_s": round(len(window) / window_s, 3),
                 "outcomes": dict(sorted(outcomes.items())), "answers": dict(sorted(answers.items())),
                 "ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
@@ -339,7 +339,7 @@ class Board:
         for ts, outcome, _, _, _ in requests[bisect_left(requests, start_ns, key=_ts):
                                           bisect_right(requests, end_ns, key=_ts)]:
             counts = bins.setdefault(ts // width, [0, 0])
-            counts[0 if outcome == "completed" else 1] += 1
+            counts[0 if outcome == RequestOutcome.COMPLETED else 1] += 1
         return [[key * width // MS, ok, bad] for key, (ok, bad) in sorted(bins.items())]
 
     def trim(self, before_ns: int) -> None:

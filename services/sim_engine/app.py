@@ -58,7 +58,7 @@ import msgspec
 from aiohttp import web
 
 from laswrr.services.sim_engine import mindie, npu_smi
-from laswrr.schemas.words import NpuHealth
+from laswrr.schemas.words import NodeRole, NpuHealth, PdProtocol
 from laswrr.services.sim_engine.config import (
     FAIL_MODES,
     HEALTH_STATES,
@@ -236,11 +236,11 @@ async def _completions(request: web.Request, kind: Kind) -> web.StreamResponse:
         try:
             body = await _read_json(request)
             creq = parse_request(body, kind, config.model_name)
-            if config.pd_protocol == "sglang" and config.pd_role == "prefill":
+            if config.pd_protocol == PdProtocol.SGLANG and config.pd_role == NodeRole.PREFILL:
                 room = _open_room(app, body, creq)
                 creq = dataclasses.replace(creq, output_tokens=1, finish_reason="length")
                 received, kv_params = False, None
-            elif config.pd_protocol == "sglang" and config.pd_role == "decode":
+            elif config.pd_protocol == PdProtocol.SGLANG and config.pd_role == NodeRole.DECODE:
                 received, kv_params = await _bootstrap(app, body), None
             else:
                 received, kv_params = _pd_leg(config, body, creq, _node_id(app), request.url.host, request.url.port)
@@ -410,7 +410,7 @@ def _pd_leg(config: SimConfig, body: Any, creq: CompletionRequest, node_id: str,
     request carrying a prefill's ``kv_transfer_params`` (``do_remote_prefill``), else 400; a prefill
     instance asked ``do_remote_decode`` answers its one token with the params that name its KV."""
     params = body.get("kv_transfer_params") if isinstance(body, dict) else None
-    if config.pd_role == "decode":
+    if config.pd_role == NodeRole.DECODE:
         if params is None and config.pd_local_prefill:
             return False, None  # served whole: prefilled here (a kv_both engine, the proxy's decode-only path)
         if not isinstance(params, dict) or not params.get("do_remote_prefill") or not params.get("remote_engine_id"):
@@ -418,7 +418,7 @@ def _pd_leg(config: SimConfig, body: Any, creq: CompletionRequest, node_id: str,
                                 "its prefill instance answered (do_remote_prefill, remote_engine_id)",
                            code="kv_transfer_params_missing", param="kv_transfer_params")
         return True, None
-    if config.pd_role == "prefill" and isinstance(params, dict) and params.get("do_remote_decode"):
+    if config.pd_role == NodeRole.PREFILL and isinstance(params, dict) and params.get("do_remote_decode"):
         blocks = -(-creq.prompt_tokens // 16)
         return False, {"do_remote_prefill": True, "do_remote_decode": False,
                        "remote_engine_id": node_id, "remote_block_ids": list(range(min(blocks, 1024))),
@@ -665,9 +665,9 @@ def init_app(config: SimConfig) -> web.Application:
     app[ROOMS_KEY] = {}
     app[ENDED_KEY] = OrderedDict()
     app.cleanup_ctx.append(_engine_ctx)
-    if config.pd_protocol == "sglang" and config.pd_role == "decode":
+    if config.pd_protocol == PdProtocol.SGLANG and config.pd_role == NodeRole.DECODE:
         app.cleanup_ctx.append(_bootstrap_client)
-    if config.pd_protocol == "sglang" and config.pd_role == "prefill":
+    if config.pd_protocol == PdProtocol.SGLANG and config.pd_role == NodeRole.PREFILL:
         app.router.add_get("/sim/bootstrap/{room}", bootstrap)
     app.on_response_prepare.append(_add_node_header)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -5,15 +5,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
-from laswrr.schemas.words import NpuHealth
+from laswrr.schemas.words import NodeRole, NpuHealth, PdProtocol
 from laswrr.services.sim_engine.profiles import ChipProfile, get_profile
 
 FailMode = Literal["none", "refuse", "http500", "cut_stream", "stall_stream"]
 Flavour = Literal["vllm", "mindie"]
-PdRole = Literal["both", "prefill", "decode"]
-PD_ROLES: tuple[str, ...] = get_args(PdRole)
-PdProtocolName = Literal["vllm", "sglang"]
-PD_PROTOCOLS: tuple[str, ...] = get_args(PdProtocolName)
+PD_ROLES: tuple[str, ...] = tuple(role.value for role in NodeRole)
+PD_PROTOCOLS: tuple[str, ...] = tuple(protocol.value for protocol in PdProtocol)
 # A P/D decode instance "transfers" a prompt's KV from its prefill instance at this rate (tokens/s,
 # times --speed) before decoding it: ~ a 64 KB-per-token model's KV over a 25 GB/s link.
 KV_TRANSFER_TOKENS_PER_S = 400_000.0
@@ -41,8 +39,8 @@ class SimConfig:
     npu_id: int = 0
     flavour: Flavour = "vllm"  # mindie: MindIE's /metrics names, /v1/status, /v2/status, /metrics-json
     exporter_update_s: float = 5.0  # the simulated npu-exporter's cache refresh (its -updateTime)
-    pd_role: PdRole = "both"  # prefill/decode disaggregation (docs/proxy.md)
-    pd_protocol: PdProtocolName = "vllm"  # the P/D protocol a prefill or decode instance speaks
+    pd_role: NodeRole = NodeRole.BOTH  # prefill/decode disaggregation (docs/proxy.md)
+    pd_protocol: PdProtocol = PdProtocol.VLLM  # the P/D protocol a prefill or decode instance speaks
     pd_local_prefill: bool = False  # a vllm decode instance serves a request without kv_transfer_params whole
     bootstrap_port: int = 0  # an sglang prefill instance's bootstrap server port (required for one)
     bootstrap_timeout_s: float = 30.0  # sglang: a decode waits this long for its room, a prefill for its decode
@@ -72,12 +70,12 @@ class SimConfig:
             raise ValueError(f"--pd-role must be one of {', '.join(PD_ROLES)}, got {self.pd_role!r}")
         if self.pd_protocol not in PD_PROTOCOLS:
             raise ValueError(f"--pd-protocol must be one of {', '.join(PD_PROTOCOLS)}, got {self.pd_protocol!r}")
-        sglang_prefill = self.pd_role == "prefill" and self.pd_protocol == "sglang"
+        sglang_prefill = self.pd_role == NodeRole.PREFILL and self.pd_protocol == PdProtocol.SGLANG
         if sglang_prefill and not 1 <= self.bootstrap_port <= 65535:
             raise ValueError(f"an sglang prefill instance needs --bootstrap-port (1..65535), got {self.bootstrap_port}")
         if not sglang_prefill and self.bootstrap_port:
             raise ValueError("--bootstrap-port is only for --pd-role prefill --pd-protocol sglang")
-        if self.pd_local_prefill and (self.pd_role, self.pd_protocol) != ("decode", "vllm"):
+        if self.pd_local_prefill and (self.pd_role, self.pd_protocol) != (NodeRole.DECODE, PdProtocol.VLLM):
             raise ValueError("--pd-local-prefill is only for --pd-role decode --pd-protocol vllm")
         if not self.bootstrap_timeout_s > 0:
             raise ValueError(f"--bootstrap-timeout-s must be > 0, got {self.bootstrap_timeout_s}")

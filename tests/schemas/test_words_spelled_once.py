@@ -1,8 +1,8 @@
 """The shared words and the subjects are spelled in schemas/ only (wire contract v1).
 
 Python outside schemas/ uses the enums and ``schemas.subjects``; a scan of every module's string
-literals finds no phase, NPU health, cause or subject, except the places listed in ``KEPT`` (each
-with why). The two places that cannot import Python spell words the enums define, and are
+literals finds no word of any enum of ``schemas/words.py`` and no subject, except the words that
+also mean something else (``HOMONYMS``) and the places listed in ``KEPT`` (each with why). The two places that cannot import Python spell words the enums define, and are
 checked here word by word: the analyst views (replay/views.sql) and the dashboard's script.
 """
 
@@ -22,10 +22,22 @@ from laswrr.schemas import subjects as sj
 from laswrr.services.dashboard.board import PHASE_MARKS
 
 ROOT = Path(__file__).resolve().parents[2]
-ENUMS: list[type[StrEnum]] = [words.RequestOutcome, words.Phase, words.Trigger, words.DrainCause, words.EjectCause,
-                              words.PhaseCause, words.NpuHealth, words.RejectCause, words.NodeRole]
-CHECKED = {member.value for enum in (words.Phase, words.NpuHealth, words.PhaseCause, words.RejectCause)
-           for member in enum}
+ENUMS: list[type[StrEnum]] = [value for value in vars(words).values()
+                              if isinstance(value, type) and issubclass(value, StrEnum) and value is not StrEnum]
+# Words of the enums that are also something else, so a literal of them says nothing: never checked.
+HOMONYMS = {
+    "": "DrainCause.NONE and EjectCause.NONE: the empty string",
+    "capacity": "DrainCause.CAPACITY, and the field of lb.admin.capacity, NodeView, the nodes file, the sim engine",
+    "default": "Band.DEFAULT, and the default pool's name (events.NodeRegistered.pool)",
+    "vllm": "PdProtocol.VLLM, and an engine's name (events.EngineName, the sim engine's flavour)",
+    "sglang": "PdProtocol.SGLANG, and an engine's name (events.EngineName)",
+    "drain": "Trigger.DRAIN, and a command's name (laswrr drain), a subject token, a dashboard mark",
+    "undrain": "Trigger.UNDRAIN, and a command's name (laswrr undrain), a subject token",
+    "remove": "DrainCause.REMOVE, and a command's name (laswrr remove), a subject token",
+    "operator": "DrainCause.OPERATOR, and the NATS account of the operator CLI (services/accounts.py)",
+    "npu": "DrainCause.NPU and EjectCause.NPU, and the collector's NPU sampling (a log or column name)",
+}
+CHECKED = {member.value for enum in ENUMS for member in enum} - set(HOMONYMS)
 SUBJECTS = {value for name, value in vars(sj).items() if name.isupper() and isinstance(value, str)
             and value.startswith("lb.")}
 
@@ -38,6 +50,18 @@ KEPT = {
     ("services/dashboard/board.py", "ejected"): "a dashboard mark kind (MARK_COLORS in dashboard.js), checked below",
     ("services/dashboard/board.py", "removed"): "a dashboard mark kind (MARK_COLORS in dashboard.js), checked below",
     ("bench/micro.py", "lb."): "the prefix cut from a subject to name an event kind in a benchmark table",
+    ("bench/bus_bench.py", "both"): "a --mode choice (backlog, live or both), not a node role",
+    ("bench/event_cpu.py", "batch"): "a results column (events per batch), not a band",
+    ("services/sim_engine/openai_api.py", "completed"): "the OpenAI Responses API's status of an answer",
+    ("services/proxy/app.py", "stopping"): "the /ready status word (also a RefusalCause)",
+    ("services/up.py", "no_snapshot"): "the proxy's /ready status word read back (also a RefusalCause)",
+    # the refusal table (issue 39, item 3: one refusal cause enum) replaces these
+    ("services/proxy/app.py", "no_snapshot"): "the /ready status word and an error body's code",
+    ("services/proxy/app.py", "no_routable_node"): "the /ready status word and an error body's code",
+    ("services/proxy/app.py", "invalid_api_key"): "an error body's code",
+    ("scheduler/routing/router.py", "no_routable_node"): "Router's own refusal enum (Refusal.NO_NODE)",
+    ("scheduler/routing/router.py", "saturated"): "Router's own refusal enum (Refusal.SATURATED)",
+    ("services/proxy/upstream.py", "upstream_error"): "the error type of an SSE error event sent to the client",
 }
 KEPT_PREFIXES = {("laswrr/command_help.py", "lb."): "help text for people naming the subject a command publishes"}
 
@@ -74,6 +98,11 @@ def test_no_phase_health_cause_or_subject_literal_outside_schemas() -> None:
             continue
         found += [f"{rel}:{line}: {value!r}" for line, value in _literals(path) if _is_word(rel, value)]
     assert not found, "spell these with schemas.words / schemas.subjects:\n" + "\n".join(found)
+
+
+def test_every_homonym_is_a_word_of_the_enums() -> None:
+    assert set(HOMONYMS) <= {member.value for enum in ENUMS for member in enum}
+    assert words.Band in ENUMS and words.HoldCause in ENUMS and words.RefusalCause in ENUMS
 
 
 def test_every_kept_literal_is_still_there() -> None:
