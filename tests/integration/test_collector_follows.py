@@ -9,8 +9,9 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.aio.client import Client
@@ -61,14 +62,17 @@ def register(nats_url: str, *args: str) -> str:
 
 
 async def test_a_node_registered_at_runtime_is_polled_and_a_removed_one_is_not(
-        nats_url: str, nc: Client, children: ChildProcesses, tmp_path: Path) -> None:
+        nats_url: str, nc: Client, children: ChildProcesses, tmp_path: Path,
+        eventually: Callable[..., Awaitable[Any]]) -> None:
     engine = await children.spawn("n5", "sim-engine", "--port", "0", "--chip", "910B", "--capacity", "4",
                                   "--node-id", "n5", role="sim-engine", wait_listening=True)
     empty = tmp_path / "nodes.toml"
     empty.write_text("# no start-up nodes: everything comes from registrations\n")
     await children.spawn("collector", "collector", "--nats-url", nats_url, "--nodes", str(empty),
                          "--interval-ms", str(INTERVAL_MS), role="collector")
-    await asyncio.sleep(1.0)  # the collector is subscribed
+    collector_log = tmp_path / "logs" / "collector.log"
+    await eventually(lambda: collector_log.exists() and "collecting 0 node(s)" in collector_log.read_text(),
+                     what="the collector following registrations")  # it logs that once subscribed
     assert await stream_times(nc, sj.metrics_engine("n5")) == []
 
     assert engine.url is not None

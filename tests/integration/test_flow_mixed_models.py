@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,17 @@ async def queue_depth(session: aiohttp.ClientSession, url: str, band: str) -> fl
     return 0.0
 
 
-async def test_a_model_only_full_nodes_serve_is_held_not_refused(tmp_path: Path) -> None:
+async def sim_running(session: aiohttp.ClientSession, url: str) -> int:
+    async with session.get(url + "/sim/state") as response:
+        return int((await response.json())["running"])
+
+
+async def full(session: aiohttp.ClientSession, url: str, slots: int) -> bool:
+    return await sim_running(session, url) == slots
+
+
+async def test_a_model_only_full_nodes_serve_is_held_not_refused(tmp_path: Path,
+                                                                 eventually: Callable[..., Awaitable[Any]]) -> None:
     stack = Stack(tmp_path / "data", proxy_port=0)
     try:
         stack.allow_hosts([], sims=True)
@@ -57,6 +68,7 @@ async def test_a_model_only_full_nodes_serve_is_held_not_refused(tmp_path: Path)
         await stack.start_core()
         nodes = [*await stack.start_sim_engines([("alpha", "910B", 2)], speed=1.0, npu_smi=False, model="sim-alpha"),
                  *await stack.start_sim_engines([("beta", "910B", 4)], speed=1.0, npu_smi=False, model="sim-beta")]
+        alpha_url = nodes[0].url
         stack.write_nodes_file(nodes)
         await stack.register(nodes)
         await stack.start_collector()
@@ -66,13 +78,14 @@ async def test_a_model_only_full_nodes_serve_is_held_not_refused(tmp_path: Path)
             "alpha": (["sim-alpha"], 2), "beta": (["sim-beta"], 4)}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             blockers = [asyncio.create_task(ask(session, proxy, "sim-alpha", 400)) for _ in range(2)]
-            await asyncio.sleep(0.5)
+            await eventually(lambda: full(session, alpha_url, 2), what="alpha running both blockers")
             held = asyncio.create_task(ask(session, proxy, "sim-alpha", 4, {"x-laswrr-priority": "interactive"}))
-            deadline = time.monotonic() + 10
-            while await queue_depth(session, proxy, "interactive") != 1:
+
+            async def held_now() -> bool:
                 assert not held.done(), await held  # answered at once: refused while alpha is full
-                assert time.monotonic() < deadline, "the sim-alpha request was never held"
-                await asyncio.sleep(0.05)
+                return await queue_depth(session, proxy, "interactive") == 1
+
+            await eventually(held_now, what="the sim-alpha request held")
             others = await asyncio.gather(*(ask(session, proxy, model, 4, {"x-laswrr-priority": "interactive"})
                                             for model in ("sim-beta", "sim-beta", "default", "sim-beta")))
             assert [(status, node) for status, node, _ in others] == [(200, "beta")] * 4  # not behind alpha's

@@ -11,10 +11,12 @@ import select
 import signal
 import json
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
 
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import encode
@@ -77,11 +79,19 @@ async def test_write_commands_report_applied_and_rejected(nats_url: str, js: Jet
 
 
 async def test_nodes_prints_a_table_per_pool_and_json(nats_url: str, js: JetStreamContext,
-                                                      scheduler: SchedulerService) -> None:
+                                                      scheduler: SchedulerService,
+                                                      eventually: Callable[..., Awaitable[Any]]) -> None:
     await js.publish("lb.admin.node.a1", b'{"url": "http://a1", "capacity": 8, "chip": "910C"}')
     last = await js.publish("lb.admin.node.b1", b'{"url": "http://b1", "capacity": 4, "pool": "batch"}')
     await asyncio.wait_for(_applied(scheduler, last.seq), 5)
-    await asyncio.sleep(0.3)  # the next batch puts the snapshots into LB_WEIGHTS
+    weights = await js.key_value(sj.WEIGHTS_BUCKET)
+
+    async def both_pools_in_weights() -> bool:  # the scheduler's next batch puts them into LB_WEIGHTS
+        with contextlib.suppress(KeyNotFoundError):
+            return bool((await weights.get("default")).value and (await weights.get("batch")).value)
+        return False
+
+    await eventually(both_pools_in_weights, what="both pools' snapshots in LB_WEIGHTS")
     code, out, err = await laswrr("nodes", "--nats-url", nats_url)
     assert code == 0, err
     assert "pool batch" in out and "pool default" in out and "a1" in out and "b1" in out

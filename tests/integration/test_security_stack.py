@@ -3,10 +3,11 @@ proxy, and no credential in any argv, log or /metrics of the run."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -38,7 +39,8 @@ def passwords_of(stack: Stack) -> list[str]:
     return found
 
 
-async def test_secure_stack_keys_limits_and_no_credential_leaks(tmp_path: Path) -> None:
+async def test_secure_stack_keys_limits_and_no_credential_leaks(tmp_path: Path,
+                                                                eventually: Callable[..., Awaitable[Any]]) -> None:
     alice, anon = f"sk-alice-{secrets.token_hex(16)}", f"sk-{secrets.token_hex(16)}"
     keys_file = tmp_path / "keys.txt"
     keys_file.write_text(f"# the clients\nalice:{alice}\n\n{anon}\n")
@@ -76,7 +78,12 @@ async def test_secure_stack_keys_limits_and_no_credential_leaks(tmp_path: Path) 
                 assert status == 429 and headers["Retry-After"] == "1"
                 assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"
                 assert (await post(http, url, anon))[0] == 200
-            await asyncio.sleep(0.2)  # the cancelled stream ends: alice may send again
+
+            async def alice_idle() -> bool:  # the cancelled stream ends: alice may send again
+                async with http.get(f"{url}/metrics") as response:
+                    return 'laswrr_proxy_api_key_inflight{key="alice"} 0.0' in await response.text()
+
+            await eventually(alice_idle, what="alice's cancelled stream ended at the proxy")
             assert (await post(http, url, alice))[0] == 200
 
             async with http.get(f"{url}/healthz") as health:  # probes and /metrics stay open

@@ -7,7 +7,6 @@ from contextlib import AsyncExitStack
 from dataclasses import replace
 from typing import Any
 
-import aiohttp
 import pytest
 
 from proxy_support import CoreDriver, EchoEngine, EventTap, StartProxy
@@ -58,12 +57,6 @@ async def start_proxy(nats_url: str, nc: Any) -> AsyncIterator[StartProxy]:
     for proxy in running:
         if not proxy.state.stopping:
             await proxy.stop()
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 @pytest.fixture

@@ -1,11 +1,10 @@
-"""Fixtures: the sim engine the root conftest's ``start_engine`` starts in these tests (FAST), an
-HTTP session and official OpenAI clients."""
+"""Fixtures: the sim engine the root conftest's ``start_engine`` starts in these tests (FAST) and
+official OpenAI clients (the HTTP session is the root conftest's)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import aiohttp
 import openai
 import pytest
 
@@ -25,12 +24,6 @@ def sim_config() -> SimConfig:
 @pytest.fixture
 async def engine(start_engine: StartEngine) -> RunningServer:
     return await start_engine()
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 MakeClient = Callable[[RunningServer], openai.AsyncOpenAI]

@@ -28,8 +28,8 @@ async def _admin(http: aiohttp.ClientSession, server: RunningServer, **changes: 
         return response.status
 
 
-async def test_mindie_status_follows_the_engines_own_slots_and_blocks(start_engine: StartEngine,
-                                                                       http: aiohttp.ClientSession) -> None:
+async def test_mindie_status_follows_the_engines_own_slots_and_blocks(
+        start_engine: StartEngine, http: aiohttp.ClientSession, eventually: Callable[..., Awaitable[Any]]) -> None:
     server = await start_engine(flavour="mindie", capacity=4, speed=1.0, kv_tokens=16_000)
     status = parse_status((await _get(http, f"{server.url}/v1/status"))[1])
     assert (status.avail_slots, status.running, status.total_npu_blocks, status.free_npu_blocks) == (4, 0, 1000, 1000)
@@ -39,8 +39,12 @@ async def test_mindie_status_follows_the_engines_own_slots_and_blocks(start_engi
             await r.read()
 
     load = [asyncio.create_task(one()) for _ in range(3)]
-    await asyncio.sleep(0.3)
-    busy = parse_status((await _get(http, f"{server.url}/v1/status"))[1])
+
+    async def three_running() -> Any:
+        status = parse_status((await _get(http, f"{server.url}/v1/status"))[1])
+        return status if status.running == 3 else None
+
+    busy = await eventually(three_running, what="the three requests running")
     assert busy.running == 3 and busy.avail_slots == 1 and busy.free_npu_blocks is not None
     assert busy.free_npu_blocks < 1000 and busy.avail_blocks == busy.free_npu_blocks
     assert await _admin(http, server, capacity=1) == 200  # silent: only the engine knows
