@@ -38,6 +38,7 @@ from laswrr.replay import store
 from laswrr.scheduler.core import Scheduler, apply_guarded
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope
+from laswrr.schemas.words import NpuHealth, RequestOutcome
 
 MS = 1_000_000
 S = 1_000 * MS
@@ -140,7 +141,7 @@ def generate(path: Path, seconds: int, rate: int, nodes: int, min_free_bytes: in
                 running[node] -= 1
                 failed = rng.random() < 0.005
                 out.add(ts_ns, sj.req_batch(proxy), {"events": [["req.finished", node, {
-                    "request_id": rid, "proxy": proxy, "outcome": "upstream_error" if failed else "completed",
+                    "request_id": rid, "proxy": proxy, "outcome": RequestOutcome.UPSTREAM_ERROR if failed else RequestOutcome.COMPLETED,
                     "pool": "default", "ttft_ms": round(rng.uniform(30, 400), 1),
                     "duration_ms": round(rng.uniform(500, 6000), 1), "prompt_tokens": rng.randint(50, 4000),
                     "completion_tokens": rng.randint(10, 512), "status": 502 if failed else 200,
@@ -155,7 +156,7 @@ def generate(path: Path, seconds: int, rate: int, nodes: int, min_free_bytes: in
             elif kind == "npu":
                 out.add(ts_ns, sj.metrics_npu(what), {"chips": [  # type: ignore[arg-type]
                     {"npu_id": c, "chip_id": 0, "aicore_util": round(rng.uniform(0.2, 0.9), 2), "hbm_used_mb": 40000,
-                     "hbm_total_mb": 65536, "health": "OK", "power_w": round(rng.uniform(150, 300), 1)}
+                     "hbm_total_mb": 65536, "health": NpuHealth.OK, "power_w": round(rng.uniform(150, 300), 1)}
                     for c in range(2)], "ts_ns": ts_ns, "max_age_ms": 14_000})
             elif kind == "health":
                 out.add(ts_ns, sj.health(what), {"ok": True, "latency_ms": round(rng.uniform(1, 5), 2),  # type: ignore[arg-type]

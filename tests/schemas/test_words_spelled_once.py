@@ -53,15 +53,12 @@ KEPT = {
     ("bench/bus_bench.py", "both"): "a --mode choice (backlog, live or both), not a node role",
     ("bench/event_cpu.py", "batch"): "a results column (events per batch), not a band",
     ("services/sim_engine/openai_api.py", "completed"): "the OpenAI Responses API's status of an answer",
-    ("services/proxy/app.py", "stopping"): "the /ready status word (also a RefusalCause)",
+    ("services/proxy/app.py", "stopping"): "a /ready status word (also a RefusalCause)",
+    ("services/proxy/app.py", "no_snapshot"): "a /ready status word (also a RefusalCause)",
+    ("services/proxy/app.py", "no_routable_node"): "a /ready status word (also a RefusalCause)",
+    ("services/proxy/answers.py", "upstream_error"): "the error type of an SSE error event sent to the client",
+    ("services/sim_engine/app.py", "invalid_json"): "the simulated engine's own error code (an engine's answer)",
     ("services/up.py", "no_snapshot"): "the proxy's /ready status word read back (also a RefusalCause)",
-    # the refusal table (issue 39, item 3: one refusal cause enum) replaces these
-    ("services/proxy/app.py", "no_snapshot"): "the /ready status word and an error body's code",
-    ("services/proxy/app.py", "no_routable_node"): "the /ready status word and an error body's code",
-    ("services/proxy/app.py", "invalid_api_key"): "an error body's code",
-    ("scheduler/routing/router.py", "no_routable_node"): "Router's own refusal enum (Refusal.NO_NODE)",
-    ("scheduler/routing/router.py", "saturated"): "Router's own refusal enum (Refusal.SATURATED)",
-    ("services/proxy/upstream.py", "upstream_error"): "the error type of an SSE error event sent to the client",
 }
 KEPT_PREFIXES = {("laswrr/command_help.py", "lb."): "help text for people naming the subject a command publishes"}
 
