@@ -53,5 +53,5 @@ Where features plug in (docs/proxy.md, "The routing core"):
   admissions, the prefill pick with affinity, flow limits and the prefill backlog, the decode
   pick without (``AdmitRequest.role`` decode: never held), each an ``Admission`` released on its
   own, so drains, slow start and "never cut" hold per node and role as for a whole request.
-  ``pd`` writes the two legs' bodies; the proxy's forwarder (``services/proxy/upstream.py``) runs them.
+  ``pd`` writes the two legs' bodies; the proxy runs them (``services/proxy/pairs.py``).
 """

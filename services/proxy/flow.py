@@ -5,7 +5,7 @@ tenants in work units, bounds, TTL, Retry-After, rate limits); this module holds
 handler on a future and wakes it:
 
 * **Admission.** A request of a pool with nothing held goes through the normal pick at once
-  (``Router.admit`` excludes the nodes at their slot limit). If no node can take it, or if
+  (``Admitter.admit`` excludes the nodes at their slot limit). If no node can take it, or if
   requests of the pool are already held (a new one never overtakes them: the queue decides the
   order), it is held: ``FlowQueue.offer`` (429 ``queue_full`` at the bound), then the handler
   awaits its future.
@@ -26,14 +26,14 @@ handler on a future and wakes it:
   bus calls ``wake(pool)`` after every snapshot installed and every peer message taken (a slot
   another proxy freed is seen within one ``--peer-interval-ms``, not at the next snapshot), and
   ``_announce`` puts this proxy's held counts per band into its peer messages
-  (``Router.note_held``); a request, held or new, waits while the other proxies hold more urgent
+  (``PeerChannel.note_held``); a request, held or new, waits while the other proxies hold more urgent
   requests than the pool has free slots (``_defer``).
 * **Answers.** TTL run out: 429 ``queue_timeout``; no routable node in the pool for
   ``no_node_wait_s``: 503 ``no_routable_node`` (requests held then are answered, and new ones at
   once while it lasts); both with ``Retry-After`` where it is a second or more. A client that
   disconnects while held (aiohttp cancels its handler) leaves the queue at once.
 * **Never cut.** An admitted request is never held again: retries and continuations ignore the
-  limits (``Router.admit`` with a ``tried`` set), and a handler cancelled just after its
+  limits (``Admitter.admit`` with a ``tried`` set), and a handler cancelled just after its
   admission was handed over releases that admission.
 """
 
@@ -376,7 +376,7 @@ class FlowGate:
 
     def _announce(self, pool: str) -> None:
         """This proxy's held requests of ``pool`` per band (those any node may take: the pool's
-        own lane) for its next peer message (``Router.note_held``)."""
+        own lane) for its next peer message (``PeerChannel.note_held``)."""
         channel, queue = self.router.channel, self.queue
         if channel is None:
             return
