@@ -36,6 +36,13 @@ def held(proxy: RunningProxy, pool: str = "default") -> int:
     return proxy.state.flow.queue.depth(pool)
 
 
+def releases(proxy: RunningProxy, pool: str = "default") -> int:
+    """Requests of ``pool`` whose end flow control has processed (each one pumps the queue at once)."""
+    assert proxy.state.flow is not None
+    state = proxy.state.flow.queue.pools.get(pool)
+    return 0 if state is None else len(state.releases)
+
+
 async def post(http: aiohttp.ClientSession, proxy: RunningProxy, payload: dict[str, Any],
                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
     async with http.post(proxy.url + CHAT, json=payload, headers=headers or {}) as response:
@@ -211,9 +218,10 @@ async def test_a_node_drained_while_requests_wait_never_gets_them(
     waiting = await hold(http, proxy, body("held"))
     drained = await core.send(sj.admin_drain(on_short.name), {})
     await wait_seq(proxy, "default", drained)
+    before = releases(proxy)
     status_short, _, raw_short = await short
     assert status_short == 200 and b"[DONE]" in raw_short  # the admitted request finished, not cut
-    await asyncio.sleep(0.2)
+    await wait_for(lambda: releases(proxy) > before, what="the proxy's release of the short request")
     assert held(proxy) == 1  # the drained node's slot freed, but it is not routable: still held
     status, headers, _ = await waiting
     assert status == 200 and headers["x-laswrr-node"] == on_long.name
