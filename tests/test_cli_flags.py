@@ -132,3 +132,38 @@ def test_every_duration_flag_takes_units() -> None:
             for flag in action.option_strings:
                 if flag.endswith(("-ms", "-s")) and action.nargs != 0:
                     assert getattr(action.type, "__name__", "").startswith("duration_"), f"laswrr {name} {flag}"
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses of the sockets listening on ``port`` (Linux /proc/net/tcp, hex)."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+            found.add(".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
+@pytest.mark.parametrize(("given", "bound", "note"), [((), "127.0.0.1", ""),
+                                                      (("--host", "0.0.0.0"), "0.0.0.0", "every interface")])
+def test_a_standalone_proxy_listens_on_loopback_and_says_where_it_listens(
+        given: tuple[str, ...], bound: str, note: str) -> None:
+    """Issue 43 item 5: `laswrr proxy` binds 127.0.0.1 unless --host says otherwise, and its first
+    line says where it listens (on every interface: the URL is loopback's, and the line says so)."""
+    from laswrr.services.nats_server import free_port
+
+    assert parse(["proxy"]).host == "127.0.0.1"
+    proc = subprocess.Popen([sys.executable, "-m", "laswrr", "proxy", "--port", "0", "--nats-url",
+                             f"nats://127.0.0.1:{free_port()}", *given], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("proxy listening on http://127.0.0.1:"), line
+        port = int(line.split()[3].rsplit(":", 1)[1])
+        assert _listening_addresses(port) == {bound}
+        assert (note in line) if note else line.split() == line.split()[:4]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
