@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import re
 import signal
 import subprocess
 import sys
@@ -167,3 +169,77 @@ def test_a_standalone_proxy_listens_on_loopback_and_says_where_it_listens(
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
+
+
+# -- the proxy's settings under `laswrr up` (issue 43 item 4, issue 41 item 4) -------------------------
+
+
+def _up_proxy(argv: list[str], table: dict[str, object] | None = None) -> list[str]:
+    from laswrr.services.proxy.cli import proxy_argv, up_settings
+
+    args = parse(["up", *argv])
+    return proxy_argv(up_settings(args, table or {}, args.proxy_arg), skip=("host", "port", "workers", "proxy_id"))
+
+
+def test_up_turns_flow_control_on_by_default_and_reaches_every_proxy_setting() -> None:
+    assert _up_proxy([]) == ["--flow-control"]
+    assert _up_proxy(["--no-flow-control"]) == []
+    assert _up_proxy(["--proxy-arg", "queue_bound=64", "--proxy-arg", "key-max-inflight=3", "--api-keys", "k.txt",
+                      "--proxy-arg=--retry-after-cap-s=2m", "--proxy-arg", "extra_routes=/v1/x,/v1/y"]) == [
+        "--extra-routes=/v1/x,/v1/y", "--api-keys=k.txt", "--key-max-inflight=3", "--flow-control",
+        "--queue-bound=64", "--retry-after-cap-s=120.0"]
+    # a [proxy] table of the --config file; the command line wins over it
+    table = {"flow_control": False, "queue_ttl_ms": "2s", "interactive_reserve": 0.25, "extra_routes": ["/v1/z"]}
+    assert _up_proxy([], table) == ["--extra-routes=/v1/z", "--queue-ttl-ms=2000", "--interactive-reserve=0.25"]
+    assert "--queue-ttl-ms=500" in _up_proxy(["--proxy-arg", "queue_ttl_ms=500", "--flow-control"], table)
+    # the flags the proxy gets parse back to the same settings
+    from laswrr.services.proxy.cli import config_from_args, parser, up_settings
+
+    args = parse(["up", "--proxy-arg", "flow_quantum=99", "--event-flush-ms", "7"])
+    config = up_settings(args, table, args.proxy_arg)
+    again = config_from_args(parser().parse_args([*_up_proxy(["--proxy-arg", "flow_quantum=99", "--event-flush-ms",
+                                                              "7"], table), "--proxy-id", "proxy"]))
+    assert again == dataclasses.replace(config, proxy_id="proxy", nats_auth=again.nats_auth)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--proxy-arg", "queue_bund=64"], "unknown proxy setting 'queue_bund'"),
+    (["--proxy-arg", "queue_bound"], "give KEY=VALUE"),
+    (["--proxy-arg", "queue_bound=lots"], "queue_bound: invalid literal"),
+    (["--proxy-arg", "flow_control=maybe"], "not a switch"),
+    (["--proxy-arg", "key_max_inflight=2"], "--key-max-inflight needs --api-keys"),
+    (["--proxy-arg", "heartbeat_s=1"], "unknown proxy setting"),
+])
+def test_up_refuses_a_bad_proxy_setting(argv: list[str], message: str) -> None:
+    from laswrr.services.proxy.cli import up_settings
+
+    args = parse(["up", *argv])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        up_settings(args, {}, args.proxy_arg)
+
+
+def test_up_refuses_a_bad_proxy_table_before_starting_anything(tmp_path: Path) -> None:
+    config = tmp_path / "laswrr.toml"
+    config.write_text("[scheduler]\nease_max_step = 0.5\n\n[proxy]\nqueue_bound = 0\n")
+    run = subprocess.run([sys.executable, "-m", "laswrr", "up", "--config", str(config), "--data-dir",
+                          str(tmp_path / "data")], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--queue-bound must be >= 1" in run.stderr
+    assert not (tmp_path / "data").exists()
+    from laswrr.scheduler.config import load_file
+
+    assert load_file(str(config)).ease_max_step == 0.5  # the scheduler reads its table beside the proxy's
+    config.write_text("ease_max_step = 0.5\n\n[proxy]\nqueue_bound = 8\n")
+    assert load_file(str(config)).ease_max_step == 0.5
+
+
+def test_up_banner_says_flow_control_and_whether_keys_are_required() -> None:
+    from laswrr.services.up import proxy_lines
+
+    flow, keys = proxy_lines(_up_proxy([]))
+    assert flow.startswith("flow control: on") and "429 with Retry-After" in flow and "laswrr_proxy_queue_depth" in flow
+    assert keys.startswith("API keys: none")
+    flow, keys = proxy_lines(_up_proxy(["--no-flow-control", "--api-keys", "k.txt", "--proxy-arg",
+                                        "key_max_inflight=2"]))
+    assert flow.startswith("flow control: off")
+    assert keys.startswith("API keys: required: clients must send Authorization: Bearer <key> (keys in k.txt")
+    assert "at most 2 in flight per key" in keys

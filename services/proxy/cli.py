@@ -60,19 +60,16 @@ def default_text(value: Any, how: Setting) -> str:
     return str(value)
 
 
-def add_setting(parser: Any, field: dataclasses.Field[Any], how: Setting, flag: str, default: Any,
+def add_setting(parser: Any, field: dataclasses.Field[Any], how: Setting, flag: str, default: Any, shown: Any,
                 **more: Any) -> argparse.Action:
-    """One flag of a declared setting on ``parser`` (an ArgumentParser or a group of one)."""
+    """One flag of a declared setting on ``parser`` (an ArgumentParser or a group of one); its help
+    says ``shown`` is the default (``default`` may differ: None for "not given")."""
     if how.env:
         default = os.environ.get(how.env) or default
-    shown = default_text(field.default if how.cli_default is not SAME or default is None
-                         else default, how)
-    text = f"{how.help} (default {shown})".replace("%", "%%")
+    text = f"{how.help} (default {default_text(shown, how)})".replace("%", "%%")
     if field.type == "bool":
-        if how.negatable:
-            return parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                       help=f"{how.help} (default: {shown})".replace("%", "%%"), **more)
-        return parser.add_argument(flag, action="store_true", default=default, help=text, **more)
+        action = argparse.BooleanOptionalAction if how.negatable else "store_true"
+        return parser.add_argument(flag, action=action, default=default, help=text, **more)
     return parser.add_argument(flag, type=_argparse_type(parser_of(field, how)), default=default,
                                metavar=how.metavar, choices=list(how.choices) or None, help=text, **more)
 
@@ -89,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if how.group not in groups:
             groups[how.group] = parser.add_argument_group(how.group)
         default = field.default if how.cli_default is SAME else how.cli_default
-        add_setting(groups[how.group], field, how, flag, default, dest=field.name)
+        add_setting(groups[how.group], field, how, flag, default, field.default, dest=field.name)
     parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
                         help="event loop; auto = uvloop when installed (default %(default)s)")
     settings.add_logging(parser)
@@ -107,6 +104,75 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     values = {field.name: getattr(args, field.name) for field, how in settings_of() if flag_of(field, how)}
     values["proxy_id"] = values["proxy_id"] or default_proxy_id()
     return ProxyConfig(**values, nats_auth=settings.nats_auth(args)).validate()
+
+
+# -- the proxy's settings given to `laswrr up` ------------------------------------------------------
+
+
+def add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    """``laswrr up``'s own flags for the settings declared with ``up=`` (--proxy-host, --flow-control,
+    ...); each defaults to None ("not given": ``up_settings`` resolves it) and its help says the
+    default ``up`` applies."""
+    for field, how in settings_of():
+        if how.up:
+            add_setting(parser, field, how, how.up, None, field.default if how.up_default is SAME else how.up_default)
+
+
+def setting_named(key: str) -> tuple[dataclasses.Field[Any], Setting]:
+    """The declared setting called ``key``: its field name (queue_bound) or its flag (--queue-bound)."""
+    name = key.strip().removeprefix("--").replace("-", "_")
+    for field, how in settings_of():
+        flag = flag_of(field, how)
+        if flag is not None and not how.shared and name in (field.name, flag.removeprefix("--").replace("-", "_")):
+            return field, how
+    raise ValueError(f"unknown proxy setting {key!r} (the settings: docs/configuration.md, \"The proxy's settings\")")
+
+
+def setting_value(key: str, value: Any) -> tuple[str, Any]:
+    """(field name, value) of ``key`` set to ``value`` (text as typed, or a TOML value)."""
+    field, how = setting_named(key)
+    if field.type == "bool":
+        text = str(value).strip().lower()
+        if text not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            raise ValueError(f"{field.name}: {value!r} is not a switch (true or false)")
+        return field.name, text in ("true", "1", "yes", "on")
+    text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    try:
+        return field.name, parser_of(field, how)(text)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise ValueError(f"{field.name}: {exc}") from None
+
+
+def up_settings(args: argparse.Namespace, table: dict[str, Any], pairs: Sequence[str]) -> ProxyConfig:
+    """The proxy's settings under ``laswrr up``: its defaults (``up_default``), then the config
+    file's ``[proxy]`` ``table``, then ``up``'s own flags, then ``--proxy-arg`` ``pairs``
+    (KEY=VALUE); ValueError names a bad one. Validated as a proxy would (``ProxyConfig.validate``)."""
+    values = {field.name: how.up_default for field, how in settings_of() if how.up and how.up_default is not SAME}
+    values.update(setting_value(key, value) for key, value in table.items())
+    for field, how in settings_of():
+        if how.up and (given := getattr(args, how.up.removeprefix("--").replace("-", "_"), None)) is not None:
+            values[field.name] = given
+    for pair in pairs:
+        key, equals, value = pair.partition("=")
+        if not equals:
+            raise ValueError(f"--proxy-arg {pair!r}: give KEY=VALUE, e.g. queue_bound=256")
+        values.update([setting_value(key, value)])
+    return dataclasses.replace(ProxyConfig(), **values).validate()
+
+
+def proxy_argv(config: ProxyConfig, skip: Sequence[str] = ()) -> list[str]:
+    """``laswrr proxy``'s flags for every setting of ``config`` that differs from a bare proxy's
+    (``skip``: field names the caller passes itself)."""
+    argv = []
+    for field, how in settings_of():
+        flag, value = flag_of(field, how), getattr(config, field.name)
+        if flag is None or how.shared or field.name in skip or value == field.default:
+            continue
+        if field.type == "bool":
+            argv.append(flag if value else f"--no-{flag.removeprefix('--')}")
+        else:
+            argv.append(f"{flag}={','.join(value) if isinstance(value, tuple) else value}")
+    return argv
 
 
 def parser() -> argparse.ArgumentParser:

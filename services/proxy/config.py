@@ -112,8 +112,10 @@ def parse_paths(text: str) -> tuple[str, ...]:
 class ProxyConfig:
     nats_url: str = setting(DEFAULT_NATS_URL, "NATS server(s) (--nats-url, shared by every service)", shared=True,
                             default_text=f"$NATS_URL or {DEFAULT_NATS_URL}")
-    host: str = setting(DEFAULT_HOST, "listen address; 0.0.0.0 for every interface", up="--proxy-host")
-    port: int = setting(DEFAULT_PROXY_PORT, "listen port; 0 picks a free one", up="--proxy-port")
+    host: str = setting(DEFAULT_HOST, "listen address; 0.0.0.0 for every interface", metavar="ADDR",
+                        up="--proxy-host")
+    port: int = setting(DEFAULT_PROXY_PORT, "listen port; 0 picks a free one", metavar="PORT",
+                        up="--proxy-port")
     proxy_id: str = setting("proxy", "replica name on the bus and policy seed", cli_default=None,
                             default_text="hostname-pid")
     policy: str = setting("la-swrr", f"pick policy: {', '.join(POLICIES)}; the peers' round_robin, power_of_two "
