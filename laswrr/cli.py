@@ -11,8 +11,8 @@ Help: ``laswrr <command> --help`` shows one paragraph and examples from ``laswrr
 ``LASWRR_PROXY_PORT=9000``); a switch (``--reuse-port``) is on for ``1``/``true``/``yes``/``on``.
 The command line wins over the environment. ``main`` reads them for the command being run
 (``environment_args``) and parses them as if typed, so a bad value is the same usage error as
-on the command line, naming the variable. docs/configuration.md lists them all
-(``settings_table``, checked by a test).
+on the command line, naming the variable. docs/configuration.md lists them all, per command
+(generated from these parsers by ``python -m laswrr.docgen``, checked by a test).
 """
 
 from __future__ import annotations
@@ -105,23 +105,6 @@ def with_environment(parser: argparse.ArgumentParser, argv: Sequence[str],
     if at is None or argv[at] not in commands(parser):
         return argv
     return argv[:at + 1] + environment_args(commands(parser)[argv[at]], argv[at + 1:], environ) + argv[at + 1:]
-
-
-def settings_table(parser: argparse.ArgumentParser | None = None) -> str:
-    """The Markdown table of every flag, its variable and the commands that take it (docs/configuration.md)."""
-    parser = parser or build_parser()
-    flags: dict[str, tuple[str, list[str]]] = {}
-    for name, command in commands(parser).items():
-        for action in command._actions:
-            flag = _long_flag(action)
-            if flag is not None:
-                text = " ".join((action.help or "").replace("%(default)s", str(action.default)).split())
-                flags.setdefault(flag, (text.replace("|", "\\|"), []))[1].append(name)
-    rows = ["| flag | environment variable | commands | what |", "|---|---|---|---|"]
-    for flag in sorted(flags):
-        text, names = flags[flag]
-        rows.append(f"| `{flag}` | `{env_name(flag)}` | {', '.join(names)} | {text} |")
-    return "\n".join(rows) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -91,6 +91,8 @@ def proxy_settings() -> str:
         variables += [f"`{how.env}`"] if how.env else []
         if flag is None:
             up = "fixed" if field.name != "nats_auth" else "the `--nats-*` flags"
+        elif field.name == "proxy_id":
+            up = "named by `up`: proxy, proxy-2, ..."
         elif how.up:
             up = f"`{how.up}`" + (f" (default {default_text(how.up_default, how)})" if how.up_default is not SAME
                                   else "")

@@ -793,6 +793,4 @@ def proxy_table(path: str) -> dict[str, Any]:
         table = tomllib.load(handle).get("proxy", {})
     if not isinstance(table, dict):
         raise ValueError("[proxy] must be a table of the proxy's settings")
-    if "proxy_id" in table:
-        raise ValueError("[proxy] proxy_id: laswrr up names its proxies itself (proxy, proxy-0 ...)")
     return table

@@ -1,5 +1,6 @@
 """Flags and names shared by every command: LASWRR_* variables, durations with units, policy
-aliases, --version, `laswrr up --proxy-host`; and docs/configuration.md lists every flag."""
+aliases, --version, `laswrr up --proxy-host` and the proxy settings `up` reaches; and
+docs/configuration.md's generated tables are current."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 
 from laswrr import __version__
 from laswrr.bench.cli import parse_policies
-from laswrr.cli import build_parser, env_name, settings_table, with_environment
+from laswrr.cli import build_parser, env_name, with_environment
 from laswrr.scheduler.policies import canonical_policy
 from laswrr.services import settings
 
@@ -91,16 +92,34 @@ def test_version() -> None:
     assert __version__[0].isdigit() and __version__ != "0+unknown"  # the installed distribution's
 
 
-def test_the_configuration_doc_lists_every_flag() -> None:
-    table = settings_table()
-    assert "| `--log-format` | `LASWRR_LOG_FORMAT` |" in table and "| `--proxy-host` | `LASWRR_PROXY_HOST` | up |" in table
-    def rows(text: str) -> set[str]:  # flag and variable: which commands and the help text may lag a little
-        return {" | ".join(line.split(" | ")[:2]) for line in text.splitlines() if line.startswith("| `--")}
+def test_the_generated_sections_of_the_docs_are_current() -> None:
+    """docs/configuration.md's tables (every command's flags, the proxy's settings, the scheduler
+    keys) are written by laswrr/docgen.py from the parsers and declarations; a stale one fails."""
+    from laswrr import docgen
 
-    documented = rows((ROOT / "docs" / "configuration.md").read_text())
-    assert documented == rows(table), (
-        f"docs/configuration.md is behind the parsers (missing {sorted(rows(table) - documented)}, "
-        f"stale {sorted(documented - rows(table))}): paste settings_table() over its last table")
+    stale = [str(path.relative_to(ROOT)) for path in docgen.stale()]
+    assert not stale, f"stale generated sections in {stale}: run `{docgen.COMMAND}`"
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    for name in ("command-flags", "proxy-settings", "scheduler-keys"):
+        assert f"<!-- generated: {name} -->" in text
+    # per command, with that command's own default (issue 43 item 9: a shared flag's first command's before)
+    assert "| `--host` | `LASWRR_HOST` | listen address; 0.0.0.0 for every interface (default 127.0.0.1) |" in text
+    assert "| `ease_max_step` | `0.25` | share |" in text  # every scheduler key (issue 43 item 7)
+
+
+def test_docgen_rewrites_marked_sections_and_refuses_unknown_ones(tmp_path: Path) -> None:
+    from laswrr import docgen
+
+    text = "a\n<!-- generated: scheduler-keys -->\nSTALE BODY\n<!-- end generated -->\nb\n"
+    new = docgen.render(text)
+    assert new.startswith("a\n<!-- generated: scheduler-keys -->\n| key |") and new.endswith("<!-- end generated -->\nb\n")
+    assert "STALE BODY" not in new and docgen.render(new) == new
+    with pytest.raises(ValueError, match="no generated section 'nope'"):
+        docgen.render("<!-- generated: nope -->\n<!-- end generated -->\n", "x.md")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "x.md").write_text(text)
+    (tmp_path / "README.md").write_text("nothing generated\n")
+    assert docgen.stale(tmp_path) == [tmp_path / "docs" / "x.md"]
 
 
 async def test_up_binds_the_proxy_to_proxy_host(tmp_path: Path) -> None:
@@ -243,3 +262,13 @@ def test_up_banner_says_flow_control_and_whether_keys_are_required() -> None:
     assert flow.startswith("flow control: off")
     assert keys.startswith("API keys: required: clients must send Authorization: Bearer <key> (keys in k.txt")
     assert "at most 2 in flight per key" in keys
+
+
+def test_up_names_its_proxies_itself() -> None:
+    from laswrr.services.proxy.cli import up_settings
+
+    args = parse(["up", "--proxy-arg", "proxy_id=edge"])
+    with pytest.raises(ValueError, match="names its proxies itself"):
+        up_settings(args, {}, args.proxy_arg)
+    with pytest.raises(ValueError, match="names its proxies itself"):
+        up_settings(parse(["up"]), {"proxy_id": "edge"}, [])

@@ -149,6 +149,8 @@ def up_settings(args: argparse.Namespace, table: dict[str, Any], pairs: Sequence
     (KEY=VALUE); ValueError names a bad one. Validated as a proxy would (``ProxyConfig.validate``)."""
     values = {field.name: how.up_default for field, how in settings_of() if how.up and how.up_default is not SAME}
     values.update(setting_value(key, value) for key, value in table.items())
+    if "proxy_id" in values:
+        raise ValueError("proxy_id: laswrr up names its proxies itself (proxy, proxy-2, ...; workers proxy-0, ...)")
     for field, how in settings_of():
         if how.up and (given := getattr(args, how.up.removeprefix("--").replace("-", "_"), None)) is not None:
             values[field.name] = given
@@ -157,6 +159,8 @@ def up_settings(args: argparse.Namespace, table: dict[str, Any], pairs: Sequence
         if not equals:
             raise ValueError(f"--proxy-arg {pair!r}: give KEY=VALUE, e.g. queue_bound=256")
         values.update([setting_value(key, value)])
+        if "proxy_id" in values:
+            raise ValueError("proxy_id: laswrr up names its proxies itself (proxy, proxy-2, ...; workers proxy-0, ...)")
     return dataclasses.replace(ProxyConfig(), **values).validate()
 
 
