@@ -272,3 +272,26 @@ def test_up_names_its_proxies_itself() -> None:
         up_settings(args, {}, args.proxy_arg)
     with pytest.raises(ValueError, match="names its proxies itself"):
         up_settings(parse(["up"]), {"proxy_id": "edge"}, [])
+
+
+async def test_a_connection_error_on_the_default_url_says_where_up_wrote_its_url(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 43 item 15: the CLI's default URL never matches `laswrr up`'s port; the error says
+    how to use the URL `up` wrote (naming the file when it is in ./.laswrr)."""
+    from laswrr.services.nats_server import free_port
+    from laswrr.services.operator import OperatorError, open_connection
+
+    nowhere = f"nats://127.0.0.1:{free_port()}"  # stands for the default (4222 has a system NATS here)
+    monkeypatch.setattr(settings, "DEFAULT_NATS_URL", nowhere)
+    monkeypatch.delenv("NATS_URL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OperatorError, match=re.escape("export $(cat <data-dir>/secrets/operator.env)")):
+        await open_connection(nowhere)
+    (tmp_path / ".laswrr" / "secrets").mkdir(parents=True)
+    (tmp_path / ".laswrr" / "secrets" / "operator.env").write_text("NATS_URL=nats://operator:pw@127.0.0.1:1\n")
+    with pytest.raises(OperatorError, match=re.escape("export $(cat .laswrr/secrets/operator.env)")):
+        await open_connection(nowhere)
+    monkeypatch.setenv("NATS_URL", nowhere)  # a URL the user chose: no hint
+    with pytest.raises(OperatorError) as raised:
+        await open_connection(nowhere)
+    assert "export" not in str(raised.value)
