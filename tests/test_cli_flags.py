@@ -295,3 +295,12 @@ async def test_a_connection_error_on_the_default_url_says_where_up_wrote_its_url
     with pytest.raises(OperatorError) as raised:
         await open_connection(nowhere)
     assert "export" not in str(raised.value)
+
+
+def test_every_scheduler_key_is_in_the_configuration_doc() -> None:
+    """Issue 43 item 7: `laswrr config --help` sends the reader to docs/configuration.md."""
+    from laswrr.scheduler.config import SchedulerConfig, keys
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    assert [key for key, *_ in keys()] == list(SchedulerConfig.__struct_fields__)
+    assert [key for key in SchedulerConfig.__struct_fields__ if f"| `{key}` |" not in text] == []
