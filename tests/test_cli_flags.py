@@ -39,6 +39,9 @@ def test_every_flag_is_also_a_laswrr_variable_and_the_command_line_wins() -> Non
     assert parse(["scheduler"], env).tick_ms == 1000
     assert parse(["capacity", "n1", "3"], {"LASWRR_WAIT": "2s"}).wait == 2.0  # positionals stay in place
     assert parse(["proxy"], {"LASWRR_REUSE_PORT": "off"}).reuse_port is False
+    assert parse(["up"], {"LASWRR_FLOW_CONTROL": "0"}).flow_control is False  # off where up's default is on
+    assert parse(["up"], {"LASWRR_FLOW_CONTROL": "yes"}).flow_control is True
+    assert parse(["scheduler"], {"LASWRR_NO_CHECKPOINT": "0"}).no_checkpoint is False
     assert env_name("--npu-interval-ms") == "LASWRR_NPU_INTERVAL_MS"
 
 
