@@ -12,7 +12,8 @@ code's own declarations, so a default or a key can only be stated once:
 * ``proxy-settings``: ``ProxyConfig``'s declared settings (services/proxy/config.py);
 * ``command-flags``: every command's flags, from the argparse parsers themselves (each command's
   own defaults and help, as ``laswrr COMMAND --help`` prints them);
-* ``scheduler-keys``: ``SchedulerConfig``'s keys (scheduler/config.py).
+* ``scheduler-keys``: ``SchedulerConfig``'s keys (scheduler/config.py);
+* ``facts``: docs/wire.md's fact table, ``schemas.facts.markdown`` (the fact table in schemas/).
 
 More sections plug in by name: decorate a function with ``@section("name")`` in a module listed in
 ``SECTION_MODULES`` (or add it here). ``python -m laswrr.docgen`` rewrites every marked section;
@@ -144,6 +145,14 @@ def scheduler_keys() -> str:
     return table(("key", "default", "unit", "what"),
                  [(f"`{key}`", f"`{default!r}`" if isinstance(default, str) else f"`{default}`", unit, text)
                   for key, default, unit, text in keys()])
+
+
+@section("facts")
+def facts() -> str:
+    """docs/wire.md's fact table (schemas/facts.py, ``markdown``)."""
+    from laswrr.schemas.facts import markdown
+
+    return markdown()
 
 
 # -- files --------------------------------------------------------------------------------------------
