@@ -325,6 +325,13 @@ OVERLOAD = Scenario(
     rows_after=("la-swrr+cap",),
 )
 
+OVERLOAD_SMALL = replace(
+    OVERLOAD, name="overload-small",
+    description="overload on small nodes: 4×910B of 8 slots at 2× their saturation throughput for 60 s, the same "
+                "4 API keys (a limit under 10: the interactive reserve must still keep a slot)",
+    engines=tuple(EngineSpec(f"n{i}", "910B", 8) for i in range(1, 5)),
+)
+
 TRACE_POOL = (EngineSpec("c1", "910C", 20), EngineSpec("b1", "910B", 10), EngineSpec("b2", "910B", 10),
               EngineSpec("b3", "910B", 10))
 
@@ -400,7 +407,7 @@ PD_PREFILL_DRAIN = replace(PD_LONG_PROMPTS, name="pd-prefill-drain",
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s for s in (ANNOUNCED_DROP, SILENT_SLOWDOWN, SILENT_SLOWDOWN_MINDIE, NPU_FAULT_MINDIE,
-                        HETEROGENEOUS, CRASH_RETURN, BURSTY, OVERLOAD, TRACE_MOONCAKE,
+                        HETEROGENEOUS, CRASH_RETURN, BURSTY, OVERLOAD, OVERLOAD_SMALL, TRACE_MOONCAKE,
                         TRACE_AZURE_CODE, PD, PD_SGLANG, PD_LONG_PROMPTS, PD_PREFILL_DRAIN, SMOKE, SMOKE_TRACE)
 }
 TEST_SCENARIOS = frozenset({SMOKE.name, SMOKE_TRACE.name})  # tiny, for tests: not in ``--scenario all``

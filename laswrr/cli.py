@@ -8,11 +8,12 @@ the parser, so adding a command means adding one line here.
 Help: ``laswrr <command> --help`` shows one paragraph and examples from ``laswrr.command_help``
 (not the module docstrings). Settings from the environment: every ``--flag`` of a command may also be given as the variable
 ``LASWRR_<FLAG>`` (upper case, ``-`` as ``_``: ``LASWRR_LOG_LEVEL=warning``,
-``LASWRR_PROXY_PORT=9000``); a switch (``--reuse-port``) is on for ``1``/``true``/``yes``/``on``.
+``LASWRR_PROXY_PORT=9000``); a switch (``--reuse-port``) is on for ``1``/``true``/``yes``/``on``
+(and a switch with a ``--no-`` form, ``--flow-control``, off for ``0``/``false``/``no``/``off``).
 The command line wins over the environment. ``main`` reads them for the command being run
 (``environment_args``) and parses them as if typed, so a bad value is the same usage error as
-on the command line, naming the variable. docs/configuration.md lists them all
-(``settings_table``, checked by a test).
+on the command line, naming the variable. docs/configuration.md lists them all, per command
+(generated from these parsers by ``python -m laswrr.docgen``, checked by a test).
 """
 
 from __future__ import annotations
@@ -88,11 +89,14 @@ def environment_args(command: argparse.ArgumentParser, given: Sequence[str],
             continue
         if any(arg == opt or arg.startswith(opt + "=") for arg in given for opt in action.option_strings):
             continue  # the command line wins
+        negative = next((o for o in action.option_strings if o.startswith("--no-") and o != flag), None)
         if action.nargs != 0:
             out.append(f"{flag}={value}")
         elif value.strip().lower() in _TRUE:
             out.append(flag)
-        elif value.strip().lower() not in _FALSE:
+        elif value.strip().lower() in _FALSE:
+            out += [negative] if negative else []  # --flow-control/--no-flow-control: off even where on is the default
+        else:
             command.error(f"{env_name(flag)}={value!r}: a switch takes 1/0, true/false, yes/no or on/off")
     return out
 
@@ -105,23 +109,6 @@ def with_environment(parser: argparse.ArgumentParser, argv: Sequence[str],
     if at is None or argv[at] not in commands(parser):
         return argv
     return argv[:at + 1] + environment_args(commands(parser)[argv[at]], argv[at + 1:], environ) + argv[at + 1:]
-
-
-def settings_table(parser: argparse.ArgumentParser | None = None) -> str:
-    """The Markdown table of every flag, its variable and the commands that take it (docs/configuration.md)."""
-    parser = parser or build_parser()
-    flags: dict[str, tuple[str, list[str]]] = {}
-    for name, command in commands(parser).items():
-        for action in command._actions:
-            flag = _long_flag(action)
-            if flag is not None:
-                text = " ".join((action.help or "").replace("%(default)s", str(action.default)).split())
-                flags.setdefault(flag, (text.replace("|", "\\|"), []))[1].append(name)
-    rows = ["| flag | environment variable | commands | what |", "|---|---|---|---|"]
-    for flag in sorted(flags):
-        text, names = flags[flag]
-        rows.append(f"| `{flag}` | `{env_name(flag)}` | {', '.join(names)} | {text} |")
-    return "\n".join(rows) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -87,7 +87,8 @@ HELP: dict[str, tuple[str, tuple[str, ...]]] = {
     "config": (
         "Change scheduler configuration keys at runtime (lb.admin.config, so a replay applies them too) and "
         "print the scheduler's verdict: applied (exit 0, with the keys now in force) or rejected (exit 1, with "
-        "the reason: an unknown key or a bad value). The keys are listed in docs/configuration.md.",
+        "the reason: an unknown key or a bad value). Every key, with its default and unit, is in "
+        "docs/configuration.md (\"Scheduler keys at runtime\", generated from scheduler/config.py).",
         ("laswrr config max_capacity=8192", "laswrr config slow_start_window_ms=10000 ease_max_step=0.5"),
     ),
     "nodes": (

@@ -124,7 +124,8 @@ async def open_connection(url: str, reconnect: bool = False, auth: NatsAuth | No
     try:
         return await connect(url, "laswrr-operator", auth, connect_timeout=3, error_cb=error_cb or _quiet, **options)
     except Exception as exc:
-        raise OperatorError(f"cannot connect to NATS at {redact_url(url)}: {exc or type(exc).__name__}") from None
+        raise OperatorError(f"cannot connect to NATS at {redact_url(url)}: {exc or type(exc).__name__}"
+                            f"{settings.nats_hint(url)}") from None
 
 
 async def _quiet(exc: Exception) -> None:

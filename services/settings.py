@@ -51,6 +51,18 @@ def default_nats_url() -> str:
     return os.environ.get("NATS_URL") or DEFAULT_NATS_URL
 
 
+def nats_hint(url: str) -> str:
+    """What a command adds to its "cannot connect" error when it tried the built-in default URL:
+    ``laswrr up`` runs NATS on a port of its own and writes its URL (with the operator's
+    password) to ``<data-dir>/secrets/operator.env``; the file is named when it is in ./.laswrr."""
+    if url != DEFAULT_NATS_URL or os.environ.get("NATS_URL"):
+        return ""
+    env = os.path.join(DEFAULT_DATA_DIR, "secrets", "operator.env")
+    where = env if os.path.exists(env) else "<data-dir>/secrets/operator.env"
+    return (f" (the default URL: `laswrr up` runs NATS on a port of its own and writes its URL to {where}: "
+            f"export $(cat {where}), or give --nats-url)")
+
+
 # -- NATS ---------------------------------------------------------------------------------------
 
 

@@ -79,6 +79,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -104,14 +105,16 @@ from laswrr.services.datadir_lock import DataDirInUse, DataDirLock
 from laswrr.services.natsbus import (AUTH_ENV, MAX_REPLICAS, NatsAuth, StreamLimits, connect, ensure_streams,
                                      redact_url, wait_jetstream)
 from laswrr.services.nats_server import EmbeddedNats, NatsCluster
-from laswrr.services.proxy.config import ProxyConfig
+from laswrr.services.proxy import cli as proxy_cli
+from laswrr.services.proxy.config import DEFAULT_HOST, ProxyConfig
 from laswrr.services.proxy.workers import STOP_MARGIN_S
 from laswrr.schemas.codec import decode_snapshot, encode
 from laswrr.schemas.words import NodeRole
 
 log = logging.getLogger("laswrr.up")
 
-DEFAULT_PROXY_HOST = "127.0.0.1"  # `laswrr up` is a local stack: its proxy is not exposed unless asked
+DEFAULT_PROXY_HOST = DEFAULT_HOST  # `laswrr up` is a local stack: its proxy is not exposed unless asked
+UP_OWN_SETTINGS = ("host", "port", "workers", "proxy_id")  # the proxy settings `Stack` passes itself
 STOP_ORDER = ("proxy", "collector", "sim-engine", "other", "scheduler", "recorder")
 # others: children.DEFAULT_STOP_TIMEOUT_S; the proxy's is its --grace-s default plus what a worker
 # parent allows its workers beyond it, plus 5 s; the recorder's is its --stop-catch-up-s default
@@ -591,6 +594,9 @@ def banner(stack: Stack, out: IO[str]) -> None:
     workers = f" ({stack.proxy_workers} workers)" if stack.proxy_workers > 1 and stack.proxy_url else ""
     print(f"  proxy URL: {stack.proxy_url or 'none (laswrr proxy not available)'}{workers}"
           + (api if stack.proxy_url else ""), file=out)
+    if stack.proxy_url:
+        for line in proxy_lines(stack.proxy_args):
+            print(f"  {line}", file=out)
     if stack.dashboard_url:
         print(f"  dashboard: {stack.dashboard_url}", file=out)
     for index, server in enumerate(stack.cluster.nodes if stack.cluster else []):
@@ -620,17 +626,37 @@ def banner(stack: Stack, out: IO[str]) -> None:
     print("Ctrl-C (SIGINT) or SIGTERM stops everything.", file=out, flush=True)
 
 
+def proxy_lines(proxy_args: Sequence[str]) -> list[str]:
+    """What the banner says of the proxy's flow control and API keys (``proxy_args``: its flags)."""
+    config = proxy_cli.config_from_args(proxy_cli.parser().parse_args([*proxy_args, "--proxy-id", "proxy"]))
+    if config.flow_control:
+        flow = ("flow control: on: requests no node can take yet are held (by priority band, fair between API "
+                "keys); a full queue or an expired wait is answered 429 with Retry-After; held requests: the "
+                "gauge laswrr_proxy_queue_depth on the proxy's /metrics (--no-flow-control: off)")
+    else:
+        flow = "flow control: off: requests beyond the engines' slots queue in the engines (--flow-control: on)"
+    if config.api_keys_file is None:
+        keys = "API keys: none: the proxy is open to anyone who reaches it (--api-keys FILE: keys required)"
+    else:
+        limit = f"; at most {config.key_max_inflight} in flight per key" if config.key_max_inflight else ""
+        keys = (f"API keys: required: clients must send Authorization: Bearer <key> (keys in {config.api_keys_file}; "
+                f"without a known key: 401){limit}")
+    return [flow, keys]
+
+
 async def run_up(args: argparse.Namespace) -> int:
     stop = settings.stop_event()
     restart = RestartPolicy(max_restarts=args.max_restarts) if args.max_restarts > 0 else None
-    proxy_args = ("--api-keys", str(Path(args.api_keys).resolve())) if args.api_keys else ()
-    proxy_args += ("--event-flush-ms", str(args.event_flush_ms), "--event-batch-max", str(args.event_batch_max))
+    proxy: ProxyConfig = args.proxy
+    if proxy.api_keys_file is not None:
+        proxy = dataclasses.replace(proxy, api_keys_file=str(Path(proxy.api_keys_file).resolve()))
+    proxy_args = proxy_cli.proxy_argv(proxy, skip=UP_OWN_SETTINGS)
     try:
-        stack = Stack(args.data_dir, nats_url=args.nats_url, proxy_port=args.proxy_port, proxy_host=args.proxy_host,
+        stack = Stack(args.data_dir, nats_url=args.nats_url, proxy_port=proxy.port, proxy_host=proxy.host,
                       config=args.config, tick_ms=args.tick_ms, restart=restart, secure=not args.insecure,
                       allow_upstream=args.allow_upstream or (), proxy_args=proxy_args,
                       nats_auth=settings.nats_auth(args), nats_cluster=args.nats_cluster,
-                      stream_replicas=args.stream_replicas, proxy_workers=args.proxy_workers)
+                      stream_replicas=args.stream_replicas, proxy_workers=proxy.workers)
     except StackError as exc:
         _say(f"laswrr up: {exc}", sys.stderr)
         return 2
@@ -688,7 +714,8 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("up", help="run NATS, scheduler, recorder, collector and proxy together",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", metavar="nodes.toml", default=None,
-                        help="[[node]] tables (id, url, pool, chip, capacity); default: four simulated engines")
+                        help=f"[[node]] tables (id, url, pool, chip, capacity); default: {len(DEFAULT_SIMS)} simulated "
+                             "engines")
     settings.add_nats_options(parser, embedded=True)
     parser.add_argument("--nats-cluster", type=settings.replicas, default=1, metavar="N",
                         help=f"start N embedded nats-servers as one cluster on loopback (1..{MAX_REPLICAS}; default "
@@ -698,17 +725,16 @@ def register(subparsers: Any) -> None:
         "--nats-cluster size; with --nats-url, on the operator's cluster); an existing stream keeps its own"))
     parser.add_argument("--data-dir", default=settings.DEFAULT_DATA_DIR, metavar="DIR",
                         help=f"JetStream store, recorded events, logs (default ./{settings.DEFAULT_DATA_DIR})")
-    parser.add_argument("--proxy-host", default=DEFAULT_PROXY_HOST, metavar="ADDR",
-                        help=f"proxy listen address (default {DEFAULT_PROXY_HOST}: this machine only; "
-                             "0.0.0.0 for every interface)")
-    parser.add_argument("--proxy-port", type=int, default=settings.DEFAULT_PROXY_PORT,
-                        help=f"proxy listen port (default {settings.DEFAULT_PROXY_PORT}; 0 picks a free one)")
-    parser.add_argument("--proxy-workers", type=int, default=ProxyConfig().workers, metavar="N",
-                        help="proxy processes on --proxy-port (laswrr proxy --workers N; proxy ids proxy-0 .. "
-                             "proxy-<N-1>; default %(default)s: one, proxy id proxy)")
+    proxy_cli.add_up_arguments(parser)  # --proxy-host, --proxy-port, --proxy-workers, --flow-control, ...
+    parser.add_argument("--proxy-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="any other proxy setting, by its name or flag (queue_bound=256, key-max-inflight=4; "
+                             "repeatable; the list: docs/configuration.md, \"The proxy's settings\"); wins over "
+                             "the --config file's [proxy] table (default: none)")
     parser.add_argument("--dashboard-port", type=settings.port_number, default=DASHBOARD_PORT,
                         help="the dashboard page's port (default %(default)s; 0 picks a free one)")
-    parser.add_argument("--config", metavar="FILE.toml", default=None, help="scheduler configuration file")
+    parser.add_argument("--config", metavar="FILE.toml", default=None,
+                        help="configuration file: a [scheduler] table (scheduler keys) and a [proxy] table (the "
+                             "proxy's settings by name, e.g. queue_bound = 256; docs/configuration.md)")
     parser.add_argument("--tick-ms", type=settings.duration("ms"), default=settings.DEFAULT_TICK_MS, help="scheduler tick period")
     parser.add_argument("--sim-speed", type=float, default=1.0, help="speed factor of the simulated engines")
     parser.add_argument("--max-restarts", type=int, default=RestartPolicy().max_restarts, metavar="N",
@@ -719,21 +745,13 @@ def register(subparsers: Any) -> None:
                         help="embedded NATS without users or permissions, as before (experiments only)")
     parser.add_argument("--allow-upstream", action="append", default=None, metavar="PATTERN",
                         help="upstream hosts the scheduler accepts besides the nodes' own (repeatable)")
-    parser.add_argument("--api-keys", default=os.environ.get("LASWRR_API_KEYS_FILE") or None, metavar="FILE",
-                        help="the proxy's API keys, one per line, optionally name:key (default $LASWRR_API_KEYS_FILE)")
-    parser.add_argument("--event-flush-ms", type=settings.duration("ms"), default=ProxyConfig().event_flush_ms,
-                        help="publish a batch of request events this long after its first event at the latest "
-                             "(default %(default)s)")
-    parser.add_argument("--event-batch-max", type=int, default=ProxyConfig().event_batch_max, metavar="N",
-                        help="publish a batch of request events as soon as N wait, before --event-flush-ms (default "
-                             "%(default)s)")
     settings.add_logging(parser)
     parser.set_defaults(func=run_command)
 
 
 def run_command(args: argparse.Namespace) -> int:
     settings.configure_logging(args, "up")
-    if args.proxy_workers < 1:
+    if args.proxy_workers is not None and args.proxy_workers < 1:
         print("laswrr up: --proxy-workers must be >= 1", file=sys.stderr)
         return 2
     if args.nodes is not None:
@@ -742,19 +760,37 @@ def run_command(args: argparse.Namespace) -> int:
         except StackError as exc:
             print(f"laswrr up: {exc}", file=sys.stderr)
             return 2
+    table: dict[str, Any] = {}
     if args.config is not None:
         from laswrr.scheduler import config as config_mod
 
         try:
             config_mod.load_file(args.config)
+            table = proxy_table(args.config)
         except (OSError, ValueError) as exc:
             print(f"laswrr up: bad --config {args.config}: {exc}", file=sys.stderr)
             return 2
         args.config = str(Path(args.config).resolve())
-    if args.api_keys is not None:
+    try:
+        args.proxy = proxy_cli.up_settings(args, table, args.proxy_arg)
+    except ValueError as exc:
+        print(f"laswrr up: {exc}", file=sys.stderr)
+        return 2
+    if args.proxy.api_keys_file is not None:
         from laswrr.services.proxy.keys import keys_file_problem
 
-        if problem := keys_file_problem(args.api_keys):
+        if problem := keys_file_problem(args.proxy.api_keys_file):
             print(f"laswrr up: {problem}", file=sys.stderr)
             return 2
     return asyncio.run(run_up(args))
+
+
+def proxy_table(path: str) -> dict[str, Any]:
+    """The ``[proxy]`` table of ``laswrr up --config FILE`` (the proxy's settings by name)."""
+    import tomllib
+
+    with open(path, "rb") as handle:
+        table = tomllib.load(handle).get("proxy", {})
+    if not isinstance(table, dict):
+        raise ValueError("[proxy] must be a table of the proxy's settings")
+    return table

@@ -1,10 +1,13 @@
 """Flags and names shared by every command: LASWRR_* variables, durations with units, policy
-aliases, --version, `laswrr up --proxy-host`; and docs/configuration.md lists every flag."""
+aliases, --version, `laswrr up --proxy-host` and the proxy settings `up` reaches; and
+docs/configuration.md's generated tables are current."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +17,7 @@ import pytest
 
 from laswrr import __version__
 from laswrr.bench.cli import parse_policies
-from laswrr.cli import build_parser, env_name, settings_table, with_environment
+from laswrr.cli import build_parser, env_name, with_environment
 from laswrr.scheduler.policies import canonical_policy
 from laswrr.services import settings
 
@@ -36,6 +39,9 @@ def test_every_flag_is_also_a_laswrr_variable_and_the_command_line_wins() -> Non
     assert parse(["scheduler"], env).tick_ms == 1000
     assert parse(["capacity", "n1", "3"], {"LASWRR_WAIT": "2s"}).wait == 2.0  # positionals stay in place
     assert parse(["proxy"], {"LASWRR_REUSE_PORT": "off"}).reuse_port is False
+    assert parse(["up"], {"LASWRR_FLOW_CONTROL": "0"}).flow_control is False  # off where up's default is on
+    assert parse(["up"], {"LASWRR_FLOW_CONTROL": "yes"}).flow_control is True
+    assert parse(["scheduler"], {"LASWRR_NO_CHECKPOINT": "0"}).no_checkpoint is False
     assert env_name("--npu-interval-ms") == "LASWRR_NPU_INTERVAL_MS"
 
 
@@ -89,16 +95,34 @@ def test_version() -> None:
     assert __version__[0].isdigit() and __version__ != "0+unknown"  # the installed distribution's
 
 
-def test_the_configuration_doc_lists_every_flag() -> None:
-    table = settings_table()
-    assert "| `--log-format` | `LASWRR_LOG_FORMAT` |" in table and "| `--proxy-host` | `LASWRR_PROXY_HOST` | up |" in table
-    def rows(text: str) -> set[str]:  # flag and variable: which commands and the help text may lag a little
-        return {" | ".join(line.split(" | ")[:2]) for line in text.splitlines() if line.startswith("| `--")}
+def test_the_generated_sections_of_the_docs_are_current() -> None:
+    """docs/configuration.md's tables (every command's flags, the proxy's settings, the scheduler
+    keys) are written by laswrr/docgen.py from the parsers and declarations; a stale one fails."""
+    from laswrr import docgen
 
-    documented = rows((ROOT / "docs" / "configuration.md").read_text())
-    assert documented == rows(table), (
-        f"docs/configuration.md is behind the parsers (missing {sorted(rows(table) - documented)}, "
-        f"stale {sorted(documented - rows(table))}): paste settings_table() over its last table")
+    stale = [str(path.relative_to(ROOT)) for path in docgen.stale()]
+    assert not stale, f"stale generated sections in {stale}: run `{docgen.COMMAND}`"
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    for name in ("command-flags", "proxy-settings", "scheduler-keys"):
+        assert f"<!-- generated: {name} -->" in text
+    # per command, with that command's own default (issue 43 item 9: a shared flag's first command's before)
+    assert "| `--host` | `LASWRR_HOST` | listen address; 0.0.0.0 for every interface (default 127.0.0.1) |" in text
+    assert "| `ease_max_step` | `0.25` | share |" in text  # every scheduler key (issue 43 item 7)
+
+
+def test_docgen_rewrites_marked_sections_and_refuses_unknown_ones(tmp_path: Path) -> None:
+    from laswrr import docgen
+
+    text = "a\n<!-- generated: scheduler-keys -->\nSTALE BODY\n<!-- end generated -->\nb\n"
+    new = docgen.render(text)
+    assert new.startswith("a\n<!-- generated: scheduler-keys -->\n| key |") and new.endswith("<!-- end generated -->\nb\n")
+    assert "STALE BODY" not in new and docgen.render(new) == new
+    with pytest.raises(ValueError, match="no generated section 'nope'"):
+        docgen.render("<!-- generated: nope -->\n<!-- end generated -->\n", "x.md")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "x.md").write_text(text)
+    (tmp_path / "README.md").write_text("nothing generated\n")
+    assert docgen.stale(tmp_path) == [tmp_path / "docs" / "x.md"]
 
 
 async def test_up_binds_the_proxy_to_proxy_host(tmp_path: Path) -> None:
@@ -132,3 +156,154 @@ def test_every_duration_flag_takes_units() -> None:
             for flag in action.option_strings:
                 if flag.endswith(("-ms", "-s")) and action.nargs != 0:
                     assert getattr(action.type, "__name__", "").startswith("duration_"), f"laswrr {name} {flag}"
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses of the sockets listening on ``port`` (Linux /proc/net/tcp, hex)."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+            found.add(".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
+@pytest.mark.parametrize(("given", "bound", "note"), [((), "127.0.0.1", ""),
+                                                      (("--host", "0.0.0.0"), "0.0.0.0", "every interface")])
+def test_a_standalone_proxy_listens_on_loopback_and_says_where_it_listens(
+        given: tuple[str, ...], bound: str, note: str) -> None:
+    """Issue 43 item 5: `laswrr proxy` binds 127.0.0.1 unless --host says otherwise, and its first
+    line says where it listens (on every interface: the URL is loopback's, and the line says so)."""
+    from laswrr.services.nats_server import free_port
+
+    assert parse(["proxy"]).host == "127.0.0.1"
+    proc = subprocess.Popen([sys.executable, "-m", "laswrr", "proxy", "--port", "0", "--nats-url",
+                             f"nats://127.0.0.1:{free_port()}", *given], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("proxy listening on http://127.0.0.1:"), line
+        port = int(line.split()[3].rsplit(":", 1)[1])
+        assert _listening_addresses(port) == {bound}
+        assert (note in line) if note else line.split() == line.split()[:4]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+
+
+# -- the proxy's settings under `laswrr up` (issue 43 item 4, issue 41 item 4) -------------------------
+
+
+def _up_proxy(argv: list[str], table: dict[str, object] | None = None) -> list[str]:
+    from laswrr.services.proxy.cli import proxy_argv, up_settings
+
+    args = parse(["up", *argv])
+    return proxy_argv(up_settings(args, table or {}, args.proxy_arg), skip=("host", "port", "workers", "proxy_id"))
+
+
+def test_up_turns_flow_control_on_by_default_and_reaches_every_proxy_setting() -> None:
+    assert _up_proxy([]) == ["--flow-control"]
+    assert _up_proxy(["--no-flow-control"]) == []
+    assert _up_proxy(["--proxy-arg", "queue_bound=64", "--proxy-arg", "key-max-inflight=3", "--api-keys", "k.txt",
+                      "--proxy-arg=--retry-after-cap-s=2m", "--proxy-arg", "extra_routes=/v1/x,/v1/y"]) == [
+        "--extra-routes=/v1/x,/v1/y", "--api-keys=k.txt", "--key-max-inflight=3", "--flow-control",
+        "--queue-bound=64", "--retry-after-cap-s=120.0"]
+    # a [proxy] table of the --config file; the command line wins over it
+    table = {"flow_control": False, "queue_ttl_ms": "2s", "interactive_reserve": 0.25, "extra_routes": ["/v1/z"]}
+    assert _up_proxy([], table) == ["--extra-routes=/v1/z", "--queue-ttl-ms=2000", "--interactive-reserve=0.25"]
+    assert "--queue-ttl-ms=500" in _up_proxy(["--proxy-arg", "queue_ttl_ms=500", "--flow-control"], table)
+    # the flags the proxy gets parse back to the same settings
+    from laswrr.services.proxy.cli import config_from_args, parser, up_settings
+
+    args = parse(["up", "--proxy-arg", "flow_quantum=99", "--event-flush-ms", "7"])
+    config = up_settings(args, table, args.proxy_arg)
+    again = config_from_args(parser().parse_args([*_up_proxy(["--proxy-arg", "flow_quantum=99", "--event-flush-ms",
+                                                              "7"], table), "--proxy-id", "proxy"]))
+    assert again == dataclasses.replace(config, proxy_id="proxy", nats_auth=again.nats_auth)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--proxy-arg", "queue_bund=64"], "unknown proxy setting 'queue_bund'"),
+    (["--proxy-arg", "queue_bound"], "give KEY=VALUE"),
+    (["--proxy-arg", "queue_bound=lots"], "queue_bound: invalid literal"),
+    (["--proxy-arg", "flow_control=maybe"], "not a switch"),
+    (["--proxy-arg", "key_max_inflight=2"], "--key-max-inflight needs --api-keys"),
+    (["--proxy-arg", "heartbeat_s=1"], "unknown proxy setting"),
+])
+def test_up_refuses_a_bad_proxy_setting(argv: list[str], message: str) -> None:
+    from laswrr.services.proxy.cli import up_settings
+
+    args = parse(["up", *argv])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        up_settings(args, {}, args.proxy_arg)
+
+
+def test_up_refuses_a_bad_proxy_table_before_starting_anything(tmp_path: Path) -> None:
+    config = tmp_path / "laswrr.toml"
+    config.write_text("[scheduler]\nease_max_step = 0.5\n\n[proxy]\nqueue_bound = 0\n")
+    run = subprocess.run([sys.executable, "-m", "laswrr", "up", "--config", str(config), "--data-dir",
+                          str(tmp_path / "data")], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--queue-bound must be >= 1" in run.stderr
+    assert not (tmp_path / "data").exists()
+    from laswrr.scheduler.config import load_file
+
+    assert load_file(str(config)).ease_max_step == 0.5  # the scheduler reads its table beside the proxy's
+    config.write_text("ease_max_step = 0.5\n\n[proxy]\nqueue_bound = 8\n")
+    assert load_file(str(config)).ease_max_step == 0.5
+
+
+def test_up_banner_says_flow_control_and_whether_keys_are_required() -> None:
+    from laswrr.services.up import proxy_lines
+
+    flow, keys = proxy_lines(_up_proxy([]))
+    assert flow.startswith("flow control: on") and "429 with Retry-After" in flow and "laswrr_proxy_queue_depth" in flow
+    assert keys.startswith("API keys: none")
+    flow, keys = proxy_lines(_up_proxy(["--no-flow-control", "--api-keys", "k.txt", "--proxy-arg",
+                                        "key_max_inflight=2"]))
+    assert flow.startswith("flow control: off")
+    assert keys.startswith("API keys: required: clients must send Authorization: Bearer <key> (keys in k.txt")
+    assert "at most 2 in flight per key" in keys
+
+
+def test_up_names_its_proxies_itself() -> None:
+    from laswrr.services.proxy.cli import up_settings
+
+    args = parse(["up", "--proxy-arg", "proxy_id=edge"])
+    with pytest.raises(ValueError, match="names its proxies itself"):
+        up_settings(args, {}, args.proxy_arg)
+    with pytest.raises(ValueError, match="names its proxies itself"):
+        up_settings(parse(["up"]), {"proxy_id": "edge"}, [])
+
+
+async def test_a_connection_error_on_the_default_url_says_where_up_wrote_its_url(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 43 item 15: the CLI's default URL never matches `laswrr up`'s port; the error says
+    how to use the URL `up` wrote (naming the file when it is in ./.laswrr)."""
+    from laswrr.services.nats_server import free_port
+    from laswrr.services.operator import OperatorError, open_connection
+
+    nowhere = f"nats://127.0.0.1:{free_port()}"  # stands for the default (4222 has a system NATS here)
+    monkeypatch.setattr(settings, "DEFAULT_NATS_URL", nowhere)
+    monkeypatch.delenv("NATS_URL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OperatorError, match=re.escape("export $(cat <data-dir>/secrets/operator.env)")):
+        await open_connection(nowhere)
+    (tmp_path / ".laswrr" / "secrets").mkdir(parents=True)
+    (tmp_path / ".laswrr" / "secrets" / "operator.env").write_text("NATS_URL=nats://operator:pw@127.0.0.1:1\n")
+    with pytest.raises(OperatorError, match=re.escape("export $(cat .laswrr/secrets/operator.env)")):
+        await open_connection(nowhere)
+    monkeypatch.setenv("NATS_URL", nowhere)  # a URL the user chose: no hint
+    with pytest.raises(OperatorError) as raised:
+        await open_connection(nowhere)
+    assert "export" not in str(raised.value)
+
+
+def test_every_scheduler_key_is_in_the_configuration_doc() -> None:
+    """Issue 43 item 7: `laswrr config --help` sends the reader to docs/configuration.md."""
+    from laswrr.scheduler.config import SchedulerConfig, keys
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    assert [key for key, *_ in keys()] == list(SchedulerConfig.__struct_fields__)
+    assert [key for key in SchedulerConfig.__struct_fields__ if f"| `{key}` |" not in text] == []

@@ -61,3 +61,12 @@ def test_the_image_installs_the_runtime_only() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     installs = [line for line in dockerfile.splitlines() if "pip install" in line and not line.startswith("#")]
     assert installs == ["RUN pip install . \\"], installs  # no [extras]
+
+
+def test_the_license_is_an_spdx_expression_setuptools_reads_without_a_warning() -> None:
+    """Issue 43 item 24: a ``license = { text = ... }`` table makes setuptools >= 77 warn on every
+    ``make venv``; the SPDX string form needs setuptools >= 77 to build."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["license"] == "Apache-2.0"
+    assert any(Requirement(r).name == "setuptools" and Requirement(r).specifier.contains("77")
+               and not Requirement(r).specifier.contains("76") for r in pyproject["build-system"]["requires"])

@@ -15,9 +15,10 @@ Rules (docs/proxy.md, "Flow control"):
   than it runs at once, so nothing waits inside an engine where a later, more urgent request
   could not overtake it). 0 publishes no limit (flow control then never holds a request).
 * **The interactive reserve** (``interactive_reserve``, default 0.1): ``default`` and ``batch``
-  requests see each node's limit less ``floor(0.1 x limit)`` (``reserved_limit``: 10 -> 9), so
-  under overload a slot is usually free when an ``interactive`` request arrives, which then
-  waits for no release (SMG's reserved slots). Nodes with a limit under 10 reserve nothing.
+  requests see each node's limit less ``max(1, floor(0.1 x limit))`` (``reserved_limit``:
+  10 -> 9, 8 -> 7, 20 -> 18), so under overload a slot is usually free when an ``interactive``
+  request arrives, which then waits for no release (SMG's reserved slots). A node of limit 1
+  reserves nothing.
 * **Bands.** ``interactive`` > ``default`` > ``batch``, strictly: a band is served only when
   every higher band of the pool is empty, except for the **starvation guard**
   (``batch_every``, default 10): while the lowest band waits, at least one dispatch in every
@@ -114,8 +115,10 @@ def work_of(prompt_tokens: int, max_tokens: int | None, default_max_tokens: int)
 
 def reserved_limit(limit: int, reserve: float) -> int:
     """The limit a request sees when ``reserve`` (a share) of each node's ``limit`` is kept for
-    more urgent ones: ``limit - floor(reserve x limit)``, at least 1."""
-    return max(1, limit - math.floor(round(reserve * limit, 9)))
+    more urgent ones: ``limit - max(1, floor(reserve x limit))`` (a reserve keeps at least one
+    slot, so nodes of a limit under 1/reserve keep one too), at least 1."""
+    kept = math.floor(round(reserve * limit, 9))
+    return max(1, limit - (max(1, kept) if reserve > 0 else kept))
 
 
 def defer_to_peers(band: Band, peer_held: Mapping[str, int], free: int | None, reserved_free: int = 0) -> bool:

@@ -1,7 +1,8 @@
 """`laswrr proxy`: run one OpenAI-compatible proxy replica.
 
-Prints ``proxy listening on http://HOST:PORT`` as its first stdout line (flushed, so a parent
-can read the port chosen for --port 0), then serves until SIGINT/SIGTERM: the listening socket
+Listens on 127.0.0.1 unless --host says otherwise (0.0.0.0: every interface). Prints ``proxy
+listening on http://HOST:PORT`` as its first stdout line (flushed, so a parent can read the port
+chosen for --port 0; bound to every interface, the URL is loopback's and the line says so), then serves until SIGINT/SIGTERM: the listening socket
 closes at once, in-flight requests get --grace-s to finish, events are flushed,
 ``lb.proxy.stopped.<proxy-id>`` is published, and the process exits 0. Several replicas may run
 side by side (distinct --proxy-id; --reuse-port lets them share one port). --workers N runs N
@@ -15,158 +16,77 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from laswrr.scheduler.policies import POLICIES, canonical_policy
 from laswrr.services.proxy.app import start
 from laswrr.services import settings
 from laswrr.services.proxy.keys import keys_file_problem
-from laswrr.services.proxy.config import AFFINITY_MODES, ProxyConfig, default_proxy_id, parse_size
+from laswrr.services.proxy.config import SAME, ProxyConfig, Setting, default_proxy_id, flag_of, parser_of, settings_of
 
 LISTEN_PREFIX = "proxy listening on "
-DEFAULTS = ProxyConfig()  # a slots dataclass: its class attributes are descriptors, not defaults
 GC_GEN0_THRESHOLD = 10_000  # CPython's 700 runs a young collection every few requests
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as an argparse type: its ValueError is the usage error's text."""
+    if getattr(parse, "__name__", "").startswith("duration_"):
+        return parse  # already an argparse type (services/settings.py)
+
+    def checked(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    checked.__name__ = getattr(parse, "__name__", "value")
+    return checked
 
 
-def _paths(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
+def default_text(value: Any, how: Setting) -> str:
+    """A setting's default as --help and the docs say it."""
+    if how.default_text is not None:
+        return how.default_text
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None or value == ():
+        return "none"
+    return str(value)
 
 
-_DEFAULTS = ProxyConfig()  # every default below is the dataclass's
-
-
-def _policy(text: str) -> str:
-    try:
-        return canonical_policy(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def add_setting(parser: Any, field: dataclasses.Field[Any], how: Setting, flag: str, default: Any, shown: Any,
+                **more: Any) -> argparse.Action:
+    """One flag of a declared setting on ``parser`` (an ArgumentParser or a group of one); its help
+    says ``shown`` is the default (``default`` may differ: None for "not given")."""
+    if how.env:
+        default = os.environ.get(how.env) or default
+    text = f"{how.help} (default {default_text(shown, how)})".replace("%", "%%")
+    if field.type == "bool":
+        action = argparse.BooleanOptionalAction if how.negatable else "store_true"
+        return parser.add_argument(flag, action=action, default=default, help=text, **more)
+    return parser.add_argument(flag, type=_argparse_type(parser_of(field, how)), default=default,
+                               metavar=how.metavar, choices=list(how.choices) or None, help=text, **more)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag of ``laswrr proxy``: one per declared setting (config.py), then --loop and logging."""
     settings.add_nats_options(parser)
-    settings.add_stream_replicas(parser, default=_DEFAULTS.stream_replicas)
-    parser.add_argument("--host", default=_DEFAULTS.host, help="listen address (default %(default)s)")
-    parser.add_argument("--port", type=int, default=_DEFAULTS.port,
-                        help="listen port; 0 picks a free one (default %(default)s)")
-    parser.add_argument("--proxy-id", default=None, help="replica name on the bus and policy seed (default hostname-pid)")
-    parser.add_argument("--policy", default=_DEFAULTS.policy, type=_policy, metavar="NAME",
-                        help=f"pick policy: {', '.join(POLICIES)}; the peers' round_robin, power_of_two and "
-                             "least_request name the same ones (default %(default)s)")
-    parser.add_argument("--max-retries", type=int, default=_DEFAULTS.max_retries,
-                        help="retries on another node before the first byte (default %(default)s)")
-    parser.add_argument("--max-body-bytes", type=_size, default=_DEFAULTS.max_body_bytes,
-                        help="request body limit, e.g. 4MiB (default %(default)s bytes)")
-    parser.add_argument("--grace-s", type=settings.duration("s"), default=_DEFAULTS.grace_s,
-                        help="on SIGTERM, time in-flight requests get to finish (default %(default)s)")
-    parser.add_argument("--upstream-timeout-s", type=settings.duration("s"), default=_DEFAULTS.upstream_timeout_s,
-                        help="longest silence on an upstream read, not the stream length (default %(default)s)")
-    parser.add_argument("--connect-timeout-s", type=settings.duration("s"), default=_DEFAULTS.connect_timeout_s,
-                        help="upstream TCP connect timeout (default %(default)s)")
-    parser.add_argument("--inflight-cap-per-capacity", type=float, default=_DEFAULTS.inflight_cap_per_capacity,
-                        metavar="F", help="a node's in-flight may not exceed ceil(F x capacity); off by default")
-    parser.add_argument("--event-buffer", type=int, default=_DEFAULTS.event_buffer,
-                        help="events held while NATS is slow or away; the oldest drop beyond (default %(default)s)")
-    parser.add_argument("--event-flush-ms", type=settings.duration("ms"), default=_DEFAULTS.event_flush_ms,
-                        help="publish a batch of request events this long after its first event at the latest "
-                             "(default %(default)s)")
-    parser.add_argument("--event-batch-max", type=int, default=_DEFAULTS.event_batch_max, metavar="N",
-                        help="publish a batch of request events as soon as N wait, before --event-flush-ms (default "
-                             "%(default)s)")
-    parser.add_argument("--extra-routes", type=_paths, default=_DEFAULTS.extra_routes, metavar="PATH[,PATH...]",
-                        help="more POST paths to route by the body's model, beside the OpenAI ones "
-                             "(e.g. /v1/classify,/pooling)")
-    parser.add_argument("--continue-limit", type=int, default=DEFAULTS.continue_limit, metavar="N",
-                        help="continue a stream broken after its first byte on up to N other nodes; 0: off "
-                             "(default %(default)s)")
-    parser.add_argument("--pd-decode-only-tokens", type=int, default=DEFAULTS.pd_decode_only_tokens, metavar="N",
-                        help="a vllm prefill/decode pool: a request whose prompt is at most N tokens (estimated) "
-                             "goes to its decode node alone, no prefill leg; 0: off (default %(default)s)")
-    parser.add_argument("--stall-timeout-s", type=settings.duration("s"), default=DEFAULTS.stall_timeout_s,
-                        help="a continuable stream silent this long has broken (default %(default)s)")
-    parser.add_argument("--idle-timeout-s", type=settings.duration("s"), default=_DEFAULTS.idle_timeout_s,
-                        help="close a client connection that has not sent a complete request head for this long "
-                             "(idle between requests, or its headers trickling in) (default %(default)s)")
-    parser.add_argument("--body-timeout-s", type=settings.duration("s"), default=_DEFAULTS.body_timeout_s,
-                        help="answer 408 to a request whose body has not arrived within this (default %(default)s)")
-    parser.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT: replicas may share --port")
-    parser.add_argument("--workers", type=int, default=_DEFAULTS.workers, metavar="N",
-                        help="N proxy processes on one port (SO_REUSEPORT), supervised; worker k is proxy "
-                             "<proxy-id>-<k> with its own in-flight counts; with --admin-port P, its /metrics on "
-                             "P+k (default %(default)s: this process serves, as <proxy-id>)")
-    parser.add_argument("--affinity", default=_DEFAULTS.affinity, choices=list(AFFINITY_MODES),
-                        help="la-swrr: send a prompt to the node that holds its prefix while the load guard "
-                             "allows (prefix, the default), or never (none)")
-    parser.add_argument("--affinity-blocks", type=int, default=_DEFAULTS.affinity_blocks, metavar="N",
-                        help="prefix-index keys kept per node, 512 characters (~128 tokens) each; set it to the "
-                             "engines' KV room (default %(default)s, ~2 M tokens)")
-    flow = parser.add_argument_group("flow control (docs/proxy.md, \"Flow control\")")
-    flow.add_argument("--flow-control", action=argparse.BooleanOptionalAction, default=_DEFAULTS.flow_control,
-                      help="hold requests no node can take yet (each node's concurrency_limit from the snapshot), "
-                           "by priority band and fair between API keys (default: off)")
-    flow.add_argument("--queue-bound", type=int, default=_DEFAULTS.queue_bound, metavar="N",
-                      help="requests held per pool and band; beyond it 429 queue_full (default %(default)s)")
-    flow.add_argument("--queue-ttl-ms", type=settings.duration("ms"), default=_DEFAULTS.queue_ttl_ms, metavar="MS",
-                      help="a held request's time to live without x-laswrr-ttl-ms (default %(default)s)")
-    flow.add_argument("--queue-ttl-max-ms", type=settings.duration("ms"), default=_DEFAULTS.queue_ttl_max_ms,
-                      metavar="MS", help="the most x-laswrr-ttl-ms may ask for (default %(default)s)")
-    flow.add_argument("--no-node-wait-ms", type=settings.duration("ms"), default=_DEFAULTS.no_node_wait_ms,
-                      metavar="MS", help="no routable node in a pool this long: 503 (default %(default)s)")
-    flow.add_argument("--flow-batch-every", type=int, default=_DEFAULTS.flow_batch_every, metavar="N",
-                      help="starvation guard: 1 dispatch in N goes to the waiting batch band (default %(default)s)")
-    flow.add_argument("--flow-quantum", type=int, default=_DEFAULTS.flow_quantum, metavar="TOKENS",
-                      help="deficit round robin between API keys: work a key gains per turn (default %(default)s)")
-    flow.add_argument("--retry-after-cap-s", type=settings.duration("s"), default=_DEFAULTS.retry_after_cap_s, metavar="S",
-                      help="the largest Retry-After flow control sends (default %(default)s)")
-    flow.add_argument("--interactive-reserve", type=float, default=_DEFAULTS.interactive_reserve, metavar="F",
-                      help="share of each node's limit only interactive requests may use: default and batch see "
-                           "limit - floor(F x limit) (default %(default)s)")
-    peers = parser.add_argument_group("the channel between proxies (docs/proxy.md, \"The channel between proxies\")")
-    peers.add_argument("--peer-interval-ms", type=settings.duration("ms"), default=_DEFAULTS.peer_interval_ms,
-                       metavar="MS", help="share this proxy's in-flight counts, prefill backlog and prefix records "
-                                          "with the other proxies on lb.peer.<pool>.<proxy>: at each pick within "
-                                          "--peer-pick-ms, otherwise at most once per MS when they changed; 0: off (default "
-                                          "%(default)s)")
-    peers.add_argument("--peer-stale-ms", type=settings.duration("ms"), default=_DEFAULTS.peer_stale_ms,
-                       metavar="MS", help="a peer's message is used this long after it arrived (each proxy's "
-                                          "heartbeat is half of it); silent longer, the snapshot's counts of it are "
-                                          "used (default %(default)s)")
-    peers.add_argument("--peer-stagger-ms", type=settings.duration("ms"), default=_DEFAULTS.peer_stagger_ms,
-                       metavar="MS", help="wait MS per proxy ranked before this one (by proxy id, among those it "
-                                          "hears; at most 3) before each pick, so replicas pick a burst of requests "
-                                          "in turn and each hears the others' picks first; 0: no wait (default "
-                                          "%(default)s)")
-    peers.add_argument("--peer-pick-ms", type=settings.duration("ms"), default=_DEFAULTS.peer_pick_ms,
-                       metavar="MS", help="tell the peers a pick MS after it, with every other pick of those MS in "
-                                          "the one message (a burst's picks together; at most one pick message "
-                                          "per MS at any rate); 0: each event-loop turn's picks at once (default "
-                                          "%(default)s)")
-    keys = parser.add_argument_group("client API keys and upstream credentials (services/proxy/keys.py)")
-    keys.add_argument("--api-keys", default=os.environ.get("LASWRR_API_KEYS_FILE") or _DEFAULTS.api_keys_file,
-                      metavar="FILE", help="clients must send Authorization: Bearer <one of its keys>; one key "
-                                           "per line, optionally name:key (default $LASWRR_API_KEYS_FILE; none: open)")
-    keys.add_argument("--key-max-inflight", type=int, default=_DEFAULTS.key_max_inflight, metavar="N",
-                      help="requests in flight per key; beyond, 429 with Retry-After (default: no limit)")
-    keys.add_argument("--forward-authorization", action="store_true",
-                      help="pass the client's Authorization header on to the engines (default: dropped)")
-    keys.add_argument("--upstream-api-key", default=_DEFAULTS.upstream_api_key, metavar="KEY",
-                      help="send Authorization: Bearer KEY to the engines (prefer $LASWRR_UPSTREAM_API_KEY: "
-                           "argv is public)")
-    parser.add_argument("--admin-port", type=settings.port_number, default=_DEFAULTS.admin_port, metavar="PORT",
-                        help="serve /metrics, /health, /healthz and /readiness on this port only (default: "
-                             "on --port, open)")
+    settings.add_stream_replicas(parser, default=ProxyConfig.__dataclass_fields__["stream_replicas"].default)
+    groups: dict[str, Any] = {"": parser}
+    for field, how in settings_of():
+        flag = flag_of(field, how)
+        if flag is None or how.shared:
+            continue
+        if how.group not in groups:
+            groups[how.group] = parser.add_argument_group(how.group)
+        default = field.default if how.cli_default is SAME else how.cli_default
+        add_setting(groups[how.group], field, how, flag, default, field.default, dest=field.name)
     parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
                         help="event loop; auto = uvloop when installed (default %(default)s)")
     settings.add_logging(parser)
@@ -180,41 +100,108 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
-    return ProxyConfig(
-        nats_url=args.nats_url, host=args.host, port=args.port, proxy_id=args.proxy_id or default_proxy_id(),
-        policy=args.policy, max_retries=args.max_retries, max_body_bytes=args.max_body_bytes, grace_s=args.grace_s,
-        upstream_timeout_s=args.upstream_timeout_s, connect_timeout_s=args.connect_timeout_s,
-        inflight_cap_per_capacity=args.inflight_cap_per_capacity, event_buffer=args.event_buffer,
-        event_flush_ms=args.event_flush_ms, event_batch_max=args.event_batch_max,
-        reuse_port=args.reuse_port, extra_routes=args.extra_routes, continue_limit=args.continue_limit,
-        pd_decode_only_tokens=args.pd_decode_only_tokens,
-        stall_timeout_s=args.stall_timeout_s,
-        affinity=args.affinity, affinity_blocks=args.affinity_blocks,
-        nats_auth=settings.nats_auth(args),
-        api_keys_file=args.api_keys, key_max_inflight=args.key_max_inflight,
-        forward_authorization=args.forward_authorization, upstream_api_key=args.upstream_api_key,
-        admin_port=args.admin_port, stream_replicas=args.stream_replicas, idle_timeout_s=args.idle_timeout_s,
-        body_timeout_s=args.body_timeout_s,
-        workers=args.workers, flow_control=args.flow_control, queue_bound=args.queue_bound,
-        queue_ttl_ms=int(args.queue_ttl_ms), queue_ttl_max_ms=int(args.queue_ttl_max_ms),
-        no_node_wait_ms=int(args.no_node_wait_ms), flow_batch_every=args.flow_batch_every,
-        flow_quantum=args.flow_quantum, retry_after_cap_s=args.retry_after_cap_s,
-        interactive_reserve=args.interactive_reserve,
-        peer_interval_ms=int(args.peer_interval_ms), peer_stale_ms=int(args.peer_stale_ms),
-        peer_stagger_ms=int(args.peer_stagger_ms), peer_pick_ms=int(args.peer_pick_ms),
-    ).validate()
+    """The config of the parsed flags: every declared setting with a flag, by its name."""
+    values = {field.name: getattr(args, field.name) for field, how in settings_of() if flag_of(field, how)}
+    values["proxy_id"] = values["proxy_id"] or default_proxy_id()
+    return ProxyConfig(**values, nats_auth=settings.nats_auth(args)).validate()
+
+
+# -- the proxy's settings given to `laswrr up` ------------------------------------------------------
+
+
+def add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    """``laswrr up``'s own flags for the settings declared with ``up=`` (--proxy-host, --flow-control,
+    ...); each defaults to None ("not given": ``up_settings`` resolves it) and its help says the
+    default ``up`` applies."""
+    for field, how in settings_of():
+        if how.up:
+            add_setting(parser, field, how, how.up, None, field.default if how.up_default is SAME else how.up_default)
+
+
+def setting_named(key: str) -> tuple[dataclasses.Field[Any], Setting]:
+    """The declared setting called ``key``: its field name (queue_bound) or its flag (--queue-bound)."""
+    name = key.strip().removeprefix("--").replace("-", "_")
+    for field, how in settings_of():
+        flag = flag_of(field, how)
+        if flag is not None and not how.shared and name in (field.name, flag.removeprefix("--").replace("-", "_")):
+            return field, how
+    raise ValueError(f"unknown proxy setting {key!r} (the settings: docs/configuration.md, \"The proxy's settings\")")
+
+
+def setting_value(key: str, value: Any) -> tuple[str, Any]:
+    """(field name, value) of ``key`` set to ``value`` (text as typed, or a TOML value)."""
+    field, how = setting_named(key)
+    if field.type == "bool":
+        text = str(value).strip().lower()
+        if text not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            raise ValueError(f"{field.name}: {value!r} is not a switch (true or false)")
+        return field.name, text in ("true", "1", "yes", "on")
+    text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    try:
+        return field.name, parser_of(field, how)(text)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise ValueError(f"{field.name}: {exc}") from None
+
+
+def up_settings(args: argparse.Namespace, table: dict[str, Any], pairs: Sequence[str]) -> ProxyConfig:
+    """The proxy's settings under ``laswrr up``: its defaults (``up_default``), then the config
+    file's ``[proxy]`` ``table``, then ``up``'s own flags, then ``--proxy-arg`` ``pairs``
+    (KEY=VALUE); ValueError names a bad one. Validated as a proxy would (``ProxyConfig.validate``)."""
+    values = {field.name: how.up_default for field, how in settings_of() if how.up and how.up_default is not SAME}
+    values.update(setting_value(key, value) for key, value in table.items())
+    if "proxy_id" in values:
+        raise ValueError("proxy_id: laswrr up names its proxies itself (proxy, proxy-2, ...; workers proxy-0, ...)")
+    for field, how in settings_of():
+        if how.up and (given := getattr(args, how.up.removeprefix("--").replace("-", "_"), None)) is not None:
+            values[field.name] = given
+    for pair in pairs:
+        key, equals, value = pair.partition("=")
+        if not equals:
+            raise ValueError(f"--proxy-arg {pair!r}: give KEY=VALUE, e.g. queue_bound=256")
+        values.update([setting_value(key, value)])
+        if "proxy_id" in values:
+            raise ValueError("proxy_id: laswrr up names its proxies itself (proxy, proxy-2, ...; workers proxy-0, ...)")
+    return dataclasses.replace(ProxyConfig(), **values).validate()
+
+
+def proxy_argv(config: ProxyConfig, skip: Sequence[str] = ()) -> list[str]:
+    """``laswrr proxy``'s flags for every setting of ``config`` that differs from a bare proxy's
+    (``skip``: field names the caller passes itself)."""
+    argv = []
+    for field, how in settings_of():
+        flag, value = flag_of(field, how), getattr(config, field.name)
+        if flag is None or how.shared or field.name in skip or value == field.default:
+            continue
+        if field.type == "bool":
+            argv.append(flag if value else f"--no-{flag.removeprefix('--')}")
+        else:
+            argv.append(f"{flag}={','.join(value) if isinstance(value, tuple) else value}")
+    return argv
+
+
+def parser() -> argparse.ArgumentParser:
+    """``laswrr proxy``'s own parser (no environment), e.g. to check another command's proxy flags."""
+    parser = argparse.ArgumentParser(prog="laswrr proxy", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return parser
 
 
 async def serve(config: ProxyConfig) -> None:
     stop = settings.stop_event()  # before the banner: a parent may signal right after it
     proxy = await start(config)
     tune_gc()
-    print(f"{LISTEN_PREFIX}{proxy.url}", flush=True)
+    print(f"{LISTEN_PREFIX}{proxy.url}{bound_note(config.host)}", flush=True)
     try:
         await stop.wait()
     finally:
         logging.getLogger("laswrr.proxy").info("signal received: stopping gracefully")
         await proxy.stop()
+
+
+def bound_note(host: str) -> str:
+    """What to say after the URL when the proxy listens on every interface (the URL is loopback's)."""
+    return f" (bound to {host or '0.0.0.0'}: every interface)" if host in ("0.0.0.0", "", "::") else ""
 
 
 def tune_gc() -> None:
@@ -278,10 +265,7 @@ def _run(main: Coroutine[Any, Any, None], loop: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="laswrr proxy", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run_proxy(parser.parse_args(argv))
+    return run_proxy(parser().parse_args(argv))
 
 
 if __name__ == "__main__":

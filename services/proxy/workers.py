@@ -166,7 +166,7 @@ class WorkerGroup:
                 code = await process.wait()
                 raise StartError(f"worker {worker.name} exited with {code} before listening")
             if line.startswith(LISTEN_PREFIX):
-                return line[len(LISTEN_PREFIX):].strip()
+                return line[len(LISTEN_PREFIX):].split()[0]  # the URL, without a note after it
             sys.stdout.write(line)
         with contextlib.suppress(ProcessLookupError):
             process.kill()
@@ -250,7 +250,7 @@ async def _pump(process: asyncio.subprocess.Process) -> None:
 
 async def supervise(group: WorkerGroup) -> int:
     """Run the group until SIGINT/SIGTERM (exit 0 if every worker stopped cleanly) or a failure (1)."""
-    from laswrr.services.proxy.cli import LISTEN_PREFIX
+    from laswrr.services.proxy.cli import LISTEN_PREFIX, bound_note
 
     stop = settings.stop_event()
     try:
@@ -269,7 +269,7 @@ async def supervise(group: WorkerGroup) -> int:
               file=sys.stderr)
         await group.stop()
         return 1
-    print(f"{LISTEN_PREFIX}{group.url}", flush=True)
+    print(f"{LISTEN_PREFIX}{group.url}{bound_note(group.config.host)}", flush=True)
     log.info("proxy %s: %d workers on port %d (%s)", group.config.proxy_id, group.count, group.port,
              ", ".join(f"{w.name} pid {w.process.pid}" for w in group.workers if w.process is not None))
     assert group.failed is not None

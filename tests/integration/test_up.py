@@ -154,3 +154,48 @@ async def test_up_runs_proxy_workers_on_the_proxy_port(tmp_path: Path) -> None:
     code, out, err = await finish(proc)
     assert code == 0, err[-2000:]
     assert "exited unexpectedly" not in err and "killed" not in err
+
+
+async def test_up_holds_an_overload_by_default_instead_of_queueing_it_in_the_engine(tmp_path: Path) -> None:
+    """Issue 41 item 4: `laswrr up` with no flag runs the proxy with flow control: requests beyond
+    the engine's one slot wait in the proxy (its held-requests gauge), not in the engine's queue;
+    the banner says so."""
+    import aiohttp
+
+    engine = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "laswrr", "sim-engine", "--port", "0", "--capacity", "1", "--model", "m",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        assert engine.stdout is not None
+        engine_url = (await asyncio.wait_for(engine.stdout.readline(), 30)).decode().split("listening on ")[1].strip()
+        (tmp_path / "nodes.toml").write_text(f'[[node]]\nid = "n1"\nurl = "{engine_url}"\ncapacity = 1\n')
+        proc, banner = await start_up("--nodes", str(tmp_path / "nodes.toml"), "--data-dir", str(tmp_path / "data"),
+                                      "--proxy-port", "0", "--dashboard-port", "0")
+        assert banner["flow control"].startswith("on: ") and "laswrr_proxy_queue_depth" in banner["flow control"]
+        assert banner["API keys"].startswith("none")
+        proxy = banner["proxy URL"].split()[0]
+        body = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+            posts = [asyncio.create_task(http.post(f"{proxy}/v1/chat/completions", json=body)) for _ in range(3)]
+            held = waiting = None
+            for _ in range(100):  # until the proxy holds the two requests beyond the slot
+                async with http.get(f"{proxy}/metrics") as response:
+                    metrics = await response.text()
+                held = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                           if line.startswith("laswrr_proxy_queue_depth{"))
+                if held >= 2:
+                    break
+                await asyncio.sleep(0.1)
+            async with http.get(f"{engine_url}/metrics") as response:
+                waiting = sum(float(line.rsplit(" ", 1)[1]) for line in (await response.text()).splitlines()
+                              if line.startswith("vllm:num_requests_waiting"))
+            assert (held, waiting) == (2, 0)
+            for post in posts:
+                post.cancel()
+            await asyncio.gather(*posts, return_exceptions=True)
+        proc.send_signal(signal.SIGINT)
+        code, _, err = await finish(proc)
+        assert code == 0, err[-2000:]
+    finally:
+        engine.terminate()
+        await engine.wait()
