@@ -12,8 +12,8 @@ a pool, or nothing: the subject is the whole name), and whether a proxy may put 
 * ``replay.store``: the ``fact_kinds`` view the analyst views (replay/views.sql) join to unnest a
   batch, and the filter replay uses to find the core's outputs in a recorded log;
 * the wire contract page, docs/wire.md: its section ``<!-- generated: facts -->`` is ``markdown()``
-  (``python -m laswrr.schemas.facts --markdown`` prints it; tests/schemas/test_facts.py checks
-  the page holds it).
+  (``python -m laswrr.docgen`` writes it, ``python -m laswrr.schemas.facts --markdown`` prints it;
+  tests/schemas/test_facts.py checks the page holds it).
 
 This module imports only the structs (not ``schemas.subjects``, which is derived from it).
 """

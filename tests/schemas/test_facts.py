@@ -82,7 +82,7 @@ def test_docs_wire_md_holds_the_generated_table() -> None:
     page = ROOT / "docs" / "wire.md"
     match = SECTION.search(page.read_text(encoding="utf-8"))
     assert match is not None, "docs/wire.md has no <!-- generated: facts --> section"
-    assert match["body"] == facts.markdown(), "regenerate: python -m laswrr.schemas.facts --markdown"
+    assert match["body"] == facts.markdown(), "regenerate: python -m laswrr.docgen"
 
 
 def test_the_generator_prints_a_row_per_fact_with_its_fields() -> None:
