@@ -56,6 +56,13 @@ class Load:
         for node in nodes:
             _add(self.load, node, self.own.get(node, 0) + sum(o.get(node, 0) for o in every) - self.load.get(node, 0))
 
+    def own_of(self, node: str) -> int:
+        return self.own.get(node, 0)
+
+    def estimate_of(self, node: str) -> int:
+        """The pool-wide in-flight estimate of ``node`` the picks use."""
+        return self.load.get(node, 0)
+
     def work_backlog(self) -> dict[str, int]:
         """The prefill backlog the work referee weighs: own plus the fresh peers'."""
         if not self.peer_backlog:

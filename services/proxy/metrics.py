@@ -172,8 +172,8 @@ def _routing_families(router: Router) -> Iterator[Metric]:
             effective.add_metric(key, view.effective_weight)
             target.add_metric(key, view.target_weight)
             routable.add_metric(key, 1.0 if view.routable else 0.0)
-            inflight.add_metric(key, load.own.get(view.node, 0))
-            estimate.add_metric(key, load.load.get(view.node, 0))
+            inflight.add_metric(key, load.own_of(view.node))
+            estimate.add_metric(key, load.estimate_of(view.node))
             for name in PHASES:
                 phase.add_metric([*key, name], 1.0 if view.phase == name else 0.0)
     yield from (effective, target, routable, phase, inflight, estimate)
