@@ -72,11 +72,12 @@ from laswrr.schemas.words import NodeRole, PdProtocol
 DEFAULT_NPU_SMI = "npu-smi info"
 UP_KEYS = frozenset({"id", "url", "pool", "chip", "capacity", "role", "pd_protocol", "bootstrap_port"})
 COLLECTOR_KEYS = frozenset({"metrics_url", "health_url", "engine", "npu_smi", "npu_ids", "chips",
-                            "npu_exporter", "chips_per_npu", "pod", "status_url"})
+                            "npu_exporter", "chips_per_npu", "pod", "status_url", "kv_events", "kv_events_replay"})
 # What the collector needs to poll a node registered at runtime (lb.admin.node's last fields).
 ROLES = tuple(NodeRole)
 PD_PROTOCOLS = tuple(PdProtocol)
-REGISTERED_COLLECTOR_KEYS = ("metrics_url", "health_url", "engine", "status_url", "npu_exporter")
+REGISTERED_COLLECTOR_KEYS = ("metrics_url", "health_url", "engine", "status_url", "npu_exporter", "kv_events",
+                             "kv_events_replay")
 
 
 class NodesConfigError(ValueError):
