@@ -278,14 +278,12 @@ class NodeCache:
                             cleared=reason is not None, reason=reason.value if reason is not None else "")
 
     def _store(self, event: Stored) -> list[int]:
-        if event.parent is None:
-            parent: int | None = 0
-        else:
-            parent = self.keys.get(event.parent)
+        unknown = event.parent is not None and event.parent not in self.keys
+        parent = 0 if event.parent is None else self.keys.get(event.parent)  # None: unknown or not keyed
         if parent is None or not event.plain:
             for block in event.hashes:
                 self.keys[block] = None
-            self.orphans += len(event.hashes) if parent is None else 0
+            self.orphans += len(event.hashes) if unknown else 0
             return []
         keys = chain_keys(event.token_ids, event.block_size, parent)
         for block, key in zip(event.hashes, keys, strict=True):
