@@ -136,16 +136,16 @@ def test_cache_changed_round_trips() -> None:
 
 def test_nodes_toml_validates_and_registers_the_kv_event_endpoints() -> None:
     from laswrr.collectors.nodes import NodesConfigError, parse_nodes
-    from laswrr.schemas.codec import decode_event
+    from laswrr.schemas.codec import decode_event, encode
     from laswrr.schemas.events import NodeRegistered
 
     table = {"id": "n1", "url": "http://10.0.0.5:8000", "capacity": 4, "kv_events": "tcp://10.0.0.5:5557",
              "kv_events_replay": "tcp://10.0.0.5:5558"}
     nodes, _ = parse_nodes({"node": [table]}, registration=True)
     body = nodes[0].registration()
-    assert body["kv_events"] == "tcp://10.0.0.5:5557" and body["kv_events_replay"] == "tcp://10.0.0.5:5558"
-    _, event = decode_event("lb.admin.node.n1", json.dumps(body).encode())
-    assert isinstance(event, NodeRegistered) and event.kv_events == "tcp://10.0.0.5:5557"
+    assert body.kv_events == "tcp://10.0.0.5:5557" and body.kv_events_replay == "tcp://10.0.0.5:5558"
+    _, event = decode_event("lb.admin.node.n1", encode(body))
+    assert isinstance(event, NodeRegistered) and event == body
     for bad in ("tcp://*:5557", "http://10.0.0.5:5557", "tcp://10.0.0.5", 5557):
         with pytest.raises(NodesConfigError, match="kv_events"):
             parse_nodes({"node": [{**table, "kv_events": bad}]})
