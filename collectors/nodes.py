@@ -28,6 +28,9 @@ npu_exporter = "http://10.0.0.5:8082/metrics"  # MindCluster npu-exporter of the
 chips_per_npu = 1               # 2 on Atlas A3 and 300I Duo: exporter id n is NPU n//2, chip n%2
 pod = "default/mindie-0"        # the exporter's namespace/pod_name labels (or just "pod_name")
 status_url = "http://10.0.0.5:1026/v1/status"  # MindIE management port: free slots and blocks
+# --- for laswrr kv-events (services/kv_events.py), optional ---
+kv_events = "tcp://10.0.0.5:5557"          # the engine's KV event publisher (vLLM --kv-events-config)
+kv_events_replay = "tcp://10.0.0.5:5558"   # its replay endpoint
 ```
 
 Nodes with the same ``npu_exporter`` URL share one host: it is scraped once per exporter
@@ -72,11 +75,12 @@ from laswrr.schemas.words import NodeRole, PdProtocol
 DEFAULT_NPU_SMI = "npu-smi info"
 UP_KEYS = frozenset({"id", "url", "pool", "chip", "capacity", "role", "pd_protocol", "bootstrap_port"})
 COLLECTOR_KEYS = frozenset({"metrics_url", "health_url", "engine", "npu_smi", "npu_ids", "chips",
-                            "npu_exporter", "chips_per_npu", "pod", "status_url"})
+                            "npu_exporter", "chips_per_npu", "pod", "status_url", "kv_events", "kv_events_replay"})
 # What the collector needs to poll a node registered at runtime (lb.admin.node's last fields).
 ROLES = tuple(NodeRole)
 PD_PROTOCOLS = tuple(PdProtocol)
-REGISTERED_COLLECTOR_KEYS = ("metrics_url", "health_url", "engine", "status_url", "npu_exporter")
+REGISTERED_COLLECTOR_KEYS = ("metrics_url", "health_url", "engine", "status_url", "npu_exporter", "kv_events",
+                             "kv_events_replay")
 
 
 class NodesConfigError(ValueError):
@@ -151,6 +155,15 @@ def _http_url(value: Any, key: str, where: str) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise NodesConfigError(f"{where}: {key} {value!r} is not an http(s) URL with a host")
+    return url
+
+
+def _zmq_url(value: Any, key: str, where: str) -> str:
+    url = _string(value, key, where).strip()
+    host, _, port = url.removeprefix("tcp://").rpartition(":")
+    if not (url.startswith("tcp://") and host and "*" not in host and port.isdigit()) and \
+            not (url.startswith("ipc://") and len(url) > 6):
+        raise NodesConfigError(f"{where}: {key} {value!r} is not a ZMQ endpoint to connect to (tcp://host:port)")
     return url
 
 
@@ -249,6 +262,9 @@ def _node(table: Any, index: int, registration: bool) -> Node:
     bootstrap_port = _bootstrap_port(table.get("bootstrap_port"), role, protocol, where)
     selector = _selector(table, where)
     exporter = None if table.get("npu_exporter") is None else _http_url(table["npu_exporter"], "npu_exporter", where)
+    for key in ("kv_events", "kv_events_replay"):
+        if table.get(key) is not None:
+            _zmq_url(table[key], key, where)
     return Node(
         id=node_id, url=url, pool=pool, chip=chip, capacity=capacity,
         metrics_url=_http_url(table.get("metrics_url", f"{url}/metrics"), "metrics_url", where),

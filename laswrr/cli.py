@@ -32,6 +32,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "laswrr.collectors.cli",
     "laswrr.services.sim_engine.cli",
     "laswrr.services.collector",
+    "laswrr.services.kv_events",
     "laswrr.services.scheduler_service",
     "laswrr.services.operator",
     "laswrr.services.up",

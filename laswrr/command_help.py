@@ -47,6 +47,13 @@ HELP: dict[str, tuple[str, tuple[str, ...]]] = {
         "each sample into the event log for the scheduler; follows nodes registered or removed at runtime.",
         ("laswrr collector --nodes nodes.toml", "laswrr collector --nodes nodes.toml --interval-ms 1s --metrics-port 9100"),
     ),
+    "kv-events": (
+        "Subscribe to the KV cache events of every node registered with kv_events (vLLM's "
+        "--kv-events-config publisher, over ZMQ), and publish each node's cache changes on lb.kv.<node> "
+        "(core NATS, not recorded); a missed batch is fetched from the node's kv_events_replay endpoint, "
+        "else the node's index is dropped; follows nodes registered or removed at runtime.",
+        ("laswrr kv-events", "laswrr kv-events --nats-url nats://10.0.0.2:4222 --metrics-port 9101"),
+    ),
     "sim-engine": (
         "Run a simulated Ascend inference engine: an OpenAI-compatible HTTP server (chat, completions, "
         "responses, embeddings) with continuous-batching physics of the chosen chip, vLLM-style /metrics, "

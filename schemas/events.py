@@ -26,6 +26,8 @@ Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
 NonNegFloat = Annotated[float, Meta(ge=0.0)]
 Name = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-]+$")]
 HttpUrl = Annotated[str, Meta(min_length=8, max_length=2048, pattern=r"^https?://[^/\s?#]+")]
+# A ZMQ endpoint to connect to (an engine's KV event publisher): tcp://host:port or ipc://path
+ZmqUrl = Annotated[str, Meta(min_length=7, max_length=2048, pattern=r"^(tcp://[^\s/*]+:[0-9]+|ipc://\S+)$")]
 # How the collector reads an engine's /metrics: one family's names, or detected per scrape.
 EngineName = Literal["auto", "vllm", "mindie", "sglang"]
 ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
@@ -60,6 +62,10 @@ class NodeRegistered(Event, frozen=True, kw_only=True):
     # an ``sglang`` prefill node's bootstrap server port (SGLang's --disaggregation-bootstrap-port):
     # required for one, refused for any other node; the proxy sends it to both legs of a pair
     bootstrap_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
+    # the engine's KV event publisher and its replay socket (vLLM's --kv-events-config endpoint and
+    # replay_endpoint, as reachable from laswrr kv-events; services/kv_events.py)
+    kv_events: ZmqUrl | None = None
+    kv_events_replay: ZmqUrl | None = None
 
 
 class NodeRemoveRequested(Event, frozen=True, kw_only=True):

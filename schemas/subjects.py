@@ -58,6 +58,8 @@ PROXY_STOPPED = facts.of(ev.ProxyStopped).subject
 CLOCK_TICK = facts.of(ev.ClockTicked).subject
 PEER = "lb.peer"  # core NATS, no stream: lb.peer.<pool>.<proxy> (schemas.peers)
 PEER_ALL = "lb.peer.>"
+KV = "lb.kv"  # core NATS, no stream: lb.kv.<node>, a node's KV cache changes (schemas.kvcache)
+KV_ALL = "lb.kv.>"
 
 OUT_SNAPSHOT = facts.of(out.WeightSnapshot).subject
 OUT_REJECTED = facts.of(out.Rejected).subject
@@ -127,6 +129,17 @@ def split(subject: str) -> tuple[str, str | None]:
 def peer(pool: str, proxy: str) -> str:
     """``lb.peer.<pool>.<proxy>``: one proxy's view of one pool for the other proxies (schemas.peers)."""
     return f"{_join(PEER, pool, 'pool')}.{check_token(proxy, 'proxy id')}"
+
+
+def kv(node: str) -> str:
+    """``lb.kv.<node>``: the node's KV cache changes from its engine's events (schemas.kvcache)."""
+    return _join(KV, node, "node id")
+
+
+def kv_node(subject: str) -> str | None:
+    """``lb.kv.<node>`` -> node; None for any other subject."""
+    prefix, _, node = subject.rpartition(".")
+    return node if prefix == KV and node else None
 
 
 def peer_of(subject: str) -> tuple[str, str] | None:

@@ -554,6 +554,11 @@ def register(subparsers: Any) -> None:
                      help="for the collector: the host's npu-exporter /metrics (default: none)")
     reg.add_argument("--engine", default=None, choices=ENGINE_NAMES,
                      help="for the collector: metric names to read (default: detect)")
+    reg.add_argument("--kv-events", default=None, metavar="ZMQ_URL",
+                     help="for laswrr kv-events: the engine's KV event publisher, e.g. tcp://10.0.0.5:5557 "
+                          "(vLLM's --kv-events-config endpoint; default: none, the estimated prefix view)")
+    reg.add_argument("--kv-events-replay", default=None, metavar="ZMQ_URL",
+                     help="for laswrr kv-events: the publisher's replay endpoint (default: none)")
     _common(reg)
     reg.set_defaults(func=run_register)
 

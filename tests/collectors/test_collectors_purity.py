@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PURE_MODULES = ("collectors/npu_smi.py", "collectors/prometheus.py", "collectors/errors.py", "collectors/npu_exporter.py",
-                "collectors/mindie.py", "collectors/faultcodes.py")
+                "collectors/mindie.py", "collectors/faultcodes.py", "collectors/kv_events.py")
 FORBIDDEN = {
     "asyncio", "time", "random", "socket", "subprocess", "logging", "os", "sys", "threading",
     "multiprocessing", "urllib", "http", "requests", "aiohttp", "nats", "datetime", "secrets", "io",

@@ -1,0 +1,52 @@
+"""The exact cache view (scheduler/routing/kvindex.py) fed the changes the real engine's events make
+(tests/fixtures/kv_events through collectors.kv_events), and its trust rules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from laswrr.collectors.kv_events import NodeCache, Stored, decode_frames
+from laswrr.scheduler.routing.kvindex import KvIndex
+from laswrr.schemas.kvcache import CacheChanged, pack_block_keys
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "kv_events" / "vllm-0.32.0-cpu_named_tiny-llama.jsonl"
+
+
+def test_the_view_follows_the_engine_and_counts_its_blocks() -> None:
+    cache, index = NodeCache(), KvIndex()
+    stored: list[Stored] = []
+    for line in FIXTURE.read_text().splitlines():
+        batch = decode_frames([bytes.fromhex(f) for f in json.loads(line)["frames"]])
+        assert batch is not None
+        stored += [e for e in batch.events if isinstance(e, Stored) and e.parent is None]
+        change = cache.fold(batch)
+        if change is not None:
+            assert index.apply("a", change)
+    assert index.exact("a") and not index.exact("b")
+    held = {k for k in cache.keys.values() if k is not None}
+    assert index.nodes["a"].keys == held
+    last = stored[-1]  # the last prompt stored is whole in the cache
+    assert index.depths(last.token_ids, ["a", "b"]) == {"a": len(last.hashes)}
+    assert index.cached_tokens(last.token_ids + (1, 2, 3), "a") == 128 * len(last.hashes)
+    assert index.cached_tokens(last.token_ids, "b") is None
+    assert index.depths((999,) * 128 + last.token_ids, ["a"]) == {"a": 0}  # another prefix: nothing
+
+
+def change(n: int, stored: list[int] = (), removed: list[int] = (), cleared: bool = False) -> CacheChanged:  # type: ignore[assignment]
+    return CacheChanged(n=n, seq=n, block_size=2, stored=pack_block_keys(list(stored)),
+                        removed=pack_block_keys(list(removed)), cleared=cleared, reason="cleared" if cleared else "")
+
+
+def test_a_lost_change_makes_the_node_stale_until_cleared() -> None:
+    index = KvIndex()
+    assert index.apply("a", change(1, [1, 2]))
+    assert index.apply("a", change(2, [3], [1]))
+    assert index.nodes["a"].keys == {2, 3}
+    assert not index.apply("a", change(4, [5]))  # 3 was lost
+    assert not index.exact("a") and not index.nodes["a"].keys
+    assert not index.apply("a", change(5, [6]))
+    assert index.apply("a", change(6, [7], cleared=True)) and index.exact("a") and index.nodes["a"].keys == {7}
+    assert not index.apply("late", change(9, [1]))  # joined mid-stream: not exact before a cleared one
+    index.drop("a")
+    assert not index.exact("a")
