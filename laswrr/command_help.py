@@ -91,6 +91,13 @@ HELP: dict[str, tuple[str, tuple[str, ...]]] = {
         ("laswrr register n5 --url http://10.0.0.5:8000 --chip 910B --capacity 10",
          "laswrr register --nodes nodes.toml"),
     ),
+    "query": (
+        "Run one SQL statement on the recorded log (the events table and the views of docs/analysts.md) and "
+        "print the rows as CSV with a header (--json: one JSON object per line). A running recorder's file is "
+        "read through a consistent copy, as for report; the viewer's credentials suffice.",
+        ("laswrr query --db .laswrr/events.duckdb \"SELECT outcome, count(*) FROM requests GROUP BY ALL\"",
+         "laswrr query --db parquet-out/ --json \"SELECT * FROM requests LIMIT 5\""),
+    ),
     "config": (
         "Change scheduler configuration keys at runtime (lb.admin.config, so a replay applies them too) and "
         "print the scheduler's verdict: applied (exit 0, with the keys now in force) or rejected (exit 1, with "

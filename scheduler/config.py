@@ -107,7 +107,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 def keys() -> list[tuple[str, Any, str, str]]:
     """(key, default, unit, description) of every key, in declaration order (the docs' table)."""
     out = []
-    for field in msgspec.inspect.type_info(SchedulerConfig).fields:  # type: ignore[union-attr]
+    info = msgspec.inspect.type_info(SchedulerConfig)
+    assert isinstance(info, msgspec.inspect.StructType)
+    for field in info.fields:
         meta = field.type
         assert isinstance(meta, msgspec.inspect.Metadata), f"{field.name}: declare it with _key(...)"
         out.append((field.name, field.default, (meta.extra or {}).get("unit", ""),

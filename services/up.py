@@ -728,13 +728,13 @@ def register(subparsers: Any) -> None:
     proxy_cli.add_up_arguments(parser)  # --proxy-host, --proxy-port, --proxy-workers, --flow-control, ...
     parser.add_argument("--proxy-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="any other proxy setting, by its name or flag (queue_bound=256, key-max-inflight=4; "
-                             "repeatable; the list: docs/configuration.md, \"The proxy's settings\"); wins over "
+                             "repeatable; docs/configuration.md lists them); wins over "
                              "the --config file's [proxy] table (default: none)")
     parser.add_argument("--dashboard-port", type=settings.port_number, default=DASHBOARD_PORT,
                         help="the dashboard page's port (default %(default)s; 0 picks a free one)")
     parser.add_argument("--config", metavar="FILE.toml", default=None,
-                        help="configuration file: a [scheduler] table (scheduler keys) and a [proxy] table (the "
-                             "proxy's settings by name, e.g. queue_bound = 256; docs/configuration.md)")
+                        help="configuration file, keys as docs/configuration.md lists them: a [scheduler] table "
+                             "(scheduler keys) and a [proxy] table (the proxy's settings, e.g. queue_bound = 256)")
     parser.add_argument("--tick-ms", type=settings.duration("ms"), default=settings.DEFAULT_TICK_MS, help="scheduler tick period")
     parser.add_argument("--sim-speed", type=float, default=1.0, help="speed factor of the simulated engines")
     parser.add_argument("--max-restarts", type=int, default=RestartPolicy().max_restarts, metavar="N",

@@ -15,10 +15,10 @@ Rules (docs/proxy.md, "Flow control"):
   than it runs at once, so nothing waits inside an engine where a later, more urgent request
   could not overtake it). 0 publishes no limit (flow control then never holds a request).
 * **The interactive reserve** (``interactive_reserve``, default 0.1): ``default`` and ``batch``
-  requests see each node's limit less ``max(1, floor(0.1 x limit))`` (``reserved_limit``:
-  10 -> 9, 8 -> 7, 20 -> 18), so under overload a slot is usually free when an ``interactive``
-  request arrives, which then waits for no release (SMG's reserved slots). A node of limit 1
-  reserves nothing.
+  requests see each node's limit less ``floor(0.1 x limit)``, or less one slot when ``0.1 x
+  limit`` is at least one half (``reserved_limit``: 10 -> 9, 8 -> 7, 5 -> 4, 4 -> 4, 20 -> 18),
+  so under overload a slot is usually free when an ``interactive`` request arrives, which then
+  waits for no release (SMG's reserved slots). Nodes with a limit under 5 reserve nothing.
 * **Bands.** ``interactive`` > ``default`` > ``batch``, strictly: a band is served only when
   every higher band of the pool is empty, except for the **starvation guard**
   (``batch_every``, default 10): while the lowest band waits, at least one dispatch in every
@@ -115,10 +115,10 @@ def work_of(prompt_tokens: int, max_tokens: int | None, default_max_tokens: int)
 
 def reserved_limit(limit: int, reserve: float) -> int:
     """The limit a request sees when ``reserve`` (a share) of each node's ``limit`` is kept for
-    more urgent ones: ``limit - max(1, floor(reserve x limit))`` (a reserve keeps at least one
-    slot, so nodes of a limit under 1/reserve keep one too), at least 1."""
-    kept = math.floor(round(reserve * limit, 9))
-    return max(1, limit - (max(1, kept) if reserve > 0 else kept))
+    more urgent ones: ``limit - floor(reserve x limit)``, and one slot kept when ``reserve x
+    limit`` is at least one half (8 slots at 0.1 keep one; 4 keep none), at least 1."""
+    share = round(reserve * limit, 9)
+    return max(1, limit - max(math.floor(share), 1 if share >= 0.5 else 0))
 
 
 def defer_to_peers(band: Band, peer_held: Mapping[str, int], free: int | None, reserved_free: int = 0) -> bool:

@@ -125,7 +125,7 @@ def setting_named(key: str) -> tuple[dataclasses.Field[Any], Setting]:
         flag = flag_of(field, how)
         if flag is not None and not how.shared and name in (field.name, flag.removeprefix("--").replace("-", "_")):
             return field, how
-    raise ValueError(f"unknown proxy setting {key!r} (the settings: docs/configuration.md, \"The proxy's settings\")")
+    raise ValueError(f"unknown proxy setting {key!r} (docs/configuration.md lists the settings)")
 
 
 def setting_value(key: str, value: Any) -> tuple[str, Any]:

@@ -196,7 +196,8 @@ class ProxyConfig:
     retry_after_cap_s: float = setting(60.0, "the largest Retry-After flow control sends", unit="s", metavar="S",
                                        group=FLOW_GROUP)
     interactive_reserve: float = setting(0.1, "share of each node's limit only interactive requests may use: default "
-                                         "and batch see limit - max(1, floor(F x limit))", unit="share", metavar="F",
+                                         "and batch see limit - floor(F x limit), or limit - 1 when F x limit is "
+                                         "at least 0.5", unit="share", metavar="F",
                                          group=FLOW_GROUP)
     # The channel between proxies (lb.peer.<pool>.<proxy>, docs/proxy.md): 0 turns it off.
     peer_interval_ms: int = setting(

@@ -296,9 +296,10 @@ def test_the_interactive_reserve() -> None:
     from laswrr.scheduler.routing.flow import reserved_limit
     assert reserved_limit(10, 0.1) == 9 and reserved_limit(20, 0.1) == 18 and reserved_limit(10, 0.3) == 7
     assert reserved_limit(10, 0.0) == 10 and reserved_limit(1, 0.5) == 1 and reserved_limit(1, 0.1) == 1
-    # small nodes keep a slot too (8 slots at 0.1 reserved nothing: interactive TTFT P99 1.1 s at 2x load)
-    assert reserved_limit(9, 0.1) == 8 and reserved_limit(8, 0.1) == 7 and reserved_limit(2, 0.1) == 1
-    assert reserved_limit(8, 0.0) == 8
+    # 5..9-slot nodes keep a slot too (8 slots at 0.1 kept none: interactive TTFT P99 1.1 s at 2x load,
+    # bench overload-small); below half a slot, none (a 2-slot node keeps both for every band)
+    assert reserved_limit(9, 0.1) == 8 and reserved_limit(8, 0.1) == 7 and reserved_limit(5, 0.1) == 4
+    assert reserved_limit(4, 0.1) == 4 and reserved_limit(2, 0.1) == 2 and reserved_limit(8, 0.0) == 8
     queue = _queue(batch_every=1)  # the guard would pick batch every time
     queue.offer("p", BATCH, "", 1, 0.0, 30, "b")
     queue.offer("p", DEFAULT, "", 1, 0.0, 30, "d")
