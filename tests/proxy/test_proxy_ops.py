@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import aiohttp
 
 from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
@@ -87,9 +89,14 @@ async def test_replicas_side_by_side_heartbeat_and_share_snapshots(engines, core
             async with http.post(proxy.url + CHAT, json={"model": "m", "messages": []}) as resp:
                 assert resp.status == 200
     assert len(a.received) == len(b.received) == 4  # each replica alternates on its own
-    await wait_for(lambda: {s for s, _ in tap.of(sj.PROXY_HEARTBEAT)} ==
-                   {sj.proxy_heartbeat("replica-0"), sj.proxy_heartbeat("replica-1")}, what="both heartbeats")
-    assert all(d["inflight"] == 0 for _, d in tap.of(sj.PROXY_HEARTBEAT))
+    done_ns = time.time_ns()  # every request answered: a heartbeat from now on counts none in flight
+
+    def after_requests() -> dict[str, int]:
+        return {s: d["inflight"] for s, d in tap.of(sj.PROXY_HEARTBEAT) if d["ts_ns"] > done_ns}
+
+    await wait_for(lambda: set(after_requests()) == {sj.proxy_heartbeat("replica-0"), sj.proxy_heartbeat("replica-1")},
+                   what="both heartbeats")
+    assert set(after_requests().values()) == {0}
     proxies = {d["proxy"] for _, d in tap.of(sj.REQ_STARTED)}
     assert proxies == {"replica-0", "replica-1"}
 
