@@ -509,7 +509,8 @@ async def _resources(state: ProxyState) -> AsyncIterator[None]:
     state.forwarder = Forwarder(engines, state.router, state.events, state.metrics, config.max_retries,
                                 aborting=lambda: state.aborting, continue_limit=config.continue_limit,
                                 stall_timeout_s=config.stall_timeout_s, catalog=state.catalog,
-                                decode_only_tokens=config.pd_decode_only_tokens)
+                                decode_only_tokens=config.pd_decode_only_tokens,
+                                picked=lambda: state.bus.picked())
     publisher = asyncio.create_task(state.events.run(), name="proxy-events")
     heartbeat = asyncio.create_task(_heartbeats(state), name="proxy-heartbeat")
     state.bus.start()

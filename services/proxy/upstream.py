@@ -107,7 +107,8 @@ class Forwarder:
     def __init__(self, engines: EngineTransport, router: Router, events: EventPublisher,
                  metrics: ProxyMetrics, max_retries: int,
                  aborting: Callable[[], bool], continue_limit: int = 1, stall_timeout_s: float = 30.0,
-                 catalog: NodeModels | None = None, decode_only_tokens: int = 0) -> None:
+                 catalog: NodeModels | None = None, decode_only_tokens: int = 0,
+                 picked: Callable[[], None] = lambda: None) -> None:
         self.runner = AttemptRunner(engines, router, events, metrics, aborting, continue_limit, stall_timeout_s,
                                     catalog)
         self.sglang = SglangPair(self.runner)
@@ -117,6 +118,7 @@ class Forwarder:
         self.max_retries = max_retries
         self.continue_limit = continue_limit
         self.decode_only_tokens = decode_only_tokens  # a vllm pair's short prompt: its decode node alone (0: off)
+        self.picked = picked  # tells the bus a pick was made (the channel's pick window starts at once)
 
     async def forward(self, request: web.BaseRequest, exchange: Exchange, admission: Admission) -> web.StreamResponse:
         """Run attempts until one answers, or retries and continuations run out; ``admission`` is
@@ -241,9 +243,13 @@ class Forwarder:
         if suspect and role is None:
             admission = admitter.admit(AdmitRequest(exchange.pool, [*exchange.avoid(), *suspect]))
             if isinstance(admission, Admission):
+                self.picked()
                 return admission
         result = admitter.admit(AdmitRequest(exchange.pool, exchange.avoid(), role=role))
-        return result if isinstance(result, Admission) else None
+        if not isinstance(result, Admission):
+            return None
+        self.picked()
+        return result
 
     async def _give_up(self, result: Failed | Broken, admission: Admission, exchange: Exchange,
                        why: str) -> web.StreamResponse:
