@@ -1,0 +1,117 @@
+"""`laswrr kv-events` against a real vLLM (the CPU build, the tiny model): after a chat request,
+the node's cache changes hold the keys of the request's whole blocks, computed from the engine's
+own tokens of the request (its /tokenize, the chat template applied); the engine's reported
+``cached_tokens`` of the same request sent again equals those blocks; after the engine restarts,
+the node's index is dropped (reason ``restart``) and rebuilt from the new engine's events.
+
+One engine of its own (``--kv-events-config`` with a PUB and a replay endpoint), beside the
+tier's shared two: three at most."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import nats
+import pytest
+
+from laswrr.bench import real_vllm
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.kvcache import CACHE_DECODER, CacheChanged, chain_keys
+from laswrr.services import kv_events
+from laswrr.services.nats_server import free_port
+from laswrr.services.natsbus import ensure_streams
+from tests.real.conftest import BLOCK_TOKENS, NUM_BLOCKS, REAL_TIMEOUT_S, _unavailable
+
+pytestmark = pytest.mark.timeout(REAL_TIMEOUT_S)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def kv_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[real_vllm.VllmServer, str, str]]:
+    pub, replay = free_port(), free_port()
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+                         "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"})
+    try:
+        engine = real_vllm.server(4, "vllm-kv", tmp_path_factory.mktemp("vllm-kv-logs"), num_blocks=NUM_BLOCKS,
+                                  extra_args=["--enable-prompt-tokens-details", "--kv-events-config", config])
+    except real_vllm.VllmUnavailable as exc:
+        _unavailable(str(exc))
+        raise
+    engine.start()
+    try:
+        yield engine, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+    finally:
+        engine.stop()
+
+
+def held_after(changes: list[CacheChanged]) -> set[int]:
+    held: set[int] = set()
+    for change in changes:
+        if change.cleared:
+            held.clear()
+        held |= set(change.stored_keys)
+        held -= set(change.removed_keys)
+    return held
+
+
+async def until(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"{what}: not within {timeout_s:.0f} s"
+        await asyncio.sleep(0.1)
+
+
+async def test_the_index_holds_the_requests_blocks_and_is_dropped_on_a_restart(
+        kv_engine: tuple[real_vllm.VllmServer, str, str], nats_url: str) -> None:
+    engine, pub, replay = kv_engine
+    nc = await nats.connect(nats_url)
+    await ensure_streams(nc.jetstream())
+    changes: list[CacheChanged] = []
+
+    async def on_kv(msg: Any) -> None:
+        changes.append(CACHE_DECODER.decode(msg.data))
+
+    await nc.subscribe(sj.kv("vllm-kv"), cb=on_kv)
+    stop = asyncio.Event()
+    service = asyncio.create_task(kv_events.serve(nats_url, stop=stop))
+    await nc.jetstream().publish(sj.admin_node("vllm-kv"), json.dumps(
+        {"url": engine.url, "capacity": 4, "kv_events": pub, "kv_events_replay": replay}).encode())
+    system = (ROOT / "docs" / "algorithm.md").read_text()[:2500]
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "What does the guard do?"}]
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+            async def chat() -> dict[str, Any]:
+                async with http.post(f"{engine.url}/v1/chat/completions", json={
+                        "model": real_vllm.MODEL_NAME, "messages": messages, "max_tokens": 4,
+                        "temperature": 0}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return dict(await resp.json())
+
+            async with http.post(f"{engine.url}/tokenize", json={
+                    "model": real_vllm.MODEL_NAME, "messages": messages, "add_generation_prompt": True}) as resp:
+                assert resp.status == 200, await resp.text()
+                tokens = (await resp.json())["tokens"]
+            keys = chain_keys(tokens, BLOCK_TOKENS)
+            assert len(keys) >= 4
+            await asyncio.sleep(2.0)  # the service subscribed (a missed first batch is replayed all the same)
+            await chat()
+            await until(lambda: set(keys) <= held_after(changes), 30, "the request's blocks in the node's index")
+            again = await chat()
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(keys) * BLOCK_TOKENS
+            before = len(changes)
+            await asyncio.to_thread(engine.restart)
+            await chat()
+            await until(lambda: any(c.cleared and c.reason == "restart" for c in changes[before:]), 60,
+                        "the index dropped after the restart")
+            await until(lambda: set(keys) <= held_after(changes), 30, "the index rebuilt from the new engine")
+            restart = next(c for c in changes[before:] if c.cleared)
+            assert restart.seq <= max(c.seq for c in changes[:before])  # the new engine counts from 0 again
+    finally:
+        stop.set()
+        await asyncio.wait_for(service, 30)
+        await nc.close()
