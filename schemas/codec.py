@@ -24,7 +24,7 @@ from laswrr.schemas import events as ev
 from laswrr.schemas import facts
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.facts import Key
-from laswrr.schemas.outputs import ConfigApplied, PhaseChanged, Rejected, WeightSnapshot, clip
+from laswrr.schemas.outputs import ConfigApplied, PhaseChanged, Rejected, RequestsVoided, WeightSnapshot, clip
 from laswrr.schemas.words import RejectCause
 
 MAX_PAYLOAD_BYTES = 1 << 20
@@ -280,7 +280,7 @@ def decode_rejected(data: bytes) -> Rejected:
     return _REJECTED.decode(data)
 
 
-CoreOutput = WeightSnapshot | PhaseChanged | Rejected | ConfigApplied
+CoreOutput = WeightSnapshot | PhaseChanged | Rejected | ConfigApplied | RequestsVoided
 _OUTPUT_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
     fact.subject: _REJECTED if fact.struct is Rejected else msgspec.json.Decoder(fact.struct) for fact in facts.OUTPUTS}
 
