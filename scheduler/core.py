@@ -310,7 +310,7 @@ class Scheduler:
     def _require(self, key: str | None) -> NodeState:
         node = self.state.nodes.get(key or "")
         if node is None:
-            raise Rejection(f"unknown node {key!r}: register it first with lb.admin.node.{key}",
+            raise Rejection(f"unknown node {key!r}: register it first (laswrr register {key} --url URL --capacity N)",
                             RejectCause.UNKNOWN_NODE)
         return node
 
@@ -510,8 +510,8 @@ class Scheduler:
         limit = self.config.max_capacity
         if capacity > limit:
             raise Rejection(f"capacity {capacity} for node {key!r} is above max_capacity {limit} (the scheduler's "
-                            f"sanity limit; for an engine that really serves more, raise it: laswrr config "
-                            f"max_capacity={capacity})", RejectCause.CAPACITY_ABOVE_LIMIT)
+                            f"sanity limit against a typo; only for an engine that really serves more than {limit} "
+                            f"requests at once, raise it: laswrr config max_capacity=N)", RejectCause.CAPACITY_ABOVE_LIMIT)
 
     def _on_capacity(self, key: str, event: events.CapacitySet) -> None:
         node = self._require(key)
@@ -525,7 +525,7 @@ class Scheduler:
     def _on_undrain(self, key: str, event: events.UndrainRequested) -> None:
         node = self._require(key)
         if node.capacity == 0:
-            raise Rejection(f"node {key!r} has capacity 0: publish lb.admin.capacity.{key} to return it",
+            raise Rejection(f"node {key!r} has capacity 0: give it a capacity to return it (laswrr capacity {key} N)",
                             RejectCause.CAPACITY_ZERO)
         self._undrain(node, PhaseCause.OPERATOR_UNDRAIN, "operator undrain")
 

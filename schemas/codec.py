@@ -114,7 +114,7 @@ def _decode_as(cls: type[ev.Event], data: bytes | msgspec.Raw) -> Any:
     try:
         return _DECODERS[cls].decode(data)
     except msgspec.ValidationError as exc:
-        raise SchemaError(f"invalid {cls.KIND} payload: {exc}") from None
+        raise SchemaError(f"invalid {facts.of(cls).subject} payload: {exc}") from None  # as the operator sent it
     except msgspec.DecodeError as exc:
         raise SchemaError(f"payload is not valid JSON: {exc}", RejectCause.NOT_JSON) from None
 
