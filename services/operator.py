@@ -498,8 +498,8 @@ def run_nodes(args: argparse.Namespace) -> int:
             print(f"laswrr: no pool {args.pool!r} in {sj.WEIGHTS_BUCKET} (pools: {known})", file=sys.stderr)
             return 1
         snapshots = {args.pool: snapshots[args.pool]}
-    if args.json:
-        print(json.dumps(msgspec.to_builtins(snapshots), indent=2))
+    if args.json:  # the shape of one --watch line: {"ts_ms", "pools"}
+        print(json.dumps({"ts_ms": time.time_ns() // 1_000_000, "pools": msgspec.to_builtins(snapshots)}, indent=2))
         return 0
     if not snapshots:
         print("no snapshots yet: register a node (laswrr register NODE --url URL --capacity N)", file=sys.stderr)
@@ -583,7 +583,8 @@ def register(subparsers: Any) -> None:
     nodes = subparsers.add_parser("nodes", help="show each pool's latest snapshot (KV LB_WEIGHTS)",
                                   description="One table per pool: phase, capacity, weights, in-flight, load, sample age.")
     nodes.add_argument("--pool", default=None, help="only this pool")
-    nodes.add_argument("--json", action="store_true", help="print the snapshots as JSON (with --watch: one line each)")
+    nodes.add_argument("--json", action="store_true", help="print {\"ts_ms\": when read, \"pools\": {pool: its snapshot}} as JSON (with --watch: the "
+                            "same object on one line per refresh)")
     nodes.add_argument("--watch", action="store_true",
                        help="refresh in place until Ctrl-C (JSON lines when stdout is not a terminal)")
     nodes.add_argument("--interval-s", type=settings.duration("s"), default=1.0,
