@@ -60,6 +60,7 @@ all import it from below.
 from __future__ import annotations
 
 import tomllib
+import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -236,9 +237,25 @@ def _node_id(table: Any, where: str) -> str:
         raise NodesConfigError(f"{where}: {exc}") from None
 
 
+def _known_keys(table: dict[str, Any], where: str) -> None:
+    """Every key of a ``[[node]]`` table is one this version reads: a typo (``statusurl``) would
+    otherwise be kept and ignored. No key is let through with a warning: a key of another
+    version is refused too, so a file is never silently half-read."""
+    known = UP_KEYS | COLLECTOR_KEYS
+    unknown = sorted(set(table) - known)
+    if not unknown:
+        return
+    hints = [f"{key!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(key, known, 1)) else repr(key)
+             for key in unknown]
+    raise NodesConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; a [[node]] "
+                           f"takes {', '.join(sorted(UP_KEYS))} (registration) and {', '.join(sorted(COLLECTOR_KEYS))} "
+                           f"(collector)")
+
+
 def _node(table: Any, index: int, registration: bool) -> Node:
     node_id = _node_id(table, f"node #{index + 1}")
     where = f"node {node_id!r}"
+    _known_keys(table, where)
     url = _http_url(table.get("url"), "url", where).rstrip("/")
     try:
         pool = check_token(_string(table.get("pool", "default"), "pool", where), "pool name")
@@ -298,10 +315,6 @@ def _bootstrap_port(value: Any, role: NodeRole, protocol: PdProtocol | None, whe
 
 def _warnings(tables: Sequence[dict[str, Any]], nodes: Sequence[Node]) -> list[str]:
     notes = []
-    for table, node in zip(tables, nodes, strict=True):
-        unknown = sorted(set(table) - UP_KEYS - COLLECTOR_KEYS)
-        if unknown:
-            notes.append(f"node {node.id!r}: keys {', '.join(unknown)} are not collector or up keys (typo?)")
     by_command: dict[str, list[Node]] = {}
     for node in nodes:
         if node.npu_smi is not None:

@@ -3,18 +3,21 @@
 ``DIR/events.parquet`` holds the ``events`` table ordered by (stream, seq) — the only thing
 needed to rebuild everything else: every command that takes ``--db`` also accepts the directory
 (or the file), opening it in memory with the views on top. The analyst views are exported
-beside it (``DIR/<view>.parquet``) for tools that read Parquet but not SQL.
+beside it (``DIR/<view>.parquet``, every view of replay/views.sql but the raw row views, which
+``events.parquet`` holds already) for tools that read Parquet but not SQL.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import duckdb
 
-VIEWS = ("requests", "attempts", "continuations", "interruptions", "admissions_to_draining", "drains",
-         "drain_timeline", "weights_over_time", "phase_changes", "rejections", "admin_commands", "node_timeline",
-         "refusals", "error_answers")
+from laswrr.replay.store import views_sql
+
+RAW_VIEWS = ("input_messages", "output_events")  # rows of events.parquet as they are (input_events: batches unnested)
+VIEWS = tuple(view for view in re.findall(r"^CREATE OR REPLACE VIEW (\w+)", views_sql(), re.M) if view not in RAW_VIEWS)
 
 
 def export(con: duckdb.DuckDBPyConnection, directory: Path, views: bool = True) -> dict[str, int]:

@@ -6,16 +6,20 @@ set of its proxy attempts, counted by the outcome of the last attempt — ``inte
 analyst's SQL says. ``interrupted`` counts the cuts a client saw: ``router_aborted`` outcomes,
 streams an engine cut mid-stream that were not continued elsewhere (``engine_cut``; a continued
 stream counts by its last attempt, so it is not interrupted), requests still open when their
-proxy announced a clean stop, and requests a dead proxy left open in a log that ends after a
+proxy announced a clean stop, requests open at a proxy known gone (``proxy_gone``: the
+scheduler's recorded ``lb.out.voided`` for a proxy silent for ``proxy_timeout_ms`` or replaced
+by a new process of its id), and requests a dead proxy left open in a log that ends after a
 clean shutdown. ``continued_streams``, ``continuations`` and ``retried_before_first_byte`` come from the
 ``continuations`` view (the typed ``next_attempt``), with the median and P99 of the latency a
 continuation added. Nothing here compares a reason or an error text: ``status_classes`` and
-``error_answers`` read the typed ``status``. Requests open at the end of a log that did not
-end cleanly are counted as ``open`` (fate unknown), not as interruptions. The verdict is "zero interruptions" when ``interrupted`` and
-``admitted_to_draining`` are both 0.
+``error_answers`` read the typed ``status``. Requests still open on a proxy that is alive as far as the log knows are counted as ``open``
+(fate unknown), not as interruptions. ``verdict``: ``interruptions_found`` when ``interrupted``
+or ``admitted_to_draining`` is not 0, else ``open_requests`` while any request is ``open`` (the
+tables say how many; a live stack's log usually has a few in flight), else
+``zero_interruptions`` (``zero_interruptions`` is true only then).
 
 ``cut_by_router`` is what the router's promise covers and must be 0: ``interrupted`` less the
-engine cuts (router_aborted, open at a proxy's stop, left open by a dead proxy).
+engine cuts (router_aborted, open at a proxy's stop, open at a proxy gone, left open by a dead proxy).
 
 Error answers are not cuts, and are counted beside the verdict, never hidden by it
 (``error_answers`` view): ``answered_with_error`` requests, ``by_engine`` (an engine's 4xx,
@@ -58,13 +62,17 @@ def gather(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     report["interrupted_open_at_proxy_stop"] = _count(
         con, "SELECT count(*) FROM interruptions WHERE reason = 'open_at_proxy_stop'")
     report["interrupted_engine_cut"] = _count(con, "SELECT count(*) FROM interruptions WHERE reason = 'engine_cut'")
+    report["interrupted_proxy_gone"] = _count(con, "SELECT count(*) FROM interruptions WHERE reason = 'proxy_gone'")
     report["cut_by_router"] = report["interrupted"] - report["interrupted_engine_cut"]  # must be 0
     report.update(continuation_facts(con))
     report["open"] = _count(con, "SELECT count(*) FROM open_requests")
+    report["finish_lost"] = _count(con, "SELECT count(*) FROM voided_requests WHERE cause = 'finish_lost'")
     report["admitted_to_draining"] = _count(con, "SELECT count(*) FROM admissions_to_draining")
     report["drains"] = drains(con)
     report.update(_log_facts(con))
-    report["zero_interruptions"] = report["interrupted"] == 0 and report["admitted_to_draining"] == 0
+    cut = report["interrupted"] > 0 or report["admitted_to_draining"] > 0
+    report["verdict"] = "interruptions_found" if cut else "open_requests" if report["open"] else "zero_interruptions"
+    report["zero_interruptions"] = report["verdict"] == "zero_interruptions"
     report.update(error_facts(con))
     report["queue"] = queue_facts(con)
     return report
@@ -163,11 +171,14 @@ def _log_facts(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
 
 
 def render(report: dict[str, Any]) -> None:
-    """The report as rich tables on stdout."""
+    """The report as rich tables on stdout (ids fold onto a second line when the table is too
+    wide: never cut, on a terminal or piped)."""
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    import sys
+
+    console = Console(width=None if sys.stdout.isatty() else 1000)  # piped: as wide as the content, no cut
     table = Table(title="requests", show_header=True)
     table.add_column("outcome")
     table.add_column("count", justify="right")
@@ -182,8 +193,12 @@ def render(report: dict[str, Any]) -> None:
         counts = report["status_classes"][by]
         classes.add_row(by, *(str(counts.get(k, 0)) for k in ("2xx", "3xx", "4xx", "5xx", "none")))
     console.print(classes)
-    verdict = "[green]zero interruptions[/]" if report["zero_interruptions"] else "[red]INTERRUPTIONS FOUND[/]"
-    console.print(f"verdict: {verdict} (cut by the router: {report['cut_by_router']}; cut by an engine and not "
+    verdict = {"zero_interruptions": "[green]zero interruptions[/]",
+               "interruptions_found": "[red]INTERRUPTIONS FOUND[/]",
+               "open_requests": f"[yellow]none found yet, {report['open']} requests still open on live proxies "
+                                f"(fate unknown)[/]"}[report["verdict"]]
+    gone = f", {report['interrupted_proxy_gone']} with a proxy that died" if report["interrupted_proxy_gone"] else ""
+    console.print(f"verdict: {verdict} (cut by the router: {report['cut_by_router']}{gone}; cut by an engine and not "
                   f"continued: {report['interrupted_engine_cut']}; admitted to draining nodes: "
                   f"{report['admitted_to_draining']})")
     pd = report.get("pd") or {}
@@ -202,7 +217,7 @@ def render(report: dict[str, Any]) -> None:
         console.print(f"flow control: {queue['held']} held; left by {queue['ended']}")
         waits = Table(title="queue wait (ms) per pool, band and key", show_header=True)
         for column in ("pool", "band", "key", "held", "P50", "P99", "expired"):
-            waits.add_column(column, justify="left" if column in ("pool", "band", "key") else "right")
+            waits.add_column(column, justify="left" if column in ("pool", "band", "key") else "right", overflow="fold")
         for w in queue["waits"]:
             waits.add_row(w["pool"], w["band"], w["key"], str(w["held"]), str(w["wait_ms_p50"]), str(w["wait_ms_p99"]),
                           str(w["expired"]))
@@ -212,7 +227,7 @@ def render(report: dict[str, Any]) -> None:
     if report["drains"]:
         drain_table = Table(title="drains", show_header=True)
         for column in ("node", "pool", "started seq", "reason", "duration ms", "by", "after last attempt ms"):
-            drain_table.add_column(column)
+            drain_table.add_column(column, overflow="fold")  # an id is never cut, at any width
         for drain in report["drains"]:
             duration = "-" if drain["duration_ms"] is None else f"{drain['duration_ms']:.1f}"
             idle = "-" if drain["after_last_attempt_ms"] is None else f"{drain['after_last_attempt_ms']:.1f}"

@@ -233,15 +233,42 @@ SELECT t.request_id, t.attempt_id, t.next_id AS next_attempt,
 FROM taken_over t LEFT JOIN numbered n ON n.attempt_id = t.next_id
 LEFT JOIN attempts a ON a.attempt_id = n.answering;
 
+-- Requests the scheduler stopped counting (lb.out.voided.<proxy>, schemas.outputs.RequestsVoided):
+-- one row per voided attempt, with the input that voided it (voided_seq), the proxy, the cause
+-- (schemas.words.VoidCause: `proxy_stopped`, `proxy_silent` — no heartbeat for proxy_timeout_ms —,
+-- `proxy_replaced` — a new process of the same proxy id —, `finish_lost` — the live proxy counts
+-- fewer in flight) and the boot id of the process that replaced it.
+CREATE OR REPLACE VIEW voided AS
+SELECT * FROM (
+    SELECT TRY_CAST(j->>'as_of_seq' AS BIGINT) AS voided_seq, j->>'proxy' AS proxy, j->>'cause' AS cause,
+           j->>'boot_id' AS boot_id, unnest(TRY_CAST(j->'request_ids' AS VARCHAR[])) AS attempt_id, seq AS out_seq,
+           ts_ns AS out_ts_ns
+    FROM output_events WHERE subject LIKE 'lb.out.voided.%' AND j IS NOT NULL)
+QUALIFY row_number() OVER (PARTITION BY attempt_id, voided_seq ORDER BY out_seq) = 1;
+
+-- Requests still open (no finished event) whose last attempt the scheduler voided: request_id,
+-- voided_seq, cause (as in `voided`).
+CREATE OR REPLACE VIEW voided_requests AS
+SELECT r.request_id, min(v.voided_seq) AS voided_seq, arg_min(v.cause, v.voided_seq) AS cause
+FROM requests r
+JOIN attempts a ON a.request_id = r.request_id AND a.started_seq = r.last_attempt_seq
+               AND a.started_index = r.last_attempt_index
+JOIN voided v ON v.attempt_id = a.attempt_id
+WHERE r.outcome IS NULL
+GROUP BY r.request_id;
+
 -- Cuts the client saw: outcome router_aborted; streams whose last attempt ended with an
 -- upstream error after the client got part of them (`engine_cut`: an engine died mid-stream and
 -- the stream was not continued elsewhere; a continued stream's outcome is its last attempt's);
--- requests whose last attempt was still open when
+-- requests whose last attempt was still open when its proxy was known gone (`proxy_gone`: the
+-- scheduler voided it, `voided_requests`, because the proxy fell silent for proxy_timeout_ms or
+-- a new process of the same proxy id started: it died with them; proxy_stopped_seq is then the
+-- input that voided them); requests whose last attempt was still open when
 -- its proxy announced a clean stop (`lb.proxy.stopped.<proxy>` after that attempt began); and,
 -- when the log ends after a clean shutdown (its last proxy event is a stop: no request event
 -- or heartbeat follows the last `lb.proxy.stopped`), requests left open by a proxy that never
--- announced a stop (it died with them in flight). Requests open at the end of a log that did
--- not end cleanly are not here: their fate is unknown (see `open_requests`).
+-- announced a stop (it died with them in flight). Requests open on a proxy still alive at the
+-- end of a log are not here: their fate is unknown (see `open_requests`).
 CREATE OR REPLACE VIEW proxy_stops AS
 SELECT key AS proxy, seq, ts_ns, event_index FROM input_events WHERE family = 'lb.proxy.stopped';
 
@@ -254,27 +281,35 @@ WHERE NOT EXISTS (
       AND (e.seq, e.event_index) > (l.seq, l.event_index));
 
 CREATE OR REPLACE VIEW interruptions AS
+WITH gone AS (SELECT request_id, voided_seq FROM voided_requests WHERE cause IN ('proxy_silent', 'proxy_replaced'))
 SELECT r.*, 'router_aborted' AS reason, NULL::BIGINT AS proxy_stopped_seq
 FROM requests r WHERE r.outcome = 'router_aborted'
 UNION ALL
 SELECT r.*, 'engine_cut' AS reason, NULL::BIGINT AS proxy_stopped_seq
 FROM requests r WHERE r.outcome = 'upstream_error' AND r.ttft_ms IS NOT NULL
 UNION ALL
+SELECT r.*, 'proxy_gone' AS reason, g.voided_seq AS proxy_stopped_seq
+FROM requests r JOIN gone g USING (request_id)
+UNION ALL
 SELECT r.*, 'open_at_proxy_stop' AS reason, min(p.seq) AS proxy_stopped_seq
 FROM requests r JOIN proxy_stops p
   ON p.proxy = r.proxy AND (p.seq, p.event_index) > (r.last_attempt_seq, r.last_attempt_index)
-WHERE r.outcome IS NULL
+WHERE r.outcome IS NULL AND r.request_id NOT IN (SELECT request_id FROM gone)
 GROUP BY ALL
 UNION ALL
 SELECT r.*, 'open_at_end' AS reason, NULL::BIGINT AS proxy_stopped_seq
 FROM requests r, clean_end
-WHERE r.outcome IS NULL
+WHERE r.outcome IS NULL AND r.request_id NOT IN (SELECT request_id FROM gone)
   AND NOT EXISTS (SELECT 1 FROM proxy_stops p
                   WHERE p.proxy = r.proxy AND (p.seq, p.event_index) > (r.last_attempt_seq, r.last_attempt_index));
 
+-- Requests never finished and not interrupted: open on a proxy still alive (as far as the log
+-- knows), so their fate is unknown. A request whose finished event was lost (the live proxy's
+-- heartbeat counted fewer in flight: `voided_requests` with cause `finish_lost`) is not here.
 CREATE OR REPLACE VIEW open_requests AS
 SELECT r.* FROM requests r
-WHERE r.outcome IS NULL AND r.request_id NOT IN (SELECT request_id FROM interruptions);
+WHERE r.outcome IS NULL AND r.request_id NOT IN (SELECT request_id FROM interruptions)
+  AND r.request_id NOT IN (SELECT request_id FROM voided_requests WHERE cause = 'finish_lost');
 
 -- Attempts admitted to a node that the snapshot the proxy routed on (as_of_seq = snapshot_seq,
 -- same pool) showed as not routable or with effective weight 0, or did not list at all. Every

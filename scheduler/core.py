@@ -49,9 +49,10 @@ from laswrr.scheduler.weights import MS, concurrency_limit, round_milli
 from laswrr.schemas import events
 from laswrr.schemas import subjects
 from laswrr.schemas.codec import Envelope, Output, SchemaError, Unbatched, decode_batch, decode_event, encode
-from laswrr.schemas.outputs import ConfigApplied, NodeView, PhaseChanged, Rejected, WeightSnapshot, clip
+from laswrr.schemas.outputs import (MAX_VOIDED_IDS, ConfigApplied, NodeView, PhaseChanged, Rejected, RequestsVoided,
+                                   WeightSnapshot, clip)
 from laswrr.schemas.words import (NPU_SEVERITY, DrainCause, EjectCause, NodeRole, NpuHealth, PdProtocol, PhaseCause,
-                                  RejectCause, RequestOutcome)
+                                  RejectCause, RequestOutcome, VoidCause)
 
 _BATCH_PREFIX = subjects.REQ_BATCH + "."
 RETIRED_BOOTS = 4  # boot ids remembered per proxy id, so a late event of a replaced process is known
@@ -309,7 +310,7 @@ class Scheduler:
     def _require(self, key: str | None) -> NodeState:
         node = self.state.nodes.get(key or "")
         if node is None:
-            raise Rejection(f"unknown node {key!r}: register it first with lb.admin.node.{key}",
+            raise Rejection(f"unknown node {key!r}: register it first (laswrr register {key} --url URL --capacity N)",
                             RejectCause.UNKNOWN_NODE)
         return node
 
@@ -509,8 +510,8 @@ class Scheduler:
         limit = self.config.max_capacity
         if capacity > limit:
             raise Rejection(f"capacity {capacity} for node {key!r} is above max_capacity {limit} (the scheduler's "
-                            f"sanity limit; for an engine that really serves more, raise it: laswrr config "
-                            f"max_capacity={capacity})", RejectCause.CAPACITY_ABOVE_LIMIT)
+                            f"sanity limit against a typo; only for an engine that really serves more than {limit} "
+                            f"requests at once, raise it: laswrr config max_capacity=N)", RejectCause.CAPACITY_ABOVE_LIMIT)
 
     def _on_capacity(self, key: str, event: events.CapacitySet) -> None:
         node = self._require(key)
@@ -524,7 +525,7 @@ class Scheduler:
     def _on_undrain(self, key: str, event: events.UndrainRequested) -> None:
         node = self._require(key)
         if node.capacity == 0:
-            raise Rejection(f"node {key!r} has capacity 0: publish lb.admin.capacity.{key} to return it",
+            raise Rejection(f"node {key!r} has capacity 0: give it a capacity to return it (laswrr capacity {key} N)",
                             RejectCause.CAPACITY_ZERO)
         self._undrain(node, PhaseCause.OPERATOR_UNDRAIN, "operator undrain")
 
@@ -675,11 +676,11 @@ class Scheduler:
             return
         mine = [rid for rid, req in self.state.open_requests.items() if req.proxy == key]
         if event.inflight < len(mine):  # the proxy knows better: the oldest are phantoms (lost finished)
-            self._void(mine[:len(mine) - event.inflight])
+            self._void(mine[:len(mine) - event.inflight], key, VoidCause.FINISH_LOST)
         self._proxy_saw(key, event.snapshot_seq)
 
     def _on_proxy_stopped(self, key: str, event: events.ProxyStopped) -> None:
-        self._expire_proxy(key)
+        self._expire_proxy(key, VoidCause.PROXY_STOPPED)
 
     def _proxy_epoch(self, proxy: str, boot: str | None) -> bool:
         """Follow the proxy process behind ``proxy`` (module header: proxy epochs). A new boot
@@ -699,18 +700,25 @@ class Scheduler:
             state.retired_boots[proxy] = [*retired, current][-RETIRED_BOOTS:]
         state.proxy_boots[proxy] = boot
         self._proxy_saw(proxy, None)  # what the replaced process saw is not this one's
-        self._void([rid for rid, req in state.open_requests.items() if req.proxy == proxy and req.boot != boot])
+        self._void([rid for rid, req in state.open_requests.items() if req.proxy == proxy and req.boot != boot],
+                   proxy, VoidCause.PROXY_REPLACED, boot)
         return True
 
-    def _expire_proxy(self, proxy: str) -> None:
+    def _expire_proxy(self, proxy: str, cause: VoidCause) -> None:
         """Void a dead proxy's open requests (docs/algorithm.md §4, "Phantom in-flight")."""
         self.state.proxies.pop(proxy, None)
         self.state.proxy_boots.pop(proxy, None)
         self.state.retired_boots.pop(proxy, None)
-        self._void([rid for rid, req in self.state.open_requests.items() if req.proxy == proxy])
+        self._void([rid for rid, req in self.state.open_requests.items() if req.proxy == proxy], proxy, cause)
         self._proxy_saw(proxy, None)
 
-    def _void(self, request_ids: list[str]) -> None:
+    def _void(self, request_ids: list[str], proxy: str, cause: VoidCause, boot: str | None = None) -> None:
+        """Stop counting ``request_ids`` (of ``proxy``), and say so: ``lb.out.voided.<proxy>``, the
+        recorded fact the views count interruptions by (a proxy id is one subject token: ``events.Name``)."""
+        for start in range(0, len(request_ids), MAX_VOIDED_IDS):
+            self._outputs.append(self._output(subjects.out_voided(proxy), RequestsVoided(
+                as_of_seq=self._seq, proxy=proxy, cause=cause, request_ids=request_ids[start:start + MAX_VOIDED_IDS],
+                boot_id=boot)))
         open_requests = self.state.open_requests
         for request_id in request_ids:
             request = open_requests.pop(request_id)
@@ -728,7 +736,7 @@ class Scheduler:
         state.tick = max(state.tick, event.tick)
         timeout = cfg.proxy_timeout_ms * MS
         for proxy in [p for p, seen in state.proxies.items() if state.now_ns - seen > timeout]:
-            self._expire_proxy(proxy)
+            self._expire_proxy(proxy, VoidCause.PROXY_SILENT)
         for node in list(state.nodes.values()):
             self._advance_timers(node)
         by_pool: dict[str, list[NodeState]] = {}

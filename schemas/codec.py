@@ -24,7 +24,7 @@ from laswrr.schemas import events as ev
 from laswrr.schemas import facts
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.facts import Key
-from laswrr.schemas.outputs import ConfigApplied, PhaseChanged, Rejected, WeightSnapshot, clip
+from laswrr.schemas.outputs import ConfigApplied, PhaseChanged, Rejected, RequestsVoided, WeightSnapshot, clip
 from laswrr.schemas.words import RejectCause
 
 MAX_PAYLOAD_BYTES = 1 << 20
@@ -114,7 +114,7 @@ def _decode_as(cls: type[ev.Event], data: bytes | msgspec.Raw) -> Any:
     try:
         return _DECODERS[cls].decode(data)
     except msgspec.ValidationError as exc:
-        raise SchemaError(f"invalid {cls.KIND} payload: {exc}") from None
+        raise SchemaError(f"invalid {facts.of(cls).subject} payload: {exc}") from None  # as the operator sent it
     except msgspec.DecodeError as exc:
         raise SchemaError(f"payload is not valid JSON: {exc}", RejectCause.NOT_JSON) from None
 
@@ -280,7 +280,7 @@ def decode_rejected(data: bytes) -> Rejected:
     return _REJECTED.decode(data)
 
 
-CoreOutput = WeightSnapshot | PhaseChanged | Rejected | ConfigApplied
+CoreOutput = WeightSnapshot | PhaseChanged | Rejected | ConfigApplied | RequestsVoided
 _OUTPUT_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
     fact.subject: _REJECTED if fact.struct is Rejected else msgspec.json.Decoder(fact.struct) for fact in facts.OUTPUTS}
 

@@ -97,6 +97,7 @@ OUTPUTS: tuple[Fact, ...] = (
     Fact(out.PhaseChanged, "lb.out.phase", Key.NODE),
     Fact(out.Rejected, "lb.out.rejected", Key.NONE),
     Fact(out.ConfigApplied, "lb.out.config", Key.NONE),
+    Fact(out.RequestsVoided, "lb.out.voided", Key.PROXY),
 )
 FACTS: tuple[Fact, ...] = INPUTS + OUTPUTS
 

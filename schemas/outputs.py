@@ -18,7 +18,7 @@ from typing import ClassVar
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from laswrr.schemas.words import NodeRole, PdProtocol, Phase, PhaseCause, RejectCause
+from laswrr.schemas.words import NodeRole, PdProtocol, Phase, PhaseCause, RejectCause, VoidCause
 
 TEXT_MAX_CHARS = 512
 """The longest reason or named subject in an output; longer text is cut by ``clip``."""
@@ -134,3 +134,24 @@ class PhaseChanged(msgspec.Struct, frozen=True, kw_only=True):
     cause: PhaseCause
     reason: str
     pool: str = "default"
+
+
+MAX_VOIDED_IDS = 1000  # request ids in one RequestsVoided (more: several outputs, ``index`` 1, 2, ...)
+
+
+class RequestsVoided(msgspec.Struct, frozen=True, kw_only=True):
+    """``lb.out.voided.<proxy>``: the scheduler stopped counting requests that ``proxy`` had open,
+    at input ``as_of_seq``, because of ``cause`` (schemas.words.VoidCause): its stop, its silence
+    for ``proxy_timeout_ms``, a new process of the same proxy id (``boot_id``: the one that
+    replaced the process that opened them), or its heartbeat counting fewer in flight.
+    ``request_ids`` are the attempt ids (``lb.req.started``'s ``request_id``), in the order they
+    were opened, at most ``MAX_VOIDED_IDS`` per message. The recorded fact the views read: a
+    request voided with its proxy gone (``proxy_silent``, ``proxy_replaced``) and no finished
+    event is an interruption (docs/analysts.md), and replay reproduces it byte for byte."""
+
+    KIND: ClassVar[str] = "out.requests_voided"
+    as_of_seq: int
+    proxy: str
+    cause: VoidCause
+    request_ids: list[str]
+    boot_id: str | None = None

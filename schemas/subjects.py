@@ -65,6 +65,7 @@ OUT_SNAPSHOT = facts.of(out.WeightSnapshot).subject
 OUT_REJECTED = facts.of(out.Rejected).subject
 OUT_PHASE = facts.of(out.PhaseChanged).subject
 OUT_CONFIG = facts.of(out.ConfigApplied).subject  # the verdict on a valid lb.admin.config: the configuration now in force
+OUT_VOIDED = facts.of(out.RequestsVoided).subject  # requests of a proxy the scheduler stopped counting
 
 # Core NATS request (not in any stream): a reader asks the recorder for a copy of its DuckDB file.
 RECORDER_SNAPSHOT = "lb.recorder.snapshot"
@@ -116,6 +117,7 @@ proxy_heartbeat = _builder(ev.ProxyHeartbeat)
 proxy_stopped = _builder(ev.ProxyStopped)
 out_snapshot = _builder(out.WeightSnapshot)
 out_phase = _builder(out.PhaseChanged)
+out_voided = _builder(out.RequestsVoided)
 
 
 def split(subject: str) -> tuple[str, str | None]:

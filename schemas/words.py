@@ -149,6 +149,16 @@ class DrainCause(StrEnum):
     NPU = "npu"  # npu-smi reported Alarm
 
 
+class VoidCause(StrEnum):
+    """Why the scheduler stopped counting requests a proxy had open (``RequestsVoided.cause``,
+    ``lb.out.voided.<proxy>``; docs/analysts.md, ``interruptions``)."""
+
+    PROXY_STOPPED = "proxy_stopped"  # lb.proxy.stopped: the proxy announced its stop with them open
+    PROXY_SILENT = "proxy_silent"  # no heartbeat nor request event for proxy_timeout_ms: the proxy is gone
+    PROXY_REPLACED = "proxy_replaced"  # a new process (boot id) of the same proxy id: the old one died with them
+    FINISH_LOST = "finish_lost"  # the live proxy's heartbeat counts fewer in flight: their finished events were lost
+
+
 class EjectCause(StrEnum):
     """Why the scheduler ejected a node (``NodeState.eject_cause``); NONE while not ejected."""
 

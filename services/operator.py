@@ -133,16 +133,23 @@ async def _quiet(exc: Exception) -> None:
 
 
 class PermissionWatch:
-    """The connection's error callback: the first permissions violation the server reports
-    (nats-py hands it only to this callback; the publish itself would just time out)."""
+    """The connection's error callback: the first permissions violation of a publish the server
+    reports (nats-py hands it only to this callback; the publish itself would just time out),
+    and apart the first refused subscription (``subscribe_denied``), so that what is reported is
+    the admin publish that was refused, not the subscription to its verdicts made before it."""
 
     def __init__(self) -> None:
         self.violation: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.subscribe_denied: str | None = None
 
     async def error_cb(self, exc: Exception) -> None:  # nats-py wants a coroutine function
-        text = str(exc)
-        if "permissions violation" in text.lower() and not self.violation.done():
-            self.violation.set_result(text.removeprefix("nats: "))
+        text = str(exc).removeprefix("nats: ")
+        if "permissions violation" not in text.lower():
+            return
+        if "for subscription" in text.lower():
+            self.subscribe_denied = self.subscribe_denied or text
+        elif not self.violation.done():
+            self.violation.set_result(text)
 
 
 def permission_error(url: str, subject: str, detail: str) -> OperatorError:
@@ -174,6 +181,10 @@ async def publish_and_wait(url: str, subject: str, payload: bytes, node: str | N
             ack = publish.result()
         except Exception as exc:
             raise OperatorError(f"publish to {subject} failed (is stream LB_EVENTS set up?): {exc}") from None
+        if watch.subscribe_denied is not None:  # published, but the verdict cannot be read with these credentials
+            raise OperatorError(f"{subject} was published (seq {ack.seq}) but its verdict cannot be read: the NATS "
+                                f"server refused {watch.subscribe_denied}; see it with laswrr nodes, or use the "
+                                "operator's credentials: export $(cat <data-dir>/secrets/operator.env)")
         outcome = Outcome(seq=ack.seq, node=node)
         await _fold_until(queue, outcome, time.monotonic() + wait_s)
     finally:
@@ -487,8 +498,8 @@ def run_nodes(args: argparse.Namespace) -> int:
             print(f"laswrr: no pool {args.pool!r} in {sj.WEIGHTS_BUCKET} (pools: {known})", file=sys.stderr)
             return 1
         snapshots = {args.pool: snapshots[args.pool]}
-    if args.json:
-        print(json.dumps(msgspec.to_builtins(snapshots), indent=2))
+    if args.json:  # the shape of one --watch line: {"ts_ms", "pools"}
+        print(json.dumps({"ts_ms": time.time_ns() // 1_000_000, "pools": msgspec.to_builtins(snapshots)}, indent=2))
         return 0
     if not snapshots:
         print("no snapshots yet: register a node (laswrr register NODE --url URL --capacity N)", file=sys.stderr)
@@ -572,7 +583,8 @@ def register(subparsers: Any) -> None:
     nodes = subparsers.add_parser("nodes", help="show each pool's latest snapshot (KV LB_WEIGHTS)",
                                   description="One table per pool: phase, capacity, weights, in-flight, load, sample age.")
     nodes.add_argument("--pool", default=None, help="only this pool")
-    nodes.add_argument("--json", action="store_true", help="print the snapshots as JSON (with --watch: one line each)")
+    nodes.add_argument("--json", action="store_true", help="print {\"ts_ms\": when read, \"pools\": {pool: its snapshot}} as JSON (with --watch: the "
+                            "same object on one line per refresh)")
     nodes.add_argument("--watch", action="store_true",
                        help="refresh in place until Ctrl-C (JSON lines when stdout is not a terminal)")
     nodes.add_argument("--interval-s", type=settings.duration("s"), default=1.0,

@@ -236,6 +236,7 @@ class Stack:
         self.nodes_file: Path | None = None
         self.proxy_url: str | None = None
         self.dashboard_url: str | None = None
+        self.dashboard_error: str | None = None  # why the dashboard did not start (its port taken, ...)
         self.embedded: EmbeddedNats | None = None
         self.cluster: NatsCluster | None = None
         self._cluster_watch: asyncio.Task[None] | None = None
@@ -467,6 +468,12 @@ class Stack:
                                      role="viewer", wait_listening=True)  # read-only credentials
         except StackError as exc:
             log.warning("dashboard not started: %s", exc)
+            self.dashboard_error = str(exc)
+            for dead in [c for c in self.children if c.name == "dashboard"]:  # not listed as running
+                if dead.process.returncode is None:
+                    dead.process.kill()
+                    await dead.process.wait()
+                self.children.remove(dead)
             raise
         assert child.url is not None
         self.dashboard_url = child.url
@@ -599,6 +606,8 @@ def banner(stack: Stack, out: IO[str]) -> None:
             print(f"  {line}", file=out)
     if stack.dashboard_url:
         print(f"  dashboard: {stack.dashboard_url}", file=out)
+    elif stack.dashboard_error:
+        print(f"  dashboard: NOT STARTED: {stack.dashboard_error}", file=out)
     for index, server in enumerate(stack.cluster.nodes if stack.cluster else []):
         pid = server.process.pid if server.process else None
         print(f"  {'nats':<10} {f'nats-{index + 1}':<12} pid {pid}  {server.url}", file=out)

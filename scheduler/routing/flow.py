@@ -426,7 +426,9 @@ class RateLimits:
 
     def charge(self, key: str, limits: KeyLimits, work: int, now: float) -> tuple[RefusalCause, float] | None:
         """Charge one request of ``work`` tokens to ``key``; None when allowed, else the limit
-        it hit and the seconds until it would be allowed (nothing charged)."""
+        it hit and the seconds until it would be allowed (nothing charged). A request of more
+        work than ``tpm`` costs the whole minute: admitted when the bucket is full, never refused
+        for good; ``settle`` then makes the key owe what it used beyond (docs/proxy.md, "Flow control")."""
         checks = []
         if limits.rpm is not None:
             checks.append((RefusalCause.RATE_LIMIT_REQUESTS, "r", limits.rpm, 1.0))

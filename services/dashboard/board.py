@@ -117,6 +117,7 @@ class Board:
     def __init__(self) -> None:
         self.pools: dict[str, _Pool] = {}
         self.node_pool: dict[str, str] = {}
+        self.waiting: dict[str, list[tuple[int, str, str]]] = {}  # node -> marks until its pool is known
         self.npu: dict[str, list[tuple[int, str]]] = {}  # node -> (ts_ns, worst health) at each change
         self.undecodable = 0
         self.held: dict[str, tuple[str, str, int]] = {}  # request id -> (pool, band, queued at) while held
@@ -153,15 +154,34 @@ class Board:
     def _snapshot(self, snapshot: WeightSnapshot) -> list[Push]:
         pool = self._pool(snapshot.pool)
         rows = [row_of(view) for view in snapshot.nodes]
+        pushes: list[Push] = []
         for row in rows:
-            self.node_pool[row["node"]] = snapshot.pool
+            pushes += self._pool_of(row["node"], snapshot.pool)
         entry = _Snapshot(snapshot.ts_ns, snapshot.as_of_seq, snapshot.panic, rows)
         at = bisect_right(pool.snapshot_ts, snapshot.ts_ns)
         pool.snapshot_ts.insert(at, snapshot.ts_ns)
         pool.snapshots.insert(at, entry)
-        return [Push("snapshot", snapshot.pool, self._snapshot_json(entry))]
+        return [Push("snapshot", snapshot.pool, self._snapshot_json(entry)), *pushes]
 
-    def _mark(self, ts_ns: int, node: str | None, kind: str, text: str) -> list[Push]:
+    def _pool_of(self, node: str, pool: str, first: bool = False) -> list[Push]:
+        """``node`` is in ``pool`` (``first``: unless known already); the marks that waited for it go there."""
+        if first and node in self.node_pool:
+            return []
+        self.node_pool[node] = pool
+        pushes = []
+        for ts_ns, kind, text in self.waiting.pop(node, []):
+            pushes += self._mark(ts_ns, node, kind, text)
+        return pushes
+
+    def _mark(self, ts_ns: int, node: str | None, kind: str, text: str, of_node: bool = True) -> list[Push]:
+        """A mark on the chart of ``node``'s pool; a node whose pool is not known yet (its admin
+        events folded before its first snapshot: the two streams are read apart) waits for it,
+        rather than landing on every pool's chart. Marks of no node (``of_node`` False: the
+        scheduler's configuration) and rejections naming an unknown key (a proxy's batch, a typo'd
+        node id) go to every pool."""
+        if node and of_node and node not in self.node_pool:
+            self.waiting.setdefault(node, []).append((ts_ns, kind, text))
+            return []
         pool = self.node_pool.get(node or "", ALL_POOLS)
         targets = list(self.pools) if pool == ALL_POOLS else [pool]
         pushes = []
@@ -171,13 +191,13 @@ class Board:
         return pushes
 
     def _phase(self, ts_ns: int, change: PhaseChanged) -> list[Push]:
-        self.node_pool.setdefault(change.node, change.pool)
+        pushes = self._pool_of(change.node, change.pool, first=True)
         text = f"{change.node}: {change.from_} -> {change.to} ({change.reason})"
-        return self._mark(ts_ns, change.node, PHASE_MARKS.get(change.to, change.to), text)
+        return pushes + self._mark(ts_ns, change.node, PHASE_MARKS.get(change.to, change.to), text)
 
     def _rejected(self, ts_ns: int, rejected: Rejected) -> list[Push]:
-        _, node = sj.split(rejected.subject)
-        return self._mark(ts_ns, node, "rejected", f"{rejected.subject} rejected: {rejected.reason}")
+        _, node = sj.split(rejected.subject)  # a rejection may name a node that never was (a typo): not held
+        return self._mark(ts_ns, node, "rejected", f"{rejected.subject} rejected: {rejected.reason}", of_node=False)
 
     def _finished(self, ts_ns: int, event: RequestFinished | RequestRefused) -> None:
         if isinstance(event, RequestRefused):  # the proxy's own answer: no node, no attempt
@@ -244,8 +264,8 @@ class Board:
             return []
         verb = sj.split(subject)[0].rsplit(".", 1)[-1]
         if isinstance(event, NodeRegistered) and node is not None:
-            self.node_pool.setdefault(node, event.pool)
-            return self._mark(ts_ns, node, "admin", f"{node}: registered (capacity {event.capacity})")
+            pushes = self._pool_of(node, event.pool, first=True)
+            return pushes + self._mark(ts_ns, node, "admin", f"{node}: registered (capacity {event.capacity})")
         if isinstance(event, CapacitySet):
             return self._mark(ts_ns, node, "capacity", f"{node}: capacity set to {event.capacity}")
         return self._mark(ts_ns, node, "admin", f"{node or 'scheduler'}: {verb}")

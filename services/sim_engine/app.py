@@ -654,7 +654,7 @@ def init_app(config: SimConfig) -> web.Application:
     first write, so its slot is freed late.
     """
     config.validate()
-    app = web.Application(middlewares=[refuse_middleware])
+    app = web.Application(middlewares=[refuse_middleware], client_max_size=config.max_body_bytes)
     app[CONFIG_KEY] = config
     app[FAULTS_KEY] = FaultState()
     app[METRICS_KEY] = SimMetrics(config.model_name, config.flavour)

@@ -57,6 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     engine.add_argument("--flavour", choices=FLAVOURS, default=_DEFAULTS.flavour,
                         help="vllm, or mindie: MindIE's /metrics names, /v1/status, /v2/status, /metrics-json "
                              "(default %(default)s)")
+    engine.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes, metavar="N",
+                        help="the largest request body read (default %(default)s: the proxy's --max-body-bytes default)")
     engine.add_argument("--exporter-update-s", type=settings.duration("s"), default=_DEFAULTS.exporter_update_s,
                         help="refresh of the simulated npu-exporter's cache, GET /sim/npu-exporter "
                              "(default %(default)s)")
@@ -75,7 +77,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
                      flavour=args.flavour, exporter_update_s=args.exporter_update_s, pd_role=args.pd_role,
                      pd_protocol=args.pd_protocol, bootstrap_port=args.bootstrap_port,
                      pd_local_prefill=args.pd_local_prefill,
-                     bootstrap_timeout_s=args.bootstrap_timeout_s)
+                     bootstrap_timeout_s=args.bootstrap_timeout_s, max_body_bytes=args.max_body_bytes)
 
 
 async def serve(config: SimConfig) -> None:

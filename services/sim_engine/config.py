@@ -44,6 +44,9 @@ class SimConfig:
     pd_local_prefill: bool = False  # a vllm decode instance serves a request without kv_transfer_params whole
     bootstrap_port: int = 0  # an sglang prefill instance's bootstrap server port (required for one)
     bootstrap_timeout_s: float = 30.0  # sglang: a decode waits this long for its room, a prefill for its decode
+    # the largest request body it reads: the proxy's --max-body-bytes default (4 MiB), so whatever the
+    # proxy lets through reaches the engine (aiohttp's own default, 1 MiB, answered 413 below the proxy's limit)
+    max_body_bytes: int = 4 * 1024 * 1024
 
     @property
     def profile(self) -> ChipProfile:
@@ -57,6 +60,8 @@ class SimConfig:
         self.profile  # noqa: B018 - raises ValueError on an unknown chip
         if self.capacity < 0:
             raise ValueError(f"--capacity must be >= 0, got {self.capacity}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
         if not self.speed > 0:
             raise ValueError(f"--speed must be > 0, got {self.speed}")
         if self.kv_tokens is not None and self.kv_tokens < 1:

@@ -75,12 +75,21 @@ def test_bad_nodes_give_one_line_errors(body: str, message: str) -> None:
     assert str(caught.value) == message
 
 
-def test_warnings_for_unknown_keys_and_ambiguous_shared_hosts() -> None:
+def test_an_unknown_key_is_refused_naming_the_known_ones_and_shared_hosts_warn() -> None:
+    with pytest.raises(NodesConfigError) as refused:  # issue 43 item 26: a typo is never kept and ignored
+        parse("""
+[[node]]
+id = "a"
+url = "http://h:1"
+statusurl = "http://h:1/v1/status"
+""")
+    text = str(refused.value)
+    assert text.startswith("node 'a': unknown key 'statusurl' (did you mean 'status_url'?); a [[node]] takes ")
+    assert "capacity" in text and "npu_exporter" in text
     nodes, warnings = parse("""
 [[node]]
 id = "a"
 url = "http://h:1"
-metric_url = "http://h:1/m"
 npu_smi = "npu-smi info"
 [[node]]
 id = "b"
@@ -90,7 +99,6 @@ npu_ids = [1]
 """)
     assert len(nodes) == 2
     assert warnings == [
-        "node 'a': keys metric_url are not collector or up keys (typo?)",
         "nodes a, b share npu_smi 'npu-smi info' but not all name their npu_ids/chips: those get every chip",
     ]
 

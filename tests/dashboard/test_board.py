@@ -7,7 +7,7 @@ from typing import Any
 
 from laswrr.scheduler.core import Scheduler
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.codec import Envelope, batch_item, batch_payload
+from laswrr.schemas.codec import Envelope, batch_item, batch_payload, encode
 from laswrr.services.dashboard.board import MS, S, Board, percentile
 
 T0 = 1_800_000_000 * S
@@ -177,3 +177,21 @@ def test_queue_depth_per_band_from_queued_to_started_or_refused() -> None:
     log.board.trim(log.ts_ns + 1)  # b1's end never came (its proxy died): forgotten, the depth back to 0
     assert log.board.queue_depth("default", log.ts_ns + 2) == {"interactive": 0, "default": 0, "batch": 0}
     assert log.board.held == {} and log.board.undecodable == 0
+
+
+def test_a_nodes_marks_land_on_its_own_pools_chart_even_before_its_first_snapshot() -> None:
+    """Issue 43 item 22: the dashboard reads LB_EVENTS and LB_OUT apart, so a node's admin events
+    (recorded before the page started) may fold before any snapshot names its pool: they wait for
+    it, instead of landing on every pool's chart."""
+    log = Log()
+    for node, pool in (("d1", "default"), ("p1", "pd")):
+        log.send(sj.admin_node(node), {"url": f"http://{node}:8000", "capacity": 10, "pool": pool})
+    log.ticks(2)
+    board = Board()  # a page started later: the inputs of LB_EVENTS first, then LB_OUT's snapshots
+    board.apply(sj.admin_capacity("p1"), log.ts_ns, b'{"capacity": 4}')
+    board.apply(sj.admin_drain("d1"), log.ts_ns, b"{}")
+    for pool in ("default", "pd"):
+        board.apply(sj.out_snapshot(pool), log.ts_ns, encode(log.core.snapshot(pool)))
+    history = board.history(log.ts_ns + MS, 60)["pools"]
+    assert [m[1:3] for m in history["pd"]["marks"]] == [["p1", "capacity"]]
+    assert [m[1:3] for m in history["default"]["marks"]] == [["d1", "admin"]]

@@ -85,7 +85,7 @@ async def nats_pub(url: str, subject: str, payload: bytes) -> None:
 def node_views(nats_url: str) -> dict[str, dict[str, Any]]:
     result = laswrr("nodes", "--json", "--nats-url", nats_url)
     assert result.returncode == 0, result.stderr
-    return {view["node"]: view for view in json.loads(result.stdout)["default"]["nodes"]}
+    return {view["node"]: view for view in json.loads(result.stdout)["pools"]["default"]["nodes"]}
 
 
 def test_compose_services_route_a_stream_and_follow_a_capacity_drop(tmp_path: Path) -> None:

@@ -97,7 +97,9 @@ async def test_nodes_prints_a_table_per_pool_and_json(nats_url: str, js: JetStre
     assert "pool batch" in out and "pool default" in out and "a1" in out and "b1" in out
     assert "active" in out and "effective" in out and "sample age" in out
     code, out, _ = await laswrr("nodes", "--pool", "batch", "--json", "--nats-url", nats_url)
-    snapshots = json.loads(out)
+    read = json.loads(out)
+    assert set(read) == {"ts_ms", "pools"}  # the shape of a --watch line (issue 43 item 21)
+    snapshots = read["pools"]
     assert list(snapshots) == ["batch"] and snapshots["batch"]["nodes"][0]["node"] == "b1"
     code, _, err = await laswrr("nodes", "--pool", "nope", "--nats-url", nats_url)
     assert code == 1 and "no pool 'nope'" in err

@@ -133,6 +133,8 @@ def test_capacity_with_the_proxy_credentials_reports_the_violation_at_once(up: U
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert "permissions violation" in done.stderr.lower() and "LB_EVENTS" not in done.stderr, done.stderr
     assert f"the NATS server refused lb.admin.capacity.{node}" in done.stderr
+    # the refused admin publish is what is named, not the subscription to lb.out.> made before it (issue 43 item 16)
+    assert f'publish to "lb.admin.capacity.{node}"' in done.stderr.lower() and "subscription" not in done.stderr.lower()
     assert "user 'proxy' may not send admin commands" in done.stderr and "operator.env" in done.stderr
     assert urlsplit(up.url("proxy")).password not in done.stderr
 
@@ -147,6 +149,7 @@ async def test_an_absurd_capacity_is_rejected_and_config_changes_get_a_verdict(u
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert done.stdout.startswith("rejected: capacity 999999999999 for node 'sim-910b-2' is above max_capacity 4096")
     assert "laswrr config max_capacity=" in done.stdout
+    assert "max_capacity=999999999999" not in done.stdout  # never suggests the typo as the new limit (issue 43 item 17)
 
     nc = await nats.connect(up.url("operator"))
     try:

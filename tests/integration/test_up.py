@@ -199,3 +199,31 @@ async def test_up_holds_an_overload_by_default_instead_of_queueing_it_in_the_eng
     finally:
         engine.terminate()
         await engine.wait()
+
+
+# -- issue 43 item 23: a dashboard whose port is taken is said so, never listed as running ----------------
+
+
+async def test_a_dashboard_on_a_taken_port_is_reported_not_listed_with_a_dead_pid(tmp_path: Path, nats_url: str) -> None:
+    import io
+    import socket
+
+    from laswrr.services.up import banner
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    stack = Stack(tmp_path / "data", nats_url=nats_url, secure=False)
+    try:
+        with pytest.raises(StackError):
+            await stack.start_dashboard(port)
+        out = io.StringIO()
+        banner(stack, out)
+    finally:
+        await stack.stop()
+        taken.close()
+    text = out.getvalue()
+    assert "dashboard: NOT STARTED: dashboard exited with 1 before listening" in text, text
+    assert "cannot listen on" in text and not re.search(r"^\s+\S+\s+dashboard\s+pid", text, re.M), text
+    assert not [c for c in stack.children if c.name == "dashboard"]

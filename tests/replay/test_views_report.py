@@ -309,3 +309,88 @@ def test_weights_over_time_shows_the_believed_slots_of_a_silent_capacity_loss(tm
     assert rows[0][2] <= 2.1 < rows[1][2]
     with store.open_read(path) as con:
         assert replay_db(con).identical
+
+
+def test_requests_open_at_a_proxy_that_is_gone_are_interruptions_by_the_recorded_void(tmp_path: Path) -> None:
+    """Issue 43 item 2: a proxy killed (-9) and restarted under its id (a new boot id), and one
+    that falls silent for proxy_timeout_ms, leave their open requests voided by the scheduler
+    (lb.out.voided.<proxy>, replayed byte for byte): the views count them as interruptions
+    (`proxy_gone`), not as open; a live proxy's open request keeps the verdict from "zero"."""
+    from laswrr.replay import report as report_mod
+
+    log = LogBuilder()
+    log.add(sj.ADMIN_CONFIG, {"set": {"proxy_timeout_ms": 1000}})
+    log.node("a", 16)
+    log.tick()
+
+    def start(rid: str, proxy: str, boot: str) -> int:
+        return log.add(sj.req_started("a"), {"request_id": rid, "proxy": proxy, "boot_id": boot})
+
+    for i in range(3):
+        start(f"k{i}", "p1", "A")  # p1 is killed with these three open
+    start("s0", "p2", "C")
+    start("s1", "p2", "C")  # p2 falls silent with these two
+    for i in range(2):
+        start(f"l{i}", "p3", "E")
+    start("live", "p4", "F")
+    replaced = log.add(sj.proxy_heartbeat("p1"), {"inflight": 0, "boot_id": "B"})  # p1 restarted
+    log.add(sj.proxy_heartbeat("p3"), {"inflight": 1, "boot_id": "E"})  # one finished event of p3 was lost
+    for _ in range(12):  # 1.2 s: p2 silent past its timeout; p1, p3 and p4 keep beating
+        log.tick()
+        for proxy, boot, inflight in (("p1", "B", 0), ("p3", "E", 1), ("p4", "F", 1)):
+            log.add(sj.proxy_heartbeat(proxy), {"inflight": inflight, "boot_id": boot})
+    path = tmp_path / "gone.duckdb"
+    log.write_db(path)
+    with store.open_read(path) as con:
+        assert replay_db(con).identical
+        rows = con.execute("SELECT request_id, reason, proxy_stopped_seq FROM interruptions ORDER BY 1").fetchall()
+        causes = dict(con.execute("SELECT attempt_id, cause FROM voided").fetchall())
+        facts = report_mod.gather(con)
+        assert con.execute("SELECT request_id FROM open_requests ORDER BY 1").fetchall() == [("l1",), ("live",)]
+    assert [r[:2] for r in rows] == [(f"k{i}", "proxy_gone") for i in range(3)] + [("s0", "proxy_gone"),
+                                                                                   ("s1", "proxy_gone")]
+    assert {r[2] for r in rows[:3]} == {replaced}
+    assert causes == {"k0": "proxy_replaced", "k1": "proxy_replaced", "k2": "proxy_replaced",
+                      "s0": "proxy_silent", "s1": "proxy_silent", "l0": "finish_lost"}
+    assert (facts["interrupted"], facts["interrupted_proxy_gone"], facts["cut_by_router"], facts["open"],
+            facts["finish_lost"], facts["verdict"], facts["zero_interruptions"]) == (
+        5, 5, 5, 2, 1, "interruptions_found", False)
+
+
+def test_a_log_with_requests_open_on_live_proxies_is_not_zero_interruptions(tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from laswrr.replay import report as report_mod
+
+    log = LogBuilder()
+    log.node("a", 4)
+    log.tick()
+    log.started("a", "q1")
+    log.finished("a", "q1")
+    log.started("a", "q2")  # still streaming when the log was read
+    log.add(sj.proxy_heartbeat("p1"), {"inflight": 1})
+    path = tmp_path / "live.duckdb"
+    log.write_db(path)
+    with store.open_read(path) as con:
+        facts = report_mod.gather(con)
+    assert (facts["interrupted"], facts["open"], facts["verdict"], facts["zero_interruptions"]) == (
+        0, 1, "open_requests", False)
+    report_mod.render(facts)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1 requests still open on live proxies" in out and "zero interruptions" not in out
+
+
+def test_the_report_never_cuts_a_node_id_when_piped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from laswrr.replay import report as report_mod
+
+    node = "sim-910b-2-replacement-in-rack-17-slot-3"  # wider than its column at 80 characters
+    log = LogBuilder()
+    log.node(node, 4)
+    log.tick()
+    log.add(sj.admin_drain(node))
+    log.tick()
+    path = tmp_path / "long.duckdb"
+    log.write_db(path)
+    with store.open_read(path) as con:
+        report_mod.render(report_mod.gather(con))
+    out = capsys.readouterr().out
+    assert node in out and "…" not in out, out

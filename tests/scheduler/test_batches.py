@@ -156,7 +156,7 @@ def test_a_batch_that_does_not_decode_is_one_rejection_and_changes_nothing() -> 
     [output] = scheduler.apply(Envelope(BASE.seq + 1, BASE.ts_ns, sj.req_batch(PROXY), b'{"events": []}'))
     assert msgspec.json.decode(output.data) == {
         "subject": "lb.req.batch.p1", "as_of_seq": BASE.seq + 1, "cause": "invalid_payload",
-        "reason": "invalid req.batch payload: Expected `array` of length >= 1 - at `$.events`"}
+        "reason": "invalid lb.req.batch payload: Expected `array` of length >= 1 - at `$.events`"}
     assert scheduler.state.open_requests == Scheduler.restore(BASE_STATE).state.open_requests
 
 

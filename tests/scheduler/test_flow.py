@@ -285,6 +285,19 @@ def test_a_request_larger_than_the_minute_allowance_is_not_refused_forever() -> 
     assert rates.charge("k", KeyLimits(tpm=100), 5000, 60.0) is None
 
 
+def test_a_request_larger_than_the_tpm_is_admitted_on_a_full_minute_and_its_excess_owed() -> None:
+    """Issue 43 item 20, the documented rule (docs/proxy.md, "Flow control"): admitted only when the
+    key's whole minute is available, charged that minute, and what it really used beyond is owed
+    (the key waits for the bucket to refill)."""
+    rates, limits = RateLimits(), KeyLimits(tpm=100)
+    assert rates.charge("k", limits, 150, 0.0) is None  # the full minute: admitted (charged 100)
+    refused = rates.charge("k", limits, 150, 0.0)
+    assert refused is not None and refused[1] == pytest.approx(60.0)  # the next waits for a full minute again
+    rates.settle("k", limits, charged=150, used=400, now=1.0)  # it used 400 tokens: 300 more than the minute
+    refused = rates.charge("k", limits, 1, 1.0)
+    assert refused is not None and refused[0] is Refused.RATE_TPM and refused[1] == pytest.approx(179.6, abs=0.1)  # (1 + 298.3 owed) at 100 a minute
+
+
 def test_config_is_checked() -> None:
     with pytest.raises(FlowError):
         FlowConfig(bound=0)

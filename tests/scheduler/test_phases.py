@@ -129,7 +129,7 @@ def test_an_unknown_outcome_is_rejected_and_the_request_stays_in_flight() -> Non
     before = _state_but_position(feed)
     outputs = feed.finish("n1", rid, "teleported")
     assert [o.subject for o in outputs] == [sj.OUT_REJECTED]
-    assert rejections(outputs) == ["invalid req.finished payload: Invalid enum value 'teleported' - at `$.outcome`"]
+    assert rejections(outputs) == ["invalid lb.req.finished payload: Invalid enum value 'teleported' - at `$.outcome`"]
     assert _state_but_position(feed) == before and feed.node("n1").inflight == 1
 
 

@@ -165,7 +165,7 @@ def test_config_event_with_bad_keys_or_values_is_rejected_and_changes_nothing() 
         reasons = rejections(feed.send(sj.ADMIN_CONFIG, {"set": changes}))
         assert len(reasons) == 1 and expect in reasons[0], (changes, reasons)
         assert feed.scheduler.config == CFG
-    assert "invalid admin.config_changed payload" in rejections(feed.send(sj.ADMIN_CONFIG, {"w_kv": 0.1}))[0]
+    assert "invalid lb.admin.config payload" in rejections(feed.send(sj.ADMIN_CONFIG, {"w_kv": 0.1}))[0]
 
 
 def test_config_integer_for_a_float_key_is_accepted() -> None:

@@ -71,9 +71,9 @@ def test_one_bad_event_is_reported_alone_with_its_index() -> None:
         (batch_item("proxy.heartbeat", "p2", encode(HEARTBEAT)),
          "event 1 (proxy.heartbeat): a proxy.heartbeat event names no key (its proxy is the batch's), got 'p2'"),
         (batch_item("req.finished", "n1", b'{"request_id": "r2", "proxy": "p1", "outcome": "exploded"}'),
-         "event 1 (lb.req.finished.n1): invalid req.finished payload: Invalid enum value 'exploded' - at `$.outcome`"),
+         "event 1 (lb.req.finished.n1): invalid lb.req.finished payload: Invalid enum value 'exploded' - at `$.outcome`"),
         (batch_item("req.started", "n1", b'{"request_id": ""}'),
-         "event 1 (lb.req.started.n1): invalid req.started payload: Expected `str` of length >= 1"),
+         "event 1 (lb.req.started.n1): invalid lb.req.started payload: Expected `str` of length >= 1"),
     ]
     for bad, reason in bad_items:
         decoded = _decode(batch_payload("b1", 1, [good, bad, good]))
@@ -82,9 +82,9 @@ def test_one_bad_event_is_reported_alone_with_its_index() -> None:
 
 
 @pytest.mark.parametrize("payload, reason", [
-    (b'{"events": []}', "invalid req.batch payload: Expected `array` of length >= 1 - at `$.events`"),
-    (b'{"boot_id": "b1"}', "invalid req.batch payload: Object missing required field `events`"),
-    (b'{"events": [1], "batch": -1}', "invalid req.batch payload: Expected `int` >= 0 - at `$.batch`"),
+    (b'{"events": []}', "invalid lb.req.batch payload: Expected `array` of length >= 1 - at `$.events`"),
+    (b'{"boot_id": "b1"}', "invalid lb.req.batch payload: Object missing required field `events`"),
+    (b'{"events": [1], "batch": -1}', "invalid lb.req.batch payload: Expected `int` >= 0 - at `$.batch`"),
     (b'{"events": [', "payload is not valid JSON"),
 ])
 def test_a_batch_that_does_not_decode_is_one_error(payload: bytes, reason: str) -> None:

@@ -31,7 +31,7 @@ def test_not_json() -> None:
 
 def test_wrong_type() -> None:
     assert _reason("lb.admin.capacity.n1", b'{"capacity": "3"}') == \
-        "invalid admin.capacity_set payload: Expected `int`, got `str` - at `$.capacity`"
+        "invalid lb.admin.capacity payload: Expected `int`, got `str` - at `$.capacity`"
     assert "got `bool`" in _reason("lb.admin.capacity.n1", b'{"capacity": true}')
     assert "got `float`" in _reason("lb.admin.capacity.n1", b'{"capacity": 1.5}')
     assert "Expected `object`, got `array`" in _reason("lb.admin.capacity.n1", b"[1]")
@@ -39,7 +39,7 @@ def test_wrong_type() -> None:
 
 def test_negative_capacity() -> None:
     assert _reason("lb.admin.capacity.n1", b'{"capacity": -1}') == \
-        "invalid admin.capacity_set payload: Expected `int` >= 0 - at `$.capacity`"
+        "invalid lb.admin.capacity payload: Expected `int` >= 0 - at `$.capacity`"
     # registering needs a positive capacity (0 would mean "drain", which needs a node first)
     assert "Expected `int` >= 1" in _reason("lb.admin.node.n1", b'{"url": "http://x", "capacity": 0}')
 
@@ -54,7 +54,7 @@ def test_out_of_range_values() -> None:
 
 def test_missing_field() -> None:
     assert _reason("lb.admin.node.n1", b'{"capacity": 3}') == \
-        "invalid admin.node_registered payload: Object missing required field `url`"
+        "invalid lb.admin.node payload: Object missing required field `url`"
     assert "missing required field `tick`" in _reason("lb.clock.tick", b"")  # empty body = {}
 
 
@@ -69,7 +69,7 @@ def test_unknown_subject_and_bad_tokens() -> None:
 def test_an_unknown_outcome_is_rejected_and_a_known_one_decodes_to_its_word() -> None:
     finished = b'{"request_id": "r1", "proxy": "p1", "outcome": "%s"}'
     assert _reason("lb.req.finished.n1", finished % b"teleported") == \
-        "invalid req.finished payload: Invalid enum value 'teleported' - at `$.outcome`"
+        "invalid lb.req.finished payload: Invalid enum value 'teleported' - at `$.outcome`"
     for outcome in RequestOutcome:
         _, event = decode_event("lb.req.finished.n1", finished % outcome.value.encode())
         assert isinstance(event, ev.RequestFinished) and event.outcome is outcome

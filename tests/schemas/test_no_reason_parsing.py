@@ -35,7 +35,7 @@ PARSING = [
     re.compile(r"'(retried: |drain deadline|unpublishable output)", re.I),
 ]
 # The interruptions view's column ``reason`` is the view's own code (not text): comparing it is fine.
-VIEW_CODES = re.compile(r"reason = '(router_aborted|engine_cut|open_at_proxy_stop|open_at_end)'")
+VIEW_CODES = re.compile(r"reason = '(router_aborted|engine_cut|proxy_gone|open_at_proxy_stop|open_at_end)'")
 
 
 @pytest.mark.parametrize("path", READERS)

@@ -162,3 +162,25 @@ async def test_metrics_show_load_and_queue(make_client: MakeClient, start_engine
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_the_body_limit_follows_the_proxys(engine: RunningServer, http: aiohttp.ClientSession,
+                                                start_engine: StartEngine) -> None:
+    """Issue 43 item 11: a 3 MiB body (under the proxy's 4 MiB --max-body-bytes) is served, not
+    answered aiohttp's plain-text 413 at 1 MiB; over the engine's own limit the 413 is what an
+    engine sends, which the proxy turns into an OpenAI-style error (services/proxy/engine_errors.py)."""
+    import json
+
+    from laswrr.services.proxy.config import ProxyConfig
+    from laswrr.services.proxy.engine_errors import as_openai_error
+    from laswrr.services.sim_engine.config import SimConfig
+
+    assert SimConfig().max_body_bytes == ProxyConfig().max_body_bytes
+    body = {"model": "sim-910B", "max_tokens": 2, "messages": [{"role": "user", "content": "a" * (3 << 20)}]}
+    async with http.post(f"{engine.url}/v1/chat/completions", json=body) as r:  # read whole: its own answer
+        assert r.status != 413 and r.content_type == "application/json", (await r.text())[:300]
+    small = await start_engine(max_body_bytes=1 << 20)
+    async with http.post(f"{small.url}/v1/chat/completions", json=body) as r:
+        status, kind, text = r.status, r.content_type, await r.read()
+    assert status == 413 and kind == "text/plain"
+    assert json.loads(as_openai_error(status, kind, text, dict(r.headers))[0])["error"]["code"] == "request_too_large"
