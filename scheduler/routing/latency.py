@@ -1,0 +1,193 @@
+"""Latency objectives: a request's TTFT/TPOT targets and each node's predicted TTFT/TPOT, pure.
+
+* **Objectives** (``Objective``): a target time to first token and a target time per output
+  token, in milliseconds, from the request's headers (``x-laswrr-ttft-slo-ms``,
+  ``x-laswrr-tpot-slo-ms``) or the proxy's defaults; None: no target (served as before).
+* **The estimate** (``LatencyModel``), learned online per node from what each finished request
+  measured, so chips of different speeds need no table:
+
+      predicted TTFT = (prefill work ahead + the request's uncached prompt) / prefill rate
+      predicted TPOT = a + b x batch   (the node's decode time per token at that batch)
+
+  The prefill rate is the ratio of exponentially weighted sums of the work each request waited
+  for (its node's prefill backlog at the pick plus its own uncached prompt, in tokens) and its
+  measured TTFT; the decode line is an exponentially weighted least-squares fit of each
+  request's (decode time / generated tokens) against the batch it decoded in (its node's
+  in-flight count at the pick). Both forget with a half-life counted in requests
+  (``half_life``), so a node whose speed changes is followed within a few half-lives
+  (tests/scheduler/test_latency.py). A node never measured predicts None: it is never removed.
+* **The filter** (``meets``): a node whose prediction misses the request's target is removed
+  before the policy picks; the weights still spread the load over the nodes that remain.
+
+Like the rest of ``scheduler/`` it reads no clock: times arrive as measured seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from laswrr.scheduler.routing.flow import BANDS
+
+TTFT_HEADER = "x-laswrr-ttft-slo-ms"
+TPOT_HEADER = "x-laswrr-tpot-slo-ms"
+MAX_SLO_MS = 3_600_000.0  # an hour: a target beyond it is a typo
+DEFAULT_HALF_LIFE = 8.0  # requests of one node after which an observation weighs half
+
+
+@dataclass(frozen=True, slots=True)
+class Objective:
+    """A request's latency targets, milliseconds; None: none."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def __bool__(self) -> bool:
+        return self.ttft_ms is not None or self.tpot_ms is not None
+
+
+class SloError(ValueError):
+    """A target header or default the proxy cannot use; the message says which and why."""
+
+
+def _ms(text: str, what: str) -> float | None:
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise SloError(f"{what} must be a positive number of milliseconds (got {text[:40]!r})") from None
+    if not 0 < value <= MAX_SLO_MS:
+        raise SloError(f"{what} must be a positive number of milliseconds up to {MAX_SLO_MS:.0f} (got {text[:40]!r})")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class SloDefaults:
+    """The targets of a request that sends no header: its API key's, else its band's (``--slo-default``)."""
+
+    bands: Mapping[int, Objective] = field(default_factory=dict)
+    keys: Mapping[str, Objective] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, specs: Iterable[str]) -> SloDefaults:
+        """``BAND=TTFT/TPOT`` or ``key:NAME=TTFT/TPOT`` (milliseconds; either may be empty):
+        ``interactive=1000/50``, ``batch=10000/``, ``key:etl=/200``."""
+        bands: dict[int, Objective] = {}
+        keys: dict[str, Objective] = {}
+        for spec in specs:
+            scope, eq, figures = spec.partition("=")
+            ttft, slash, tpot = figures.partition("/")
+            if not eq or not scope.strip():
+                raise SloError(f"--slo-default {spec!r}: use BAND=TTFT_MS/TPOT_MS or key:NAME=TTFT_MS/TPOT_MS")
+            objective = Objective(_ms(ttft, f"--slo-default {spec!r}: TTFT"),
+                                  _ms(tpot, f"--slo-default {spec!r}: TPOT") if slash else None)
+            scope = scope.strip()
+            if scope.startswith("key:"):
+                keys[scope[4:]] = objective
+            elif scope in BANDS:
+                bands[BANDS.index(scope)] = objective
+            else:
+                raise SloError(f"--slo-default {spec!r}: scope must be one of {', '.join(BANDS)} or key:NAME")
+        return cls(bands, keys)
+
+    def objective(self, ttft_header: str | None, tpot_header: str | None, band: int,
+                  key_name: str | None) -> Objective | None:
+        """The request's targets: each header, else the key's default, else the band's; None: none."""
+        base = self.keys.get(key_name) if key_name is not None else None
+        if base is None:
+            base = self.bands.get(band, Objective())
+        ttft = _ms(ttft_header, TTFT_HEADER) if ttft_header is not None else None
+        tpot = _ms(tpot_header, TPOT_HEADER) if tpot_header is not None else None
+        objective = Objective(base.ttft_ms if ttft is None else ttft, base.tpot_ms if tpot is None else tpot)
+        return objective or None
+
+
+@dataclass(slots=True)
+class _Node:
+    work: float = 0.0  # EW sum of prefill work (tokens)
+    waited: float = 0.0  # EW sum of TTFT (seconds)
+    n: float = 0.0  # EW weights of the decode fit
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One node's predicted figures for one request (seconds); None: not measured yet."""
+
+    ttft_s: float | None
+    tpot_s: float | None
+
+
+@dataclass(slots=True)
+class LatencyModel:
+    half_life: float = DEFAULT_HALF_LIFE
+    _nodes: dict[str, _Node] = field(default_factory=dict)
+
+    @property
+    def _keep(self) -> float:
+        return 0.5 ** (1.0 / self.half_life)
+
+    def observe_prefill(self, node: str, work_tokens: int, ttft_s: float) -> None:
+        """A request on ``node`` waited ``ttft_s`` for ``work_tokens`` of prefill (the backlog
+        ahead of it at its pick plus its own uncached prompt)."""
+        if work_tokens <= 0 or ttft_s <= 0:
+            return
+        state = self._nodes.setdefault(node, _Node())
+        keep = self._keep
+        state.work = state.work * keep + work_tokens
+        state.waited = state.waited * keep + ttft_s
+
+    def observe_decode(self, node: str, batch: int, tokens: int, decode_s: float) -> None:
+        """A request on ``node`` generated ``tokens`` in ``decode_s`` after its first token, in a
+        batch of ``batch`` requests."""
+        if tokens <= 1 or decode_s <= 0:
+            return
+        state = self._nodes.setdefault(node, _Node())
+        keep, x, y = self._keep, float(max(batch, 1)), decode_s / (tokens - 1)
+        state.n = state.n * keep + 1.0
+        state.sx = state.sx * keep + x
+        state.sy = state.sy * keep + y
+        state.sxx = state.sxx * keep + x * x
+        state.sxy = state.sxy * keep + x * y
+
+    def prefill_rate(self, node: str) -> float | None:
+        """Tokens per second of prefill work; None: not measured."""
+        state = self._nodes.get(node)
+        if state is None or state.waited <= 0:
+            return None
+        return state.work / state.waited
+
+    def ttft(self, node: str, work_tokens: int) -> float | None:
+        rate = self.prefill_rate(node)
+        return None if rate is None else max(work_tokens, 0) / rate
+
+    def tpot(self, node: str, batch: int) -> float | None:
+        state = self._nodes.get(node)
+        if state is None or state.n <= 0:
+            return None
+        mean_x, mean_y = state.sx / state.n, state.sy / state.n
+        var = state.sxx / state.n - mean_x * mean_x
+        slope = 0.0
+        if var > 1e-9:
+            slope = max(0.0, (state.sxy / state.n - mean_x * mean_y) / var)
+        return max(0.0, mean_y + slope * (max(batch, 1) - mean_x))
+
+    def predict(self, node: str, work_tokens: int, batch: int) -> Prediction:
+        return Prediction(self.ttft(node, work_tokens), self.tpot(node, batch))
+
+    def forget(self, node: str) -> None:
+        self._nodes.pop(node, None)
+
+
+def meets(prediction: Prediction, objective: Objective) -> bool:
+    """The prediction meets every target the objective sets (an unmeasured figure meets any)."""
+    if objective.ttft_ms is not None and prediction.ttft_s is not None and prediction.ttft_s * 1000 > objective.ttft_ms:
+        return False
+    if objective.tpot_ms is not None and prediction.tpot_s is not None and prediction.tpot_s * 1000 > objective.tpot_ms:
+        return False
+    return True
