@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from laswrr.scheduler.routing.flow import BANDS
+from laswrr.schemas.words import Band
 
 TTFT_HEADER = "x-laswrr-ttft-slo-ms"
 TPOT_HEADER = "x-laswrr-tpot-slo-ms"
@@ -67,14 +67,14 @@ def _ms(text: str, what: str) -> float | None:
 class SloDefaults:
     """The targets of a request that sends no header: its API key's, else its band's (``--slo-default``)."""
 
-    bands: Mapping[int, Objective] = field(default_factory=dict)
+    bands: Mapping[Band, Objective] = field(default_factory=dict)
     keys: Mapping[str, Objective] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, specs: Iterable[str]) -> SloDefaults:
         """``BAND=TTFT/TPOT`` or ``key:NAME=TTFT/TPOT`` (milliseconds; either may be empty):
         ``interactive=1000/50``, ``batch=10000/``, ``key:etl=/200``."""
-        bands: dict[int, Objective] = {}
+        bands: dict[Band, Objective] = {}
         keys: dict[str, Objective] = {}
         for spec in specs:
             scope, eq, figures = spec.partition("=")
@@ -86,13 +86,13 @@ class SloDefaults:
             scope = scope.strip()
             if scope.startswith("key:"):
                 keys[scope[4:]] = objective
-            elif scope in BANDS:
-                bands[BANDS.index(scope)] = objective
+            elif scope in Band.__members__.values():
+                bands[Band(scope)] = objective
             else:
-                raise SloError(f"--slo-default {spec!r}: scope must be one of {', '.join(BANDS)} or key:NAME")
+                raise SloError(f"--slo-default {spec!r}: scope must be one of {', '.join(Band)} or key:NAME")
         return cls(bands, keys)
 
-    def objective(self, ttft_header: str | None, tpot_header: str | None, band: int,
+    def objective(self, ttft_header: str | None, tpot_header: str | None, band: Band,
                   key_name: str | None) -> Objective | None:
         """The request's targets: each header, else the key's default, else the band's; None: none."""
         base = self.keys.get(key_name) if key_name is not None else None
@@ -191,3 +191,20 @@ def meets(prediction: Prediction, objective: Objective) -> bool:
     if objective.tpot_ms is not None and prediction.tpot_s is not None and prediction.tpot_s * 1000 > objective.tpot_ms:
         return False
     return True
+
+
+def slo_fields(objective: Objective | None, predicted: Prediction | None = None) -> dict[str, float]:
+    """The objective's (and the prediction's) fields of ``lb.req.started`` / ``lb.req.refused``:
+    only those set, so an event without them keeps its bytes."""
+    fields: dict[str, float] = {}
+    if objective is not None:
+        if objective.ttft_ms is not None:
+            fields["ttft_slo_ms"] = objective.ttft_ms
+        if objective.tpot_ms is not None:
+            fields["tpot_slo_ms"] = objective.tpot_ms
+    if predicted is not None:
+        if predicted.ttft_s is not None:
+            fields["predicted_ttft_ms"] = round(predicted.ttft_s * 1000, 1)
+        if predicted.tpot_s is not None:
+            fields["predicted_tpot_ms"] = round(predicted.tpot_s * 1000, 1)
+    return fields

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from laswrr.scheduler.routing.flow import BATCH, DEFAULT, INTERACTIVE
+from laswrr.schemas.words import Band
 from laswrr.scheduler.routing.latency import LatencyModel, Objective, Prediction, SloDefaults, SloError, meets
 from laswrr.scheduler.routing.prompt import RequestSize
 from laswrr.scheduler.routing.router import DEFAULT_POOL, AdmitRequest, Admission, Refusal, Router
@@ -110,15 +110,15 @@ def test_a_target_no_node_can_meet_is_refused_at_once_with_its_figures() -> None
 
 def test_headers_win_over_the_key_default_over_the_band_default() -> None:
     defaults = SloDefaults.parse(["interactive=1000/50", "batch=10000/", "key:etl=/200"])
-    assert defaults.objective(None, None, INTERACTIVE, None) == Objective(1000, 50)
-    assert defaults.objective(None, None, BATCH, None) == Objective(10000, None)
-    assert defaults.objective(None, None, DEFAULT, None) is None  # served as before
-    assert defaults.objective(None, None, INTERACTIVE, "etl") == Objective(None, 200)
-    assert defaults.objective("500", None, BATCH, None) == Objective(500, None)
-    assert defaults.objective(None, "40", DEFAULT, None) == Objective(None, 40)
+    assert defaults.objective(None, None, Band.INTERACTIVE, None) == Objective(1000, 50)
+    assert defaults.objective(None, None, Band.BATCH, None) == Objective(10000, None)
+    assert defaults.objective(None, None, Band.DEFAULT, None) is None  # served as before
+    assert defaults.objective(None, None, Band.INTERACTIVE, "etl") == Objective(None, 200)
+    assert defaults.objective("500", None, Band.BATCH, None) == Objective(500, None)
+    assert defaults.objective(None, "40", Band.DEFAULT, None) == Objective(None, 40)
     for bad in ("soon", "-1", "0", "1e12"):
         with pytest.raises(SloError, match="x-laswrr-ttft-slo-ms"):
-            defaults.objective(bad, None, DEFAULT, None)
+            defaults.objective(bad, None, Band.DEFAULT, None)
     for spec in ("fast=1/2", "interactive", "interactive=x/"):
         with pytest.raises(SloError, match="--slo-default"):
             SloDefaults.parse([spec])
