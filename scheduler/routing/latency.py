@@ -65,7 +65,7 @@ def _ms(text: str, what: str) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class SloDefaults:
-    """The targets of a request that sends no header: its API key's, else its band's (``--slo-default``)."""
+    """The targets of a request that sends no header: its API key's, else its band's (``--slo-defaults``)."""
 
     bands: Mapping[Band, Objective] = field(default_factory=dict)
     keys: Mapping[str, Objective] = field(default_factory=dict)
@@ -80,16 +80,16 @@ class SloDefaults:
             scope, eq, figures = spec.partition("=")
             ttft, slash, tpot = figures.partition("/")
             if not eq or not scope.strip():
-                raise SloError(f"--slo-default {spec!r}: use BAND=TTFT_MS/TPOT_MS or key:NAME=TTFT_MS/TPOT_MS")
-            objective = Objective(_ms(ttft, f"--slo-default {spec!r}: TTFT"),
-                                  _ms(tpot, f"--slo-default {spec!r}: TPOT") if slash else None)
+                raise SloError(f"--slo-defaults {spec!r}: use BAND=TTFT_MS/TPOT_MS or key:NAME=TTFT_MS/TPOT_MS")
+            objective = Objective(_ms(ttft, f"--slo-defaults {spec!r}: TTFT"),
+                                  _ms(tpot, f"--slo-defaults {spec!r}: TPOT") if slash else None)
             scope = scope.strip()
             if scope.startswith("key:"):
                 keys[scope[4:]] = objective
             elif scope in Band.__members__.values():
                 bands[Band(scope)] = objective
             else:
-                raise SloError(f"--slo-default {spec!r}: scope must be one of {', '.join(Band)} or key:NAME")
+                raise SloError(f"--slo-defaults {spec!r}: scope must be one of {', '.join(Band)} or key:NAME")
         return cls(bands, keys)
 
     def objective(self, ttft_header: str | None, tpot_header: str | None, band: Band,

@@ -120,7 +120,7 @@ def test_headers_win_over_the_key_default_over_the_band_default() -> None:
         with pytest.raises(SloError, match="x-laswrr-ttft-slo-ms"):
             defaults.objective(bad, None, Band.DEFAULT, None)
     for spec in ("fast=1/2", "interactive", "interactive=x/"):
-        with pytest.raises(SloError, match="--slo-default"):
+        with pytest.raises(SloError, match="--slo-defaults"):
             SloDefaults.parse([spec])
 
 
