@@ -6,14 +6,14 @@
 * **The estimate** (``LatencyModel``), learned online per node from what each finished request
   measured, so chips of different speeds need no table:
 
-      predicted TTFT = (prefill work ahead + the request's uncached prompt) / prefill rate
+      predicted TTFT = c + (prefill work ahead + the request's uncached prompt) / prefill rate
       predicted TPOT = a + b x batch   (the node's decode time per token at that batch)
 
-  The prefill rate is the ratio of exponentially weighted sums of the work each request waited
-  for (its node's prefill backlog at the pick plus its own uncached prompt, in tokens) and its
-  measured TTFT; the decode line is an exponentially weighted least-squares fit of each
-  request's (decode time / generated tokens) against the batch it decoded in (its node's
-  in-flight count at the pick). Both forget with a half-life counted in requests
+  Both are exponentially weighted least-squares lines: the TTFT each request measured against
+  the work it waited for (its node's prefill backlog at the pick plus its own uncached prompt, in
+  tokens; the intercept ``c`` is the engine's fixed cost per request), and each request's decode
+  time per generated token against the batch it decoded in (its node's in-flight count at the
+  pick). Both forget with a half-life counted in requests
   (``half_life``), so a node whose speed changes is followed within a few half-lives
   (tests/scheduler/test_latency.py). A node never measured predicts None: it is never removed.
 * **The filter** (``meets``): a node whose prediction misses the request's target is removed
@@ -105,14 +105,42 @@ class SloDefaults:
 
 
 @dataclass(slots=True)
-class _Node:
-    work: float = 0.0  # EW sum of prefill work (tokens)
-    waited: float = 0.0  # EW sum of TTFT (seconds)
-    n: float = 0.0  # EW weights of the decode fit
+class _Line:
+    """An exponentially weighted least-squares line ``y = a + b x`` (b >= 0, a >= 0)."""
+
+    n: float = 0.0
     sx: float = 0.0
     sy: float = 0.0
     sxx: float = 0.0
     sxy: float = 0.0
+
+    def add(self, keep: float, x: float, y: float) -> None:
+        self.n = self.n * keep + 1.0
+        self.sx = self.sx * keep + x
+        self.sy = self.sy * keep + y
+        self.sxx = self.sxx * keep + x * x
+        self.sxy = self.sxy * keep + x * y
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b); None: no observation. With too little spread in x, the line through the origin
+        and the mean (a prefill rate) or a flat line (a decode time)."""
+        if self.n <= 0:
+            return None
+        mean_x, mean_y = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mean_x * mean_x
+        if var > 1e-9 * max(1.0, mean_x * mean_x):
+            slope = (self.sxy / self.n - mean_x * mean_y) / var
+            if slope >= 0 and mean_y - slope * mean_x >= 0:
+                return mean_y - slope * mean_x, slope
+        if mean_x > 0 and self.sxx > 0:  # through the origin
+            return 0.0, max(0.0, self.sxy / self.sxx)
+        return mean_y, 0.0
+
+
+@dataclass(slots=True)
+class _Node:
+    prefill: _Line = field(default_factory=_Line)  # TTFT (s) against the prefill work (tokens)
+    decode: _Line = field(default_factory=_Line)  # time per output token (s) against the batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,47 +163,32 @@ class LatencyModel:
     def observe_prefill(self, node: str, work_tokens: int, ttft_s: float) -> None:
         """A request on ``node`` waited ``ttft_s`` for ``work_tokens`` of prefill (the backlog
         ahead of it at its pick plus its own uncached prompt)."""
-        if work_tokens <= 0 or ttft_s <= 0:
+        if work_tokens < 0 or ttft_s <= 0:
             return
-        state = self._nodes.setdefault(node, _Node())
-        keep = self._keep
-        state.work = state.work * keep + work_tokens
-        state.waited = state.waited * keep + ttft_s
+        self._nodes.setdefault(node, _Node()).prefill.add(self._keep, float(work_tokens), ttft_s)
 
     def observe_decode(self, node: str, batch: int, tokens: int, decode_s: float) -> None:
         """A request on ``node`` generated ``tokens`` in ``decode_s`` after its first token, in a
         batch of ``batch`` requests."""
         if tokens <= 1 or decode_s <= 0:
             return
-        state = self._nodes.setdefault(node, _Node())
-        keep, x, y = self._keep, float(max(batch, 1)), decode_s / (tokens - 1)
-        state.n = state.n * keep + 1.0
-        state.sx = state.sx * keep + x
-        state.sy = state.sy * keep + y
-        state.sxx = state.sxx * keep + x * x
-        state.sxy = state.sxy * keep + x * y
+        self._nodes.setdefault(node, _Node()).decode.add(self._keep, float(max(batch, 1)), decode_s / (tokens - 1))
 
     def prefill_rate(self, node: str) -> float | None:
-        """Tokens per second of prefill work; None: not measured."""
+        """Tokens per second of prefill work (the fit's slope); None: not measured."""
         state = self._nodes.get(node)
-        if state is None or state.waited <= 0:
-            return None
-        return state.work / state.waited
+        line = None if state is None else state.prefill.fit()
+        return None if line is None or line[1] <= 0 else 1.0 / line[1]
 
     def ttft(self, node: str, work_tokens: int) -> float | None:
-        rate = self.prefill_rate(node)
-        return None if rate is None else max(work_tokens, 0) / rate
+        state = self._nodes.get(node)
+        line = None if state is None else state.prefill.fit()
+        return None if line is None else line[0] + line[1] * max(work_tokens, 0)
 
     def tpot(self, node: str, batch: int) -> float | None:
         state = self._nodes.get(node)
-        if state is None or state.n <= 0:
-            return None
-        mean_x, mean_y = state.sx / state.n, state.sy / state.n
-        var = state.sxx / state.n - mean_x * mean_x
-        slope = 0.0
-        if var > 1e-9:
-            slope = max(0.0, (state.sxy / state.n - mean_x * mean_y) / var)
-        return max(0.0, mean_y + slope * (max(batch, 1) - mean_x))
+        line = None if state is None else state.decode.fit()
+        return None if line is None else line[0] + line[1] * max(batch, 1)
 
     def predict(self, node: str, work_tokens: int, batch: int) -> Prediction:
         return Prediction(self.ttft(node, work_tokens), self.tpot(node, batch))

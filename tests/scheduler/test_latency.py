@@ -26,25 +26,25 @@ def snap(*nodes: NodeView) -> WeightSnapshot:
     return WeightSnapshot(pool=DEFAULT_POOL, as_of_seq=1, tick=1, ts_ns=0, panic=False, nodes=list(nodes))
 
 
-def simulate(model: LatencyModel, node: str, rate: float, tpot: float, requests: int) -> None:
-    """``requests`` measured on a node prefilling ``rate`` tokens/s and decoding at ``tpot`` s a token
-    (plus 1 ms a token per request of its batch), with varied prompts and batches."""
+def simulate(model: LatencyModel, node: str, rate: float, tpot: float, requests: int, fixed: float = 0.0) -> None:
+    """``requests`` measured on a node prefilling ``rate`` tokens/s after a ``fixed`` cost and decoding at
+    ``tpot`` s a token (plus 1 ms a token per request of its batch), with varied prompts and batches."""
     for i in range(requests):
         work, batch, tokens = 200 + (i * 977) % 3000, 1 + i % 7, 50 + i % 40
-        model.observe_prefill(node, work, work / rate)
+        model.observe_prefill(node, work, fixed + work / rate)
         model.observe_decode(node, batch, tokens, (tokens - 1) * (tpot + 0.001 * batch))
 
 
 def test_the_estimate_converges_on_a_node_whose_speed_changes_mid_run() -> None:
     model = LatencyModel()
     assert model.ttft("n", 1000) is None and model.tpot("n", 1) is None  # never measured: no prediction
-    simulate(model, "n", rate=4000.0, tpot=0.020, requests=40)
-    assert abs(model.ttft("n", 4000) - 1.0) < 0.01
+    simulate(model, "n", rate=4000.0, tpot=0.020, requests=40, fixed=0.15)
+    assert abs(model.ttft("n", 4000) - 1.15) < 0.01 and abs(model.ttft("n", 0) - 0.15) < 0.01
     assert abs(model.tpot("n", 4) - 0.024) < 0.001
-    simulate(model, "n", rate=1000.0, tpot=0.040, requests=3)  # just changed: still mostly the old node
+    simulate(model, "n", rate=1000.0, tpot=0.040, requests=3, fixed=0.15)  # just changed: still mostly the old node
     assert model.ttft("n", 4000) < 3.0
-    simulate(model, "n", rate=1000.0, tpot=0.040, requests=40)  # five half-lives later
-    assert abs(model.ttft("n", 4000) - 4.0) / 4.0 < 0.05
+    simulate(model, "n", rate=1000.0, tpot=0.040, requests=40, fixed=0.15)  # five half-lives later
+    assert abs(model.ttft("n", 4000) - 4.15) / 4.15 < 0.05
     assert abs(model.tpot("n", 4) - 0.044) / 0.044 < 0.05
     assert abs(model.tpot("n", 1) - 0.041) / 0.041 < 0.05  # the batch slope is kept
 
