@@ -158,9 +158,11 @@ class Admitter:
         backlog = load.work_backlog()
         left = [n for n in picker.targets if n not in exclude]
         missed: dict[str, Prediction] = {}
+        output = request.size.max_tokens if request.size is not None and request.size.max_tokens else 0
         for node in left:
             uncached = self._uncached(node, request, affinity)
-            prediction = latency.predict(node, backlog.get(node, 0) + uncached, load.load.get(node, 0) + 1)
+            prediction = latency.predict(node, backlog.get(node, 0) + uncached, load.load.get(node, 0) + 1,
+                                         backlog.get(node, 0), output)
             if not meets(prediction, objective):
                 missed[node] = prediction
         if not left or len(missed) < len(left):

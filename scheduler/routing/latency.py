@@ -7,7 +7,10 @@
   measured, so chips of different speeds need no table:
 
       predicted TTFT = c + (prefill work ahead + the request's uncached prompt) / prefill rate
-      predicted TPOT = a + b x batch   (the node's decode time per token at that batch)
+      predicted TPOT = a + b x batch + (prefill work ahead / prefill rate) / output tokens
+
+  (the node's decode time per token at that batch, plus the stall of the prompts it prefills
+  meanwhile, an engine's prefill step holding its batch's decode, spread over the request's output).
 
   Both are exponentially weighted least-squares lines: the TTFT each request measured against
   the work it waited for (its node's prefill backlog at the pick plus its own uncached prompt, in
@@ -190,8 +193,15 @@ class LatencyModel:
         line = None if state is None else state.decode.fit()
         return None if line is None else line[0] + line[1] * max(batch, 1)
 
-    def predict(self, node: str, work_tokens: int, batch: int) -> Prediction:
-        return Prediction(self.ttft(node, work_tokens), self.tpot(node, batch))
+    def predict(self, node: str, work_tokens: int, batch: int, stall_tokens: int = 0, output: int = 0) -> Prediction:
+        """TTFT after ``work_tokens`` of prefill; TPOT in a batch of ``batch``, plus, for a request
+        of ``output`` tokens, the stall of the ``stall_tokens`` other prompts the node prefills
+        meanwhile (an engine's prefill step holds its batch's decode) spread over its tokens."""
+        tpot = self.tpot(node, batch)
+        rate = self.prefill_rate(node)
+        if tpot is not None and stall_tokens > 0 and output > 1 and rate is not None:
+            tpot += stall_tokens / rate / (output - 1)
+        return Prediction(self.ttft(node, work_tokens), tpot)
 
     def forget(self, node: str) -> None:
         self._nodes.pop(node, None)
