@@ -226,9 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loads", default=",".join(map(str, LOADS)))
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--interactive-tpot-ms", type=float, default=CLASSES["interactive"].tpot_ms,
+                        help="the interactive class's TPOT target (default %(default)s)")
     args = parser.parse_args(argv)
+    CLASSES["interactive"] = Objective(CLASSES["interactive"].ttft_ms, args.interactive_tpot_ms)
     summaries = []
-    print(f"pool capacity {capacity_rps():.3f} requests/s; {args.requests} requests per run, seed {args.seed}")
+    print(f"pool capacity {capacity_rps():.3f} requests/s; {args.requests} requests per run, seed {args.seed}; "
+          f"classes {CLASSES}")
     print(f"{'load':>4} {'row':<20} {'int good/s':>10} {'int share':>9} {'int TTFT p50/p99':>18} "
           f"{'int TPOT p50/p99':>18} {'bat good/s':>10} {'bat TTFT p50/p99':>18} {'refused':>7} {'est err p50/p90':>16}")
     for load in (float(x) for x in args.loads.split(",")):

@@ -231,3 +231,37 @@ def slo_fields(objective: Objective | None, predicted: Prediction | None = None)
         if predicted.tpot_s is not None:
             fields["predicted_tpot_ms"] = round(predicted.tpot_s * 1000, 1)
     return fields
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSignals:
+    """What an autoscaler reads of one pool (the proxy's ``laswrr_pool_*`` gauges): ``saturation``,
+    in flight over the routable nodes' slot limits (their ``concurrency_limit``, else capacity);
+    ``backlog_s``, the prefill backlog in seconds of the pool's measured prefill throughput (None:
+    no rate measured); ``predicted_ttft_s``, the soonest first token a short request could get
+    (the least of the measured nodes' predictions; None: none measured)."""
+
+    saturation: float
+    backlog_s: float | None
+    predicted_ttft_s: float | None
+
+
+def pool_signals(nodes: Iterable[tuple[str, int]], load: Mapping[str, int], backlog: Mapping[str, int],
+                 model: LatencyModel | None) -> PoolSignals:
+    """``nodes``: each routable node and its slot limit."""
+    inflight = limit = 0
+    tokens, rate = 0, 0.0
+    soonest: float | None = None
+    for node, slots in nodes:
+        inflight += load.get(node, 0)
+        limit += slots
+        tokens += backlog.get(node, 0)
+        if model is None:
+            continue
+        node_rate = model.prefill_rate(node)
+        if node_rate is not None:
+            rate += node_rate
+        ttft = model.ttft(node, backlog.get(node, 0))
+        if ttft is not None and (soonest is None or ttft < soonest):
+            soonest = ttft
+    return PoolSignals(inflight / limit if limit else 0.0, tokens / rate if rate > 0 else None, soonest)

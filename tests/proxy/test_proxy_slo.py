@@ -46,3 +46,9 @@ async def test_targets_are_recorded_and_an_unmeetable_one_is_refused_at_once(
     assert unmeetable["cause"] == "slo_unmeetable" and unmeetable["status"] == 429
     assert unmeetable["ttft_slo_ms"] == 0.001 and unmeetable["predicted_ttft_ms"] > 0.001
     assert bad["cause"] == "invalid_header"
+
+    async with http.get(proxy.url + "/metrics") as response:  # the autoscaling gauges, from the same estimate
+        metrics = await response.text()
+    assert 'laswrr_pool_saturation{pool="default"} 0.0' in metrics
+    assert 'laswrr_pool_predicted_ttft_seconds{pool="default"}' in metrics
+    assert 'laswrr_pool_token_backlog_seconds{pool="default"} 0.0' in metrics

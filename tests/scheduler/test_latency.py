@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from laswrr.schemas.words import Band
-from laswrr.scheduler.routing.latency import LatencyModel, Objective, Prediction, SloDefaults, SloError, meets
+from laswrr.scheduler.routing.latency import (LatencyModel, Objective, PoolSignals, Prediction, SloDefaults, SloError, meets,
+                                             pool_signals)
 from laswrr.scheduler.routing.prompt import RequestSize
 from laswrr.scheduler.routing.router import DEFAULT_POOL, AdmitRequest, Admission, Refusal, Router
 from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
@@ -149,3 +150,14 @@ def test_observed_teaches_the_node_the_admission_was_bound_to() -> None:
     router.admitter.observed(admission, 0.5, 101, 2.5)
     assert abs(model.prefill_rate("a") - 6000.0) < 1e-6
     assert abs(model.tpot("a", 1) - 0.02) < 1e-9
+
+
+def test_pool_signals_for_autoscalers() -> None:
+    model = LatencyModel()
+    simulate(model, "c", rate=8000.0, tpot=0.02, requests=20)
+    simulate(model, "b", rate=4000.0, tpot=0.02, requests=20)
+    signals = pool_signals([("c", 10), ("b", 10)], {"c": 10, "b": 5}, {"c": 24000, "b": 0}, model)
+    assert signals.saturation == 0.75
+    assert abs(signals.backlog_s - 2.0) < 0.01  # 24 000 tokens at 12 000 tokens/s
+    assert abs(signals.predicted_ttft_s - 0.0) < 0.01  # b is idle
+    assert pool_signals([("x", 4)], {}, {}, None) == PoolSignals(0.0, None, None)
