@@ -161,3 +161,29 @@ def test_pool_signals_for_autoscalers() -> None:
     assert abs(signals.backlog_s - 2.0) < 0.01  # 24 000 tokens at 12 000 tokens/s
     assert abs(signals.predicted_ttft_s - 0.0) < 0.01  # b is idle
     assert pool_signals([("x", 4)], {}, {}, None) == PoolSignals(0.0, None, None)
+
+
+@pytest.mark.parametrize("affinity", ["prefix", "none"])
+def test_without_objectives_the_picks_are_todays(affinity: str) -> None:
+    """The estimate only ever removes nodes for a request with an objective: without one, a router
+    with the estimate picks exactly as one without it."""
+    from laswrr.scheduler.routing.router import scorer_for
+    routers = [Router("la-swrr", 11, scorer=scorer_for(affinity), latency=latency)
+               for latency in (None, LatencyModel())]
+    picks: list[list[str]] = [[], []]
+    for router, seen in zip(routers, picks):
+        router.table.offer(snap(node("a", 2.0), node("b", 1.0), node("c", 1.0)), 0.0)
+        live: list[Admission] = []
+        for i in range(200):
+            result = router.admitter.admit(AdmitRequest(DEFAULT_POOL, prompt=f"p{i % 7} ".encode() * (50 + i % 30),
+                                                        size=RequestSize(100 + i % 500, 64)))
+            assert isinstance(result, Admission)
+            seen.append(result.node)
+            live.append(result)
+            if i % 3 == 0:
+                router.admitter.prefilled(live[0])
+            if len(live) > 6:
+                done = live.pop(0)
+                router.admitter.release(done)
+                router.admitter.observed(done, 0.2 + i % 5 / 10, 64, 2.0)
+    assert picks[0] == picks[1]
