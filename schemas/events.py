@@ -200,6 +200,10 @@ class RequestStarted(Event, frozen=True, kw_only=True):
     # A P/D pool's leg (prefill or decode: one request, two attempts); absent for a whole request,
     # so a proxy's events without roles keep their bytes (docs/proxy.md, "Prefill/decode pairs")
     role: NodeRole | UnsetType = UNSET
+    # the request's latency objectives (x-laswrr-ttft-slo-ms / x-laswrr-tpot-slo-ms or the proxy's
+    # --slo-default), absent without one, so a request without objectives keeps its bytes
+    ttft_slo_ms: NonNegFloat | UnsetType = UNSET
+    tpot_slo_ms: NonNegFloat | UnsetType = UNSET
 
 
 class RequestFinished(Event, frozen=True, kw_only=True):
@@ -242,6 +246,11 @@ class RequestRefused(Event, frozen=True, kw_only=True):
     error: Annotated[str, Meta(max_length=512)] | None = None
     ts_ns: int | None = None
     boot_id: Name | None = None
+    # slo_unmeetable: the request's targets and the best prediction among the pool's nodes (absent otherwise)
+    ttft_slo_ms: NonNegFloat | UnsetType = UNSET
+    tpot_slo_ms: NonNegFloat | UnsetType = UNSET
+    predicted_ttft_ms: NonNegFloat | UnsetType = UNSET
+    predicted_tpot_ms: NonNegFloat | UnsetType = UNSET
 
 
 class RequestQueued(Event, frozen=True, kw_only=True):

@@ -39,5 +39,6 @@ ANSWERS: dict[C, Answer] = {
     C.QUEUE_TIMEOUT: Answer(429, "requests", C.QUEUE_TIMEOUT.value),
     C.RATE_LIMIT_REQUESTS: Answer(429, "requests", C.RATE_LIMIT_REQUESTS.value),
     C.RATE_LIMIT_TOKENS: Answer(429, "tokens", C.RATE_LIMIT_TOKENS.value),
+    C.SLO_UNMEETABLE: Answer(429, "requests", C.SLO_UNMEETABLE.value),
     C.CLIENT_DISCONNECTED: Answer(499, "", C.CLIENT_DISCONNECTED.value),  # nobody to answer: recorded only
 }

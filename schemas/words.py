@@ -70,6 +70,8 @@ class RefusalCause(StrEnum):
     RATE_LIMIT_REQUESTS = "rate_limit_requests"  # 429: the key's requests per minute
     RATE_LIMIT_TOKENS = "rate_limit_tokens"  # 429: the key's tokens per minute
     CLIENT_DISCONNECTED = "client_disconnected"  # 499 (nginx's word): the client left while its request was held
+    # latency objectives (scheduler/routing/latency.py)
+    SLO_UNMEETABLE = "slo_unmeetable"  # 429: no node is predicted to meet the request's TTFT/TPOT target
 
     @classmethod
     def _missing_(cls, value: object) -> RefusalCause | None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from laswrr.scheduler.policies import PickContext
 from laswrr.scheduler.policies.affinity import Affinity
 from laswrr.scheduler.routing.flow import reserved_limit
+from laswrr.scheduler.routing.latency import LatencyModel, Objective, Prediction, meets
 from laswrr.scheduler.routing.models import listed
 from laswrr.scheduler.routing.peers import PeerChannel
 from laswrr.scheduler.routing.prompt import RequestSize
@@ -52,6 +53,7 @@ class AdmitRequest:
     limited: bool | None = None  # flow control's limits apply (None: for a request with nothing tried)
     reserve: float = 0.0  # the share of each limit kept for more urgent requests (flow's interactive reserve)
     role: NodeRole | None = None  # a P/D pair's decode leg: NodeRole.DECODE; else the first admission
+    objective: Objective | None = None  # its latency targets (scheduler.routing.latency); None: none
 
 
 @dataclass(slots=True, eq=False)
@@ -69,6 +71,8 @@ class Admission:
     protocol: PdProtocol | None = None  # a P/D pool's protocol (with ``role``)
     bootstrap_port: int | None = None  # an sglang prefill node's bootstrap server port (its registration's)
     work: int = 0  # a prefill leg's: its node's prefill backlog at the pick plus its own (``prefill_done``)
+    ahead: int = 0  # with a latency model: the node's prefill work at the pick plus its own uncached prompt
+    batch: int = 0  # with a latency model: the node's pool-wide in-flight at the pick, itself included
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,15 +81,21 @@ class Refusal:
 
     cause: RefusalCause  # NO_SNAPSHOT: no snapshot for the pool; NO_ROUTABLE_NODE: no node can take it
     saturated: bool = False  # routable untried nodes exist, every one at its in-flight limit: it could wait
+    # SLO_UNMEETABLE: the best prediction of the nodes left, and the targets it misses
+    predicted: Prediction | None = None
+    objective: Objective | None = None
 
 
 class Admitter:
     def __init__(self, table: RoutingTable, inflight_cap_per_capacity: float | None = None,
-                 flow_limits: bool = False, channel: PeerChannel | None = None) -> None:
+                 flow_limits: bool = False, channel: PeerChannel | None = None,
+                 latency: LatencyModel | None = None, serve_late: bool = False) -> None:
         self.table = table
         self.cap_factor = inflight_cap_per_capacity
         self.flow_limits = flow_limits  # flow control: a node at its snapshot's concurrency_limit takes nothing
         self.channel = channel
+        self.latency = latency  # latency objectives: the per-node estimate; None: objectives are not read
+        self.serve_late = serve_late  # no node meets the objective: pick as without one (not slo_unmeetable)
 
     def admit(self, request: AdmitRequest) -> Admission | Refusal:
         """Pick a node for ``request`` (module docstring)."""
@@ -101,6 +111,11 @@ class Admitter:
         if self.cap_factor is not None or flow:
             exclude.update(n for n, view in picker.targets.items() if self.at_limit(view, flow, request.reserve))
         affinity, keys = self._affinity(picker, request, exclude)
+        latency = self.latency
+        if latency is not None and request.objective:
+            missed = self._objective(latency, picker, request, request.objective, exclude, affinity)
+            if isinstance(missed, Refusal):
+                return missed
         node = picker.policy.pick(PickContext(table.load.load, exclude, affinity))
         if node is None:
             return self._refusal(picker, request)
@@ -111,9 +126,14 @@ class Admitter:
                 self.channel.tell_prefix(route, index, node, keys)
             index.record(node, keys)
             backlog = affinity.cost_on(node) - affinity.mean  # its uncached prompt there
+        elif latency is not None and request.size is not None:
+            backlog = request.size.prompt_tokens  # the estimate's queue ahead, without a prefix index
         table.load.bind(node, backlog)
         view = picker.targets[node]
         admission = self._admission(route, picker, view, request.size, backlog)
+        if latency is not None:
+            admission.ahead = table.load.work_backlog().get(node, 0) - backlog + self._uncached(node, request, affinity)
+            admission.batch = table.load.load.get(node, 0)
         if picker.speeds is not None and affinity is not None:
             admission.work = affinity.backlog.get(node, 0) + backlog
             if picker.speeds.rate:
@@ -121,6 +141,48 @@ class Admitter:
         if self.channel is not None:
             self.channel.touch(pool, pick=True)
         return admission
+
+    @staticmethod
+    def _uncached(node: str, request: AdmitRequest, affinity: Affinity | None) -> int:
+        """The request's prompt tokens ``node`` must prefill (all of them without affinity)."""
+        if affinity is not None:
+            return affinity.cost_on(node) - affinity.mean
+        return request.size.prompt_tokens if request.size is not None else 0
+
+    def _objective(self, latency: LatencyModel, picker: Picker, request: AdmitRequest, objective: Objective,
+                   exclude: set[str], affinity: Affinity | None) -> Refusal | None:
+        """Remove from the pick the nodes predicted to miss ``objective``. When that removes every
+        node left: None with ``serve_late`` (pick as without an objective), else a
+        ``SLO_UNMEETABLE`` refusal, ``saturated`` (hold it) while an idle node could still meet it."""
+        load = self.table.load
+        backlog = load.work_backlog()
+        left = [n for n in picker.targets if n not in exclude]
+        missed: dict[str, Prediction] = {}
+        output = request.size.max_tokens if request.size is not None and request.size.max_tokens else 0
+        for node in left:
+            uncached = self._uncached(node, request, affinity)
+            prediction = latency.predict(node, backlog.get(node, 0) + uncached, load.load.get(node, 0) + 1,
+                                         backlog.get(node, 0), output)
+            if not meets(prediction, objective):
+                missed[node] = prediction
+        if not left or len(missed) < len(left):
+            exclude.update(missed)
+            return None
+        if self.serve_late:
+            return None
+        best = min(missed.values(), key=lambda p: (p.ttft_s or 0.0, p.tpot_s or 0.0))
+        could = any(meets(latency.predict(n, self._uncached(n, request, affinity), 1), objective) for n in left)
+        return Refusal(RefusalCause.SLO_UNMEETABLE, could, best, objective)
+
+    def observed(self, admission: Admission, ttft_s: float | None, completion_tokens: int | None,
+                 duration_s: float | None) -> None:
+        """A completed request's measured figures teach its node's estimate (``LatencyModel``)."""
+        latency = self.latency
+        if latency is None or ttft_s is None:
+            return
+        latency.observe_prefill(admission.node, admission.ahead, ttft_s)
+        if completion_tokens and duration_s is not None:
+            latency.observe_decode(admission.node, admission.batch, completion_tokens, duration_s - ttft_s)
 
     def _affinity(self, picker: Picker, request: AdmitRequest, exclude: set[str]) -> tuple[Affinity | None, list[int]]:
         scorer, index, size = self.table.scorer, picker.index, request.size

@@ -8,6 +8,9 @@ their views, the channel between them.
   ``Admission | Refusal``, ``release``, ``prefilled``, and flow control's questions.
 * ``channel`` (``scheduler.routing.peers.PeerChannel``; None without ``share`` or a proxy id):
   takes the other proxies' messages and says what to send them.
+* **Latency objectives** (``scheduler.routing.latency``): with a ``LatencyModel``, a request's
+  ``AdmitRequest.objective`` removes the nodes predicted to miss it before the pick;
+  ``Admitter.observed`` teaches the model each finished request's figures.
 * **Affinity** is a scorer handed to the table (``scheduler.routing.work.PrefixScorer``), kept
   only for a policy that ``uses_affinity`` (la-swrr); ``scorer_for`` reads the ``--affinity``
   word.
@@ -21,6 +24,7 @@ from __future__ import annotations
 from laswrr.scheduler.policies import make_policy
 from laswrr.scheduler.policies.affinity import BLOCKS_PER_NODE
 from laswrr.scheduler.routing.admission import Admission, Admitter, AdmitRequest, Refusal
+from laswrr.scheduler.routing.latency import LatencyModel
 from laswrr.scheduler.routing.models import DEFAULT_POOL
 from laswrr.scheduler.routing.peers import (PEER_FULL_S, PEER_GRID, PEER_MAX_KEYS, PEER_PICK_S, PEER_STAGGER_S,
                                             PEER_STALE_S, PeerChannel)
@@ -48,7 +52,8 @@ class Router:
                  scorer: PrefixScorer | type[PrefixScorer] | None = PrefixScorer, proxy_id: str | None = None, flow_limits: bool = False,
                  share: bool = False, peer_stale_s: float = PEER_STALE_S, peer_max_keys: int = PEER_MAX_KEYS,
                  peer_full_s: float = PEER_FULL_S, peer_grid: int = PEER_GRID, peer_stagger_s: float = PEER_STAGGER_S,
-                 peer_pick_s: float = PEER_PICK_S) -> None:
+                 peer_pick_s: float = PEER_PICK_S, latency: LatencyModel | None = None,
+                 serve_late: bool = False) -> None:
         if isinstance(scorer, type):
             scorer = scorer()  # the default: prefix affinity with its default index size
         if scorer is not None and not make_policy(policy, seed).uses_affinity:
@@ -56,7 +61,7 @@ class Router:
         self.table = RoutingTable(policy, seed, proxy_id, scorer)
         self.channel = PeerChannel(self.table, peer_stale_s, peer_max_keys, peer_full_s, peer_grid, peer_stagger_s,
                                    peer_pick_s) if share and proxy_id is not None else None
-        self.admitter = Admitter(self.table, inflight_cap_per_capacity, flow_limits, self.channel)
+        self.admitter = Admitter(self.table, inflight_cap_per_capacity, flow_limits, self.channel, latency, serve_late)
 
     @property
     def affinity_mode(self) -> str:

@@ -83,13 +83,15 @@ from laswrr.services.proxy.keys import NO_LIMITS, ApiKeys, UpstreamAuth
 from laswrr.services.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from laswrr.services.proxy.models import ModelCatalog
 from laswrr.scheduler.routing.flow import NO_TENANT, FlowConfig, FlowError, band_of, ttl_s, work_of
+from laswrr.scheduler.routing.latency import (TPOT_HEADER, TTFT_HEADER, LatencyModel, Objective, SloDefaults,
+                                              SloError, slo_fields)
 from laswrr.scheduler.routing.prompt import RequestSize, prompt_text, request_size
 from laswrr.services.proxy.flow import FlowAnswer, FlowCollector, FlowGate
 from laswrr.scheduler.routing.models import ModelPlan, Unknown, mixed_models, plan, pool_ids
 from laswrr.scheduler.routing.router import AdmitRequest, Refusal, Router, scorer_for
 from laswrr.schemas.outputs import WeightSnapshot
 from laswrr.schemas.refusals import ANSWERS
-from laswrr.schemas.words import HoldCause, RefusalCause
+from laswrr.schemas.words import Band, HoldCause, RefusalCause
 from laswrr.services.proxy.tasks import stop_task
 from laswrr.services.proxy.upstream import (
     REQUEST_ID_HEADER,
@@ -140,6 +142,7 @@ class ProxyState:
     forwarder: Forwarder | None = None
     catalog: ModelCatalog | None = None
     flow: FlowGate | None = None  # --flow-control
+    slo: SloDefaults = field(default_factory=SloDefaults)  # --slo-default: targets of requests without the headers
     stopping: bool = False
     aborting: bool = False
     active: int = 0
@@ -205,6 +208,38 @@ def _refuse(state: ProxyState, cause: RefusalCause, message: str, headers: dict[
     return web.json_response(body, status=status, headers={**(headers or {}), REQUEST_ID_HEADER: request_id})
 
 
+def _objective(state: ProxyState, request: web.BaseRequest, key_name: str | None) -> Objective | None:
+    """The request's latency targets: its headers, else its key's or band's ``--slo-default``."""
+    headers = request.headers
+    ttft, tpot = headers.get(TTFT_HEADER), headers.get(TPOT_HEADER)
+    defaults = state.slo
+    if ttft is None and tpot is None and not defaults.bands and not defaults.keys:
+        return None
+    try:
+        band = band_of(headers.get(PRIORITY_HEADER))
+    except FlowError:
+        band = Band.DEFAULT  # flow control answers the header; the targets take the default band's
+    return defaults.objective(ttft, tpot, band, key_name)
+
+
+def _unmeetable(state: ProxyState, refusal: Refusal, pool: str, model: str | None, key_name: str | None,
+                request_id: str | None = None) -> web.Response:
+    """429 ``slo_unmeetable``: no node is predicted to meet the request's targets, even idle;
+    the answer and its ``lb.req.refused`` carry the targets and the best prediction."""
+    cause = RefusalCause.SLO_UNMEETABLE
+    objective, predicted = refusal.objective, refusal.predicted
+    figures = {**slo_fields(objective, predicted)}
+    message = f"no node of pool {pool!r} is predicted to meet the request's latency objective: " + \
+        ", ".join(f"{name} {value:g}" for name, value in figures.items())
+    request_id = request_id or state.next_request_id()
+    status, err_type, code = ANSWERS[cause]
+    state.metrics.count_refusal(cause, status)
+    state.events.refused(request_id, status, cause, message, pool=pool, model=model, key_name=key_name,
+                         objective=objective, predicted=predicted)
+    return web.json_response(error_body(message, err_type, code), status=status,
+                             headers={REQUEST_ID_HEADER: request_id})
+
+
 def _refuse_key(state: ProxyState, keys: ApiKeys, key_name: str | None) -> web.Response | None:
     """None when the request may go on (its key now counted in flight); else the 401 or 429 to answer."""
     if key_name is None:
@@ -244,11 +279,18 @@ async def _forward(request: web.BaseRequest, state: ProxyState, arrived: float,
     stagger = router.stagger_s(pool)
     if stagger:  # replicas pick one burst in turn, each after hearing the others' picks (Router.stagger_s)
         await asyncio.sleep(stagger)
+    try:
+        objective = _objective(state, request, key_name)
+    except SloError as exc:
+        return _refuse(state, RefusalCause.INVALID_HEADER, str(exc), pool=pool, model=model, key_name=key_name)
     gate = state.flow
     if gate is not None:
-        return await _flow_forward(request, state, gate, arrived, key_name, pool, body, text, size, decision, model)
-    admission = router.admitter.admit(AdmitRequest(pool, decision.exclude, text, size))
+        return await _flow_forward(request, state, gate, arrived, key_name, pool, body, text, size, decision, model,
+                                   objective)
+    admission = router.admitter.admit(AdmitRequest(pool, decision.exclude, text, size, objective=objective))
     state.bus.picked()
+    if isinstance(admission, Refusal) and admission.cause is RefusalCause.SLO_UNMEETABLE:
+        return _unmeetable(state, admission, pool, model, key_name)
     if isinstance(admission, Refusal):
         serving = f" serving `{peek.model}`" if decision.exclude else ""
         why = f"every routable node{serving} is at its in-flight cap" if admission.saturated else \
@@ -259,14 +301,15 @@ async def _forward(request: web.BaseRequest, state: ProxyState, arrived: float,
     state.upstream_auth.apply(headers)
     exchange = Exchange(request_id=request_id, pool=pool, path_qs=request.path_qs, method=request.method, body=body,
                         headers=headers, arrived=arrived, key_name=key_name, exclude=decision.exclude,
-                        alias=peek.model if decision.alias else None)
+                        alias=peek.model if decision.alias else None, objective=objective)
     assert state.forwarder is not None
     return await state.forwarder.forward(request, exchange, admission)
 
 
 async def _flow_forward(request: web.BaseRequest, state: ProxyState, gate: FlowGate, arrived: float,
                         key_name: str | None, pool: str, body: bytes, text: bytes,
-                        size: RequestSize, decision: ModelPlan, model: str | None) -> web.StreamResponse:
+                        size: RequestSize, decision: ModelPlan, model: str | None,
+                        objective: Objective | None = None) -> web.StreamResponse:
     """With flow control (services/proxy/flow.py): the request's band, TTL and work, the key's rate
     limits, then admission now or after being held (only on nodes serving its model: ``decision``);
     the slot goes to the next held request when done. Its refusals are ``lb.req.refused`` too."""
@@ -276,6 +319,8 @@ async def _flow_forward(request: web.BaseRequest, state: ProxyState, gate: FlowG
         ttl = ttl_s(request.headers.get(TTL_HEADER), gate.ttl_default_s, gate.ttl_max_s)
     except FlowError as exc:
         return _refuse(state, RefusalCause.INVALID_HEADER, str(exc), pool=pool, model=model, key_name=key_name)
+    if objective is not None and objective.ttft_ms is not None:  # held only while its TTFT target can be met
+        ttl = min(ttl, objective.ttft_ms / 1000)
     work = work_of(size.prompt_tokens, size.max_tokens, gate.queue.config.default_max_tokens)
     request_id = state.next_request_id()  # one id from lb.req.queued to lb.req.started or lb.req.refused
     held: list[HoldCause] = []
@@ -288,7 +333,7 @@ async def _flow_forward(request: web.BaseRequest, state: ProxyState, gate: FlowG
     if result is None:
         try:
             result = await gate.admit(pool, band, key_name or NO_TENANT, work, ttl, text, size, decision.exclude,
-                                      on_hold)
+                                      on_hold, objective)
         except asyncio.CancelledError:
             if held:  # the client left while its request was held: recorded, nobody to answer
                 gone = RefusalCause.CLIENT_DISCONNECTED
@@ -298,6 +343,8 @@ async def _flow_forward(request: web.BaseRequest, state: ProxyState, gate: FlowG
                                      model=model, key_name=key_name)
             raise
     state.bus.picked()
+    if isinstance(result, Refusal):
+        return _unmeetable(state, result, pool, model, key_name, request_id)
     if isinstance(result, FlowAnswer):
         return _refuse(state, result.code, result.message, headers=dict(result.headers), pool=pool, model=model,
                        key_name=key_name, request_id=request_id)
@@ -305,7 +352,7 @@ async def _flow_forward(request: web.BaseRequest, state: ProxyState, gate: FlowG
     state.upstream_auth.apply(headers)
     exchange = Exchange(request_id=request_id, pool=pool, path_qs=request.path_qs, method=request.method, body=body,
                         headers=headers, arrived=arrived, key_name=key_name, exclude=decision.exclude,
-                        alias=model if decision.alias else None)
+                        alias=model if decision.alias else None, objective=objective)
     assert state.forwarder is not None
     try:
         return await state.forwarder.forward(request, exchange, result)
@@ -534,7 +581,8 @@ def build_state(config: ProxyConfig) -> ProxyState:
     router = Router(config.policy, config.seed, config.inflight_cap_per_capacity,
                     scorer_for(config.affinity, config.affinity_blocks), proxy_id=config.proxy_id, flow_limits=config.flow_control,
                     share=config.peer_interval_ms > 0, peer_stale_s=config.peer_stale_ms / 1000,
-                    peer_stagger_s=config.peer_stagger_ms / 1000, peer_pick_s=config.peer_pick_ms / 1000)
+                    peer_stagger_s=config.peer_stagger_ms / 1000, peer_pick_s=config.peer_pick_ms / 1000,
+                    latency=LatencyModel(), serve_late=config.slo_serve_late)
     events = EventPublisher(config.proxy_id, capacity=config.event_buffer, batch_max=config.event_batch_max,
                             flush_s=config.event_flush_ms / 1000)
     keys = ApiKeys.load(config.api_keys_file, config.key_max_inflight) if config.api_keys_file else None
@@ -542,7 +590,8 @@ def build_state(config: ProxyConfig) -> ProxyState:
                        bus=BusLink(config.nats_url, f"laswrr-proxy-{config.proxy_id}", router, events,
                                    auth=config.nats_auth, limits=StreamLimits(replicas=config.stream_replicas),
                                    peer_interval_s=config.peer_interval_ms / 1000),
-                       keys=keys, upstream_auth=UpstreamAuth(config.forward_authorization, config.upstream_api_key))
+                       keys=keys, upstream_auth=UpstreamAuth(config.forward_authorization, config.upstream_api_key),
+                       slo=SloDefaults.parse(config.slo_defaults))
     if config.flow_control:
         state.flow = FlowGate(router, FlowConfig(bound=config.queue_bound, quantum=config.flow_quantum,
                                                  batch_every=config.flow_batch_every,

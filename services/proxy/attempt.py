@@ -66,7 +66,7 @@ class AttemptRunner:
 
     def started(self, attempt_id: str, admission: Admission, exchange: Exchange) -> AttemptState:
         self.events.started(attempt_id, admission.node, admission.pool, admission.snapshot_seq, admission.size,
-                            exchange.key_name, admission.role)
+                            exchange.key_name, admission.role, exchange.objective)
         return AttemptState(started=time.perf_counter())
 
     def finish(self, attempt_id: str, admission: Admission, attempt: Attempt) -> None:
@@ -87,6 +87,13 @@ class AttemptRunner:
             self.router.first_byte(first_byte - exchange.arrived)  # type: ignore[operator]
         self.metrics.observe_latency(exchange.pool, first_byte - exchange.arrived if sent else None,  # type: ignore[operator]
                                      time.perf_counter() - exchange.arrived, state.overhead if sent else None)
+
+    def _learn(self, admission: Admission, state: AttemptState, attempt: Attempt) -> None:
+        """A completed attempt's own times teach its node's latency estimate (``Admitter.observed``):
+        from its start, so time held in flow control or spent on an earlier attempt is not the node's."""
+        if attempt.outcome is RequestOutcome.COMPLETED and state.first_byte is not None:
+            self.router.admitter.observed(admission, state.first_byte - state.started, attempt.completion_tokens,
+                                          time.perf_counter() - state.started)
 
     # -- an attempt whose answer is the client's (a whole request, a decode leg) ---------------------
 
@@ -112,6 +119,7 @@ class AttemptRunner:
         if isinstance(result, Done):
             self.finish(attempt_id, admission, result.attempt)
             self._observe(exchange, state)
+            self._learn(admission, state, result.attempt)
         return result
 
     async def _send(self, exchange: Exchange, admission: Admission, state: AttemptState,

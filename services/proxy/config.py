@@ -29,6 +29,7 @@ from laswrr.schemas import subjects as sj
 from laswrr.schemas.events import MAX_BATCH_EVENTS
 from laswrr.scheduler.policies import POLICIES, canonical_policy
 from laswrr.scheduler.policies.affinity import BLOCKS_PER_NODE
+from laswrr.scheduler.routing.latency import SloDefaults
 from laswrr.services.natsbus import MAX_REPLICAS, NatsAuth, StreamLimits
 from laswrr.services.settings import DEFAULT_NATS_URL, DEFAULT_PROXY_PORT, duration, port_number, replicas
 
@@ -40,8 +41,16 @@ SAME: Any = type("Same", (), {"__repr__": lambda self: "SAME"})()  # a Setting's
 
 FLOW_GROUP = "flow control (docs/proxy.md, \"Flow control\")"
 PEERS_GROUP = "the channel between proxies (docs/proxy.md, \"The channel between proxies\")"
+SLO_GROUP = "latency objectives (docs/proxy.md, \"Latency objectives\")"
 KEYS_GROUP = "client API keys and upstream credentials (services/proxy/keys.py)"
 
+
+
+def parse_slo_defaults(text: str) -> tuple[str, ...]:
+    """``interactive=1000/50,batch=10000/`` -> its specs, each checked (``SloDefaults.parse``)."""
+    specs = tuple(spec.strip() for spec in text.split(",") if spec.strip())
+    SloDefaults.parse(specs)
+    return specs
 
 @dataclass(frozen=True, slots=True)
 class Setting:
@@ -215,6 +224,13 @@ class ProxyConfig:
         1, "tell the peers a pick MS after it, with every other pick of those MS in the one message (a burst's "
         "picks together; at most one pick message per MS at any rate); 0: each event-loop turn's picks at once",
         unit="ms", metavar="MS", group=PEERS_GROUP)
+    # Latency objectives (scheduler/routing/latency.py; docs/proxy.md, "Latency objectives")
+    slo_defaults: tuple[str, ...] = setting(
+        (), "targets (ms) of a request without x-laswrr-ttft-slo-ms / x-laswrr-tpot-slo-ms, per band or API key: "
+        "interactive=1000/50,batch=10000/,key:etl=/200", parse=parse_slo_defaults,
+        metavar="SCOPE=TTFT/TPOT[,...]", default_text="none", group=SLO_GROUP)
+    slo_serve_late: bool = setting(False, "when no node is predicted to meet a request's objective, serve it anyway "
+                                   "instead of 429 slo_unmeetable", negatable=True, group=SLO_GROUP)
 
     def validate(self) -> "ProxyConfig":
         sj.check_token(self.proxy_id, "proxy name")
@@ -259,6 +275,7 @@ class ProxyConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        SloDefaults.parse(self.slo_defaults)  # SloError (a ValueError) names the bad target
         return self
 
     @property

@@ -83,6 +83,7 @@ from laswrr.schemas.outputs import clip
 from laswrr.schemas.words import Band, HoldCause, NodeRole, RefusalCause, RequestOutcome
 from laswrr.services.natsbus import publish_acked
 from laswrr.services.service_metrics import Buckets
+from laswrr.scheduler.routing.latency import Objective, Prediction, slo_fields
 from laswrr.scheduler.routing.prompt import RequestSize
 
 log = logging.getLogger("laswrr.proxy.events")
@@ -259,12 +260,13 @@ class EventPublisher:
     # -- producers (synchronous, never block) ------------------------------------------------
 
     def started(self, request_id: str, node: str, pool: str, snapshot_seq: int,
-                size: RequestSize | None = None, key_name: str | None = None, role: NodeRole | None = None) -> None:
+                size: RequestSize | None = None, key_name: str | None = None, role: NodeRole | None = None,
+                objective: Objective | None = None) -> None:
         event = ev.RequestStarted(request_id=request_id, proxy=self.proxy_id, pool=pool,
                                   snapshot_seq=snapshot_seq, ts_ns=time.time_ns(), boot_id=self.boot_id,
                                   prompt_tokens=None if size is None else size.prompt_tokens,
                                   max_tokens=None if size is None else size.max_tokens, key_name=key_name,
-                                  role=UNSET if role is None else role)
+                                  role=UNSET if role is None else role, **slo_fields(objective))
         self._put(_node_heads(node)[0] + encode(event) + b"]")
 
     def finished(self, request_id: str, node: str, pool: str, attempt: Attempt, role: NodeRole | None = None) -> None:
@@ -277,11 +279,13 @@ class EventPublisher:
         self._put(_node_heads(node)[1] + encode(event) + b"]")
 
     def refused(self, request_id: str, status: int, cause: RefusalCause, error: str, pool: str | None = None,
-                model: str | None = None, key_name: str | None = None) -> None:
-        """The proxy answered a request itself (``lb.req.refused``, keyed by this proxy like a heartbeat)."""
+                model: str | None = None, key_name: str | None = None, objective: Objective | None = None,
+                predicted: Prediction | None = None) -> None:
+        """The proxy answered a request itself (``lb.req.refused``, keyed by this proxy like a heartbeat);
+        an ``slo_unmeetable`` answer carries its targets and the best prediction."""
         event = ev.RequestRefused(request_id=request_id, proxy=self.proxy_id, status=status, cause=cause, pool=pool,
                                   model=model, key_name=key_name, error=clip(error), ts_ns=time.time_ns(),
-                                  boot_id=self.boot_id)
+                                  boot_id=self.boot_id, **slo_fields(objective, predicted))
         self._put(self._refused_head + encode(event) + b"]")
 
     def queued(self, request_id: str, pool: str, band: Band, key_name: str | None, work: int, ttl_ms: int,

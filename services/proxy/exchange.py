@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from multidict import CIMultiDict
 
+from laswrr.scheduler.routing.latency import Objective
 from laswrr.schemas.words import FailureKind, RequestOutcome
 from laswrr.scheduler.routing.attempts import Outcome
 from laswrr.scheduler.routing.continuation import StreamText
@@ -44,6 +45,7 @@ class Exchange:
     used_tokens: int | None = None  # prompt + completion tokens of the last attempt's usage (flow control's tpm)
     exclude: frozenset[str] = frozenset()  # nodes of the pool that do not list the request's model id
     alias: str | None = None  # the client's name for the model, forwarded as each attempt's node's own id
+    objective: Objective | None = None  # its latency targets (lb.req.started), None: none
 
     def avoid(self) -> list[str]:
         """The nodes a retry or continuation may not go to: tried, or not serving the model."""

@@ -51,6 +51,7 @@ from laswrr.scheduler.routing.flow import (
     FlowConfig, FlowQueue, Held, KeyLimits, RateLimits, defer_to_peers, retry_after_header,
 )
 from laswrr.scheduler.routing.prompt import RequestSize
+from laswrr.scheduler.routing.latency import Objective
 from laswrr.scheduler.routing.router import AdmitRequest, Admission, Refusal, Router
 from laswrr.schemas.words import Band, HoldCause, RefusalCause
 from laswrr.services.proxy.tasks import stop_task
@@ -235,10 +236,14 @@ class FlowGate:
 
     async def admit(self, pool: str, band: Band, tenant: str, work: int, ttl: float, text: bytes,
                     size: RequestSize | None, exclude: frozenset[str] = frozenset(),
-                    on_hold: Callable[[HoldCause], None] | None = None) -> Admission | FlowAnswer:
+                    on_hold: Callable[[HoldCause], None] | None = None,
+                    objective: Objective | None = None) -> Admission | FlowAnswer | Refusal:
         """Admit now, or hold until a node can take the request (module docstring); never on a
         node in ``exclude`` (those that do not serve the request's model id). ``on_hold`` is
-        called with why, once, if the request waits (``lb.req.queued``'s ``cause``)."""
+        called with why, once, if the request waits (``lb.req.queued``'s ``cause``). With an
+        ``objective`` no node is predicted to meet even idle: its ``slo_unmeetable`` ``Refusal``
+        at once; one it could meet once the queue drains is held (the caller caps its TTL at the
+        TTFT target) and dispatched on the first free slot."""
         router, queue = self.router, self.queue
         now = time.monotonic()
         lane = self.lanes.key(pool, exclude)
@@ -248,10 +253,13 @@ class FlowGate:
         behind = any(queue.depth(key, b) for key in {pool, lane} for b in band.at_least_as_urgent()) \
             or self._defer(pool, band)
         if not behind:
-            admission = router.admitter.admit(AdmitRequest(pool, exclude, text, size, True, self._reserve(band)))
+            admission = router.admitter.admit(AdmitRequest(pool, exclude, text, size, True, self._reserve(band),
+                                                           objective=objective))
             if isinstance(admission, Admission):
                 self.no_node_since.pop(lane, None)
                 self.counts.admit(pool, band, "direct")
+                return admission
+            if admission.cause is RefusalCause.SLO_UNMEETABLE and not admission.saturated:
                 return admission
         if not self._routable(pool, exclude):
             since = self.no_node_since.setdefault(lane, now)

@@ -47,6 +47,7 @@ from laswrr.scheduler.phases import Phase
 from laswrr.services.proxy.events import EventPublisher
 from laswrr.services.proxy.keys import ApiKeys
 from laswrr.services.service_metrics import Buckets, register_build_info
+from laswrr.scheduler.routing.latency import pool_signals
 from laswrr.scheduler.routing.router import Router
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -177,6 +178,28 @@ def _routing_families(router: Router) -> Iterator[Metric]:
             for name in PHASES:
                 phase.add_metric([*key, name], 1.0 if view.phase == name else 0.0)
     yield from (effective, target, routable, phase, inflight, estimate)
+    yield from _pool_families(router)
+
+
+def _pool_families(router: Router) -> Iterator[Metric]:
+    """Per pool, what an autoscaler reads (``scheduler.routing.latency.pool_signals``; docs/autoscaling.md)."""
+    saturation = GaugeMetricFamily("laswrr_pool_saturation", "In flight over the routable nodes' slot limits "
+                                   "(concurrency_limit, else capacity), pool-wide estimate", labels=["pool"])
+    backlog = GaugeMetricFamily("laswrr_pool_token_backlog_seconds", "Prefill backlog in seconds of the pool's "
+                                "measured prefill throughput", labels=["pool"])
+    ttft = GaugeMetricFamily("laswrr_pool_predicted_ttft_seconds", "Soonest predicted first token of a short "
+                             "request in the pool (the latency estimate)", labels=["pool"])
+    load, model = router.table.load, router.admitter.latency
+    work = load.work_backlog()
+    for pool, route in sorted(router.table.routes()):
+        slots = [(node, view.concurrency_limit or view.capacity) for node, view in route.first.targets.items()]
+        signals = pool_signals(slots, load.load, work, model)
+        saturation.add_metric([pool], signals.saturation)
+        if signals.backlog_s is not None:
+            backlog.add_metric([pool], signals.backlog_s)
+        if signals.predicted_ttft_s is not None:
+            ttft.add_metric([pool], signals.predicted_ttft_s)
+    yield from (saturation, backlog, ttft)
 
 
 class ProxyMetrics:

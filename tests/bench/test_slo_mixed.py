@@ -1,0 +1,20 @@
+"""The slo-mixed virtual bench (bench/slo_mixed.py): deterministic, its classes measured, the
+latency estimate's error reported for the rows with objectives."""
+
+from __future__ import annotations
+
+from laswrr.bench.slo_mixed import CLASSES, capacity_rps, run, workload
+
+
+def test_a_run_is_deterministic_and_reports_goodput_per_class_and_the_estimate_error() -> None:
+    requests = workload(0.6, 80, seed=3)
+    assert len({r.klass for r in requests}) == 2 and capacity_rps() > 0
+    first = run("la-swrr+slo", 0.6, requests, 3).summary()
+    assert first == run("la-swrr+slo", 0.6, requests, 3).summary()
+    for klass in CLASSES:
+        assert 0 <= first[klass]["good_share"] <= 1 and first[klass]["ttft_p50"] is not None
+    assert first["estimate_abs_error_s"]["n"] > 40
+    today = run("la-swrr", 0.6, requests, 3).summary()
+    assert "estimate_abs_error_s" not in today
+    refusing = run("la-swrr+slo-refuse", 1.2, workload(1.2, 80, seed=3), 3).summary()
+    assert sum(refusing[k]["refused"] for k in CLASSES) >= 0
