@@ -36,7 +36,7 @@ from typing import Any
 import duckdb
 
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.words import RequestOutcome
+from laswrr.schemas.words import RequestOutcome, VoidCause
 
 OUTCOMES = tuple(outcome.value for outcome in RequestOutcome)  # the report's keys, in this order
 
@@ -66,7 +66,7 @@ def gather(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     report["cut_by_router"] = report["interrupted"] - report["interrupted_engine_cut"]  # must be 0
     report.update(continuation_facts(con))
     report["open"] = _count(con, "SELECT count(*) FROM open_requests")
-    report["finish_lost"] = _count(con, "SELECT count(*) FROM voided_requests WHERE cause = 'finish_lost'")
+    report["finished_event_lost"] = _count(con, f"SELECT count(*) FROM voided_requests WHERE cause = '{VoidCause.FINISH_LOST}'")
     report["admitted_to_draining"] = _count(con, "SELECT count(*) FROM admissions_to_draining")
     report["drains"] = drains(con)
     report.update(_log_facts(con))

@@ -18,8 +18,12 @@ from collections.abc import Mapping
 import msgspec
 from multidict import CIMultiDict
 
+from laswrr.schemas.refusals import ANSWERS
+from laswrr.schemas.words import RefusalCause
+
 TEXT_MAX_CHARS = 300  # of the engine's own text kept in the message
-CODES = {413: "request_too_large", 404: "not_found", 429: "rate_limited"}  # as the proxy's own answers say them
+# the type and code of the proxy's own answer with the same status, where there is one (413, 404)
+CODES = {ANSWERS[cause].status: ANSWERS[cause] for cause in (RefusalCause.REQUEST_TOO_LARGE, RefusalCause.UNKNOWN_MODEL)}
 
 
 def as_openai_error(status: int, content_type: str, body: bytes,
@@ -30,9 +34,10 @@ def as_openai_error(status: int, content_type: str, body: bytes,
     text = " ".join(body.decode("utf-8", errors="replace").split())
     if len(text) > TEXT_MAX_CHARS:
         text = text[:TEXT_MAX_CHARS] + "…"
-    kind = "invalid_request_error" if status < 500 else "upstream_error"
+    own = CODES.get(status)
+    kind = own.type if own else "invalid_request_error" if status < 500 else "api_error"
     message = f"the engine answered HTTP {status}" + (f": {text}" if text else "")
-    new_body = msgspec.json.encode({"error": {"message": message, "type": kind, "code": CODES.get(status),
+    new_body = msgspec.json.encode({"error": {"message": message, "type": kind, "code": own.code if own else None,
                                               "param": None}})
     new_headers = CIMultiDict(headers)
     for name in ("Content-Type", "Content-Length", "Content-Encoding"):

@@ -24,4 +24,4 @@ def test_json_errors_and_successes_pass_unchanged() -> None:
     assert as_openai_error(200, "text/plain", b"ok", {})[0] == b"ok"
     body, _ = as_openai_error(502, "text/html", b"<html>" + b"x" * 1000 + b"</html>", {})
     error = json.loads(body)["error"]
-    assert error["type"] == "upstream_error" and error["code"] is None and len(error["message"]) < 360
+    assert error["type"] == "api_error" and error["code"] is None and len(error["message"]) < 360

@@ -353,7 +353,7 @@ def test_requests_open_at_a_proxy_that_is_gone_are_interruptions_by_the_recorded
     assert causes == {"k0": "proxy_replaced", "k1": "proxy_replaced", "k2": "proxy_replaced",
                       "s0": "proxy_silent", "s1": "proxy_silent", "l0": "finish_lost"}
     assert (facts["interrupted"], facts["interrupted_proxy_gone"], facts["cut_by_router"], facts["open"],
-            facts["finish_lost"], facts["verdict"], facts["zero_interruptions"]) == (
+            facts["finished_event_lost"], facts["verdict"], facts["zero_interruptions"]) == (
         5, 5, 5, 2, 1, "interruptions_found", False)
 
 

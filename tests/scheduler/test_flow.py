@@ -295,7 +295,7 @@ def test_a_request_larger_than_the_tpm_is_admitted_on_a_full_minute_and_its_exce
     assert refused is not None and refused[1] == pytest.approx(60.0)  # the next waits for a full minute again
     rates.settle("k", limits, charged=150, used=400, now=1.0)  # it used 400 tokens: 300 more than the minute
     refused = rates.charge("k", limits, 1, 1.0)
-    assert refused is not None and refused[0] is Refused.RATE_TPM and refused[1] == pytest.approx(179.6, abs=0.1)  # (1 + 298.3 owed) at 100 a minute
+    assert refused is not None and refused[0] is RefusalCause.RATE_LIMIT_TOKENS and refused[1] == pytest.approx(179.6, abs=0.1)  # (1 + 298.3 owed) at 100 a minute
 
 
 def test_config_is_checked() -> None:

@@ -113,7 +113,7 @@ def test_every_kept_literal_is_still_there() -> None:
 
 # The views' own words (codes of columns the views define, DuckDB's names, the default pool).
 VIEW_WORDS = {
-    "engine_cut", "open_at_proxy_stop", "open_at_end", "router_aborted",  # interruptions.reason
+    "engine_cut", "proxy_gone", "open_at_proxy_stop", "open_at_end", "router_aborted",  # interruptions.reason
     "node_absent", "not_routable", "zero_weight",  # admissions_to_draining.verdict
     "deadline", "inflight",  # drains.drained_by
     "engine", "router", "HTTP ",  # error_answers.answered_by, and its cause for an engine's status
