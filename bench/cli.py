@@ -11,6 +11,8 @@
   laswrr bench --scenario trace-mooncake --virtual              the same in virtual time (seconds,
                                      deterministic: routing alone, with an oracle row; writes
                                      <out>/<scenario>/virtual.json and no plots)
+  laswrr bench --scenario slo-mixed --virtual          latency objectives on a 910C/910B-like pool
+                                     (bench/slo_mixed.py; docs/evidence/slo.md)
   laswrr bench --scenario silent-slowdown-mindie --virtual --policies la-swrr,la-swrr+no-status,p2c
                                      a timeline scenario in virtual time with the scheduler's
                                      core in the loop (bench/virtual_timeline.py)
@@ -41,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from laswrr.bench.report import PolicyRun, print_table, scenario_summary
 from laswrr.bench.scenarios import SCENARIOS, TEST_SCENARIOS, Scenario, get_scenario
 from laswrr.bench.trace import arrival_bursts, load_workload, trace_format
+from laswrr.bench import slo_mixed
 from laswrr.bench.virtual import bench_virtual
 from laswrr.bench.virtual_peers import PEER_DELAY_MS
 from laswrr.scheduler.routing.router import PEER_PICK_S
@@ -318,7 +321,15 @@ def main(args: argparse.Namespace) -> int:
     if args.list:
         for name, scenario in SCENARIOS.items():
             print(f"{name:<16} {scenario.description}")
+        print(f"{slo_mixed.NAME:<16} {slo_mixed.DESCRIPTION} (--virtual only)")
         return 0
+    if args.scenario == slo_mixed.NAME:  # its own runner: latency objectives, two classes, four loads
+        if not args.virtual:
+            print(f"bench: {slo_mixed.NAME} runs in virtual time: add --virtual", file=sys.stderr)
+            return 2
+        out = args.out / slo_mixed.NAME
+        out.mkdir(parents=True, exist_ok=True)
+        return slo_mixed.main(["--seed", str(args.seed), "--out", str(out / "virtual.json")])
     try:
         policies = parse_policies(args.policies, peers=not args.no_peers)
         if args.engines == "vllm":

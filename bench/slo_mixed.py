@@ -20,7 +20,9 @@ class (TTFT, and TPOT = decode time per token after the first), plus TTFT/TPOT P
 for the ``+slo`` rows the estimate's accuracy: median and P90 absolute error of the TTFT predicted
 at the pick (for the node picked) against the TTFT measured.
 
-Run: ``python -m laswrr.bench.slo_mixed [--requests N] [--seed S] [--out FILE.json]``.
+Run: ``laswrr bench --scenario slo-mixed --virtual [--seed S]`` (every row and load, 1 500 requests
+each, ``<out>/slo-mixed/virtual.json``), or ``python -m laswrr.bench.slo_mixed [--requests N]
+[--seed S] [--loads ...] [--rows ...] [--interactive-tpot-ms MS] [--out FILE.json]``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
 from laswrr.services.sim_engine.physics import EngineSim
 from laswrr.services.sim_engine.profiles import get_profile
 
+NAME = "slo-mixed"
+DESCRIPTION = "latency objectives: 2x910C-like + 2x910B-like, chat turns and long prompts, two classes, 0.6-1.2x load"
 SLOTS = 10
 NODES = (("c1", 2.0), ("c2", 2.0), ("b1", 1.0), ("b2", 1.0))  # node, prefill speed relative to a 910B
 CLASSES = {"interactive": Objective(1000.0, 50.0), "batch": Objective(10000.0, None)}

@@ -161,7 +161,7 @@ class LatencyModel:
 
     @property
     def _keep(self) -> float:
-        return 0.5 ** (1.0 / self.half_life)
+        return float(0.5 ** (1.0 / self.half_life))
 
     def observe_prefill(self, node: str, work_tokens: int, ttft_s: float) -> None:
         """A request on ``node`` waited ``ttft_s`` for ``work_tokens`` of prefill (the backlog

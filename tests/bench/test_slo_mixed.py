@@ -18,3 +18,13 @@ def test_a_run_is_deterministic_and_reports_goodput_per_class_and_the_estimate_e
     assert "estimate_abs_error_s" not in today
     refusing = run("la-swrr+slo-refuse", 1.2, workload(1.2, 80, seed=3), 3).summary()
     assert sum(refusing[k]["refused"] for k in CLASSES) >= 0
+
+
+def test_the_bench_command_runs_it_in_virtual_time_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "laswrr", "bench", "--scenario", "slo-mixed"], capture_output=True,
+                          text=True)
+    assert done.returncode == 2 and "add --virtual" in done.stderr
+    listed = subprocess.run([sys.executable, "-m", "laswrr", "bench", "--list"], capture_output=True, text=True)
+    assert "slo-mixed" in listed.stdout
