@@ -123,7 +123,7 @@ async def soak(out: Path, duration_s: float, warmup_s: float, load: float, sampl
             await session.close()
 
     samples: list[dict[str, Any]] = []
-    nc = await connect(stack.nats_url, "laswrr-soak", stack.nats_auth)
+    nc = await connect(stack.role_url("recorder"), "laswrr-soak", stack.nats_auth)  # it may read single messages
     tasks = [asyncio.create_task(client()) for _ in range(clients)]
     started = time.monotonic()
     try:
