@@ -9,7 +9,7 @@ and output lengths, prefix blocks) one after the other, cycling through it. Ever
 it records each process's RSS (``/proc/<pid>/status`` VmRSS) and open file descriptors
 (``/proc/<pid>/fd``), the recorder's lag on LB_EVENTS (the stream's last seq minus the seq the
 recorder's consumer has acknowledged, which it does only after committing, and the age of the
-oldest message not yet acknowledged) and the DuckDB file's size. It writes ``DIR/soak.jsonl``
+oldest message not yet acknowledged) and the DuckDB file's size (with its write-ahead log). It writes ``DIR/soak.jsonl``
 (one line per sample) and ``DIR/soak.json``, and prints the verdict on issue 42's goals:
 
 * each process's RSS at the end is at most 10 % above its RSS at the end of the warm-up;
@@ -134,9 +134,10 @@ async def soak(out: Path, duration_s: float, warmup_s: float, load: float, sampl
                     pids["nats"] = stack.embedded.process.pid
                 msgs, age = await recorder_lag(nc.jetstream())
                 db = stack.data_dir / DB_FILE
+                wal = db.with_name(db.name + ".wal")  # DuckDB keeps new rows there until a checkpoint
                 sample = {"t_s": round(elapsed, 1), "rss_kb": {n: rss_kb(p) for n, p in pids.items()},
                           "fds": {n: open_fds(p) for n, p in pids.items()}, "lag_msgs": msgs, "lag_s": age,
-                          "db_bytes": db.stat().st_size if db.exists() else 0, **counts, "loadavg": os.getloadavg()}
+                          "db_bytes": sum(f.stat().st_size for f in (db, wal) if f.exists()), **counts, "loadavg": os.getloadavg()}
                 samples.append(sample)
                 lines.write(json.dumps(sample) + "\n")
                 lines.flush()
