@@ -109,7 +109,7 @@ async def soak(out: Path, duration_s: float, warmup_s: float, load: float, sampl
     stack = Stack(out / "stack", proxy_port=0)
     await stack.start()
     assert stack.proxy_url is not None
-    counts = {"completed": 0, "other": 0}
+    counts = {"served": 0, "not_served": 0}
     stop = asyncio.Event()
     specs = itertools.cycle(workload)
 
@@ -118,7 +118,7 @@ async def soak(out: Path, duration_s: float, warmup_s: float, load: float, sampl
         try:
             while not stop.is_set():
                 result = await send_one(session, stack.proxy_url + "/v1/chat/completions", next(specs), 0.0)
-                counts["completed" if result.outcome == ClientOutcome.COMPLETED else "other"] += 1
+                counts["served" if result.outcome == ClientOutcome.COMPLETED else "not_served"] += 1
         finally:
             await session.close()
 
@@ -141,7 +141,7 @@ async def soak(out: Path, duration_s: float, warmup_s: float, load: float, sampl
                 samples.append(sample)
                 lines.write(json.dumps(sample) + "\n")
                 lines.flush()
-                print(f"soak: {elapsed / 60:.1f} min, {counts['completed']} completed, recorder lag {msgs} msgs "
+                print(f"soak: {elapsed / 60:.1f} min, {counts['served']} served, recorder lag {msgs} msgs "
                       f"{age} s, db {sample['db_bytes'] / 1e6:.1f} MB", file=sys.stderr)
                 await asyncio.sleep(min(sample_s, max(0.1, duration_s - elapsed)))
     finally:
@@ -151,7 +151,7 @@ async def soak(out: Path, duration_s: float, warmup_s: float, load: float, sampl
         await stack.stop()
     db_bytes = (stack.data_dir / DB_FILE).stat().st_size
     result = {"duration_s": duration_s, "warmup_s": warmup_s, "clients": clients, "slots": slots, **counts,
-              **verdict(samples, warmup_s, counts["completed"], db_bytes)}
+              **verdict(samples, warmup_s, counts["served"], db_bytes)}
     (out / "soak.json").write_text(json.dumps(result, indent=1))
     return result
 
