@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test typecheck test-faults demo bench venv clean
+.PHONY: test typecheck test-faults demo bench soak venv clean
 
 venv: $(STAMP)
 
@@ -42,6 +42,12 @@ bench: $(STAMP)
 	$(PY) -m laswrr.bench.recorder_bench
 	$(PY) -m laswrr.bench.replay_bench
 	$(PY) -m laswrr.bench.proxy_bench
+
+# The whole stack under 60 % load for SOAK_MIN minutes (default 60), sampled for leaks and recorder
+# lag (bench/soak.py); not part of `make test`. `make soak SOAK_MIN=10` for a short one.
+SOAK_MIN ?= 60
+soak: $(STAMP)
+	$(PY) -m laswrr.bench.soak --duration-min $(SOAK_MIN) --warmup-min $$(( $(SOAK_MIN) < 20 ? $(SOAK_MIN) / 4 : 10 ))
 
 demo: $(STAMP)
 	$(VENV)/bin/laswrr demo --out demo-out

@@ -12,8 +12,9 @@ measures for ``--duration-s``:
 
 It prints one JSON object: ``rows_per_s``, ``by_subject``, ``cpu_core_share`` per process (CPU
 seconds / window), ``services_core_share`` (NATS, scheduler, recorder, collector, proxy: the
-engines are the workload, not the service), ``bytes_per_row`` and ``mb_per_day`` (rows/s x
-bytes/row x 86400). Issue 42 item 6's goals: <= 200 MB a day, <= 5 % of a core for 16 nodes.
+engines are the workload, not the service), ``bytes_per_row`` and ``mb_per_day`` (rows/s x the
+file's bytes/row x 86400: a small file's fixed blocks inflate it) and ``mb_per_day_uncompressed``
+(the window's rows' own bytes, payload and keys, before DuckDB compresses them: an upper bound). Issue 42 item 6's goals: <= 200 MB a day, <= 5 % of a core for 16 nodes.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ async def measure(data_dir: Path, nodes: int, warmup_s: float, duration_s: float
     db = data_dir / DB_FILE
     with duckdb.connect(str(db), read_only=True) as con:
         rows = con.execute("SELECT stream, subject FROM events WHERE ts_ns BETWEEN ? AND ?", [t0, t1]).fetchall()
+        payload = con.execute("SELECT coalesce(sum(octet_length(encode(data)) + length(subject) + 24), 0) FROM events "
+                              "WHERE ts_ns BETWEEN ? AND ?", [t0, t1]).fetchone()[0]  # type: ignore[index]
         total_rows = con.execute("SELECT count(*) FROM events").fetchone()[0]  # type: ignore[index]
     counts: dict[str, int] = {}
     for stream, subject in rows:
@@ -95,6 +98,8 @@ async def measure(data_dir: Path, nodes: int, warmup_s: float, duration_s: float
         "services_core_share": round(sum(v for k, v in share.items() if k.split("-")[0] in SERVICES), 4),
         "db_bytes": db.stat().st_size, "db_rows": total_rows, "bytes_per_row": round(bytes_per_row),
         "mb_per_day": round(rows_per_s * bytes_per_row * 86400 / 1e6, 1),
+        # the rows' bytes before DuckDB's compression (payload, subject, 24 for stream, seq, ts): an upper bound
+        "mb_per_day_uncompressed": round(payload / window_s * 86400 / 1e6, 1),
         "loadavg": os.getloadavg(),
     }
 

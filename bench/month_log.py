@@ -3,8 +3,8 @@
 ``python -m laswrr.bench.month_log --out FILE.duckdb [--days 30 | --hours H] [--rate 50]
 [--nodes 16] [--min-free-gb 20]`` writes what the recorder would have recorded from a pool of
 ``--nodes`` nodes serving ``--rate`` requests a second for that long, in event time (it runs as
-fast as the machine allows). Every input goes through the real core (``apply_guarded``, as the
-scheduler service does) and every output is recorded as the service publishes it, so
+fast as the machine allows). Every input goes through the real core (``scheduler.fold.Fold``, as the
+scheduler service applies it) and every output is recorded as the service publishes it, so
 ``laswrr replay --db FILE`` must find the log identical. Per second of event time:
 
 * 10 ticks (100 ms) and the pool's snapshot each tick (a busy pool always eases);
@@ -35,7 +35,7 @@ from pathlib import Path
 import msgspec
 
 from laswrr.replay import store
-from laswrr.scheduler.core import Scheduler, apply_guarded
+from laswrr.scheduler.fold import Fold
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import Envelope
 from laswrr.schemas.words import NpuHealth, RequestOutcome
@@ -53,7 +53,7 @@ class Writer:
 
     def __init__(self, path: Path) -> None:
         self.con = store.open_writer(path)
-        self.core = Scheduler()
+        self.fold = Fold()  # the service's fold; no de-duplication set: every input's seq is new
         self.inputs = store.Columns(sj.EVENTS_STREAM)
         self.outputs = store.Columns(sj.OUT_STREAM)
         self.in_seq = self.out_seq = 0
@@ -63,8 +63,7 @@ class Writer:
         data = msgspec.json.encode(payload)
         self.in_seq += 1
         self.inputs.append(self.in_seq, ts_ns, subject, data)
-        outputs, _ = apply_guarded(self.core, Envelope(self.in_seq, ts_ns, subject, data))
-        for output in outputs:
+        for output in self.fold.apply(Envelope(self.in_seq, ts_ns, subject, data)):
             self.out_seq += 1
             self.outputs.append(self.out_seq, ts_ns + 200_000, output.subject, output.data)
         if len(self.inputs) + len(self.outputs) >= FLUSH_ROWS:

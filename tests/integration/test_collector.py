@@ -415,7 +415,7 @@ async def test_cli_runs_publishes_serves_counters_and_stops_on_sigterm(
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "laswrr", "collector", "--nats-url", nats_url, "--nodes", str(nodes_toml),
-        "--interval-ms", "100", "--npu-interval-ms", "300", "--metrics-port", str(port),
+        "--interval-ms", "100", "--npu-interval-ms", "300", "--metrics-port", str(port), "--keepalive-ms", "0",
         cwd=REPO, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         js = nc.jetstream()
@@ -625,6 +625,7 @@ async def test_exporter_samples_carry_their_refresh_and_the_core_believes_them_u
                           f'npu_exporter = "{host}/metrics"\npod = "default/mindie-a-0"\n')
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "laswrr", "collector", "--nats-url", nats_url, "--nodes", str(nodes_toml),
+        "--keepalive-ms", "0",  # every refresh published (the fixture's chips do not change)
         cwd=REPO, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         log = EventLog(nc.jetstream())
