@@ -192,8 +192,8 @@ class ProxyConfig:
                                  group=FLOW_GROUP, up="--flow-control", up_default=True)
     queue_bound: int = setting(1024, "requests held per pool and band; beyond it 429 queue_full", unit="requests",
                                metavar="N", group=FLOW_GROUP)
-    queue_ttl_ms: int = setting(30_000, "a held request's time to live without x-laswrr-ttl-ms; then 429 "
-                                "queue_timeout", unit="ms", metavar="MS", group=FLOW_GROUP)
+    queue_ttl_ms: int = setting(30_000, "a held request's time to live without x-laswrr-ttl-ms; "
+                                "then 429 queue_timeout", unit="ms", metavar="MS", group=FLOW_GROUP)
     queue_ttl_max_ms: int = setting(300_000, "the most x-laswrr-ttl-ms may ask for", unit="ms", metavar="MS",
                                     group=FLOW_GROUP)
     no_node_wait_ms: int = setting(2_000, "no routable node in a pool this long: 503 no_routable_node", unit="ms",
@@ -210,8 +210,8 @@ class ProxyConfig:
                                          group=FLOW_GROUP)
     # The channel between proxies (lb.peer.<pool>.<proxy>, docs/proxy.md): 0 turns it off.
     peer_interval_ms: int = setting(
-        20, "share this proxy's in-flight counts, prefill backlog and prefix records with the other proxies on "
-        "lb.peer.<pool>.<proxy>: at each pick within --peer-pick-ms, otherwise at most once per MS when they "
+        20, "share this proxy's in-flight counts, prefill backlog and prefix records with the other "
+        "proxies on lb.peer.<pool>.<proxy>: at each pick within --peer-pick-ms, otherwise at most once per MS when they "
         "changed; 0: off", unit="ms", metavar="MS", group=PEERS_GROUP)
     peer_stale_ms: int = setting(
         2000, "a peer's message is used this long after it arrived (each proxy's heartbeat is half of it); silent "
