@@ -41,6 +41,7 @@ from laswrr.scheduler.routing.latency import LatencyModel, Objective
 from laswrr.scheduler.routing.prompt import RequestSize
 from laswrr.scheduler.routing.router import DEFAULT_POOL, AdmitRequest, Admission, Refusal, Router, scorer_for
 from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
+from laswrr.schemas.words import Band, Phase
 from laswrr.services.sim_engine.physics import EngineSim
 from laswrr.services.sim_engine.profiles import get_profile
 
@@ -48,7 +49,7 @@ NAME = "slo-mixed"
 DESCRIPTION = "latency objectives: 2x910C-like + 2x910B-like, chat turns and long prompts, two classes, 0.6-1.2x load"
 SLOTS = 10
 NODES = (("c1", 2.0), ("c2", 2.0), ("b1", 1.0), ("b2", 1.0))  # node, prefill speed relative to a 910B
-CLASSES = {"interactive": Objective(1000.0, 50.0), "batch": Objective(10000.0, None)}
+CLASSES: dict[str, Objective] = {Band.INTERACTIVE: Objective(1000.0, 50.0), Band.BATCH: Objective(10000.0, None)}
 LOADS = (0.6, 0.8, 1.0, 1.2)
 ROWS = ("la-swrr+slo", "la-swrr+slo-refuse", "la-swrr", "p2c", "rr", "least-request", "oracle")
 _LOAD = LoadView(queue=0, running=0, kv=0, npu=0, latency=0, load=0, sample_age_ms=None, stale=False)
@@ -70,8 +71,8 @@ def engines() -> dict[str, EngineSim]:
 
 def _mix(rng: random.Random) -> tuple[int, int, str]:
     if rng.random() < 0.75:
-        return max(16, round(rng.lognormvariate(math.log(300), 0.6))), rng.randint(60, 240), "interactive"
-    return rng.randint(6000, 20000), rng.randint(50, 150), "batch"
+        return max(16, round(rng.lognormvariate(math.log(300), 0.6))), rng.randint(60, 240), Band.INTERACTIVE
+    return rng.randint(6000, 20000), rng.randint(50, 150), Band.BATCH
 
 
 def capacity_rps(seed: int = 0, samples: int = 20000) -> float:
@@ -100,7 +101,7 @@ def workload(load: float, requests: int, seed: int) -> list[Req]:
 
 
 def _snapshot() -> WeightSnapshot:
-    nodes = [NodeView(node=n, url=f"http://{n}", phase="active", routable=True, capacity=SLOTS, target_weight=SLOTS,
+    nodes = [NodeView(node=n, url=f"http://{n}", phase=Phase.ACTIVE, routable=True, capacity=SLOTS, target_weight=SLOTS,
                       effective_weight=SLOTS, inflight=0, chip="910B", health=1.0, load=_LOAD) for n, _ in NODES]
     return WeightSnapshot(pool=DEFAULT_POOL, as_of_seq=1, tick=1, ts_ns=0, panic=False, nodes=nodes)
 
@@ -230,10 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loads", default=",".join(map(str, LOADS)))
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--interactive-tpot-ms", type=float, default=CLASSES["interactive"].tpot_ms,
+    parser.add_argument("--interactive-tpot-ms", type=float, default=CLASSES[Band.INTERACTIVE].tpot_ms,
                         help="the interactive class's TPOT target (default %(default)s)")
     args = parser.parse_args(argv)
-    CLASSES["interactive"] = Objective(CLASSES["interactive"].ttft_ms, args.interactive_tpot_ms)
+    CLASSES[Band.INTERACTIVE] = Objective(CLASSES[Band.INTERACTIVE].ttft_ms, args.interactive_tpot_ms)
     summaries = []
     print(f"pool capacity {capacity_rps():.3f} requests/s; {args.requests} requests per run, seed {args.seed}; "
           f"classes {CLASSES}")
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in args.rows.split(","):
             s = run(row, load, requests, args.seed).summary()
             summaries.append(s)
-            i, b = s["interactive"], s["batch"]
+            i, b = s[Band.INTERACTIVE], s[Band.BATCH]
             err = s.get("estimate_abs_error_s")
             print(f"{load:>4} {row:<20} {i['goodput_rps']:>10} {i['good_share']:>9} "
                   f"{i['ttft_p50']!s:>8}/{i['ttft_p99']!s:<9} {i['tpot_p50']!s:>8}/{i['tpot_p99']!s:<9} "
