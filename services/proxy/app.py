@@ -54,7 +54,8 @@ parts, which all live in services/proxy/engine_client.py.
 Lifecycle. ``build_state`` makes the proxy's state; ``_resources`` owns the engine transport
 (``engine_client.EnginePool``: forwarded requests and the ``/v1/models`` listings), the NATS link (background
 connect + LB_WEIGHTS watch), the event publisher and the heartbeat.
-``start`` / ``RunningProxy.stop`` run them: stop closes the listening socket first, lets
+``start`` / ``RunningProxy.stop`` run them: stop closes the listening socket first, answers
+the requests flow control holds (503 ``stopping``, ``Retry-After: 1``: ``FlowGate.hand_back``), lets
 in-flight requests finish within ``grace_s`` (requests still running then are cancelled:
 ``router_aborted``), then publishes ``lb.proxy.stopped.<proxy>``, flushes the event buffer and
 drains NATS.
@@ -672,6 +673,8 @@ class RunningProxy:
         server = self.runner.server
         if server is not None:
             server.pre_shutdown()  # idle keep-alive connections close; busy ones after their response
+        if state.flow is not None and (handed := state.flow.hand_back()):
+            log.info("stopping: %d held request(s) answered 503 stopping (Retry-After: 1)", handed)
         if state.active:
             log.info("stopping: waiting up to %.1f s for %d request(s) in flight", state.config.grace_s, state.active)
             with contextlib.suppress(asyncio.TimeoutError):
