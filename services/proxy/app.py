@@ -55,7 +55,9 @@ Lifecycle. ``build_state`` makes the proxy's state; ``_resources`` owns the engi
 (``engine_client.EnginePool``: forwarded requests and the ``/v1/models`` listings), the NATS link (background
 connect + LB_WEIGHTS watch), the event publisher and the heartbeat.
 ``start`` / ``RunningProxy.stop`` run them: stop closes the listening socket first, answers
-the requests flow control holds (503 ``stopping``, ``Retry-After: 1``: ``FlowGate.hand_back``), lets
+the requests flow control holds (503 ``stopping``, ``Retry-After: 1``: ``FlowGate.hand_back``),
+serves for up to ``DRAIN_S`` the requests still coming on open keep-alive connections, each
+response saying ``Connection: close`` (a rolling restart of workers loses none: docs/runbook.md), lets
 in-flight requests finish within ``grace_s`` (requests still running then are cancelled:
 ``router_aborted``), then publishes ``lb.proxy.stopped.<proxy>``, flushes the event buffer and
 drains NATS.

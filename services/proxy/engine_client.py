@@ -215,14 +215,15 @@ def request_factory(max_body_bytes: int, closing: Callable[[], bool] | None = No
     """``web.Server``'s ``request_factory``: aiohttp's ``BaseRequest`` with ``client_max_size``
     = ``max_body_bytes`` (the default factory allows 1 MiB and has no setting for it); with
     ``closing``, a response prepared while ``closing()`` is true closes its connection
-    (``Connection: close``, from ``_prepare_hook``, aiohttp's hook before a response's head is
-    written: the client's next request opens a new connection)."""
+    (``Connection: close``, from ``_prepare_hook``, aiohttp's hook between making a response's
+    head and writing it: the client's next request opens a new connection)."""
     loop = asyncio.get_running_loop()
 
     class Request(web.BaseRequest):
         async def _prepare_hook(self, response: web.StreamResponse) -> None:
             if closing is not None and closing():
-                response.force_close()
+                response.force_close()  # the connection closes after it; the head is made already:
+                response.headers["Connection"] = "close"  # say so (aiohttp calls this hook after _prepare_headers)
 
     def make_request(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
         return Request(message, payload, protocol, writer, task, loop, client_max_size=max_body_bytes)
