@@ -33,6 +33,12 @@ Theory of operation.
   A recorder that does not own ``db`` stays silent. Both ends are services/recorder_copy.py
   (``copy_from_recorder``, ``CopyDesk``); this loop only holds LB_OUT at the desk's gate and
   lets it copy as LB_EVENTS advances.
+* **A full disk.** A commit DuckDB refuses (its WAL or file cannot grow: the transaction is
+  rolled back, the file stays whole) is tried again, 0.5 s doubling to ``WRITE_RETRY_MAX_S``,
+  with nothing acked meanwhile (JetStream keeps the messages; the stream's own limits apply):
+  an ERROR line, ``laswrr_recorder_write_failing`` 1 and ``laswrr_recorder_write_failures``
+  say so, and recording resumes by itself once there is room (``_write``; rows are inserted
+  idempotently, so a retried batch adds no duplicate).
 * **Stop.** SIGINT/SIGTERM: the stop's target is each stream's last seq at that moment
   (``STREAM.INFO``); the recorder keeps pulling, committing and acking (recreating a consumer that
   is gone, e.g. seconds after a leader election) until it has recorded through both targets or
@@ -71,6 +77,8 @@ from laswrr.services.recorder_copy import CopyDesk
 from laswrr.services.service_metrics import BATCH_BUCKETS, Buckets, Metric, lag, render, serve_metrics
 
 log = logging.getLogger("laswrr.recorder")
+WRITE_RETRY_MAX_S = 5.0  # the longest wait between two attempts of a commit DuckDB refused (_write)
+
 
 @dataclass
 class RecorderOptions:
@@ -92,6 +100,8 @@ class StreamStats:
     batches: int = 0
     repaired: int = 0
     gaps: int = 0
+    write_failures: int = 0  # commits DuckDB refused (a full disk): retried, nothing acked meanwhile
+    failing: bool = False  # the last commit attempt failed
     batch_seconds: Buckets = field(default_factory=lambda: Buckets(BATCH_BUCKETS))  # one commit
 
 
@@ -283,7 +293,8 @@ class Recorder:
             except Exception as exc:  # noqa: BLE001 - NATS trouble: keep the rows, do not ack
                 log.warning("%s: could not fetch missing seqs in %d..%d (%s); not acking yet", stream, start, top, exc)
                 complete = False
-        await self._db(store.insert_rows, self.con, [rows])
+        if not await self._write(stream, rows):
+            return None
         stats = self.stats[stream]
         stats.recorded += len(msgs)
         stats.batches += 1
@@ -292,6 +303,33 @@ class Recorder:
             return None
         self.recorded_through[stream] = max(self.recorded_through[stream], top)
         return highest
+
+    async def _write(self, stream: str, rows: store.Columns) -> bool:
+        """Commit ``rows``; a commit DuckDB refuses (a full disk: the WAL or the file cannot grow;
+        the transaction is rolled back, the file stays whole) is tried again, 0.5 s doubling to
+        ``WRITE_RETRY_MAX_S``, nothing acked meanwhile (JetStream keeps the messages), said in the
+        log and in ``laswrr_recorder_write_failures`` / ``laswrr_recorder_write_failing``. False
+        when a stop's catch-up bound ran out first (the stream keeps the rest)."""
+        stats, failures = self.stats[stream], 0
+        while True:
+            try:
+                await self._db(store.insert_rows, self.con, [rows])
+            except (duckdb.IOException, duckdb.TransactionException) as exc:
+                failures += 1
+                stats.write_failures += 1
+                stats.failing = True
+                if failures == 1 or failures % 20 == 0:
+                    log.error("%s: cannot write to %s (%s); recording paused, nothing acked (the stream keeps "
+                              "the messages), trying again (attempt %d)", stream, self.options.db_path,
+                              store.first_line(exc), failures)
+                if self._stop_deadline and self._left() <= 0:
+                    return False
+                await asyncio.sleep(min(WRITE_RETRY_MAX_S, 0.5 * 2 ** (failures - 1)))
+                continue
+            if stats.failing:
+                stats.failing = False
+                log.warning("%s: writing to %s again after %d failed attempt(s)", stream, self.options.db_path, failures)
+            return True
 
     # -- holes ----------------------------------------------------------------------------------
 
@@ -376,12 +414,17 @@ def _families(recorder: Recorder, recorded: dict[str, int]) -> Iterator[Metric]:
         "batches": CounterMetricFamily("laswrr_recorder_batches", "Batches committed", labels=labels),
         "repaired": CounterMetricFamily("laswrr_recorder_repaired", "Missing seqs fetched from the stream", labels=labels),
         "gaps": CounterMetricFamily("laswrr_recorder_gaps", "Seqs the stream no longer had", labels=labels),
+        "write_failures": CounterMetricFamily("laswrr_recorder_write_failures",
+                                              "Commits DuckDB refused (a full disk), retried", labels=labels),
+        "failing": GaugeMetricFamily("laswrr_recorder_write_failing",
+                                     "1 while the last commit failed (recording paused, nothing acked)", labels=labels),
         "seq": GaugeMetricFamily("laswrr_recorder_recorded_seq", "Highest seq recorded without a hole", labels=labels),
     }
     batch = HistogramMetricFamily("laswrr_recorder_batch_seconds", "One commit (insert, fill holes)", labels=labels)
     for stream, stats in recorder.stats.items():
         for key, value in (("rows_written", stats.recorded), ("batches", stats.batches), ("repaired", stats.repaired),
-                           ("gaps", stats.gaps), ("seq", recorded[stream])):
+                           ("gaps", stats.gaps), ("write_failures", stats.write_failures),
+                           ("failing", int(stats.failing)), ("seq", recorded[stream])):
             families[key].add_metric([stream], value)
         batch.add_metric([stream], stats.batch_seconds.exposition(), stats.batch_seconds.total)
     yield from families.values()

@@ -54,7 +54,10 @@ parts, which all live in services/proxy/engine_client.py.
 Lifecycle. ``build_state`` makes the proxy's state; ``_resources`` owns the engine transport
 (``engine_client.EnginePool``: forwarded requests and the ``/v1/models`` listings), the NATS link (background
 connect + LB_WEIGHTS watch), the event publisher and the heartbeat.
-``start`` / ``RunningProxy.stop`` run them: stop closes the listening socket first, lets
+``start`` / ``RunningProxy.stop`` run them: stop closes the listening socket first, answers
+the requests flow control holds (503 ``stopping``, ``Retry-After: 1``: ``FlowGate.hand_back``),
+serves for up to ``DRAIN_S`` the requests still coming on open keep-alive connections, each
+response saying ``Connection: close`` (a rolling restart of workers loses none: docs/runbook.md), lets
 in-flight requests finish within ``grace_s`` (requests still running then are cancelled:
 ``router_aborted``), then publishes ``lb.proxy.stopped.<proxy>``, flushes the event buffer and
 drains NATS.
@@ -107,6 +110,7 @@ log = logging.getLogger("laswrr.proxy")
 EVENT_FLUSH_TIMEOUT_S = 5.0
 PRIORITY_HEADER = "x-laswrr-priority"  # interactive | default | batch (scheduler.routing.flow.band_of)
 TTL_HEADER = "x-laswrr-ttl-ms"  # how long flow control may hold the request
+DRAIN_S = 1.0  # at a stop: how long open keep-alive connections may still bring requests
 MODEL_CHARS = 256  # of a request's "model", kept on its lb.req.refused event
 PLANS_KEPT = 256  # model names whose plan is kept (_plan), each of at most MODEL_CHARS characters
 
@@ -166,7 +170,7 @@ Handler = Callable[[web.BaseRequest, ProxyState], Awaitable[web.StreamResponse]]
 async def forward_by_model(request: web.BaseRequest, state: ProxyState) -> web.StreamResponse:
     """Every OpenAI POST route: the body's ``model`` picks the pool; then admission and forwarding."""
     arrived = time.perf_counter()
-    if state.stopping:
+    if state.aborting:  # while stopping, requests on open connections are served (RunningProxy.stop)
         state.metrics.count_response(503)
         return _refuse(state, RefusalCause.STOPPING, "proxy is shutting down", headers={"Retry-After": "1", "Connection": "close"})
     key_name = None
@@ -639,8 +643,11 @@ def proxy_dispatch(state: ProxyState, probes: bool = True) -> Dispatch:
 
 
 def web_server(dispatch: Dispatch, max_body_bytes: int, **kwargs: Any) -> web.Server:
-    """aiohttp's low-level server on ``dispatch``, requests allowed bodies up to ``max_body_bytes``."""
-    return web.Server(dispatch, request_factory=request_factory(max_body_bytes), access_log=None, **kwargs)
+    """aiohttp's low-level server on ``dispatch``, requests allowed bodies up to ``max_body_bytes``;
+    once the proxy stops, each response closes its connection (``RunningProxy.stop``)."""
+    state = dispatch.state
+    return web.Server(dispatch, request_factory=request_factory(max_body_bytes, lambda: state.stopping),
+                      access_log=None, **kwargs)
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -669,8 +676,16 @@ class RunningProxy:
         state = self.state
         state.stopping = True
         await self.site.stop()
+        if state.flow is not None and (handed := state.flow.hand_back()):
+            log.info("stopping: %d held request(s) answered 503 stopping (Retry-After: 1)", handed)
         server = self.runner.server
         if server is not None:
+            # drain: requests still coming on open connections are served, each response saying
+            # Connection: close; connections left idle through DRAIN_S are closed then (closing
+            # one at once races a client sending on it: an error no retry covers)
+            deadline = time.monotonic() + min(DRAIN_S, state.config.grace_s)
+            while server.connections and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             server.pre_shutdown()  # idle keep-alive connections close; busy ones after their response
         if state.active:
             log.info("stopping: waiting up to %.1f s for %d request(s) in flight", state.config.grace_s, state.active)

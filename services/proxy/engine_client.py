@@ -44,7 +44,7 @@ import asyncio
 import contextlib
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -211,12 +211,21 @@ class EnginePool:
 # -- the server side's private part (services/proxy/app.py) -------------------------------------
 
 
-def request_factory(max_body_bytes: int) -> Any:
+def request_factory(max_body_bytes: int, closing: Callable[[], bool] | None = None) -> Any:
     """``web.Server``'s ``request_factory``: aiohttp's ``BaseRequest`` with ``client_max_size``
-    = ``max_body_bytes`` (the default factory allows 1 MiB and has no setting for it)."""
+    = ``max_body_bytes`` (the default factory allows 1 MiB and has no setting for it); with
+    ``closing``, a response prepared while ``closing()`` is true closes its connection
+    (``Connection: close``, from ``_prepare_hook``, aiohttp's hook between making a response's
+    head and writing it: the client's next request opens a new connection)."""
     loop = asyncio.get_running_loop()
 
+    class Request(web.BaseRequest):
+        async def _prepare_hook(self, response: web.StreamResponse) -> None:
+            if closing is not None and closing():
+                response.force_close()  # the connection closes after it; the head is made already:
+                response.headers["Connection"] = "close"  # say so (aiohttp calls this hook after _prepare_headers)
+
     def make_request(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
-        return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=max_body_bytes)
+        return Request(message, payload, protocol, writer, task, loop, client_max_size=max_body_bytes)
 
     return make_request

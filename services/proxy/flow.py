@@ -32,6 +32,11 @@ handler on a future and wakes it:
   ``no_node_wait_s``: 503 ``no_routable_node`` (requests held then are answered, and new ones at
   once while it lasts); both with ``Retry-After`` where it is a second or more. A client that
   disconnects while held (aiohttp cancels its handler) leaves the queue at once.
+* **Stopping.** A proxy told to stop (SIGTERM, ``RunningProxy.stop``) hands back what it
+  holds before it drains: ``hand_back`` answers every held request 503 ``stopping`` with
+  ``Retry-After: 1`` (its client sends it again, to another replica or worker), and a request
+  that would be held from then on gets the same answer at once. Nothing held is dispatched by a
+  stopping proxy: a request started then could be cut at the end of its grace period.
 * **Never cut.** An admitted request is never held again: retries and continuations ignore the
   limits (``Admitter.admit`` with a ``tried`` set), and a handler cancelled just after its
   admission was handed over releases that admission.
@@ -204,6 +209,14 @@ class FlowAnswers:
                           f"{pool!r} without a free slot (its time to live)",
                           self.queue.retry_after(held.pool, held.band, now, pool))
 
+    def stopping(self, pool: str, band: Band, held: Held[Waiter] | None = None) -> FlowAnswer:
+        """The proxy stops: a held request (or one that would be held) goes back to its client."""
+        self.counts.refuse(pool, band, RefusalCause.STOPPING.value)
+        if held is not None:
+            self.counts.waited(pool, band, time.monotonic() - held.arrived)
+        return FlowAnswer(503, RefusalCause.STOPPING, "proxy is shutting down: the request was not dispatched; "
+                          "send it again", retry_after_header(1.0))
+
     def left(self, pool: str, held: Held[Waiter]) -> None:
         """A held request's client went away (nobody to answer: counted only)."""
         self.counts.refuse(pool, held.band, RefusalCause.CLIENT_DISCONNECTED)
@@ -230,6 +243,7 @@ class FlowGate:
         self.no_node_wait_s = no_node_wait_s
         self.no_node_since: dict[str, float] = {}  # lane -> since when none of its nodes is routable
         self.deferred = 0  # dispatches left to the other proxies' more urgent held requests (``_defer``)
+        self.closed = False  # the proxy stops: nothing more is held (``hand_back``)
         self._ticker: asyncio.Task[None] | None = None
 
     # -- admission -------------------------------------------------------------------------------
@@ -261,6 +275,8 @@ class FlowGate:
                 return admission
             if admission.cause is RefusalCause.SLO_UNMEETABLE and not admission.saturated:
                 return admission
+        if self.closed:
+            return self.answers.stopping(pool, band)
         if not self._routable(pool, exclude):
             since = self.no_node_since.setdefault(lane, now)
             if now - since >= self.no_node_wait_s:
@@ -289,6 +305,21 @@ class FlowGate:
             self.counts.admit(pool, band, "held")
             self.counts.waited(pool, band, time.monotonic() - held.arrived)
         return result
+
+    def hand_back(self) -> int:
+        """The proxy stops (module docstring, "Stopping"): answer every held request 503
+        ``stopping``, hold nothing from now on; how many were answered."""
+        self.closed = True
+        answered = 0
+        for lane in list(self.queue.pools):
+            pool = self.lanes.pool_of(lane)
+            for held in list(self.queue.held(lane)):
+                self.queue.remove(held)
+                if not held.ticket.future.done():
+                    _answer(held, self.answers.stopping(pool, held.band, held))
+                    answered += 1
+            self._announce(pool)
+        return answered
 
     def _left(self, held: Held[Waiter], waiter: Waiter) -> None:
         """The handler was cancelled (its client went away, or the proxy is aborting)."""
