@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import aiohttp
@@ -153,3 +154,41 @@ class Load:
                     if len(self.reasons) < 5:
                         self.reasons.append(reason)
                     await asyncio.sleep(0.05)
+
+
+@dataclass
+class LogAudit:
+    """What a stopped stack's log holds against its streams: the messages each stream published,
+    the rows recorded per stream, the distinct (stream, seq) among them, the requests the views
+    count as cut by the router, and `laswrr replay`'s summary (exact, or the test failed)."""
+
+    published: dict[str, int]
+    rows: dict[str, int]
+    distinct: int
+    cut: int
+    replay: str
+
+    def line(self) -> str:
+        return f"cut by the router (views) {self.cut}; published {self.published} recorded {self.rows}; replay: {self.replay}"
+
+    def assert_whole(self) -> None:
+        """Every published message recorded once, and no request cut by the router."""
+        assert self.rows == self.published and self.distinct == sum(self.rows.values())
+        assert self.cut == 0
+
+
+async def audit_log(nc: Any, db: Path) -> LogAudit:
+    """Audit the log of a stack that has stopped (closes ``nc``, the test's NATS connection)."""
+    from laswrr.replay import store
+    from laswrr.schemas import subjects as sj
+    from tests.replay_cli import replay_exact
+
+    js = nc.jetstream()
+    published = {s: (await js.stream_info(s)).state.messages for s in (sj.EVENTS_STREAM, sj.OUT_STREAM)}
+    await nc.close()
+    with store.open_read(db) as con:
+        rows = dict(con.execute("SELECT stream, count(*) FROM events GROUP BY stream").fetchall())
+        (distinct,) = con.execute("SELECT count(DISTINCT (stream, seq)) FROM events").fetchone()
+        (cut,) = con.execute("SELECT count(*) FROM interruptions").fetchone()
+    return LogAudit(published, rows, distinct, cut, replay_exact(db))
+

@@ -31,7 +31,7 @@ from laswrr.services.children import ChildProcesses, RestartPolicy
 from laswrr.services.natsbus import connect
 from laswrr.services.operator import publish_and_wait
 from tests.replay_cli import replay_exact
-from tests.up_process import Load, UpStderr, no_leftover_stack, start_up
+from tests.up_process import Load, UpStderr, audit_log, no_leftover_stack, start_up
 
 no_leftover_stack = pytest.fixture(autouse=True)(no_leftover_stack)
 pytestmark = pytest.mark.timeout(240)
@@ -100,21 +100,12 @@ async def test_killed_children_are_restarted_and_nothing_is_lost(tmp_path: Path,
     proc.send_signal(signal.SIGINT)
     await asyncio.wait_for(proc.wait(), 90)
     assert proc.returncode == 0, stderr.text()[-3000:]
-    js = nc.jetstream()
-    published = {s: (await js.stream_info(s)).state.messages for s in (sj.EVENTS_STREAM, sj.OUT_STREAM)}
-    await nc.close()
-    with store.open_read(data / store.DB_FILE) as con:
-        rows = dict(con.execute("SELECT stream, count(*) FROM events GROUP BY stream").fetchall())
-        distinct = con.execute("SELECT count(DISTINCT (stream, seq)) FROM events").fetchone()
-        cut = con.execute("SELECT count(*) FROM interruptions").fetchone()
-    replay = replay_exact(data / store.DB_FILE)
+    audit = await audit_log(nc, data / store.DB_FILE)
     for role, (served, failed, restarted_s, recovered_s) in figures.items():
         print(f"FAULT up/{role} kill -9: served {served} failed {failed}; restarted in {restarted_s:.2f} s, "
               f"working again after {recovered_s:.2f} s")
-    print(f"FAULT up totals: served {load.served} failed {load.failed} cut {cut[0] if cut else None}; "
-          f"published {published} recorded {rows}; replay: {replay}")
-    assert rows == published and distinct == (sum(rows.values()),)
-    assert cut == (0,)
+    print(f"FAULT up totals: served {load.served} failed {load.failed}; {audit.line()}")
+    audit.assert_whole()
 
 
 async def test_a_child_that_keeps_dying_is_given_up(tmp_path: Path) -> None:
