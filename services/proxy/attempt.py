@@ -36,6 +36,7 @@ from laswrr.services.proxy.answers import (
     usage_from_sse,
     with_model,
 )
+from laswrr.services.proxy.engine_errors import as_openai_error
 from laswrr.services.proxy.events import Attempt, EventPublisher
 from laswrr.services.proxy.exchange import AttemptState, Broken, ClientStream, Done, Exchange, Failed, Result, ms
 from laswrr.services.proxy.metrics import ProxyMetrics
@@ -166,7 +167,9 @@ class AttemptRunner:
             body = await engine_response.read()
         except TRANSPORT_ERRORS:
             body = b""
-        response = web.Response(status=engine_response.status, body=body, headers=engine_response.headers)
+        body, headers = as_openai_error(engine_response.status, engine_response.content_type, body,
+                                        engine_response.headers)
+        response = web.Response(status=engine_response.status, body=body, headers=headers)
         tag(response, admission.node, exchange.request_id)
         return Failed(FailureKind.ENGINE_5XX, f"HTTP {engine_response.status}", status=engine_response.status,
                       response=response)
@@ -178,7 +181,9 @@ class AttemptRunner:
         except TRANSPORT_ERRORS as exc:
             return Failed(failure_kind(exc), describe(exc), status=engine_response.status)
         received = time.perf_counter()
-        response = web.Response(status=engine_response.status, body=body, headers=engine_response.headers)
+        body, headers = as_openai_error(engine_response.status, engine_response.content_type, body,
+                                        engine_response.headers)
+        response = web.Response(status=engine_response.status, body=body, headers=headers)
         tag(response, admission.node, exchange.request_id)
         try:
             await response.prepare(request)

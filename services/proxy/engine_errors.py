@@ -7,7 +7,7 @@ turns such an answer (status >= 400, not ``application/json``) into ``{"error": 
 code, param}}`` with the same status, the engine's text (cut) in the message, so every error a
 client reads has one shape; a JSON answer, and any answer below 400, is returned unchanged.
 
-Where it applies (the forwarder, services/proxy/upstream.py): on the body of an engine's
+Where it applies (services/proxy/attempt.py, ``AttemptRunner``): on the body of an engine's
 answer before it is handed to the client, in ``_buffered`` and ``_failed_status``.
 """
 

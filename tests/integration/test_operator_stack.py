@@ -290,7 +290,7 @@ async def test_views_mark_rejected_commands_and_history_tells_a_node_story(up: U
     kinds = [line.split()[4] + (" " + line.split()[5] if line.split()[4] == "admin" else "") for line in lines]
     assert kinds[0] == "admin node" and "phase" in kinds  # registered, then active
     story = "\n".join(lines)
-    assert 'REJECTED {"capacity": -1}' in story and 'REJECTED {"capacity": 2.5}' in story
+    assert 'REJECTED {"capacity":-1}' in story and 'REJECTED {"capacity": 2.5}' in story
     down = re.search(r"capacity +\d+ -> 1$", story, re.M)
     assert down is not None, story
     assert story.index('REJECTED {"capacity": 2.5}') < down.start() < story.index("1 -> 4")

@@ -4,7 +4,7 @@ and proxies started in-process on port 0 against the test's nats-server.
 EchoEngine answers the OpenAI routes like vLLM does (SSE chunks, ``[DONE]``, ``usage``) and is
 steered per request by a non-standard ``"test"`` field in the body: ``chunks`` (number of SSE
 content chunks), ``delay`` (seconds between chunks), ``cut_after`` (abort the connection after
-that many chunks), ``status`` (answer with this status), ``headers`` (extra response headers, with
+that many chunks), ``status`` (answer with this status; with ``text``, a plain-text body), ``headers`` (extra response headers, with
 ``status``). Engine-wide ``fail`` modes:
 ``"http500"`` (every completion answers 500) and ``"drop"`` (close the connection without an
 answer). It records every completion it received (body and headers) and every one the client cancelled.
@@ -68,6 +68,8 @@ class EchoEngine:
         self.headers.append(dict(request.headers))
         if self.fail == "http500":
             return web.json_response({"error": {"message": f"{self.name} broken", "type": "server_error"}}, status=500)
+        if "status" in control and "text" in control:  # a plain-text error, as aiohttp's own 413 or a gateway's
+            return web.Response(status=control["status"], text=control["text"])
         if "status" in control:
             return web.json_response({"error": {"message": "as asked", "type": "test"}}, status=control["status"],
                                      headers=control.get("headers"))

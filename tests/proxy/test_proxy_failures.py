@@ -67,6 +67,22 @@ async def test_no_retry_left_passes_the_engine_5xx_through(engines, core: CoreDr
     assert not finished["error"].startswith("retried")
 
 
+async def test_an_engines_plain_text_error_reaches_the_client_as_an_openai_error(
+        engines, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession) -> None:
+    """A non-JSON error answer (aiohttp's own 413, a gateway's 502 page) keeps its status and the
+    engine's text, in the OpenAI error shape every other error has (a JSON one passes unchanged)."""
+    plain = await engines("plain")
+    proxy = await start_proxy(max_retries=0)
+    await wait_seq(proxy, "default", await core.register("plain", plain.url))
+    for status, text, code in ((413, "Maximum request body size 1048576 exceeded", "request_too_large"),
+                               (502, "<html>bad gateway</html>", None)):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "test": {"status": status, "text": text}}
+        async with http.post(proxy.url + CHAT, json=body) as resp:
+            assert resp.status == status and resp.content_type == "application/json"
+            error = (await resp.json())["error"]
+        assert error["code"] == code and text in error["message"], error
+
+
 async def test_unreachable_only_node_is_502(core: CoreDriver, start_proxy: StartProxy,
                                             http: aiohttp.ClientSession) -> None:
     proxy = await start_proxy()
