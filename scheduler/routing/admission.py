@@ -11,7 +11,11 @@
   snapshot publishes (``NodeView.concurrency_limit``; not for a retry or a continuation, whose
   request was admitted already, nor for a role that is never held: flow control never cuts
   one); the request's ``Affinity`` from the scorer, when the picker's role has an index and the
-  request has a prompt and a size; then ``policy.pick(PickContext(load, exclude, affinity))``.
+  request has a prompt and a size (with its engine tokens, ``tokens``, the nodes the table's
+  ``KvIndex`` has an exact view of count the prompt tokens their engine holds:
+  ``scheduler.routing.work``, "The exact view"); then ``policy.pick(PickContext(load, exclude,
+  affinity))``. The admission carries the prompt tokens the view predicted cached on the node
+  picked (``cached``; None without affinity).
 * **Admission binds.** The ``Admission`` holds the node's URL from the snapshot in force *at
   admission*; later snapshots (weight change, drain, capacity 0, removal) never touch it; only
   ``release`` ends it. ``prefilled`` takes its prompt out of the node's prefill backlog when the
@@ -24,7 +28,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Container
+from collections.abc import Collection, Container, Sequence
 from dataclasses import dataclass
 
 from laswrr.scheduler.policies import PickContext
@@ -54,6 +58,7 @@ class AdmitRequest:
     reserve: float = 0.0  # the share of each limit kept for more urgent requests (flow's interactive reserve)
     role: NodeRole | None = None  # a P/D pair's decode leg: NodeRole.DECODE; else the first admission
     objective: Objective | None = None  # its latency targets (scheduler.routing.latency); None: none
+    tokens: Sequence[int] | None = None  # its prompt as its engine's token ids (the exact view); None: not known
 
 
 @dataclass(slots=True, eq=False)
@@ -73,6 +78,7 @@ class Admission:
     work: int = 0  # a prefill leg's: its node's prefill backlog at the pick plus its own (``prefill_done``)
     ahead: int = 0  # with a latency model: the node's prefill work at the pick plus its own uncached prompt
     batch: int = 0  # with a latency model: the node's pool-wide in-flight at the pick, itself included
+    cached: int | None = None  # the prompt tokens the router's view predicted cached on the node (None: no affinity)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,17 +126,21 @@ class Admitter:
         if node is None:
             return self._refusal(picker, request)
         backlog = 0
+        predicted = None
         index = picker.index
         if index is not None and affinity is not None:
             if self.channel is not None:
                 self.channel.tell_prefix(route, index, node, keys)
             index.record(node, keys)
             backlog = affinity.cost_on(node) - affinity.mean  # its uncached prompt there
+            if request.size is not None:  # always, with affinity
+                predicted = request.size.prompt_tokens - backlog
         elif latency is not None and request.size is not None:
             backlog = request.size.prompt_tokens  # the estimate's queue ahead, without a prefix index
         table.load.bind(node, backlog)
         view = picker.targets[node]
         admission = self._admission(route, picker, view, request.size, backlog)
+        admission.cached = predicted
         if latency is not None:
             admission.ahead = table.load.work_backlog().get(node, 0) - backlog + self._uncached(node, request, affinity)
             admission.batch = table.load.load.get(node, 0)
@@ -193,7 +203,11 @@ class Admitter:
         speeds = picker.speeds
         speed = speeds.of(eligible) if speeds is not None and speeds.rate else _ALIKE
         load = self.table.load
-        return scorer.score(index, keys, size, eligible, load.work_backlog(), load.load, speed), keys
+        kv = self.table.kv
+        cached = None
+        if request.tokens and kv.nodes:
+            cached = kv.cached(request.tokens, eligible)
+        return scorer.score(index, keys, size, eligible, load.work_backlog(), load.load, speed, cached), keys
 
     @staticmethod
     def _admission(route: PoolRoute, picker: Picker, view: NodeView, size: RequestSize | None,

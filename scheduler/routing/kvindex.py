@@ -84,6 +84,11 @@ class KvIndex:
             out[node] = depth
         return out
 
+    def cached(self, token_ids: Sequence[int], nodes: Iterable[str]) -> dict[str, int]:
+        """``depths`` in tokens: for each of ``nodes`` with an exact view, the prompt tokens its
+        engine would find cached."""
+        return {node: depth * self.nodes[node].block_size for node, depth in self.depths(token_ids, nodes).items()}
+
     def cached_tokens(self, token_ids: Sequence[int], node: str) -> int | None:
         """The prompt tokens ``node``'s engine would find cached (None: no exact view of it)."""
         depth = self.depths(token_ids, (node,)).get(node)

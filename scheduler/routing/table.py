@@ -27,6 +27,7 @@ from collections.abc import Container, Iterable, Iterator
 from enum import IntEnum
 
 from laswrr.scheduler.policies import make_policy
+from laswrr.scheduler.routing.kvindex import KvIndex
 from laswrr.scheduler.routing.load import Load
 from laswrr.scheduler.routing.route import Picker, PoolRoute
 from laswrr.scheduler.routing.work import PrefillSpeeds, PrefixScorer
@@ -55,6 +56,7 @@ class RoutingTable:
         self.views = 0  # counts the snapshots installed and the pools forgotten: what a cache of plans keys on
         self.load = Load()
         self.speeds = PrefillSpeeds()
+        self.kv = KvIndex()  # the exact view of the nodes whose engines publish KV events (lb.kv.<node>)
 
     def offer(self, snapshot: WeightSnapshot, now: float) -> Offered:
         """Install ``snapshot`` if it is newer than the pool's current one (or that one is superseded)."""

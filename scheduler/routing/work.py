@@ -8,6 +8,11 @@
   "The work measure"): a node's load is its prefill backlog (own and the peers') plus ``M`` per
   request in flight, ``M`` the mean prompt of the sized requests admitted so far; the request's
   cost on a node is its prompt less the prefix the index says the node holds, plus ``M``.
+  **The exact view** (``cached``: per eligible node whose engine publishes KV events, the prompt
+  tokens it holds by ``scheduler.routing.kvindex.KvIndex``): for those nodes that figure replaces
+  the index's estimate; the preference order is then by tokens held, deepest first (ties in the
+  index's order, then by name), the nodes holding no more than every eligible node not preferred.
+  Without ``cached`` (no node publishes events) the pick is exactly the estimated one.
 * **Prefill speeds** (``PrefillSpeeds``, a P/D pool's prefill role): the proxy reports each
   prefill leg's time (``done``): per prefill node, a moving average of its rate (the prefill work
   it had at the pick over the leg's time), and a node measured below ``PREFILL_SPEED_ALIKE`` of
@@ -47,7 +52,8 @@ class PrefixScorer:
         return self.sized_prompt_tokens // self.sized if self.sized else 0
 
     def score(self, index: PrefixIndex, keys: list[int], size: RequestSize, eligible: list[str],
-              backlog: Mapping[str, int], load: Mapping[str, int], speed: Mapping[str, float]) -> Affinity:
+              backlog: Mapping[str, int], load: Mapping[str, int], speed: Mapping[str, float],
+              cached: Mapping[str, int] | None = None) -> Affinity:
         """The request's cost on each eligible node and each node's load (module docstring)."""
         self.sized += 1
         self.sized_prompt_tokens += size.prompt_tokens
@@ -55,8 +61,25 @@ class PrefixScorer:
         preferred, depth, floor = index.match(keys, eligible)
         block = index.block_chars // CHARS_PER_TOKEN
         prompt = size.prompt_tokens
+        if cached:
+            return exact_affinity(preferred, depth, floor * block, block, cached, prompt, eligible,
+                                  backlog, load, mean, speed)
         costs = {n: max(0, prompt - d * block) + mean for n, d in depth.items()}
         return Affinity(preferred, backlog, max(0, prompt - floor * block) + mean, costs, load, mean, speed)
+
+
+def exact_affinity(preferred: list[str], depth: Mapping[str, int], floor_tokens: int, block: int,
+                   cached: Mapping[str, int], prompt: int, eligible: list[str], backlog: Mapping[str, int],
+                   load: Mapping[str, int], mean: int, speed: Mapping[str, float]) -> Affinity:
+    """The ``Affinity`` with the exact view of the nodes in ``cached`` (module docstring): each
+    eligible node's tokens held, by its engine's events or else by the index's estimate."""
+    held = {n: cached[n] if n in cached else depth.get(n, 0) * block if n in depth else floor_tokens
+            for n in eligible}
+    floor = min(held.values(), default=0)
+    order = {n: i for i, n in enumerate(preferred)}
+    ranked = sorted((n for n, t in held.items() if t > floor), key=lambda n: (-held[n], order.get(n, len(order)), n))
+    costs = {n: max(0, prompt - held[n]) + mean for n in ranked}
+    return Affinity(ranked, backlog, max(0, prompt - floor) + mean, costs, load, mean, speed)
 
 
 class PrefillSpeeds:
