@@ -96,6 +96,7 @@ from laswrr.schemas.outputs import WeightSnapshot
 from laswrr.schemas.refusals import ANSWERS
 from laswrr.schemas.words import Band, HoldCause, RefusalCause
 from laswrr.services.proxy.tasks import stop_task
+from laswrr.services.proxy.tokens import MIN_THREAD_CHARS, PromptTokenizer
 from laswrr.services.proxy.upstream import (
     REQUEST_ID_HEADER,
     Exchange,
@@ -147,6 +148,7 @@ class ProxyState:
     catalog: ModelCatalog | None = None
     flow: FlowGate | None = None  # --flow-control
     slo: SloDefaults = field(default_factory=SloDefaults)  # --slo-default: targets of requests without the headers
+    tokens: PromptTokenizer | None = None  # --tokenizer: the exact cache view's tokens of a request
     stopping: bool = False
     aborting: bool = False
     active: int = 0
@@ -244,6 +246,13 @@ def _unmeetable(state: ProxyState, refusal: Refusal, pool: str, model: str | Non
                              headers={REQUEST_ID_HEADER: request_id})
 
 
+async def _tokenize(tokenizer: PromptTokenizer, peek: RequestPeek, chars: int) -> list[int] | None:
+    """The request's engine tokens (``services.proxy.tokens``), in a thread for a long prompt."""
+    if chars < MIN_THREAD_CHARS:
+        return tokenizer.encode(peek.messages, peek.prompt)
+    return await asyncio.to_thread(tokenizer.encode, peek.messages, peek.prompt)
+
+
 def _refuse_key(state: ProxyState, keys: ApiKeys, key_name: str | None) -> web.Response | None:
     """None when the request may go on (its key now counted in flight); else the 401 or 429 to answer."""
     if key_name is None:
@@ -280,6 +289,11 @@ async def _forward(request: web.BaseRequest, state: ProxyState, arrived: float,
     pool = decision.pool
     text = prompt_text(peek.messages, peek.prompt)
     size = request_size(text, peek.max_tokens, peek.max_completion_tokens)
+    tokens = None
+    if state.tokens is not None and text and router.table.kv.nodes:  # some node publishes its KV events
+        tokens = await _tokenize(state.tokens, peek, len(text))
+        if tokens is not None:
+            size = RequestSize(len(tokens), size.max_tokens)
     stagger = router.stagger_s(pool)
     if stagger:  # replicas pick one burst in turn, each after hearing the others' picks (Router.stagger_s)
         await asyncio.sleep(stagger)
@@ -290,8 +304,9 @@ async def _forward(request: web.BaseRequest, state: ProxyState, arrived: float,
     gate = state.flow
     if gate is not None:
         return await _flow_forward(request, state, gate, arrived, key_name, pool, body, text, size, decision, model,
-                                   objective)
-    admission = router.admitter.admit(AdmitRequest(pool, decision.exclude, text, size, objective=objective))
+                                   objective, tokens)
+    admission = router.admitter.admit(AdmitRequest(pool, decision.exclude, text, size, objective=objective,
+                                                   tokens=tokens))
     state.bus.picked()
     if isinstance(admission, Refusal) and admission.cause is RefusalCause.SLO_UNMEETABLE:
         return _unmeetable(state, admission, pool, model, key_name)
@@ -313,7 +328,8 @@ async def _forward(request: web.BaseRequest, state: ProxyState, arrived: float,
 async def _flow_forward(request: web.BaseRequest, state: ProxyState, gate: FlowGate, arrived: float,
                         key_name: str | None, pool: str, body: bytes, text: bytes,
                         size: RequestSize, decision: ModelPlan, model: str | None,
-                        objective: Objective | None = None) -> web.StreamResponse:
+                        objective: Objective | None = None,
+                        tokens: list[int] | None = None) -> web.StreamResponse:
     """With flow control (services/proxy/flow.py): the request's band, TTL and work, the key's rate
     limits, then admission now or after being held (only on nodes serving its model: ``decision``);
     the slot goes to the next held request when done. Its refusals are ``lb.req.refused`` too."""
@@ -337,7 +353,7 @@ async def _flow_forward(request: web.BaseRequest, state: ProxyState, gate: FlowG
     if result is None:
         try:
             result = await gate.admit(pool, band, key_name or NO_TENANT, work, ttl, text, size, decision.exclude,
-                                      on_hold, objective)
+                                      on_hold, objective, tokens)
         except asyncio.CancelledError:
             if held:  # the client left while its request was held: recorded, nobody to answer
                 gone = RefusalCause.CLIENT_DISCONNECTED
@@ -593,9 +609,10 @@ def build_state(config: ProxyConfig) -> ProxyState:
     state = ProxyState(config=config, router=router, events=events, metrics=ProxyMetrics(config.proxy_id, keys),
                        bus=BusLink(config.nats_url, f"laswrr-proxy-{config.proxy_id}", router, events,
                                    auth=config.nats_auth, limits=StreamLimits(replicas=config.stream_replicas),
-                                   peer_interval_s=config.peer_interval_ms / 1000),
+                                   peer_interval_s=config.peer_interval_ms / 1000, kv_view=config.tokenizer is not None),
                        keys=keys, upstream_auth=UpstreamAuth(config.forward_authorization, config.upstream_api_key),
-                       slo=SloDefaults.parse(config.slo_defaults))
+                       slo=SloDefaults.parse(config.slo_defaults),
+                       tokens=PromptTokenizer(config.tokenizer) if config.tokenizer is not None else None)
     if config.flow_control:
         state.flow = FlowGate(router, FlowConfig(bound=config.queue_bound, quantum=config.flow_quantum,
                                                  batch_every=config.flow_batch_every,

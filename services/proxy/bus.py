@@ -46,6 +46,11 @@ control's wake-up, when set) is called after each snapshot installed, each peer 
 and each peer dropped: a slot another proxy freed is seen at once; the picks it makes are told
 as the others.
 
+The exact cache view (with ``--tokenizer``, ``kv_view``): once connected the link subscribes
+``lb.kv.>`` (plain core NATS, published by ``laswrr kv-events``) and folds each node's
+``CacheChanged`` into the table's ``KvIndex`` (``scheduler.routing.kvindex``: the rules, pure);
+a message that does not decode is counted (``kv_rejected``) and skipped.
+
 Stopping: ``start`` runs ``run`` as a task; ``close`` sets ``closing`` (every loop of ``run``
 checks it), stops that task with ``tasks.stop_task`` (which cancels again when Python 3.11's
 ``wait_for`` inside nats-py swallowed a cancel: a run that outlived one cancel would otherwise
@@ -72,6 +77,7 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from laswrr.schemas import subjects as sj
+from laswrr.schemas.kvcache import CACHE_DECODER
 from laswrr.schemas.outputs import WeightSnapshot
 from laswrr.schemas.peers import PEER_DECODER, PEER_ENCODER, PeerState
 from laswrr.scheduler.routing.peers import PeerChannel
@@ -197,7 +203,7 @@ class BusLink:
     def __init__(self, url: str, name: str, router: Router, publisher: EventPublisher,
                  rewatch_s: float = 10.0, retry_s: float = 0.5, max_retry_s: float = 5.0,
                  stream_check_s: float = 1.0, auth: NatsAuth | None = None,
-                 limits: StreamLimits | None = None, peer_interval_s: float = 0.0) -> None:
+                 limits: StreamLimits | None = None, peer_interval_s: float = 0.0, kv_view: bool = False) -> None:
         self.url = url
         self.limits = limits
         self.auth = auth
@@ -222,6 +228,8 @@ class BusLink:
         # called with a pool's name when its view changed (a snapshot installed, a peer's message
         # taken, a peer dropped): flow control's held requests may go now (services/proxy/flow.py)
         self.on_view: Callable[[str], None] | None = None
+        self.kv_view = kv_view  # fold lb.kv.> into the table's KvIndex
+        self.kv_rejected = 0
         self.peers = PeerLink(router.channel, publisher, peer_interval_s, self._viewed) \
             if router.channel is not None and peer_interval_s > 0 else None
 
@@ -247,6 +255,8 @@ class BusLink:
         self.publisher.attach(nc)
         if self.peers is not None:
             await self.peers.start(nc)
+        if self.kv_view:
+            await nc.subscribe(sj.KV_ALL, cb=self._kv_changed)
         js = nc.jetstream()
         await self._bootstrap(js)
         failures = 0
@@ -261,6 +271,17 @@ class BusLink:
                 level = logging.WARNING if failures == 1 else logging.DEBUG
                 log.log(level, "weights watch failed (%s); retrying", exc or type(exc).__name__)
                 await asyncio.sleep(min(self.max_retry_s, self.retry_s * failures))
+
+    async def _kv_changed(self, msg: Msg) -> None:
+        node = sj.kv_node(msg.subject)
+        try:
+            change = CACHE_DECODER.decode(msg.data)
+            if node is None:
+                raise ValueError(f"not a node's subject: {msg.subject}")
+            self.table.kv.apply(node, change)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            self.kv_rejected += 1
+            log.debug("kv change on %s skipped: %s", msg.subject, exc)
 
     async def _connect(self) -> Client:
         delay = self.retry_s

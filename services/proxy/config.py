@@ -162,6 +162,10 @@ class ProxyConfig:
     affinity_blocks: int = setting(BLOCKS_PER_NODE, "prefix-index keys kept per node, 512 characters (~128 tokens) "
                                    "each; set it to the engines' KV room (16384: ~2 M tokens)", unit="keys",
                                    metavar="N")
+    tokenizer: str | None = setting(
+        None, "the exact cache view: the model's tokenizer directory (tokenizer.json, tokenizer_config.json); the "
+        "nodes whose engines publish KV events (laswrr kv-events) are matched on its tokens", metavar="DIR",
+        default_text="none: the estimated view alone")
     nats_auth: NatsAuth | None = setting(None, "NATS credential files (--nats-creds, --nats-nkey, --nats-tls-*, "
                                          "shared by every service)", flag=None, default_text="$NATS_CREDS, ...")
     api_keys_file: str | None = setting(

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -86,6 +86,7 @@ class Waiter:
     text: bytes
     size: RequestSize | None
     exclude: frozenset[str] = frozenset()  # nodes that do not list the request's model id (routing.models)
+    tokens: Sequence[int] | None = None  # its engine tokens (the exact cache view; AdmitRequest.tokens)
 
 
 @dataclass
@@ -251,7 +252,8 @@ class FlowGate:
     async def admit(self, pool: str, band: Band, tenant: str, work: int, ttl: float, text: bytes,
                     size: RequestSize | None, exclude: frozenset[str] = frozenset(),
                     on_hold: Callable[[HoldCause], None] | None = None,
-                    objective: Objective | None = None) -> Admission | FlowAnswer | Refusal:
+                    objective: Objective | None = None,
+                    tokens: Sequence[int] | None = None) -> Admission | FlowAnswer | Refusal:
         """Admit now, or hold until a node can take the request (module docstring); never on a
         node in ``exclude`` (those that do not serve the request's model id). ``on_hold`` is
         called with why, once, if the request waits (``lb.req.queued``'s ``cause``). With an
@@ -268,7 +270,7 @@ class FlowGate:
             or self._defer(pool, band)
         if not behind:
             admission = router.admitter.admit(AdmitRequest(pool, exclude, text, size, True, self._reserve(band),
-                                                           objective=objective))
+                                                           objective=objective, tokens=tokens))
             if isinstance(admission, Admission):
                 self.no_node_since.pop(lane, None)
                 self.counts.admit(pool, band, "direct")
@@ -283,7 +285,7 @@ class FlowGate:
                 return self.answers.no_node(pool, band, exclude)
         else:
             self.no_node_since.pop(lane, None)
-        waiter = Waiter(asyncio.get_running_loop().create_future(), text, size, exclude)
+        waiter = Waiter(asyncio.get_running_loop().create_future(), text, size, exclude, tokens)
         held = queue.offer(lane, band, tenant, work, now, ttl, waiter, wide=not exclude)
         if isinstance(held, RefusalCause):
             return self.answers.queue_full(pool, lane, band, now)
@@ -405,7 +407,7 @@ class FlowGate:
             if waiter.future.done():  # cancelled with its handler
                 continue
             admission = admitter.admit(AdmitRequest(pool, waiter.exclude, waiter.text, waiter.size, True,
-                                                    self._reserve(held.band)))
+                                                    self._reserve(held.band), tokens=waiter.tokens))
             if isinstance(admission, Refusal):  # can_take said one of its nodes could: never expected; answered, not lost
                 waiter.future.set_result(self.answers.no_node(pool, held.band, waiter.exclude))
                 continue
