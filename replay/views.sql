@@ -93,11 +93,13 @@ QUALIFY row_number() OVER (PARTITION BY j->>'as_of_seq', j->>'node', j->>'to' OR
 -- role: a prefill/decode pair's leg, 'prefill' or 'decode' (NULL for a whole request). A pair is
 -- one request of two attempts: R (prefill, completed, no next_attempt: not a retry) and R.1
 -- (decode), whose outcome is the request's (docs/proxy.md, "Prefill/decode pairs").
+-- cached_tokens: the prompt tokens the proxy's view predicted cached on the node at the pick
+-- (lb.req.started's, with the proxy's --tokenizer; NULL when unknown, as for a retry).
 CREATE OR REPLACE VIEW attempts AS
 WITH started AS (
     SELECT j->>'request_id' AS attempt_id, key AS node, coalesce(j->>'pool', 'default') AS pool,
            j->>'proxy' AS proxy, seq, ts_ns, TRY_CAST(j->>'snapshot_seq' AS BIGINT) AS snapshot_seq, event_index,
-           j->>'role' AS role
+           j->>'role' AS role, TRY_CAST(j->>'cached_tokens' AS BIGINT) AS cached_tokens
     FROM input_events
     WHERE family = 'lb.req.started' AND j->>'request_id' IS NOT NULL
     QUALIFY row_number() OVER (PARTITION BY j->>'request_id' ORDER BY seq, event_index) = 1
@@ -118,7 +120,7 @@ SELECT split_part(s.attempt_id, '.', 1) AS request_id, s.attempt_id, s.node, s.p
        s.event_index AS started_index, f.event_index AS finished_index,
        f.status, CASE WHEN f.outcome IS NULL THEN NULL WHEN f.status IS NULL THEN 'none'
                       ELSE (f.status // 100)::VARCHAR || 'xx' END AS status_class,
-       s.role
+       s.role, s.cached_tokens
 FROM started s
 LEFT JOIN finished f ON f.attempt_id = s.attempt_id AND (f.seq, f.event_index) > (s.seq, s.event_index)
 QUALIFY row_number() OVER (PARTITION BY s.attempt_id ORDER BY f.seq NULLS LAST, f.event_index) = 1;
@@ -128,11 +130,13 @@ QUALIFY row_number() OVER (PARTITION BY s.attempt_id ORDER BY f.seq NULLS LAST, 
 -- its last attempt (a retried failure the client never saw, or a stream continued elsewhere,
 -- is not the request's outcome), and so is status (the engine's HTTP status, NULL when none answered); ttft_ms is the earliest first byte of any attempt (a
 -- continued stream's first byte came from the attempt that broke); continued counts the
--- attempts continued on another node.
+-- attempts continued on another node; cached_tokens is its pick's prediction (only a first
+-- admission with the request's tokens has one).
 CREATE OR REPLACE VIEW requests AS
 WITH first_start AS (
     SELECT request_id, min(started_seq) AS started_seq, min(started_ts_ns) AS started_ts_ns, count(*) AS attempts,
-           min(ttft_ms) AS ttft_ms, count(*) FILTER (WHERE outcome = 'continued') AS continued
+           min(ttft_ms) AS ttft_ms, count(*) FILTER (WHERE outcome = 'continued') AS continued,
+           max(cached_tokens) AS cached_tokens
     FROM attempts GROUP BY request_id
 ), last_attempt AS (
     SELECT * FROM attempts
@@ -141,7 +145,7 @@ WITH first_start AS (
 SELECT l.request_id, l.node, l.pool, l.proxy, f.started_seq, f.started_ts_ns,
        l.finished_seq, l.finished_ts_ns, l.outcome, f.ttft_ms, l.duration_ms, l.snapshot_seq,
        f.attempts, l.started_seq AS last_attempt_seq, f.continued, l.started_index AS last_attempt_index,
-       l.status, l.status_class, l.error
+       l.status, l.status_class, l.error, f.cached_tokens
 FROM first_start f JOIN last_attempt l USING (request_id);
 
 -- Requests the proxy answered itself (lb.req.refused.<proxy>: 401, 400, 408, 413, 404, 429,

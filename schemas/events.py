@@ -204,6 +204,10 @@ class RequestStarted(Event, frozen=True, kw_only=True):
     # --slo-default), absent without one, so a request without objectives keeps its bytes
     ttft_slo_ms: NonNegFloat | UnsetType = UNSET
     tpot_slo_ms: NonNegFloat | UnsetType = UNSET
+    # the prompt tokens the router's view predicted cached on this node (the proxy's --tokenizer:
+    # its engine's count for a node that publishes KV events, else the estimate's); absent when
+    # unknown, so a request without it keeps its bytes
+    cached_tokens: NonNegInt | UnsetType = UNSET
 
 
 class RequestFinished(Event, frozen=True, kw_only=True):

@@ -14,8 +14,9 @@
   request has a prompt and a size (with its engine tokens, ``tokens``, the nodes the table's
   ``KvIndex`` has an exact view of count the prompt tokens their engine holds:
   ``scheduler.routing.work``, "The exact view"); then ``policy.pick(PickContext(load, exclude,
-  affinity))``. The admission carries the prompt tokens the view predicted cached on the node
-  picked (``cached``; None without affinity).
+  affinity))``. The admission of a request with ``tokens`` carries the prompt tokens the view
+  predicted cached on the node picked (``cached``: the engine's count for a node with an exact
+  view, else the estimate's; None without tokens or without affinity).
 * **Admission binds.** The ``Admission`` holds the node's URL from the snapshot in force *at
   admission*; later snapshots (weight change, drain, capacity 0, removal) never touch it; only
   ``release`` ends it. ``prefilled`` takes its prompt out of the node's prefill backlog when the
@@ -78,7 +79,7 @@ class Admission:
     work: int = 0  # a prefill leg's: its node's prefill backlog at the pick plus its own (``prefill_done``)
     ahead: int = 0  # with a latency model: the node's prefill work at the pick plus its own uncached prompt
     batch: int = 0  # with a latency model: the node's pool-wide in-flight at the pick, itself included
-    cached: int | None = None  # the prompt tokens the router's view predicted cached on the node (None: no affinity)
+    cached: int | None = None  # the prompt tokens the router's view predicted cached on the node (None: unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +134,7 @@ class Admitter:
                 self.channel.tell_prefix(route, index, node, keys)
             index.record(node, keys)
             backlog = affinity.cost_on(node) - affinity.mean  # its uncached prompt there
-            if request.size is not None:  # always, with affinity
+            if request.tokens and request.size is not None:
                 predicted = request.size.prompt_tokens - backlog
         elif latency is not None and request.size is not None:
             backlog = request.size.prompt_tokens  # the estimate's queue ahead, without a prefix index

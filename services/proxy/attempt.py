@@ -67,7 +67,7 @@ class AttemptRunner:
 
     def started(self, attempt_id: str, admission: Admission, exchange: Exchange) -> AttemptState:
         self.events.started(attempt_id, admission.node, admission.pool, admission.snapshot_seq, admission.size,
-                            exchange.key_name, admission.role, exchange.objective)
+                            exchange.key_name, admission.role, exchange.objective, admission.cached)
         return AttemptState(started=time.perf_counter())
 
     def finish(self, attempt_id: str, admission: Admission, attempt: Attempt) -> None:

@@ -261,12 +261,13 @@ class EventPublisher:
 
     def started(self, request_id: str, node: str, pool: str, snapshot_seq: int,
                 size: RequestSize | None = None, key_name: str | None = None, role: NodeRole | None = None,
-                objective: Objective | None = None) -> None:
+                objective: Objective | None = None, cached: int | None = None) -> None:
         event = ev.RequestStarted(request_id=request_id, proxy=self.proxy_id, pool=pool,
                                   snapshot_seq=snapshot_seq, ts_ns=time.time_ns(), boot_id=self.boot_id,
                                   prompt_tokens=None if size is None else size.prompt_tokens,
                                   max_tokens=None if size is None else size.max_tokens, key_name=key_name,
-                                  role=UNSET if role is None else role, **slo_fields(objective))
+                                  role=UNSET if role is None else role, **slo_fields(objective),
+                                  cached_tokens=UNSET if cached is None else cached)
         self._put(_node_heads(node)[0] + encode(event) + b"]")
 
     def finished(self, request_id: str, node: str, pool: str, attempt: Attempt, role: NodeRole | None = None) -> None:

@@ -44,7 +44,7 @@ def admit(r: Router, tokens: list[int] | None) -> Admission:
 def test_the_engine_s_view_overrides_a_belief_in_an_evicted_prefix() -> None:
     r = router()
     first = admit(r, None)  # the estimated view now believes `first.node` holds the prompt
-    assert admit(r, None).node == first.node and first.cached == 0
+    assert admit(r, None).node == first.node and first.cached is None  # no tokens: no prediction recorded
     other = next(n for n in "abc" if n != first.node)
     holds(r, other, TOKENS)
     for name in "abc":
