@@ -1,0 +1,70 @@
+"""The proxy's exact cache view end to end (``--tokenizer``): the cache changes ``laswrr
+kv-events`` publishes on ``lb.kv.<node>`` reach the proxy's ``KvIndex`` over a real nats-server,
+a chat request is tokenized with the model's tokenizer and chat template (the tiny model's, as
+bench/tiny_model.py builds it), the node its engine says holds the prompt takes it although the
+estimated view believes another does, and ``lb.req.started`` records the tokens predicted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from bench import tiny_model
+from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.kvcache import CACHE_ENCODER, CacheChanged, chain_keys, pack_block_keys
+from laswrr.services.proxy.tokens import PromptTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAT = "/v1/chat/completions"
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    tiny_model.tokenizer((ROOT / "docs" / "algorithm.md").read_text(encoding="utf-8"), out)
+    return out
+
+
+async def _chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]) -> None:
+    body = {"model": "m", "stream": True, "messages": messages, "test": {"chunks": 1, "delay": 0}}
+    async with http.post(url + CHAT, json=body) as resp:
+        assert resp.status == 200
+        await resp.read()
+
+
+async def test_the_engine_s_view_takes_the_request(engines, core: CoreDriver, start_proxy: StartProxy,
+                                                   http: aiohttp.ClientSession, nc: Any, tap: EventTap,
+                                                   model_dir: Path) -> None:
+    a, b = await engines("a"), await engines("b")
+    proxy = await start_proxy(tokenizer=str(model_dir), flow_control=False)
+    await core.register("a", a.url)
+    await wait_seq(proxy, "default", await core.register("b", b.url))
+    messages = [{"role": "system", "content": "The load guard bounds what affinity may cost. " * 12},
+                {"role": "user", "content": "What does the guard do?"}]
+    await _chat(http, proxy.url, messages)  # no node publishes events yet: the estimated view alone
+    first = "a" if a.received else "b"
+    other = "b" if first == "a" else "a"
+    tokens = PromptTokenizer(model_dir).encode(messages, None)
+    assert tokens is not None and len(tokens) >= 4 * BLOCK
+    held = chain_keys(tokens, BLOCK)[:3]  # the other engine holds three blocks; the first holds none (evicted)
+    for node, keys in ((other, held), (first, [])):
+        change = CacheChanged(n=1, seq=0, block_size=BLOCK, stored=pack_block_keys(keys), cleared=True, reason="cleared")
+        await nc.publish(sj.kv(node), CACHE_ENCODER.encode(change))
+    kv = proxy.state.router.table.kv
+    await wait_for(lambda: kv.exact("a") and kv.exact("b"), what="both nodes' exact views")
+    await _chat(http, proxy.url, messages)
+    engine = a if other == "a" else b
+    assert len(engine.received) == 1  # the estimated view would have sent it to `first` again
+    await wait_for(lambda: len(tap.of(sj.REQ_STARTED)) == 2, what="two started events")
+    (_, plain), (subject, picked) = tap.of(sj.REQ_STARTED)
+    assert "cached_tokens" not in plain  # no tokens were known: no prediction recorded
+    assert subject.endswith("." + other) and picked["cached_tokens"] == 3 * BLOCK
+    assert picked["prompt_tokens"] == len(tokens)  # the engine's count, not the estimate
+    await nc.publish(sj.kv(other), b"\xc1 not msgpack")
+    await wait_for(lambda: proxy.state.bus.kv_rejected == 1, what="a bad change counted")
+    assert kv.exact(other)
