@@ -19,9 +19,10 @@ scheduler ``lb.out.>``, ``lb.clock.>``, ``lb.admin.config`` consumes LB_EVENTS; 
          (its ``--config``), ``$KV.LB_WEIGHTS.>``,        tail and both buckets; creates
          ``$KV.LB_CHECKPOINT.>``                          and updates every stream
 proxy    ``lb.req.>``, ``lb.proxy.>``, ``lb.peer.>``      watches LB_WEIGHTS; ``lb.peer.>``
-         (the channel between proxies, core NATS)         (the other proxies' views)
-collector ``lb.metrics.>``, ``lb.health.>``               follows ``lb.admin.>`` in LB_EVENTS
-                                                          and watches LB_WEIGHTS
+         (the channel between proxies, core NATS)         (the other proxies' views); ``lb.kv.>``
+                                                          (the engines' cache changes)
+collector ``lb.metrics.>``, ``lb.health.>``, ``lb.kv.>``  follows ``lb.admin.>`` in LB_EVENTS
+         (``laswrr kv-events`` runs as a collector)       and watches LB_WEIGHTS
 recorder replies to ``lb.recorder.snapshot`` requests     consumes LB_EVENTS and LB_OUT
          (and asks them: a reader in its container)
 viewer   ``lb.recorder.snapshot`` (a copy of the log to    ``lb.peer.>``; ordered consumers of both streams;
@@ -123,8 +124,8 @@ ROLES: dict[str, Role] = {role.name: role for role in (
                   *_consume(sj.EVENTS_STREAM))),
     Role("proxy", publish=(sj.REQ_ALL, sj.PROXY_ALL, sj.PEER_ALL, *_SERVICE_SETUP, *_stream_get(KV_WEIGHTS),
                            *_consume(KV_WEIGHTS)),
-         subscribe=(INBOX, sj.PEER_ALL)),
-    Role("collector", publish=(sj.METRICS_ALL, sj.HEALTH_ALL, *_SERVICE_SETUP, *_consume(sj.EVENTS_STREAM),
+         subscribe=(INBOX, sj.PEER_ALL, sj.KV_ALL)),
+    Role("collector", publish=(sj.METRICS_ALL, sj.HEALTH_ALL, sj.KV_ALL, *_SERVICE_SETUP, *_consume(sj.EVENTS_STREAM),
                                *_stream_get(KV_WEIGHTS), *_consume(KV_WEIGHTS))),
     Role("recorder", publish=(sj.RECORDER_SNAPSHOT, *_SERVICE_SETUP, *_stream_get(sj.EVENTS_STREAM, sj.OUT_STREAM),
                               *_consume(sj.EVENTS_STREAM, sj.OUT_STREAM)),

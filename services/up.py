@@ -16,7 +16,8 @@ one 910C, two 910B, one 910 and one MindIE-flavoured 910B whose free slots and b
 ``/v1/status`` and whose chips it reads through its simulated npu-exporter (docs/ascend.md), all in pool ``default``
 serving one model id, ``SIM_MODEL``; their nodes file is written to ``<data_dir>/nodes.toml``) ->
 registration of every node by publishing ``lb.admin.node.<id>`` (plain JSON, as ``nats pub``
-would), waiting until LB_WEIGHTS shows them -> collector -> proxy (``proxy_workers`` N > 1:
+would), waiting until LB_WEIGHTS shows them -> collector (and ``laswrr kv-events`` when some node declares
+``kv_events``) -> proxy (``proxy_workers`` N > 1:
 ``laswrr proxy --workers N``, N processes on the proxy port, proxy ids ``proxy-0`` ..
 ``proxy-<N-1>``, supervised by that one child: services/proxy/workers.py).
 Stop order: proxies (they finish in-flight requests), collector, engines, scheduler, recorder
@@ -273,6 +274,7 @@ class Stack:
                     self.write_nodes_file(specs)
             await self.register(specs)
             await self.start_collector()
+            await self.start_kv_events(specs)
             await self.start_proxy()
             if dashboard_port is not None:
                 with contextlib.suppress(StackError):  # the page is optional: its failure is logged
@@ -459,6 +461,13 @@ class Stack:
             return None
         return await self.spawn("collector", "collector", "--nodes", str(path), *self._replicas_args(),
                                 role="collector")
+
+    async def start_kv_events(self, nodes: Sequence[Node]) -> Child | None:
+        """``laswrr kv-events`` when some node declares ``kv_events`` (its engine publishes its KV
+        cache events); it runs with the collector's credentials, whose role publishes ``lb.kv.>``."""
+        if not any(node.extra.get("kv_events") for node in nodes):
+            return None
+        return await self.spawn("kv-events", "kv-events", role="collector")
 
     async def start_dashboard(self, port: int = 0) -> str:
         """``laswrr dashboard`` on the live stack (services/dashboard/); returns its URL, or

@@ -227,3 +227,26 @@ async def test_a_dashboard_on_a_taken_port_is_reported_not_listed_with_a_dead_pi
     assert "dashboard: NOT STARTED: dashboard exited with 1 before listening" in text, text
     assert "cannot listen on" in text and not re.search(r"^\s+\S+\s+dashboard\s+pid", text, re.M), text
     assert not [c for c in stack.children if c.name == "dashboard"]
+
+
+async def test_the_stack_starts_kv_events_only_for_nodes_that_publish_them(tmp_path: Path) -> None:
+    """A node with ``kv_events`` makes the stack run ``laswrr kv-events``, with the collector's
+    credentials (its role publishes ``lb.kv.>``); it connects and keeps running."""
+    stack = Stack(tmp_path / "data", proxy_port=0)
+    plain = Node(id="n1", url="http://127.0.0.1:9", chip="910B", capacity=8)
+    events = Node(id="n2", url="http://127.0.0.1:9", chip="910B", capacity=8,
+                  extra={"kv_events": "tcp://127.0.0.1:9"})
+    try:
+        await stack.start_nats()
+        await stack.start_core()
+        assert await stack.start_kv_events([plain]) is None
+        child = await stack.start_kv_events([plain, events])
+        assert child is not None and child.role == "collector"
+        await stack.register([events])
+        await asyncio.sleep(2.0)
+        log = child.log_path.read_text()
+        assert child.process.returncode is None, log
+        assert "to nats://collector:" in log and "node n2: subscribed to tcp://127.0.0.1:9" in log
+    finally:
+        await stack.stop()
+    assert child.process.returncode is not None
