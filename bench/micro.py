@@ -9,6 +9,10 @@
   guarded LA-SWRR pick, the index update; then ``release``) over 16 nodes, for 2 KB prompts
   drawn from 64 conversations that share a 1 KB system prompt, with requests kept in flight
   (target ≤ 20 µs); beside it the same admission without a prompt (plain LA-SWRR).
+* **tokenize** (the exact cache view, ``laswrr proxy --tokenizer``): a chat request of 2, 8 and
+  32 KB turned into its engine tokens (``services.proxy.tokens``: the tiny model's chat template
+  and tokenizer, as bench/tiny_model.py builds them from docs/algorithm.md) and its block keys
+  (``schemas.kvcache.chain_keys``, 128-token blocks); once per request, in the proxy.
 * **apply**: one simulated second of a 16-node pool, repeated: request started/finished pairs at
   ``--rps`` requests/s, an engine sample per node every 500 ms, an NPU sample per node every
   second, ticks at 10/s. Envelopes are built (and encoded) before the clock starts, so the figure
@@ -182,6 +186,34 @@ def bench_apply(seconds: int, rps: int, rounds: int) -> tuple[int, float, dict[s
     return len(stream), best, kinds
 
 
+TOKENIZE_KB = (2, 8, 32)
+
+
+def bench_tokenize(rounds: int) -> list[tuple[int, int, float, float]]:
+    """Per prompt size: (KB, tokens, tokenize µs, block keys µs), medians (module docstring)."""
+    import tempfile
+    from pathlib import Path
+
+    from laswrr.bench.tiny_model import tokenizer
+    from laswrr.schemas.kvcache import chain_keys
+    from laswrr.services.proxy.tokens import PromptTokenizer
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "algorithm.md").read_text(encoding="utf-8")
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer(text, Path(tmp))
+        tok = PromptTokenizer(tmp)
+        for kb in TOKENIZE_KB:
+            body = (text * (1 + kb * 1024 // len(text)))[:kb * 1024 - 200]
+            messages = [{"role": "system", "content": body}, {"role": "user", "content": "What does the guard do?"}]
+            ids = tok.encode(messages, None)
+            assert ids is not None
+            encode_ns = _median_ns_per_call(lambda: tok.encode(messages, None), 5, rounds)
+            keys_ns = _median_ns_per_call(lambda: chain_keys(ids, 128), 5, rounds)
+            out.append((kb, len(ids), encode_ns / 1000, keys_ns / 1000))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m laswrr.bench.micro", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -202,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  with affinity {affinity:>7.2f} µs  target ≤ {AFFINITY_TARGET_US:g} µs  {verdict}")
     print(f"  no prompt     {plain:>7.2f} µs  (plain LA-SWRR admission)")
     print(f"  with 3 peers  {shared:>7.2f} µs  (the channel between proxies: their counts and backlogs)")
+
+    print("\nexact cache view: a chat request's engine tokens and block keys (median per request)")
+    print(f"  {'prompt':>7} {'tokens':>7} {'tokenize µs':>12} {'keys µs':>8}")
+    for kb, tokens, encode_us, keys_us in bench_tokenize(args.rounds):
+        print(f"  {kb:>5} KB {tokens:>7} {encode_us:>12.1f} {keys_us:>8.1f}")
 
     events, eps, kinds = bench_apply(args.seconds, args.rps, max(3, args.rounds // 10))
     verdict = "ok" if eps >= APPLY_TARGET_EPS else "MISSED"

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-MIN_THREAD_CHARS = 8192  # a longer prompt is tokenized in a thread (about 1 ms and up), off the event loop
+MIN_THREAD_CHARS = 2048  # a longer prompt is tokenized in a thread (0.5 ms and up), off the event loop
 
 
 def _special(config: dict[str, Any], name: str) -> str:
