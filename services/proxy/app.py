@@ -547,10 +547,15 @@ def health_report(state: ProxyState) -> dict[str, object]:
                        "received_s_ago": round(now - (table.received_at(name) or now), 3), "panic": snapshot.panic,
                        "nodes": len(snapshot.nodes), "routable": sorted(table.candidates(name))}
     status = "stopping" if state.stopping else "no_snapshot" if not pools else "stale" if stale else "ok"
-    return {"status": status, "proxy": state.config.proxy_id, "policy": state.config.policy,
-            "affinity": state.router.affinity_mode,
-            "nats_connected": state.bus.connected, "inflight": table.load.total,
-            "events_buffered": state.events.buffered, "events_dropped": state.events.dropped, "pools": pools}
+    report = {"status": status, "proxy": state.config.proxy_id, "policy": state.config.policy,
+              "affinity": state.router.affinity_mode,
+              "nats_connected": state.bus.connected, "inflight": table.load.total,
+              "events_buffered": state.events.buffered, "events_dropped": state.events.dropped, "pools": pools}
+    if state.tokens is not None:  # --tokenizer: which nodes the exact cache view holds, and which it lost
+        kv = table.kv
+        report["kv_view"] = {"exact": sorted(n for n in kv.nodes if kv.exact(n)),
+                             "stale": sorted(n for n in kv.nodes if not kv.exact(n)), "rejected": state.bus.kv_rejected}
+    return report
 
 
 async def metrics(request: web.BaseRequest, state: ProxyState) -> web.Response:

@@ -68,3 +68,6 @@ async def test_the_engine_s_view_takes_the_request(engines, core: CoreDriver, st
     await nc.publish(sj.kv(other), b"\xc1 not msgpack")
     await wait_for(lambda: proxy.state.bus.kv_rejected == 1, what="a bad change counted")
     assert kv.exact(other)
+    async with http.get(proxy.url + "/health") as resp:
+        view = (await resp.json())["kv_view"]
+    assert view == {"exact": ["a", "b"], "stale": [], "rejected": 1}
