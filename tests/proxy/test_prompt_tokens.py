@@ -11,14 +11,6 @@ import pytest
 from bench import tiny_model
 from laswrr.services.proxy.tokens import PromptTokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    tiny_model.tokenizer((ROOT / "docs" / "algorithm.md").read_text(encoding="utf-8"), out)
-    return out
 
 
 def test_a_chat_request_is_its_template_then_its_tokens(model_dir: Path) -> None:

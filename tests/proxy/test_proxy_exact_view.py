@@ -10,24 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 
-from bench import tiny_model
 from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.kvcache import CACHE_ENCODER, CacheChanged, chain_keys, pack_block_keys
 from laswrr.services.proxy.tokens import PromptTokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
 CHAT = "/v1/chat/completions"
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    tiny_model.tokenizer((ROOT / "docs" / "algorithm.md").read_text(encoding="utf-8"), out)
-    return out
 
 
 async def _chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]) -> None:
