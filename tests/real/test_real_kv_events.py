@@ -1,7 +1,9 @@
 """`laswrr kv-events` against a real vLLM (the CPU build, the tiny model): after a chat request,
 the node's cache changes hold the keys of the request's whole blocks, computed from the engine's
 own tokens of the request (its /tokenize, the chat template applied); the engine's reported
-``cached_tokens`` of the same request sent again equals those blocks; after the engine restarts,
+``cached_tokens`` of the same request sent again equals those blocks, and so does what the proxy's
+exact view predicts from its own tokens of the request (``services.proxy.tokens``: the model's chat
+template and tokenizer, equal to the engine's /tokenize); after the engine restarts,
 the node's index is dropped (reason ``restart``) and rebuilt from the new engine's events.
 
 One engine of its own (``--kv-events-config`` with a PUB and a replay endpoint), beside the
@@ -21,10 +23,12 @@ import pytest
 
 from laswrr.bench import real_vllm
 from laswrr.schemas import subjects as sj
+from laswrr.scheduler.routing.kvindex import KvIndex
 from laswrr.schemas.kvcache import CACHE_DECODER, CacheChanged, chain_keys
 from laswrr.services import kv_events
 from laswrr.services.nats_server import free_port
 from laswrr.services.natsbus import ensure_streams
+from laswrr.services.proxy.tokens import PromptTokenizer
 from tests.real.conftest import BLOCK_TOKENS, NUM_BLOCKS, REAL_TIMEOUT_S, _unavailable
 
 pytestmark = pytest.mark.timeout(REAL_TIMEOUT_S)
@@ -98,11 +102,16 @@ async def test_the_index_holds_the_requests_blocks_and_is_dropped_on_a_restart(
                 tokens = (await resp.json())["tokens"]
             keys = chain_keys(tokens, BLOCK_TOKENS)
             assert len(keys) >= 4
+            own = PromptTokenizer(real_vllm.model_dir()).encode(messages, None)
+            assert own == tokens  # the proxy renders the chat template and tokenizes as the engine does
             await asyncio.sleep(2.0)  # the service subscribed (a missed first batch is replayed all the same)
             await chat()
             await until(lambda: set(keys) <= held_after(changes), 30, "the request's blocks in the node's index")
             again = await chat()
             assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(keys) * BLOCK_TOKENS
+            view = KvIndex()  # the proxy's fold of the same changes predicts what the engine reported
+            assert all(view.apply("vllm-kv", c) for c in changes)
+            assert view.cached(own, ["vllm-kv", "no-events"]) == {"vllm-kv": len(keys) * BLOCK_TOKENS}
             before = len(changes)
             await asyncio.to_thread(engine.restart)
             await chat()
