@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from proxy_support import CoreDriver, EventTap, StartProxy, wait_for, wait_seq
 from laswrr.schemas import subjects as sj
@@ -27,11 +28,12 @@ async def _chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, 
         await resp.read()
 
 
+@pytest.mark.parametrize("flow_control", [False, True])
 async def test_the_engine_s_view_takes_the_request(engines, core: CoreDriver, start_proxy: StartProxy,
                                                    http: aiohttp.ClientSession, nc: Any, tap: EventTap,
-                                                   model_dir: Path) -> None:
+                                                   model_dir: Path, flow_control: bool) -> None:
     a, b = await engines("a"), await engines("b")
-    proxy = await start_proxy(tokenizer=str(model_dir), flow_control=False)
+    proxy = await start_proxy(tokenizer=str(model_dir), flow_control=flow_control)
     await core.register("a", a.url)
     await wait_seq(proxy, "default", await core.register("b", b.url))
     messages = [{"role": "system", "content": "The load guard bounds what affinity may cost. " * 12},
