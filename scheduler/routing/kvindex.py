@@ -86,8 +86,10 @@ class KvIndex:
 
     def cached(self, token_ids: Sequence[int], nodes: Iterable[str]) -> dict[str, int]:
         """``depths`` in tokens: for each of ``nodes`` with an exact view, the prompt tokens its
-        engine would find cached."""
-        return {node: depth * self.nodes[node].block_size for node, depth in self.depths(token_ids, nodes).items()}
+        engine would find cached, as vLLM counts them: never the prompt's last token (it computes
+        that one again for its logits), so a block ending at it does not count."""
+        head = token_ids[:-1]
+        return {node: depth * self.nodes[node].block_size for node, depth in self.depths(head, nodes).items()}
 
     def cached_tokens(self, token_ids: Sequence[int], node: str) -> int | None:
         """The prompt tokens ``node``'s engine would find cached (None: no exact view of it)."""

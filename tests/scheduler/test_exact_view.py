@@ -79,6 +79,15 @@ def test_the_exact_order_is_by_tokens_held_and_costs_follow() -> None:
     assert isinstance(result, Admission) and (result.node, result.cached, result.backlog) == ("a", 128, 300 - 128)
 
 
+def test_a_prompt_of_whole_blocks_is_never_all_cached() -> None:
+    """vLLM computes a prompt's last token again (its logits): a block ending at it is not a hit."""
+    r = router()
+    whole = TOKENS[:2 * BLOCK]
+    holds(r, "a", whole)
+    assert r.table.kv.cached(whole, ["a"]) == {"a": BLOCK}
+    assert r.table.kv.cached(whole + [1], ["a"]) == {"a": 2 * BLOCK}
+
+
 def test_a_stale_node_falls_back_and_a_pool_without_events_is_untouched() -> None:
     r = router()
     holds(r, "b", TOKENS)
