@@ -290,7 +290,9 @@ async def _forward(request: web.BaseRequest, state: ProxyState, arrived: float,
     text = prompt_text(peek.messages, peek.prompt)
     size = request_size(text, peek.max_tokens, peek.max_completion_tokens)
     tokens = None
-    if state.tokens is not None and text and router.table.kv.nodes:  # some node publishes its KV events
+    kv = router.table.kv
+    if state.tokens is not None and text and any(kv.exact(n) for n in router.table.candidates(pool)):
+        # some node of the pool has an exact view (its engine publishes its KV events)
         tokens = await _tokenize(state.tokens, peek, len(text))
         if tokens is not None:
             size = RequestSize(len(tokens), size.max_tokens)
