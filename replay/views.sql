@@ -49,24 +49,32 @@ SELECT seq, ts_ns, subject,
 FROM events WHERE stream = 'LB_OUT';
 
 -- One row per (snapshot, node). A snapshot published twice (same pool and as_of_seq, e.g. by
--- two scheduler replicas outside the de-duplication window) counts once.
+-- two scheduler replicas outside the de-duplication window) counts once. Each snapshot is parsed
+-- once, into the fields below only (`from_json`, every field read as text and then cast as
+-- `->>` would be): a month of snapshots is read in bounded memory.
 CREATE OR REPLACE VIEW snapshot_nodes AS
-WITH snapshots AS (
-    SELECT seq AS out_seq, j->>'pool' AS pool, TRY_CAST(j->>'as_of_seq' AS BIGINT) AS as_of_seq,
-           TRY_CAST(j->>'tick' AS BIGINT) AS tick, TRY_CAST(j->>'ts_ns' AS BIGINT) AS ts_ns, j
-    FROM output_events
-    WHERE subject LIKE 'lb.out.snapshot.%' AND j IS NOT NULL
-    QUALIFY row_number() OVER (PARTITION BY j->>'pool', j->>'as_of_seq' ORDER BY seq) = 1
+WITH parsed AS (
+    SELECT seq AS out_seq, from_json(data, '{"pool": "VARCHAR", "as_of_seq": "VARCHAR", "tick": "VARCHAR",
+        "ts_ns": "VARCHAR", "nodes": [{"node": "VARCHAR", "phase": "VARCHAR", "phase_reason": "VARCHAR",
+        "phase_cause": "VARCHAR", "routable": "VARCHAR", "capacity": "VARCHAR", "effective_weight": "VARCHAR",
+        "target_weight": "VARCHAR", "inflight": "VARCHAR", "load": {"slots": "VARCHAR"}}]}') AS s
+    FROM events
+    WHERE stream = 'LB_OUT' AND subject LIKE 'lb.out.snapshot.%' AND raw IS NULL AND json_valid(data)
+), snapshots AS (
+    SELECT out_seq, s.pool AS pool, TRY_CAST(s.as_of_seq AS BIGINT) AS as_of_seq, TRY_CAST(s.tick AS BIGINT) AS tick,
+           TRY_CAST(s.ts_ns AS BIGINT) AS ts_ns, s.nodes AS nodes
+    FROM parsed
+    QUALIFY row_number() OVER (PARTITION BY s.pool, s.as_of_seq ORDER BY out_seq) = 1
 )
 SELECT s.out_seq, s.as_of_seq, s.tick, s.ts_ns, s.pool,
-       n->>'node' AS node, n->>'phase' AS phase, n->>'phase_reason' AS phase_reason, n->>'phase_cause' AS phase_cause,
-       TRY_CAST(n->>'routable' AS BOOLEAN) AS routable,
-       TRY_CAST(n->>'capacity' AS BIGINT) AS capacity,
-       TRY_CAST(n->>'effective_weight' AS DOUBLE) AS effective_weight,
-       TRY_CAST(n->>'target_weight' AS DOUBLE) AS target_weight,
-       TRY_CAST(n->>'inflight' AS BIGINT) AS inflight,
-       TRY_CAST(n->'load'->>'slots' AS DOUBLE) AS believed_slots
-FROM snapshots s, unnest(CAST(s.j->'nodes' AS JSON[])) AS t(n);
+       n.node AS node, n.phase AS phase, n.phase_reason AS phase_reason, n.phase_cause AS phase_cause,
+       TRY_CAST(n.routable AS BOOLEAN) AS routable,
+       TRY_CAST(n.capacity AS BIGINT) AS capacity,
+       TRY_CAST(n.effective_weight AS DOUBLE) AS effective_weight,
+       TRY_CAST(n.target_weight AS DOUBLE) AS target_weight,
+       TRY_CAST(n.inflight AS BIGINT) AS inflight,
+       TRY_CAST(n.load.slots AS DOUBLE) AS believed_slots
+FROM snapshots s, unnest(s.nodes) AS t(n);
 
 CREATE OR REPLACE VIEW weights_over_time AS
 SELECT ts_ns, tick, pool, node, phase, effective_weight, target_weight, inflight, capacity, routable, as_of_seq,
