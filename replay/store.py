@@ -244,13 +244,13 @@ def open_read(path: str | os.PathLike[str],
                 con.close()
         return
     try:
-        _ensure_views(con)
+        create_temp_views(con)
         yield con
     finally:
         con.close()
 
 
-def _ensure_views(con: duckdb.DuckDBPyConnection) -> None:
+def create_temp_views(con: duckdb.DuckDBPyConnection) -> None:
     """A read-only file may hold views of an older recorder: the current definitions are
     created as temporary views, which take precedence over the file's."""
     con.execute(views_sql().replace("CREATE OR REPLACE VIEW", "CREATE OR REPLACE TEMP VIEW"))
