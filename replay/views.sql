@@ -49,22 +49,25 @@ SELECT seq, ts_ns, subject,
 FROM events WHERE stream = 'LB_OUT';
 
 -- One row per (snapshot, node). A snapshot published twice (same pool and as_of_seq, e.g. by
--- two scheduler replicas outside the de-duplication window) counts once. Each snapshot is parsed
--- once, into the fields below only (`from_json`, every field read as text and then cast as
--- `->>` would be): a month of snapshots is read in bounded memory.
+-- two scheduler replicas outside the de-duplication window) counts once: the first published.
+-- For long logs, the copies are found from each snapshot's pool and as_of_seq alone, and only
+-- the kept snapshots are parsed, into the fields below (`from_json`, every field read as text
+-- and then cast as `->>` would be), so no step holds every snapshot's whole JSON at once.
 CREATE OR REPLACE VIEW snapshot_nodes AS
-WITH parsed AS (
-    SELECT seq AS out_seq, from_json(data, '{"pool": "VARCHAR", "as_of_seq": "VARCHAR", "tick": "VARCHAR",
-        "ts_ns": "VARCHAR", "nodes": [{"node": "VARCHAR", "phase": "VARCHAR", "phase_reason": "VARCHAR",
-        "phase_cause": "VARCHAR", "routable": "VARCHAR", "capacity": "VARCHAR", "effective_weight": "VARCHAR",
-        "target_weight": "VARCHAR", "inflight": "VARCHAR", "load": {"slots": "VARCHAR"}}]}') AS s
+WITH heads AS (
+    SELECT seq, from_json(data, '{"pool": "VARCHAR", "as_of_seq": "VARCHAR"}') AS h
     FROM events
     WHERE stream = 'LB_OUT' AND subject LIKE 'lb.out.snapshot.%' AND raw IS NULL AND json_valid(data)
+), firsts AS (
+    SELECT min(seq) AS seq FROM heads GROUP BY h.pool, h.as_of_seq
 ), snapshots AS (
-    SELECT out_seq, s.pool AS pool, TRY_CAST(s.as_of_seq AS BIGINT) AS as_of_seq, TRY_CAST(s.tick AS BIGINT) AS tick,
-           TRY_CAST(s.ts_ns AS BIGINT) AS ts_ns, s.nodes AS nodes
-    FROM parsed
-    QUALIFY row_number() OVER (PARTITION BY s.pool, s.as_of_seq ORDER BY out_seq) = 1
+    SELECT seq AS out_seq, s.pool AS pool, TRY_CAST(s.as_of_seq AS BIGINT) AS as_of_seq,
+           TRY_CAST(s.tick AS BIGINT) AS tick, TRY_CAST(s.ts_ns AS BIGINT) AS ts_ns, s.nodes AS nodes
+    FROM (SELECT seq, from_json(data, '{"pool": "VARCHAR", "as_of_seq": "VARCHAR", "tick": "VARCHAR",
+              "ts_ns": "VARCHAR", "nodes": [{"node": "VARCHAR", "phase": "VARCHAR", "phase_reason": "VARCHAR",
+              "phase_cause": "VARCHAR", "routable": "VARCHAR", "capacity": "VARCHAR", "effective_weight": "VARCHAR",
+              "target_weight": "VARCHAR", "inflight": "VARCHAR", "load": {"slots": "VARCHAR"}}]}') AS s
+          FROM events WHERE stream = 'LB_OUT' AND seq IN (SELECT seq FROM firsts))
 )
 SELECT s.out_seq, s.as_of_seq, s.tick, s.ts_ns, s.pool,
        n.node AS node, n.phase AS phase, n.phase_reason AS phase_reason, n.phase_cause AS phase_cause,
