@@ -59,6 +59,14 @@ RETIRED_BOOTS = 4  # boot ids remembered per proxy id, so a late event of a repl
 
 
 
+def _begin_request(node: NodeState, request: OpenRequest) -> None:
+    """One more of the node's requests in flight (started, or found open when the node registers)."""
+    node.inflight += 1
+    if request.tokens is not None:
+        node.sized_inflight += 1
+        node.inflight_tokens += request.tokens
+
+
 def _end_request(node: NodeState, request: OpenRequest) -> None:
     """One of the node's requests is no longer in flight (finished, or voided with its proxy)."""
     node.inflight -= 1
@@ -475,6 +483,11 @@ class Scheduler:
                          max_capacity=event.capacity, registered_ns=now, phase_since_ns=now,
                          role=event.role, pd_protocol=event.pd_protocol, bootstrap_port=event.bootstrap_port)
         self.state.nodes[key] = node
+        # requests still open on this id (started while an earlier registration of it was leaving,
+        # e.g. its last request voided with its proxy just before): in flight on the new node too
+        for request in self.state.open_requests.values():
+            if request.node == key:
+                _begin_request(node, request)
         phase = Phase.ACTIVE if cold else Phase.RECOVERING
         node.phase = phase
         self._outputs.append(self._output(subjects.out_phase(key), PhaseChanged(
@@ -623,10 +636,7 @@ class Scheduler:
         self.state.open_requests[event.request_id] = request
         self._opened(request)
         self.state.proxies[event.proxy] = self.state.now_ns
-        node.inflight += 1
-        if tokens is not None:
-            node.sized_inflight += 1
-            node.inflight_tokens += tokens
+        _begin_request(node, request)
 
     def _on_finished(self, key: str, event: events.RequestFinished) -> None:
         if event.request_id not in self.state.open_requests:

@@ -6,7 +6,6 @@ here: the file's errors are one-line usage errors (exit 2) before anything is pu
 
 from __future__ import annotations
 
-import argparse
 import re
 import subprocess
 import sys
@@ -63,9 +62,10 @@ def test_cli_errors_are_one_line_usage_errors(tmp_path: Path) -> None:
 
 def test_register_flags_carry_role_and_pd_protocol() -> None:
     from laswrr.services.operator import _register_body
-    args = argparse.Namespace(node="p1", url="http://10.0.0.5:8000", pool="pd", chip=None, capacity=4,
-                              role="prefill", pd_protocol="vllm", metrics_url=None, health_url=None,
-                              status_url=None, npu_exporter=None, engine=None, bootstrap_port=None)
+    from laswrr.cli import build_parser
+    # the register command's own parser, so every flag it has (and will have) is in args
+    args = build_parser().parse_args(["register", "p1", "--url", "http://10.0.0.5:8000", "--pool", "pd",
+                                      "--capacity", "4", "--role", "prefill", "--pd-protocol", "vllm"])
     assert _register_body(args) == NodeRegistered(url="http://10.0.0.5:8000", pool="pd", capacity=4,
                                                   role=NodeRole.PREFILL, pd_protocol=PdProtocol.VLLM)
     args.pd_protocol, args.bootstrap_port = "sglang", 8998

@@ -67,7 +67,9 @@ async def laswrr_cli(stack: RealStack, *args: str) -> tuple[int, str]:
 
 async def test_collector_reads_the_real_engines_metrics(vllm_engines: Engines, tmp_path: Path) -> None:
     before = {e.name: engine_metrics(e) for e in vllm_engines}
-    async with real_stack(tmp_path, vllm_engines) as stack:
+    # flow control off (up turns it on): it would hold the excess in the proxy, and the test needs
+    # the engines' own queue to read
+    async with real_stack(tmp_path, vllm_engines, "--no-flow-control") as stack:
         idle = await stack.nodes()
         assert all(n["load"]["running"] == 0 and n["load"]["queue"] == 0 for n in idle.values()), idle
         load = Load(stack.proxy_url, workers=14, max_tokens=120, stream=True)
@@ -251,18 +253,18 @@ PREFIXES = 9  # odd: two engines taking turns would otherwise each see a fixed h
 REPEATS = 4
 
 
-def _prefix_text(run: str, k: int) -> str:
+def _prefix_text(run: str, k: int, chars: int = 1200) -> str:
     source = (Path(real_vllm.__file__).parents[1] / "docs" / "design.md").read_text()
     start = 1500 * k
-    return f"[{run} context {k}] " + source[start:start + 1200]
+    return f"[{run} context {k}] " + source[start:start + chars]
 
 
-async def _prefix_run(stack: RealStack, engines: Engines, run: str) -> float:
+async def _prefix_run(stack: RealStack, engines: Engines, run: str, chars: int) -> float:
     before = sum(engine_metrics(e).prefix_cache_hits for e in engines)
     async with aiohttp.ClientSession() as http:
         async def one(k: int, r: int) -> None:
             body = {"model": "default", "max_tokens": 4, "messages": [
-                {"role": "system", "content": _prefix_text(run, k)},
+                {"role": "system", "content": _prefix_text(run, k, chars)},
                 {"role": "user", "content": f"question {r} about part {k}"}]}
             async with http.post(f"{stack.proxy_url}/v1/chat/completions", json=body) as resp:
                 assert resp.status == 200, await resp.text()
@@ -275,18 +277,30 @@ async def _prefix_run(stack: RealStack, engines: Engines, run: str) -> float:
 
 
 async def test_prefix_affinity_raises_the_engines_prefix_cache_hits(vllm_engines: Engines, tmp_path: Path) -> None:
-    async with aiohttp.ClientSession() as http:  # the sizing: all prefixes overflow one engine's KV, half fit
-        async with http.post(f"{vllm_engines[0].url}/tokenize",
-                             json={"model": real_vllm.MODEL_NAME, "prompt": _prefix_text("x", 3)}) as resp:
-            prefix_tokens = (await resp.json())["count"]
     from tests.real.conftest import BLOCK_TOKENS, NUM_BLOCKS
 
     room = NUM_BLOCKS * BLOCK_TOKENS
+    # The sizing: all prefixes overflow one engine's KV, half fit. The text is the docs' own, whose
+    # characters per token change as the docs do: the prefix's length in characters is set from a
+    # first count so that it holds the middle of that window in tokens.
+    target = (1.2 * room / PREFIXES + 0.8 * room / ((PREFIXES + 1) // 2)) / 2
+
+    async def tokens(chars: int) -> int:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{vllm_engines[0].url}/tokenize",
+                                 json={"model": real_vllm.MODEL_NAME, "prompt": _prefix_text("x", 3, chars)}) as resp:
+                return int((await resp.json())["count"])
+
+    chars = round(1200 * target / await tokens(1200))
+    prefix_tokens = await tokens(chars)
     assert PREFIXES * prefix_tokens > 1.2 * room and (PREFIXES + 1) // 2 * prefix_tokens < 0.8 * room, prefix_tokens
     hits = {}
     for mode in ("none", "prefix"):
-        async with real_stack(tmp_path / mode, vllm_engines, env={"LASWRR_AFFINITY": mode}) as stack:
-            hits[mode] = await _prefix_run(stack, vllm_engines, run=mode)
+        # flow control off (up turns it on): the engines, not the proxy, hold the requests in flight,
+        # as in the runs the margins below were measured on
+        async with real_stack(tmp_path / mode, vllm_engines, "--no-flow-control",
+                              env={"LASWRR_AFFINITY": mode}) as stack:
+            hits[mode] = await _prefix_run(stack, vllm_engines, run=mode, chars=chars)
     print(f"REAL prefix-cache hit tokens: affinity none {hits['none']:.0f}, prefix {hits['prefix']:.0f} "
           f"({PREFIXES} prefixes of {prefix_tokens} tokens x {REPEATS}, KV room {room} tokens per engine)")
     ideal = PREFIXES * (REPEATS - 1) * (prefix_tokens // BLOCK_TOKENS * BLOCK_TOKENS)  # whole blocks hit
