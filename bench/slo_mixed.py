@@ -1,4 +1,4 @@
-"""`slo-mixed`: latency objectives on a heterogeneous pool, in virtual time (issue 41, "How it is measured").
+"""`slo-mixed`: latency objectives on a heterogeneous pool, in virtual time (figures: docs/evidence/slo.md).
 
 The pool: two 910C-like and two 910B-like simulated engines (``services.sim_engine.physics``) with
 equal slots (10) and equal decode speed, the 910C-like prefilling twice as fast. The workload

@@ -10,7 +10,7 @@ it records each process's RSS (``/proc/<pid>/status`` VmRSS) and open file descr
 (``/proc/<pid>/fd``), the recorder's lag on LB_EVENTS (the stream's last seq minus the seq the
 recorder's consumer has acknowledged, which it does only after committing, and the age of the
 oldest message not yet acknowledged) and the DuckDB file's size (with its write-ahead log). It writes ``DIR/soak.jsonl``
-(one line per sample) and ``DIR/soak.json``, and prints the verdict on issue 42's goals:
+(one line per sample) and ``DIR/soak.json``, and prints the verdict on the soak's goals:
 
 * each process's RSS at the end is at most 10 % above its RSS at the end of the warm-up;
 * each process's open fds at the end are at most its count at the end of the warm-up + 8;

@@ -105,9 +105,9 @@ def test_the_generated_sections_of_the_docs_are_current() -> None:
     text = (ROOT / "docs" / "configuration.md").read_text()
     for name in ("command-flags", "proxy-settings", "scheduler-keys"):
         assert f"<!-- generated: {name} -->" in text
-    # per command, with that command's own default (issue 43 item 9: a shared flag's first command's before)
+    # per command, with that command's own default (a shared flag used to show its first command's)
     assert "| `--host` | `LASWRR_HOST` | listen address; 0.0.0.0 for every interface (default 127.0.0.1) |" in text
-    assert "| `ease_max_step` | `0.25` | share |" in text  # every scheduler key (issue 43 item 7)
+    assert "| `ease_max_step` | `0.25` | share |" in text  # every scheduler key
 
 
 def test_docgen_rewrites_marked_sections_and_refuses_unknown_ones(tmp_path: Path) -> None:
@@ -193,7 +193,7 @@ def test_a_standalone_proxy_listens_on_loopback_and_says_where_it_listens(
         proc.wait(30)
 
 
-# -- the proxy's settings under `laswrr up` (issue 43 item 4, issue 41 item 4) -------------------------
+# -- the proxy's settings under `laswrr up` -------------------------
 
 
 def _up_proxy(argv: list[str], table: dict[str, object] | None = None) -> list[str]:

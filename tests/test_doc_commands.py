@@ -1,4 +1,4 @@
-"""Every `laswrr ...` command the README and docs/ show exists (issue 43 item 4: the README cited
+"""Every `laswrr ...` command the README and docs/ show exists (the README once cited
 `up --proxy-args`, which no parser had): its sub-command and each of its `--flags`, in the text's
 inline code as in its code blocks (tests/integration/test_readme.py parses the ```sh blocks'
 whole command lines and runs them)."""

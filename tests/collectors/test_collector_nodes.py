@@ -76,7 +76,7 @@ def test_bad_nodes_give_one_line_errors(body: str, message: str) -> None:
 
 
 def test_an_unknown_key_is_refused_naming_the_known_ones_and_shared_hosts_warn() -> None:
-    with pytest.raises(NodesConfigError) as refused:  # issue 43 item 26: a typo is never kept and ignored
+    with pytest.raises(NodesConfigError) as refused:  # a typo is never kept and ignored
         parse("""
 [[node]]
 id = "a"

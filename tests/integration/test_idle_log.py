@@ -1,4 +1,4 @@
-"""An idle `laswrr up` stack stops filling the log with ticks and samples (issue 42, idle cost).
+"""An idle `laswrr up` stack stops filling the log with ticks and samples (docs/analysts.md, "Retention and partitioning").
 
 Before, an idle stack published a tick every 100 ms (and a snapshot with it) and every engine
 sample and health probe every 500 ms: ~37 events a second for nothing. Now the scheduler skips a

@@ -98,7 +98,7 @@ async def test_nodes_prints_a_table_per_pool_and_json(nats_url: str, js: JetStre
     assert "active" in out and "effective" in out and "sample age" in out
     code, out, _ = await laswrr("nodes", "--pool", "batch", "--json", "--nats-url", nats_url)
     read = json.loads(out)
-    assert set(read) == {"ts_ms", "pools"}  # the shape of a --watch line (issue 43 item 21)
+    assert set(read) == {"ts_ms", "pools"}  # the shape of a --watch line
     snapshots = read["pools"]
     assert list(snapshots) == ["batch"] and snapshots["batch"]["nodes"][0]["node"] == "b1"
     code, _, err = await laswrr("nodes", "--pool", "nope", "--nats-url", nats_url)

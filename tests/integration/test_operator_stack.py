@@ -133,7 +133,7 @@ def test_capacity_with_the_proxy_credentials_reports_the_violation_at_once(up: U
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert "permissions violation" in done.stderr.lower() and "LB_EVENTS" not in done.stderr, done.stderr
     assert f"the NATS server refused lb.admin.capacity.{node}" in done.stderr
-    # the refused admin publish is what is named, not the subscription to lb.out.> made before it (issue 43 item 16)
+    # the refused admin publish is what is named, not the subscription to lb.out.> made before it
     assert f'publish to "lb.admin.capacity.{node}"' in done.stderr.lower() and "subscription" not in done.stderr.lower()
     assert "user 'proxy' may not send admin commands" in done.stderr and "operator.env" in done.stderr
     assert urlsplit(up.url("proxy")).password not in done.stderr
@@ -149,7 +149,7 @@ async def test_an_absurd_capacity_is_rejected_and_config_changes_get_a_verdict(u
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert done.stdout.startswith("rejected: capacity 999999999999 for node 'sim-910b-2' is above max_capacity 4096")
     assert "laswrr config max_capacity=" in done.stdout
-    assert "max_capacity=999999999999" not in done.stdout  # never suggests the typo as the new limit (issue 43 item 17)
+    assert "max_capacity=999999999999" not in done.stdout  # never suggests the typo as the new limit
 
     nc = await nats.connect(up.url("operator"))
     try:
@@ -317,7 +317,7 @@ def test_export_writes_continuations_attempts_and_phase_changes(up: Up, tmp_path
     assert registered is not None and registered[0] >= 4  # the four engines' registrations
 
 
-# -- round two (issue 43), item 1: a second `laswrr up` on a data dir in use is refused at once ------------
+# -- a second `laswrr up` on a data dir in use is refused at once ------------
 
 
 def test_a_second_up_on_the_same_data_dir_is_refused_at_once_touching_nothing(up: Up) -> None:

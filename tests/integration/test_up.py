@@ -201,7 +201,7 @@ async def test_up_holds_an_overload_by_default_instead_of_queueing_it_in_the_eng
         await engine.wait()
 
 
-# -- issue 43 item 23: a dashboard whose port is taken is said so, never listed as running ----------------
+# -- a dashboard whose port is taken is said so, never listed as running ----------------
 
 
 async def test_a_dashboard_on_a_taken_port_is_reported_not_listed_with_a_dead_pid(tmp_path: Path, nats_url: str) -> None:

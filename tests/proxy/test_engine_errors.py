@@ -1,4 +1,4 @@
-"""An engine's non-JSON error answer becomes an OpenAI-style error (issue 43 item 11); JSON ones and
+"""An engine's non-JSON error answer becomes an OpenAI-style error; JSON ones and
 successes pass unchanged. The real plain-text 413 comes from a real simulated engine's aiohttp."""
 
 from __future__ import annotations
