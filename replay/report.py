@@ -44,8 +44,20 @@ from laswrr.schemas.words import RequestOutcome, VoidCause
 OUTCOMES = tuple(outcome.value for outcome in RequestOutcome)  # the report's keys, in this order
 
 
-MATERIALISED = ("attempts", "requests", "interruptions", "refusals", "queued")
-"""The views most of the report reads, computed once for it (a view here reads only those before it)."""
+MATERIALISED = ("input_events", "snapshot_nodes", "attempts", "requests", "interruptions", "refusals", "queued")
+"""The views most of the report reads, computed once for it (a view here reads only those before it).
+``input_events`` (each batch unnested, each payload parsed: 1.5 CPU s an hour of a busy log, and the
+views below read it eight times) and ``snapshot_nodes`` (every kept snapshot parsed) first: the
+report of an hour of ``bench/month_log.py`` took 16 CPU s without them, 7 with them
+(docs/analysts.md, "A busy month on one file")."""
+
+_STORED = {"input_events": ("seq, ts_ns, subject, family, key, j, CASE WHEN j IS NULL THEN data END AS data, raw, "
+                            "event_index, batch_subject",
+                            "seq, ts_ns, subject, family, key, j, coalesce(data, j::VARCHAR) AS data, raw, "
+                            "event_index, batch_subject")}
+"""Views stored in another shape: (the table's columns from the view, the temporary view's from the
+table). A parsed payload's text is its JSON's text (a cast to JSON keeps it as it was), so it is
+stored once."""
 
 
 @contextlib.contextmanager
@@ -57,8 +69,9 @@ def materialised(con: duckdb.DuckDBPyConnection, views: tuple[str, ...] = MATERI
     temporary = {name for (name,) in con.execute("SELECT view_name FROM duckdb_views() WHERE temporary").fetchall()}
     try:
         for view in views:
-            con.execute(f"CREATE OR REPLACE TEMP TABLE report_{view} AS SELECT * FROM {view}")
-            con.execute(f"CREATE OR REPLACE TEMP VIEW {view} AS SELECT * FROM report_{view}")
+            stored, read = _STORED.get(view, ("*", "*"))
+            con.execute(f"CREATE OR REPLACE TEMP TABLE report_{view} AS SELECT {stored} FROM {view}")
+            con.execute(f"CREATE OR REPLACE TEMP VIEW {view} AS SELECT {read} FROM report_{view}")
         yield
     finally:
         for view in views:

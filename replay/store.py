@@ -149,13 +149,20 @@ def create_views(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(views_sql())
 
 
-def open_writer(path: str | os.PathLike[str]) -> duckdb.DuckDBPyConnection:
-    """Open (or create) the log for writing; the caller is the file's one writer."""
+def open_writer(path: str | os.PathLike[str], memory_limit_mb: int | None = None) -> duckdb.DuckDBPyConnection:
+    """Open (or create) the log for writing; the caller is the file's one writer.
+
+    ``memory_limit_mb`` caps DuckDB's memory on this connection (its ``memory_limit``). Without it
+    DuckDB keeps every block it wrote or read in its buffer cache up to 80 % of RAM, so a writer's
+    RSS grows with the file; with it, DuckDB evicts cached blocks (table data and the primary key's
+    index alike: both are re-read from the file when needed) past the cap."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     try:
         con = duckdb.connect(str(path))
     except duckdb.IOException as exc:
         raise StoreError(f"cannot open {path} for writing: {first_line(exc)}") from None
+    if memory_limit_mb is not None:
+        con.execute(f"SET memory_limit = '{int(memory_limit_mb)}MB'")
     create_schema(con)
     return con
 

@@ -106,6 +106,10 @@ QUALIFY row_number() OVER (PARTITION BY j->>'as_of_seq', j->>'node', j->>'to' OR
 -- (decode), whose outcome is the request's (docs/proxy.md, "Prefill/decode pairs").
 -- cached_tokens: the prompt tokens the proxy's view predicted cached on the node at the pick
 -- (lb.req.started's, with the proxy's --tokenizer; NULL when unknown, as for a retry).
+-- stream: the client's answer is an SSE stream (lb.req.finished's; NULL for a log written before
+-- the field); first_byte_ms: the first byte sent to the client, as recorded (the finished event's
+-- ttft_ms); ttft_ms: the same for a streamed answer only, NULL for a whole answer (stream false),
+-- whose first byte is its end, so a TTFT percentile never mixes the two (docs/analysts.md).
 CREATE OR REPLACE VIEW attempts AS
 WITH started AS (
     SELECT j->>'request_id' AS attempt_id, key AS node, coalesce(j->>'pool', 'default') AS pool,
@@ -119,19 +123,20 @@ WITH started AS (
            TRY_CAST(j->>'ttft_ms' AS DOUBLE) AS ttft_ms, TRY_CAST(j->>'duration_ms' AS DOUBLE) AS duration_ms,
            TRY_CAST(j->>'prompt_tokens' AS BIGINT) AS prompt_tokens,
            TRY_CAST(j->>'completion_tokens' AS BIGINT) AS completion_tokens, j->>'next_attempt' AS next_attempt,
-           event_index, TRY_CAST(j->>'status' AS INTEGER) AS status
+           event_index, TRY_CAST(j->>'status' AS INTEGER) AS status, TRY_CAST(j->>'stream' AS BOOLEAN) AS stream
     FROM input_events
     WHERE family = 'lb.req.finished' AND j->>'request_id' IS NOT NULL
 )
 SELECT split_part(s.attempt_id, '.', 1) AS request_id, s.attempt_id, s.node, s.pool, s.proxy,
        s.seq AS started_seq, s.ts_ns AS started_ts_ns,
        f.seq AS finished_seq, f.ts_ns AS finished_ts_ns,
-       f.outcome, f.ttft_ms, f.duration_ms, s.snapshot_seq, f.error,
+       f.outcome, CASE WHEN f.stream IS DISTINCT FROM false THEN f.ttft_ms END AS ttft_ms, f.duration_ms,
+       s.snapshot_seq, f.error,
        f.prompt_tokens, f.completion_tokens, f.next_attempt,
        s.event_index AS started_index, f.event_index AS finished_index,
        f.status, CASE WHEN f.outcome IS NULL THEN NULL WHEN f.status IS NULL THEN 'none'
                       ELSE (f.status // 100)::VARCHAR || 'xx' END AS status_class,
-       s.role, s.cached_tokens
+       s.role, s.cached_tokens, f.stream, f.ttft_ms AS first_byte_ms
 FROM started s
 LEFT JOIN finished f ON f.attempt_id = s.attempt_id AND (f.seq, f.event_index) > (s.seq, s.event_index)
 QUALIFY row_number() OVER (PARTITION BY s.attempt_id ORDER BY f.seq NULLS LAST, f.event_index) = 1;
@@ -140,14 +145,15 @@ QUALIFY row_number() OVER (PARTITION BY s.attempt_id ORDER BY f.seq NULLS LAST, 
 -- duration_ms (counted by the proxy from the request's arrival) and snapshot_seq are those of
 -- its last attempt (a retried failure the client never saw, or a stream continued elsewhere,
 -- is not the request's outcome), and so is status (the engine's HTTP status, NULL when none answered); ttft_ms is the earliest first byte of any attempt (a
--- continued stream's first byte came from the attempt that broke); continued counts the
--- attempts continued on another node; cached_tokens is its pick's prediction (only a first
--- admission with the request's tokens has one).
+-- continued stream's first byte came from the attempt that broke), NULL unless the answer was
+-- streamed; stream: the client's answer was an SSE stream (any attempt's; NULL for a log written
+-- before the field); continued counts the attempts continued on another node; cached_tokens is
+-- its pick's prediction (only a first admission with the request's tokens has one).
 CREATE OR REPLACE VIEW requests AS
 WITH first_start AS (
     SELECT request_id, min(started_seq) AS started_seq, min(started_ts_ns) AS started_ts_ns, count(*) AS attempts,
            min(ttft_ms) AS ttft_ms, count(*) FILTER (WHERE outcome = 'continued') AS continued,
-           max(cached_tokens) AS cached_tokens
+           max(cached_tokens) AS cached_tokens, bool_or(stream) AS stream
     FROM attempts GROUP BY request_id
 ), last_attempt AS (
     SELECT * FROM attempts
@@ -156,7 +162,7 @@ WITH first_start AS (
 SELECT l.request_id, l.node, l.pool, l.proxy, f.started_seq, f.started_ts_ns,
        l.finished_seq, l.finished_ts_ns, l.outcome, f.ttft_ms, l.duration_ms, l.snapshot_seq,
        f.attempts, l.started_seq AS last_attempt_seq, f.continued, l.started_index AS last_attempt_index,
-       l.status, l.status_class, l.error, f.cached_tokens
+       l.status, l.status_class, l.error, f.cached_tokens, f.stream
 FROM first_start f JOIN last_attempt l USING (request_id);
 
 -- Requests the proxy answered itself (lb.req.refused.<proxy>: 401, 400, 408, 413, 404, 429,
@@ -243,7 +249,7 @@ SELECT t.request_id, t.attempt_id, t.next_id AS next_attempt,
        CASE WHEN t.outcome = 'continued' THEN 'continued' ELSE 'retried' END AS kind,
        t.node, n.node AS next_node, t.pool, t.error AS reason,
        t.tokens_so_far AS tokens_before, a.completion_tokens AS tokens_after,
-       t.duration_ms AS broke_at_ms, a.ttft_ms - t.duration_ms AS added_ms, a.outcome AS next_outcome,
+       t.duration_ms AS broke_at_ms, a.first_byte_ms - t.duration_ms AS added_ms, a.outcome AS next_outcome,
        t.finished_seq, t.finished_ts_ns
 FROM taken_over t LEFT JOIN numbered n ON n.attempt_id = t.next_id
 LEFT JOIN attempts a ON a.attempt_id = n.answering;
@@ -283,7 +289,9 @@ GROUP BY r.request_id;
 -- when the log ends after a clean shutdown (its last proxy event is a stop: no request event
 -- or heartbeat follows the last `lb.proxy.stopped`), requests left open by a proxy that never
 -- announced a stop (it died with them in flight). Requests open on a proxy still alive at the
--- end of a log are not here: their fate is unknown (see `open_requests`).
+-- end of a log are not here: their fate is unknown (see `open_requests`). Nor are requests the
+-- scheduler voided as `finish_lost` (their proxy's heartbeat counted them no longer in flight:
+-- their finished event was lost, e.g. dropped by a proxy whose event buffer overflowed).
 CREATE OR REPLACE VIEW proxy_stops AS
 SELECT key AS proxy, seq, ts_ns, event_index FROM input_events WHERE family = 'lb.proxy.stopped';
 
@@ -296,7 +304,8 @@ WHERE NOT EXISTS (
       AND (e.seq, e.event_index) > (l.seq, l.event_index));
 
 CREATE OR REPLACE VIEW interruptions AS
-WITH gone AS (SELECT request_id, voided_seq FROM voided_requests WHERE cause IN ('proxy_silent', 'proxy_replaced'))
+WITH gone AS (SELECT request_id, voided_seq FROM voided_requests WHERE cause IN ('proxy_silent', 'proxy_replaced')),
+lost AS (SELECT request_id FROM voided_requests WHERE cause = 'finish_lost')
 SELECT r.*, 'router_aborted' AS reason, NULL::BIGINT AS proxy_stopped_seq
 FROM requests r WHERE r.outcome = 'router_aborted'
 UNION ALL
@@ -310,11 +319,13 @@ SELECT r.*, 'open_at_proxy_stop' AS reason, min(p.seq) AS proxy_stopped_seq
 FROM requests r JOIN proxy_stops p
   ON p.proxy = r.proxy AND (p.seq, p.event_index) > (r.last_attempt_seq, r.last_attempt_index)
 WHERE r.outcome IS NULL AND r.request_id NOT IN (SELECT request_id FROM gone)
+  AND r.request_id NOT IN (SELECT request_id FROM lost)
 GROUP BY ALL
 UNION ALL
 SELECT r.*, 'open_at_end' AS reason, NULL::BIGINT AS proxy_stopped_seq
 FROM requests r, clean_end
 WHERE r.outcome IS NULL AND r.request_id NOT IN (SELECT request_id FROM gone)
+  AND r.request_id NOT IN (SELECT request_id FROM lost)
   AND NOT EXISTS (SELECT 1 FROM proxy_stops p
                   WHERE p.proxy = r.proxy AND (p.seq, p.event_index) > (r.last_attempt_seq, r.last_attempt_index));
 

@@ -24,8 +24,10 @@ def _key(description: str, unit: str = "") -> msgspec.Meta:
     return msgspec.Meta(description=description, extra={"unit": unit} if unit else None)
 
 
+# A key's unit is also its range (``_check``): a share is within 0..1, a duration >= 0, a count >= 1.
 MS = "ms"  # every ``*_ms`` key: milliseconds of event time
 SHARE = "share"  # 0..1
+COUNTS = ("samples", "probes", "errors", "slots")
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -119,6 +121,9 @@ def keys() -> list[tuple[str, Any, str, str]]:
 
 _DECODER = msgspec.json.Decoder(SchedulerConfig)
 _FIELDS = set(SchedulerConfig.__struct_fields__)
+_SHARES = tuple(key for key, _, unit, _ in keys() if unit == SHARE)
+_DURATIONS = tuple(key for key, _, unit, _ in keys() if unit == MS)
+_COUNTED = tuple(key for key, _, unit, _ in keys() if unit in COUNTS)
 
 
 def _invalid(message: str) -> SchemaError:
@@ -149,9 +154,7 @@ def _check(config: SchedulerConfig) -> None:
     weights = (config.w_queue, config.w_running, config.w_kv, config.w_npu, config.w_latency)
     if min(weights) < 0 or sum(weights) <= 0:
         raise _invalid("invalid configuration: load weights must be >= 0 with a positive sum")
-    for name in ("max_load_cut", "floor_fraction", "load_deadband", "slots_hold_latency", "unknown_load",
-                 "latency_alpha", "warning_health", "ease_alpha", "ease_max_step", "slow_start_min_pct",
-                 "panic_threshold"):
+    for name in _SHARES:
         value = getattr(config, name)
         if not 0.0 <= value <= 1.0:
             raise _invalid(f"invalid configuration: {name}={value} must be within 0..1")
@@ -164,12 +167,10 @@ def _check(config: SchedulerConfig) -> None:
         raise _invalid("invalid configuration: stale_full_ms must be >= stale_after_ms")
     if config.ease_max_step <= 0:
         raise _invalid("invalid configuration: ease_max_step must be > 0")
-    for name in ("stale_after_ms", "stale_full_ms", "drain_deadline_ms", "slow_start_window_ms",
-                 "base_ejection_ms", "max_ejection_ms", "backoff_decay_ms", "proxy_timeout_ms",
-                 "slots_regain_ms"):
+    for name in _DURATIONS:
         if getattr(config, name) < 0:
             raise _invalid(f"invalid configuration: {name}={getattr(config, name)} must be >= 0")
-    for name in ("health_fail_threshold", "consecutive_failures", "slots_evidence", "max_capacity"):
+    for name in _COUNTED:
         if getattr(config, name) < 1:
             raise _invalid(f"invalid configuration: {name}={getattr(config, name)} must be >= 1")
     if not 0.0 <= config.max_ejection_percent <= 100.0:

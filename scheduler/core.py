@@ -34,6 +34,7 @@ replay reproduces the rejection at the same seq instead of crashing there.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -42,19 +43,31 @@ from msgspec import UNSET
 
 from laswrr.scheduler import config as config_mod
 from laswrr.scheduler import reweigh
-from laswrr.scheduler.phases import ROUTABLE, HeldBy, Phase, PhaseError, Trigger, next_phase, release_trigger
+from laswrr.scheduler.phases import (DRAINED, DRAINING, EJECTED, HELD_BY_KIND, RECOVERING, ROUTABLE, HeldBy, Phase,
+                                     PhaseError, Trigger, next_phase, release_trigger)
 from laswrr.scheduler.state import CoreState, NodeState, OpenRequest
 from laswrr.scheduler.upstreams import upstream_patterns, upstream_rejection
-from laswrr.scheduler.weights import MS, concurrency_limit, round_milli
+from laswrr.scheduler.weights import MS, concurrency_limit, fresh_ns, round_milli
 from laswrr.schemas import events
 from laswrr.schemas import subjects
-from laswrr.schemas.codec import Envelope, Output, SchemaError, Unbatched, decode_batch, decode_event, encode
+from laswrr.schemas.codec import (CORE_STRUCTS, Envelope, Output, SchemaError, Unbatched, decode_batch, decode_event,
+                                  encode)
 from laswrr.schemas.outputs import (MAX_VOIDED_IDS, ConfigApplied, NodeView, PhaseChanged, Rejected, RequestsVoided,
                                    WeightSnapshot, clip)
 from laswrr.schemas.words import (NPU_SEVERITY, DrainCause, EjectCause, NodeRole, NpuHealth, PdProtocol, PhaseCause,
                                   RejectCause, RequestOutcome, VoidCause)
 
 _BATCH_PREFIX = subjects.REQ_BATCH + "."
+# read for every request or every node of a tick, as module constants (see scheduler.phases)
+_BOTH, _PREFILL, _COMPLETED = NodeRole.BOTH, NodeRole.PREFILL, RequestOutcome.COMPLETED
+_FAILED = frozenset({RequestOutcome.UPSTREAM_ERROR, RequestOutcome.CONTINUED})
+_BY_NAME = operator.attrgetter("node")
+_ANSWERED = frozenset({RequestOutcome.COMPLETED, RequestOutcome.ENGINE_ERROR})
+_TIMED = frozenset({DRAINING, EJECTED, RECOVERING})  # phases with a timer (_advance_timers)
+_UNWEIGHED = reweigh.UNWEIGHED
+_NPU_OK, _NPU_WARNING, _NPU_ALARM = NpuHealth.OK, NpuHealth.WARNING, NpuHealth.ALARM
+_NPU_CRITICAL, _NPU_UNKNOWN = NpuHealth.CRITICAL, NpuHealth.UNKNOWN
+_EJECT_NPU, _DRAIN_NPU, _NPU_RECOVERED = EjectCause.NPU, DrainCause.NPU, PhaseCause.NPU_RECOVERED
 RETIRED_BOOTS = 4  # boot ids remembered per proxy id, so a late event of a replaced process is known
 
 
@@ -152,6 +165,8 @@ class Scheduler:
             events.ProxyStopped: self._on_proxy_stopped,
             events.ClockTicked: self._on_tick,
         }
+        for struct, kind in CORE_STRUCTS.items():  # a batch's events as the core decodes them
+            self._handlers[struct] = self._handlers[kind]
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -161,27 +176,33 @@ class Scheduler:
 
     def apply(self, envelope: Envelope) -> list[Output]:
         state = self.state
-        self._seq = envelope.seq
+        self._seq = state.last_seq = envelope.seq
         self._outputs = []
         self._touched = set()
         self._rephased = set()
         self.fault = None
-        state.last_seq = envelope.seq
-        state.now_ns = max(state.now_ns, envelope.ts_ns)
+        if envelope.ts_ns > state.now_ns:  # time never goes back
+            state.now_ns = envelope.ts_ns
         try:
             if envelope.subject.startswith(_BATCH_PREFIX):
-                self._apply_batch(envelope, decode_batch(envelope.subject, envelope.data)[1])
+                self._apply_batch(envelope, decode_batch(envelope.subject, envelope.data, core=True)[1])
             else:
-                key, event = decode_event(envelope.subject, envelope.data)
+                key, event = decode_event(envelope.subject, envelope.data, core=True)
                 self._handlers[type(event)](key, event)
         except (SchemaError, Rejection, PhaseError) as exc:
             return [self._output(subjects.OUT_REJECTED, rejected(envelope, exc.cause, str(exc)))]
+        if self._rephased:
+            self._retarget()
+        if self._touched:
+            for pool in sorted(self._touched):
+                self._outputs.append(self._output(subjects.out_snapshot(pool), self.snapshot(pool)))
+        return self._outputs
+
+    def _retarget(self) -> None:
+        """Re-target (without easing) the pools whose phases changed, that still exist."""
         for pool in sorted(self._rephased):
             if pool in self._pool_names():
                 self._reweigh(pool, ease=False)
-        for pool in sorted(self._touched):
-            self._outputs.append(self._output(subjects.out_snapshot(pool), self.snapshot(pool)))
-        return self._outputs
 
     def _apply_batch(self, envelope: Envelope, items: list[Unbatched]) -> None:
         """Each event of the batch in order, exactly as if it had arrived alone at this seq and
@@ -190,44 +211,51 @@ class Scheduler:
         per pool any event touched, after the whole batch, so a snapshot's ``as_of_seq`` always
         means the state after that whole input (docs/wire.md, "Batched request events")."""
         touched: set[str] = set()
+        own, rephased = self._touched, self._rephased  # apply's, empty: each event's own, emptied after it
         for item in items:
-            self._touched, self._rephased = set(), set()
             mark = len(self._outputs)
             try:
                 if item.error is not None or item.event is None:
                     raise item.error or SchemaError(f"event {item.index}: nothing decoded")
                 self._handlers[type(item.event)](item.key, item.event)
             except (SchemaError, Rejection, PhaseError) as exc:
+                own.clear()
+                rephased.clear()
                 reason = str(exc) if item.error is not None else f"event {item.index} ({item.subject}): {exc}"
                 self._reject_item(envelope, item.index, mark, exc.cause, reason)
                 continue
             except Exception as exc:  # noqa: BLE001 - a broken invariant: this event's rejection (apply_guarded)
+                own.clear()
+                rephased.clear()
                 self.fault = self.fault or exc
                 self._reject_item(envelope, item.index, mark, RejectCause.INTERNAL_ERROR,
                                   f"event {item.index} ({item.subject}): internal error "
                                   f"while applying: {type(exc).__name__}: {exc}")
                 continue
-            for pool in sorted(self._rephased):
-                if pool in self._pool_names():
-                    self._reweigh(pool, ease=False)
-            touched |= self._touched
-        self._touched, self._rephased = touched, set()
+            if rephased:
+                self._retarget()
+                rephased.clear()
+            if own:
+                touched |= own
+                own.clear()
+        self._touched = touched
 
     def _reject_item(self, envelope: Envelope, index: int, mark: int, cause: RejectCause, reason: str) -> None:
         del self._outputs[mark:]
         self._outputs.append(self._output(subjects.OUT_REJECTED, rejected(envelope, cause, reason, index)))
 
     def snapshot(self, pool: str) -> WeightSnapshot:
-        state = self.state
-        members = sorted((n for n in state.nodes.values() if n.pool == pool), key=lambda n: n.node)
-        panic = reweigh.in_panic(members, self.config)
+        state, config = self.state, self.config
+        members = sorted((n for n in state.nodes.values() if n.pool == pool), key=_BY_NAME)
+        panic = reweigh.in_panic(members, config)
         # a P/D pool's roles are weighed apart (_reweigh), so each role has its own panic rail; the
         # snapshot's ``panic`` is the pool's (for a pool without roles the two are the same)
-        role_panic = {role: reweigh.in_panic([n for n in members if n.role == role], self.config)
-                      for role in {n.role for n in members}} if any(n.role != NodeRole.BOTH for n in members) else {}
+        role_panic = {role: reweigh.in_panic([n for n in members if n.role == role], config)
+                      for role in {n.role for n in members}} if any(n.role != _BOTH for n in members) else {}
+        factor = config.concurrency_limit_factor
         return WeightSnapshot(
             pool=pool, as_of_seq=state.last_seq, tick=state.tick, ts_ns=state.now_ns, panic=panic,
-            nodes=[self._view(n, role_panic.get(n.role, panic)) for n in members],
+            nodes=[self._view(n, role_panic.get(n.role, panic), factor) for n in members],
             proxy_inflight=self._proxy_inflight(members),
         )
 
@@ -286,6 +314,42 @@ class Scheduler:
         trial.apply(Envelope(seq=self.state.last_seq + 1, ts_ns=now_ns, subject=subjects.CLOCK_TICK, data=tick))
         return _without_clock(trial.state) != _without_clock(self.state)
 
+    def quiet_until(self, now_ns: int) -> int | None:
+        """After ``tick_changes(now_ns)`` said False: the earliest event time at which a tick could
+        change more than the clock if no input comes first; None: only an input can.
+
+        A fixed point stays one while nothing a tick reads from time moves: a proxy's silence
+        reaching ``proxy_timeout_ms``, a drain deadline, an outlier ejection ending, a backoff
+        decay, an engine or NPU sample leaving its fresh age (``weights.fresh_ns``). While a
+        slow start ramps, a slots belief regains, a sample ages between fresh and fully stale,
+        or an easing step is pending, the answer is ``now_ns``: ask at every tick. A lower bound
+        (a tick at that time may still change nothing: ``tick_changes`` decides), so the service
+        that skips its trials before it (services/scheduler_service.py) fires every deadline at
+        the same period as when it tried every tick."""
+        state, cfg = self.state, self.config
+        now = max(state.now_ns, now_ns)
+        timeout = cfg.proxy_timeout_ms * MS
+        due = [seen + timeout + 1 for seen in state.proxies.values()]  # expired once silent > timeout
+        span = (cfg.stale_full_ms - cfg.stale_after_ms) * MS
+        for node in state.nodes.values():
+            if node.phase == RECOVERING or node.slots_seen is not None or node.effective != node.target:
+                return now
+            if node.phase == DRAINING:
+                due.append(node.drain_deadline_ns)
+            elif node.phase == EJECTED and self._releasing(node, EjectCause.OUTLIER):
+                due.append(node.ejected_until_ns)
+            if node.phase != EJECTED and node.ejections > 0:
+                due.append(node.last_decay_ns + cfg.backoff_decay_ms * MS)
+            for sampled, max_age_ms in ((node.engine_ns, node.engine_max_age_ms), (node.npu_ns, node.npu_max_age_ms)):
+                if sampled is None:
+                    continue  # never sampled: fully unknown, and stays so
+                fresh_until = sampled + fresh_ns(cfg, max_age_ms)
+                if now <= fresh_until:
+                    due.append(fresh_until + 1)
+                elif span and now < fresh_until + span:
+                    return now  # ageing toward unknown_load
+        return min(due, default=None)
+
     @classmethod
     def restore(cls, data: bytes) -> "Scheduler":
         return cls(state=msgspec.msgpack.decode(data, type=CoreState))
@@ -297,21 +361,23 @@ class Scheduler:
         cause = payload.cause if isinstance(payload, Rejected) else None
         return Output(subject=subject, data=encode(payload), as_of_seq=self._seq, index=index, cause=cause)
 
-    def _view(self, node: NodeState, panic: bool) -> NodeView:
-        routable = reweigh.routable(node, panic)
-        load = node.load or reweigh.load_view(None, self.config)
-        slots = node.capacity if load.slots is None else min(load.slots, node.capacity)
-        return NodeView(
-            node=node.node, url=node.url, phase=node.phase, routable=routable, capacity=node.capacity,
-            target_weight=node.target, effective_weight=node.effective if routable else 0.0,
-            inflight=node.inflight, chip=node.chip, health=node.health,
-            load=load, phase_reason=node.phase_reason, phase_cause=node.phase_cause,
-            concurrency_limit=concurrency_limit(slots, self.config.concurrency_limit_factor),
-            models=UNSET if node.models is None else list(node.models),
-            role=UNSET if node.role == NodeRole.BOTH else node.role,
+    def _view(self, node: NodeState, panic: bool, factor: float) -> NodeView:
+        """The node as a snapshot shows it; ``factor``: the configuration's concurrency_limit_factor."""
+        phase, capacity = node.phase, node.capacity
+        routable = capacity > 0 and (phase in ROUTABLE or (panic and phase == EJECTED))  # reweigh.routable
+        load = node.load or _UNWEIGHED
+        slots = capacity if load.slots is None else min(load.slots, capacity)
+        # positional, in NodeView's order: a msgspec Struct called with keywords matches each by name
+        view = NodeView(node.node, node.url, phase, routable, capacity, node.target,
+                        node.effective if routable else 0.0, node.inflight, node.chip, node.health, load,
+                        node.phase_reason, node.phase_cause, concurrency_limit(slots, factor),
+                        UNSET if node.models is None else list(node.models))
+        if node.role == _BOTH and node.pd_protocol is None and node.bootstrap_port is None:
+            return view  # set apart: a msgspec Struct called with 16 arguments or more is several times slower
+        return msgspec.structs.replace(
+            view, role=UNSET if node.role == _BOTH else node.role,
             pd_protocol=UNSET if node.pd_protocol is None else node.pd_protocol,
-            bootstrap_port=UNSET if node.bootstrap_port is None else node.bootstrap_port,
-        )
+            bootstrap_port=UNSET if node.bootstrap_port is None else node.bootstrap_port)
 
     # -- phases -------------------------------------------------------------------------------
 
@@ -374,9 +440,9 @@ class Scheduler:
         says which snapshot it routes on (``ProxyHeartbeat.snapshot_seq``) routes on one from the
         drain on: its admissions from before the drain were reported before that heartbeat (one
         ordered buffer), so an in-flight count of 0 is no longer a start still in transit."""
-        if node.phase == Phase.DRAINING and node.inflight == 0 and not self._unaware(node.drain_seq):
+        if node.phase == DRAINING and node.inflight == 0 and not self._unaware(node.drain_seq):
             self._transition(node, Trigger.DRAINED, PhaseCause.INFLIGHT_ZERO, "in-flight reached 0")
-        if node.phase == Phase.DRAINED and node.remove_pending:
+        if node.phase == DRAINED and node.remove_pending:
             self._transition(node, Trigger.FORGET, PhaseCause.REMOVED, "removed after drain")
 
     def _unaware(self, seq: int) -> bool:
@@ -583,16 +649,20 @@ class Scheduler:
         states = [NpuHealth.of(c.health) for c in event.chips if c.health]
         worst = max(states, key=NPU_SEVERITY.__getitem__) if states else None
         node.npu_health = worst
+        if worst is None or worst is _NPU_OK or worst is _NPU_WARNING:
+            if node.phase in HELD_BY_KIND:  # only a node held in a phase can be released from it
+                reason = f"npu health back to {worst or 'unreported'}"
+                if not self._release(node, _EJECT_NPU, _NPU_RECOVERED, reason):
+                    self._release(node, _DRAIN_NPU, _NPU_RECOVERED, reason)
+            return
+        if node.phase not in ROUTABLE:
+            return
         cause = next((f": npu {c.npu_id} chip {c.chip_id} {c.fault}" for c in event.chips
                       if c.fault and NpuHealth.of(c.health) == worst), "")
-        if worst in (NpuHealth.CRITICAL, NpuHealth.UNKNOWN) and node.phase in ROUTABLE:
-            self._eject(node, EjectCause.NPU, PhaseCause.NPU_UNHEALTHY, f"npu health {worst}{cause}")
-        elif worst == NpuHealth.ALARM and node.phase in ROUTABLE:
-            self._drain(node, DrainCause.NPU, PhaseCause.NPU_ALARM, f"npu health {worst}{cause}")
-        elif worst in (None, NpuHealth.OK, NpuHealth.WARNING):
-            reason = f"npu health back to {worst or 'unreported'}"
-            if not self._release(node, EjectCause.NPU, PhaseCause.NPU_RECOVERED, reason):
-                self._release(node, DrainCause.NPU, PhaseCause.NPU_RECOVERED, reason)
+        if worst is _NPU_CRITICAL or worst is _NPU_UNKNOWN:
+            self._eject(node, _EJECT_NPU, PhaseCause.NPU_UNHEALTHY, f"npu health {worst}{cause}")
+        elif worst is _NPU_ALARM:
+            self._drain(node, _DRAIN_NPU, PhaseCause.NPU_ALARM, f"npu health {worst}{cause}")
 
     def _on_health(self, key: str, event: events.HealthProbed) -> None:
         node = self._require(key)
@@ -631,7 +701,7 @@ class Scheduler:
         # what the leg holds on its node: a prefill leg its prompt (the prefill work waiting there:
         # its role is weighed on it, reweigh.occupancy), any other request its prompt and output
         tokens = None if event.prompt_tokens is None else \
-            event.prompt_tokens + (0 if event.role == NodeRole.PREFILL else event.max_tokens or 0)
+            event.prompt_tokens + (0 if event.role == _PREFILL else event.max_tokens or 0)
         request = OpenRequest(node=key, proxy=event.proxy, boot=event.boot_id, tokens=tokens)
         self.state.open_requests[event.request_id] = request
         self._opened(request)
@@ -652,13 +722,14 @@ class Scheduler:
         if node is None:
             return
         _end_request(node, request)
-        if event.ttft_ms is not None and event.outcome == RequestOutcome.COMPLETED:
-            reweigh.observe_latency(node, event.ttft_ms, self.config)
-        if event.outcome in (RequestOutcome.UPSTREAM_ERROR, RequestOutcome.CONTINUED):  # continued: broke mid-stream
+        ttft = event.first_token_ms  # an answer not streamed has no time to first token (its whole answer came at once)
+        if ttft is not None and event.outcome == _COMPLETED:
+            reweigh.observe_latency(node, ttft, self.config)
+        if event.outcome in _FAILED:  # continued: broke mid-stream
             node.consecutive_failures += 1
             if node.consecutive_failures >= self.config.consecutive_failures and node.phase in ROUTABLE:
                 self._outlier_eject(node)
-        elif event.outcome in (RequestOutcome.COMPLETED, RequestOutcome.ENGINE_ERROR):
+        elif event.outcome in _ANSWERED:
             # a 4xx is an answer: the engine is up (docs/wire.md, "Engine errors and the router's own answers")
             node.consecutive_failures = 0
         self._check_drained(node)
@@ -748,7 +819,8 @@ class Scheduler:
         for proxy in [p for p, seen in state.proxies.items() if state.now_ns - seen > timeout]:
             self._expire_proxy(proxy, VoidCause.PROXY_SILENT)
         for node in list(state.nodes.values()):
-            self._advance_timers(node)
+            if node.ejections or node.phase in _TIMED:  # else no timer runs for it
+                self._advance_timers(node, state.now_ns, cfg)
         by_pool: dict[str, list[NodeState]] = {}
         for node in state.nodes.values():
             by_pool.setdefault(node.pool, []).append(node)
@@ -756,17 +828,16 @@ class Scheduler:
             self._reweigh(pool, members=by_pool[pool])
             self._touched.add(pool)
 
-    def _advance_timers(self, node: NodeState) -> None:
-        now, cfg = self.state.now_ns, self.config
-        if node.phase == Phase.DRAINING and now >= node.drain_deadline_ns:
+    def _advance_timers(self, node: NodeState, now: int, cfg: config_mod.SchedulerConfig) -> None:
+        if node.phase == DRAINING and now >= node.drain_deadline_ns:
             self._transition(node, Trigger.DRAINED, PhaseCause.DRAIN_DEADLINE,
                              f"drain deadline reached with {node.inflight} in flight")
             self._check_drained(node)
-        elif self._releasing(node, EjectCause.OUTLIER) and now >= node.ejected_until_ns:
+        elif node.phase == EJECTED and self._releasing(node, EjectCause.OUTLIER) and now >= node.ejected_until_ns:
             self._release(node, EjectCause.OUTLIER, PhaseCause.EJECTION_ELAPSED, "ejection time elapsed")
-        elif node.phase == Phase.RECOVERING and now - node.slow_start_since_ns >= cfg.slow_start_window_ms * MS:
+        elif node.phase == RECOVERING and now - node.slow_start_since_ns >= cfg.slow_start_window_ms * MS:
             self._transition(node, Trigger.WARMED, PhaseCause.SLOW_START_ELAPSED, "slow start window elapsed")
-        if node.phase != Phase.EJECTED and node.ejections > 0 and now - node.last_decay_ns >= cfg.backoff_decay_ms * MS:
+        if node.phase != EJECTED and node.ejections > 0 and now - node.last_decay_ns >= cfg.backoff_decay_ms * MS:
             node.ejections -= 1
             node.last_decay_ns = now
 

@@ -25,26 +25,27 @@ from __future__ import annotations
 
 from laswrr.schemas.words import DrainCause, EjectCause, Phase, RejectCause, Trigger
 
-__all__ = ["Phase", "Trigger", "TRANSITIONS", "ROUTABLE", "HeldBy", "RELEASES", "PhaseError", "next_phase",
-           "release_trigger"]
+__all__ = ["Phase", "Trigger", "TRANSITIONS", "ROUTABLE", "LEAVING", "RECOVERING", "DRAINING", "DRAINED", "EJECTED",
+           "HeldBy", "RELEASES", "PhaseError", "next_phase", "release_trigger"]
 
 
-TRANSITIONS: dict[tuple[Phase, Trigger], Phase] = {
-    (Phase.ACTIVE, Trigger.DRAIN): Phase.DRAINING,
-    (Phase.ACTIVE, Trigger.EJECT): Phase.EJECTED,
-    (Phase.ACTIVE, Trigger.RAMP): Phase.RECOVERING,
-    (Phase.RECOVERING, Trigger.DRAIN): Phase.DRAINING,
-    (Phase.RECOVERING, Trigger.EJECT): Phase.EJECTED,
-    (Phase.RECOVERING, Trigger.WARMED): Phase.ACTIVE,
-    (Phase.DRAINING, Trigger.DRAINED): Phase.DRAINED,
-    (Phase.DRAINING, Trigger.UNDRAIN): Phase.RECOVERING,
-    (Phase.DRAINED, Trigger.UNDRAIN): Phase.RECOVERING,
-    (Phase.DRAINED, Trigger.FORGET): Phase.REMOVED,
-    (Phase.EJECTED, Trigger.UNEJECT): Phase.RECOVERING,
-    (Phase.EJECTED, Trigger.DRAIN): Phase.DRAINING,
+# Each phase's row: the triggers it takes and the phase each leads to; any other pair is a PhaseError.
+_ROWS: dict[Phase, dict[Trigger, Phase]] = {
+    Phase.ACTIVE: {Trigger.DRAIN: Phase.DRAINING, Trigger.EJECT: Phase.EJECTED, Trigger.RAMP: Phase.RECOVERING},
+    Phase.RECOVERING: {Trigger.DRAIN: Phase.DRAINING, Trigger.EJECT: Phase.EJECTED, Trigger.WARMED: Phase.ACTIVE},
+    Phase.DRAINING: {Trigger.DRAINED: Phase.DRAINED, Trigger.UNDRAIN: Phase.RECOVERING},
+    Phase.DRAINED: {Trigger.UNDRAIN: Phase.RECOVERING, Trigger.FORGET: Phase.REMOVED},
+    Phase.EJECTED: {Trigger.UNEJECT: Phase.RECOVERING, Trigger.DRAIN: Phase.DRAINING},
 }
+TRANSITIONS: dict[tuple[Phase, Trigger], Phase] = {
+    (phase, trigger): to for phase, row in _ROWS.items() for trigger, to in row.items()}
 
 ROUTABLE = frozenset({Phase.ACTIVE, Phase.RECOVERING})
+LEAVING = frozenset({Phase.DRAINING, Phase.DRAINED})
+# Phases the core compares for every node on every tick, as module constants: on CPython 3.11
+# reading ``Phase.X`` goes through EnumType.__getattr__, several times the comparison's cost
+# (docs/evidence/code-choices.md).
+RECOVERING, DRAINING, DRAINED, EJECTED = Phase.RECOVERING, Phase.DRAINING, Phase.DRAINED, Phase.EJECTED
 
 HeldBy = DrainCause | EjectCause
 HELD_BY_KIND: dict[Phase, type[HeldBy]] = {

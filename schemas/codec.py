@@ -9,13 +9,15 @@ A batch (``lb.req.batch.<proxy>``, ``events.RequestBatch``) decodes to its event
 ``unbatch`` then decodes each one exactly as ``decode_event`` would have decoded it alone on its
 own subject, and returns a ``SchemaError`` in place of each event that does not decode, naming
 its index, so the others still apply. ``decode_batch`` does both from the message's bytes,
-reading the events' ``[kind, key, event]`` in the same pass as the batch when it can. ``batch_item`` and ``batch_payload`` write the wire form
-(docs/wire.md, "Batched request events").
+decoding the events in the same pass as the batch when it can. ``batch_item`` and
+``batch_payload`` write the wire form (docs/wire.md, "Batched request events").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+import typing
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -84,8 +86,15 @@ _DECODERS: dict[type[ev.Event], msgspec.json.Decoder[Any]] = {
 _ENCODER = msgspec.json.Encoder()
 
 
+_EVENT_TYPES: dict[str, tuple[type[ev.Event], str | None]] = {}  # subjects event_type has answered
+
+
 def event_type(subject: str) -> tuple[type[ev.Event], str | None]:
-    """The struct a subject's payload decodes into, and the subject's key token."""
+    """The struct a subject's payload decodes into, and the subject's key token (remembered per
+    subject, as a pool has few nodes and proxies: every input asks)."""
+    found = _EVENT_TYPES.get(subject)
+    if found is not None:
+        return found
     if subject in _WHOLE_SUBJECT:
         return _WHOLE_SUBJECT[subject], None
     prefix, _, key = subject.rpartition(".")
@@ -97,16 +106,30 @@ def event_type(subject: str) -> tuple[type[ev.Event], str | None]:
         sj.check_token(key)
     except sj.SubjectError as exc:
         raise SchemaError(str(exc), RejectCause.INVALID_NAME) from None
-    return cls, key
+    if len(_EVENT_TYPES) > 10_000:
+        _EVENT_TYPES.clear()
+    found = _EVENT_TYPES[subject] = (cls, key)
+    return found
 
 
-def decode_event(subject: str, data: bytes) -> tuple[str | None, ev.Event]:
+def decode_event(subject: str, data: bytes, core: bool = False) -> tuple[str | None, ev.Event]:
+    """``(key, event)`` of one input; with ``core`` a batchable kind's event is decoded as
+    ``decode_batch(..., core=True)`` decodes it (the scheduler's path, its names checked once)."""
     cls, key = event_type(subject)
     if len(data) > MAX_PAYLOAD_BYTES:
         raise SchemaError(f"payload of {len(data)} bytes exceeds the {MAX_PAYLOAD_BYTES}-byte limit",
                           RejectCause.PAYLOAD_TOO_LARGE)
     if not data.strip():
         data = b"{}"
+    if core and cls in _UNPATTERNED:
+        loose, fields = _UNPATTERNED[cls]
+        try:
+            event = _CORE_DECODERS[loose].decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass  # the kind's own struct says why
+        else:
+            if _named(event, fields):
+                return key, event
     return key, _decode_as(cls, data)
 
 
@@ -130,20 +153,75 @@ _PROXY_KINDS = frozenset(fact.kind for fact in facts.INPUTS if fact.batchable an
 _ITEM = msgspec.json.Decoder(ev.BatchedEvent)
 
 
-class _Items(msgspec.Struct, frozen=True, kw_only=True):
-    """A ``RequestBatch`` read with its events' ``[kind, key, event]`` in the same pass (the
-    fast path of ``decode_batch``; any error falls back to the event-by-event path)."""
+# Names checked once. Every request event and heartbeat names its proxy, pool and boot id
+# (``events.Name``), and msgspec checks a Name's pattern with a regex search per field: most of
+# such an event's decode. A pool has few of them, so the core's path (``core=True`` of ``decode_batch``
+# and ``decode_event``) decodes each batchable kind as a subclass of its struct without the pattern
+# (``_unpatterned``) and searches each distinct name once (``_named``); a payload with a name that
+# does not match, or any other error, is decoded again by the struct itself, which says why, as before.
+_NAME_META: msgspec.Meta = typing.get_args(ev.Name)[1]
+_NAME_SEARCH = re.compile(_NAME_META.pattern or "").search  # how msgspec checks a pattern: re.search
+_ANY_NAME = Annotated[str, msgspec.Meta(min_length=_NAME_META.min_length, max_length=_NAME_META.max_length)]
+_NAMES_MATCHED: set[str] = set()
 
-    boot_id: ev.Name | None = None
-    batch: ev.NonNegInt | None = None
-    events: Annotated[list[ev.BatchedEvent], msgspec.Meta(min_length=1, max_length=ev.MAX_BATCH_EVENTS)]
+
+def _unpatterned(cls: type[ev.Event]) -> tuple[type[ev.Event], tuple[str, ...]]:
+    """``cls`` with its Name fields' pattern left out (a subclass: the same fields, in the same
+    order, with the same defaults), and those fields."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields = [field for field in msgspec.structs.fields(cls) if hints[field.name] in (ev.Name, ev.Name | None)]
+    if not fields:
+        return cls, ()
+    spec = [(f.name, _ANY_NAME if hints[f.name] == ev.Name else _ANY_NAME | None) if f.default is msgspec.NODEFAULT
+            else (f.name, _ANY_NAME if hints[f.name] == ev.Name else _ANY_NAME | None, f.default) for f in fields]
+    loose = msgspec.defstruct(cls.__name__, spec, bases=(cls,), frozen=True, kw_only=True, module=__name__)
+    return typing.cast(type[ev.Event], loose), tuple(f.name for f in fields)
 
 
-_ITEMS = msgspec.json.Decoder(_Items)
+def _named(event: ev.Event, fields: tuple[str, ...]) -> bool:
+    """Whether every Name field of ``event`` matches the pattern (each distinct name searched once)."""
+    for field in fields:
+        name = getattr(event, field)
+        if name is None or name in _NAMES_MATCHED:
+            continue
+        if not _NAME_SEARCH(name):
+            return False
+        if len(_NAMES_MATCHED) > 10_000:
+            _NAMES_MATCHED.clear()
+        _NAMES_MATCHED.add(name)
+    return True
 
 
-@dataclass(frozen=True, slots=True)
-class Unbatched:
+_ITEM_KINDS: dict[type[Any], str] = {}  # each decoder's item struct -> its kind
+
+
+def _items_decoder(event_struct: Callable[[type[ev.Event]], type[ev.Event]]) -> msgspec.json.Decoder[Any]:
+    """A decoder of a whole ``RequestBatch`` that decodes its events in the same pass: each
+    ``[kind, key, event]`` as a tagged array (its tag the kind) with ``event`` decoded as
+    ``event_struct(the kind's struct)``. Any error falls back to the event-by-event path."""
+    kinds = []
+    for kind, (cls, _) in BATCHABLE.items():
+        item = msgspec.defstruct(f"_Item_{kind}", [("key", str | None), ("event", event_struct(cls))], frozen=True,
+                                 array_like=True, tag=kind, module=__name__)
+        _ITEM_KINDS[item] = kind
+        kinds.append(item)
+    one_of: Any = typing.Union.__getitem__(tuple(kinds))
+    events = Annotated[list[one_of], msgspec.Meta(min_length=1, max_length=ev.MAX_BATCH_EVENTS)]
+    items = msgspec.defstruct("_Items", [("boot_id", ev.Name | None, None), ("batch", ev.NonNegInt | None, None),
+                                         ("events", events)], frozen=True, kw_only=True, module=__name__)
+    return msgspec.json.Decoder(items)
+
+
+_UNPATTERNED = {cls: _unpatterned(cls) for cls, _ in BATCHABLE.values()}
+CORE_STRUCTS: dict[type[ev.Event], type[ev.Event]] = {loose: cls for cls, (loose, _) in _UNPATTERNED.items()}
+"""The struct of a batchable kind's event on the core's path (``core=True``) -> the kind's own struct."""
+_NAME_FIELDS = {loose: fields for loose, fields in _UNPATTERNED.values()}
+_ITEMS = _items_decoder(lambda cls: cls)
+_CORE_ITEMS = _items_decoder(lambda cls: _UNPATTERNED[cls][0])
+_CORE_DECODERS = {loose: msgspec.json.Decoder(loose) for loose in CORE_STRUCTS}
+
+
+class Unbatched(msgspec.Struct, frozen=True):
     """One event of a batch: the subject and key it would have alone, and the event, or the
     ``SchemaError`` saying why it does not decode (``subject`` None when the item names no
     batchable kind and key)."""
@@ -155,20 +233,28 @@ class Unbatched:
     error: SchemaError | None
 
 
-def decode_batch(subject: str, data: bytes) -> tuple[str, list[Unbatched]]:
+def decode_batch(subject: str, data: bytes, core: bool = False) -> tuple[str, list[Unbatched]]:
     """The proxy and the events of a batch message, as ``unbatch`` gives them; ``SchemaError``
-    when the message is not a batch at all (``decode_event``'s reasons)."""
+    when the message is not a batch at all (``decode_event``'s reasons). With ``core``, an event
+    may be an instance of a subclass of its kind's struct (``CORE_STRUCTS``; the same fields and
+    values, not ``==`` to the kind's own instance): the scheduler's path, its names checked once."""
     cls, proxy = event_type(subject)
     if cls is not ev.RequestBatch or proxy is None:
         raise SchemaError(f"{subject!r} is not a batch subject ({sj.REQ_BATCH}.<proxy>)",
                           RejectCause.UNKNOWN_SUBJECT)
     if len(data) <= MAX_PAYLOAD_BYTES:
         try:
-            items = _ITEMS.decode(data).events
-        except (msgspec.ValidationError, msgspec.DecodeError):
+            unbatched = []
+            for index, item in enumerate((_CORE_ITEMS if core else _ITEMS).decode(data).events):
+                event, kind = item.event, _ITEM_KINDS[type(item)]
+                if core and not _named(event, _NAME_FIELDS[type(event)]):
+                    break
+                _, alone, key = _ITEM_KEYS.get((proxy, kind, item.key)) or _item_key(proxy, kind, item.key)
+                unbatched.append(Unbatched(index, alone, key, event, None))
+            else:
+                return proxy, unbatched
+        except (msgspec.ValidationError, msgspec.DecodeError, SchemaError):
             pass  # say exactly what is wrong, event by event
-        else:
-            return proxy, [_unbatch_item(proxy, index, item) for index, item in enumerate(items)]
     _, batch = decode_event(subject, data)
     return proxy, unbatch(proxy, batch)  # type: ignore[arg-type]
 

@@ -208,6 +208,21 @@ class RequestStarted(Event, frozen=True, kw_only=True):
     # its engine's count for a node that publishes KV events, else the estimate's); absent when
     # unknown, so a request without it keeps its bytes
     cached_tokens: NonNegInt | UnsetType = UNSET
+    # With the proxy's latency estimate (docs/proxy.md, "Latency objectives"): what the node's
+    # prediction for the request is made of, so a refold of the log reproduces it (``laswrr replay
+    # --latency``): the node's prefill backlog at the pick (tokens), the request's prompt tokens it
+    # must prefill, its batch at the pick (its in-flight, the request included) and the attempts on
+    # it the estimate had learned from; and the prediction, when the pick made one (a request with
+    # targets). Absent without an estimate, so other events keep their bytes.
+    queue_tokens: NonNegInt | UnsetType = UNSET
+    uncached_tokens: NonNegInt | UnsetType = UNSET
+    batch_size: PosInt | UnsetType = UNSET
+    learned: NonNegInt | UnsetType = UNSET
+    predicted_ttft_ms: NonNegFloat | UnsetType = UNSET
+    predicted_tpot_ms: NonNegFloat | UnsetType = UNSET
+    # the node's engine slots at the pick (its believed slots, else its capacity): a batch beyond
+    # them waits for a slot (scheduler.routing.latency); absent in a log written before it (no wait)
+    slots: NonNegInt | UnsetType = UNSET
 
 
 class RequestFinished(Event, frozen=True, kw_only=True):
@@ -228,6 +243,19 @@ class RequestFinished(Event, frozen=True, kw_only=True):
     next_attempt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None  # continued or retried as
     boot_id: Name | None = None  # the proxy process (ProxyHeartbeat.boot_id)
     role: NodeRole | UnsetType = UNSET  # a P/D pool's leg, as on its started event
+    # whether the client's answer is a stream (the engine answered text/event-stream and the proxy
+    # opened the SSE stream to the client): only then is ttft_ms a time to first token, else the
+    # first byte was the whole answer. Absent in a log written before the field (unknown).
+    stream: bool | UnsetType = UNSET
+
+    @property
+    def first_token_ms(self) -> float | None:
+        """``ttft_ms`` when it is a time to first token: None for an answer that was not streamed
+        (``stream`` false), as recorded when the event does not say (``stream`` absent)."""
+        return None if self.stream is False else self.ttft_ms
+    # the attempt's start, ms after the request's arrival (ttft_ms and duration_ms count from the
+    # arrival: the attempt's own TTFT is ttft_ms - started_ms); absent in a log written before it
+    started_ms: NonNegFloat | UnsetType = UNSET
 
 
 class RequestRefused(Event, frozen=True, kw_only=True):
@@ -255,6 +283,15 @@ class RequestRefused(Event, frozen=True, kw_only=True):
     tpot_slo_ms: NonNegFloat | UnsetType = UNSET
     predicted_ttft_ms: NonNegFloat | UnsetType = UNSET
     predicted_tpot_ms: NonNegFloat | UnsetType = UNSET
+    # ... the node of that prediction and what it was made of, as on lb.req.started (and the
+    # request's max_tokens, for its TPOT), so a refold of the log reproduces it
+    predicted_node: Annotated[str, Meta(min_length=1, max_length=256)] | UnsetType = UNSET
+    queue_tokens: NonNegInt | UnsetType = UNSET
+    uncached_tokens: NonNegInt | UnsetType = UNSET
+    batch_size: PosInt | UnsetType = UNSET
+    learned: NonNegInt | UnsetType = UNSET
+    max_tokens: NonNegInt | UnsetType = UNSET
+    slots: NonNegInt | UnsetType = UNSET
 
 
 class RequestQueued(Event, frozen=True, kw_only=True):

@@ -33,13 +33,19 @@ def clip(text: str, limit: int = TEXT_MAX_CHARS) -> str:
     return f"{text[:head]}… [+{len(text) - head} chars]"
 
 
-class LoadView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class LoadSignals(msgspec.Struct, frozen=True):
+    """A node's five load signals, each 0..1, and ``load``, their weighted mean (docs/algorithm.md §1),
+    rounded in a snapshot's ``LoadView``."""
+
     queue: float
     running: float
     kv: float
     npu: float
     latency: float
     load: float
+
+
+class LoadView(LoadSignals, frozen=True, kw_only=True, omit_defaults=True):
     sample_age_ms: int | None
     stale: bool
     slots: float | None = None  # believed slots after queue evidence of a silent loss; None: the capacity
@@ -47,7 +53,9 @@ class LoadView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     free_blocks: int | None = None  # the engine's own free KV blocks; None: not reported
 
 
-class NodeView(msgspec.Struct, frozen=True, kw_only=True):
+class NodeView(msgspec.Struct, frozen=True):
+    """A node as a snapshot shows it (the core builds it with positional arguments, in this order)."""
+
     node: str
     url: str
     phase: Phase

@@ -127,7 +127,7 @@ class Affinity:
 
 
 class PrefixIndex:
-    __slots__ = ("block_chars", "max_prompt_blocks", "blocks_per_node", "holders", "lru", "grid")
+    __slots__ = ("block_chars", "max_prompt_blocks", "blocks_per_node", "holders", "lru", "grid", "_alone")
 
     def __init__(self, block_chars: int = BLOCK_CHARS, max_prompt_blocks: int = MAX_PROMPT_BLOCKS,
                  blocks_per_node: int = BLOCKS_PER_NODE) -> None:
@@ -136,7 +136,10 @@ class PrefixIndex:
         self.block_chars = block_chars
         self.max_prompt_blocks = max_prompt_blocks
         self.blocks_per_node = blocks_per_node
-        self.holders: dict[int, set[str]] = {}  # key -> nodes that hold the prefix ending there
+        # key -> nodes that hold the prefix ending there; a key one node holds (most keys) maps to that
+        # node's one shared frozenset (``_alone``), not to a set of its own: 216 bytes less a key
+        self.holders: dict[int, set[str] | frozenset[str]] = {}
+        self._alone: dict[str, frozenset[str]] = {}  # node -> frozenset({node})
         self.lru: dict[str, OrderedDict[int, None]] = {}  # node -> its keys, least recently routed first
         self.grid = 0  # > 0 once sparse records may be held: ``match`` also looks at the grid positions
 
@@ -236,6 +239,9 @@ class PrefixIndex:
         if lru is None:
             lru = self.lru[node] = OrderedDict()
         holders = self.holders
+        alone = self._alone.get(node)
+        if alone is None:
+            alone = self._alone[node] = frozenset((node,))
         for key in reversed(keys):  # the leading blocks end most recent: evicted last, as the chain needs
             if key in lru:
                 lru.move_to_end(key)
@@ -243,7 +249,9 @@ class PrefixIndex:
                 lru[key] = None
                 held = holders.get(key)
                 if held is None:
-                    holders[key] = {node}
+                    holders[key] = alone
+                elif isinstance(held, frozenset):  # a node's shared one: never changed in place
+                    holders[key] = {*held, node}
                 else:
                     held.add(node)
         while len(lru) > self.blocks_per_node:
@@ -254,12 +262,14 @@ class PrefixIndex:
         """Forget everything ``node`` held (removed or ejected: its cache is gone)."""
         for key in self.lru.pop(node, ()):
             self._unhold(key, node)
+        self._alone.pop(node, None)
 
     def nodes(self) -> list[str]:
         return list(self.lru)
 
     def _unhold(self, key: int, node: str) -> None:
         held = self.holders[key]
-        held.discard(node)
-        if not held:
+        if len(held) == 1:
             del self.holders[key]
+        else:
+            held.discard(node)  # type: ignore[union-attr]  # a set of two or more: its own, mutable

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from laswrr.scheduler.policies import PickContext
 from laswrr.scheduler.policies.affinity import Affinity
 from laswrr.scheduler.routing.flow import reserved_limit
-from laswrr.scheduler.routing.latency import LatencyModel, Objective, Prediction, meets
+from laswrr.scheduler.routing.latency import Estimate, LatencyModel, Objective, Prediction, meets, slots_of
 from laswrr.scheduler.routing.models import listed
 from laswrr.scheduler.routing.peers import PeerChannel
 from laswrr.scheduler.routing.prompt import RequestSize
@@ -47,9 +47,10 @@ from laswrr.schemas.words import NodeRole, PdProtocol, RefusalCause
 _ALIKE: dict[str, float] = {}  # ``Affinity.speed`` of every pick but a measured P/D prefill pick (never written)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AdmitRequest:
-    """What ``Admitter.admit`` needs of a request."""
+    """What ``Admitter.admit`` needs of a request (built once per pick: not frozen, whose
+    ``__init__`` costs three times as much; nothing changes it after)."""
 
     pool: str
     tried: Collection[str] = ()  # nodes not to pick: tried already, or not serving its model id
@@ -77,9 +78,12 @@ class Admission:
     protocol: PdProtocol | None = None  # a P/D pool's protocol (with ``role``)
     bootstrap_port: int | None = None  # an sglang prefill node's bootstrap server port (its registration's)
     work: int = 0  # a prefill leg's: its node's prefill backlog at the pick plus its own (``prefill_done``)
-    ahead: int = 0  # with a latency model: the node's prefill work at the pick plus its own uncached prompt
-    batch: int = 0  # with a latency model: the node's pool-wide in-flight at the pick, itself included
     cached: int | None = None  # the prompt tokens the router's view predicted cached on the node (None: unknown)
+    estimate: Estimate | None = None  # with a latency model: what the node's prediction is made of (its record)
+    predicted: Prediction | None = None  # the node's prediction, when the pick made one (a request with targets)
+
+
+Estimates = dict[str, tuple[Estimate, Prediction]]  # per node left: what its prediction is made of, and it
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +92,10 @@ class Refusal:
 
     cause: RefusalCause  # NO_SNAPSHOT: no snapshot for the pool; NO_ROUTABLE_NODE: no node can take it
     saturated: bool = False  # routable untried nodes exist, every one at its in-flight limit: it could wait
-    # SLO_UNMEETABLE: the best prediction of the nodes left, and the targets it misses
+    # SLO_UNMEETABLE: the best prediction of the nodes left, and the targets it misses, and what it was made of
     predicted: Prediction | None = None
     objective: Objective | None = None
+    estimate: Estimate | None = None
 
 
 class Admitter:
@@ -119,10 +124,12 @@ class Admitter:
             exclude.update(n for n, view in picker.targets.items() if self.at_limit(view, flow, request.reserve))
         affinity, keys = self._affinity(picker, request, exclude)
         latency = self.latency
+        estimates = None
         if latency is not None and request.objective:
-            missed = self._objective(latency, picker, request, request.objective, exclude, affinity)
-            if isinstance(missed, Refusal):
-                return missed
+            judged = self._objective(latency, picker, request, request.objective, exclude, affinity)
+            if isinstance(judged, Refusal):
+                return judged
+            estimates = judged
         node = picker.policy.pick(PickContext(table.load.load, exclude, affinity))
         if node is None:
             return self._refusal(picker, request)
@@ -130,21 +137,23 @@ class Admitter:
         predicted = None
         index = picker.index
         if index is not None and affinity is not None:
-            if self.channel is not None:
+            if self.channel is not None and not table.kv.exact(node):  # else its engine tells every proxy itself
                 self.channel.tell_prefix(route, index, node, keys)
             index.record(node, keys)
-            backlog = affinity.cost_on(node) - affinity.mean  # its uncached prompt there
+            backlog = affinity.cost_on(node) - affinity.mean  # its uncached prompt there (``_uncached``)
             if request.tokens and request.size is not None:
                 predicted = request.size.prompt_tokens - backlog
         elif latency is not None and request.size is not None:
             backlog = request.size.prompt_tokens  # the estimate's queue ahead, without a prefix index
-        table.load.bind(node, backlog)
         view = picker.targets[node]
+        picked: tuple[Estimate, Prediction | None] | None = estimates.get(node) if estimates is not None else None
+        if picked is None and latency is not None:  # what a refold of the log needs, at no prediction's cost
+            picked = self._estimate(latency, view, request.size, backlog), None  # backlog: its uncached prompt
+        table.load.bind(node, backlog)
         admission = self._admission(route, picker, view, request.size, backlog)
         admission.cached = predicted
-        if latency is not None:
-            admission.ahead = table.load.work_backlog().get(node, 0) - backlog + self._uncached(node, request, affinity)
-            admission.batch = table.load.load.get(node, 0)
+        if picked is not None:
+            admission.estimate, admission.predicted = picked
         if picker.speeds is not None and affinity is not None:
             admission.work = affinity.backlog.get(node, 0) + backlog
             if picker.speeds.rate:
@@ -160,40 +169,58 @@ class Admitter:
             return affinity.cost_on(node) - affinity.mean
         return request.size.prompt_tokens if request.size is not None else 0
 
+    def _estimate(self, latency: LatencyModel, view: NodeView, size: RequestSize | None, uncached: int) -> Estimate:
+        """What the prediction of ``view``'s node for a request of ``size`` with ``uncached`` prompt
+        tokens to prefill there (``_uncached``) is made of, before it is bound (``Estimate``)."""
+        load, node = self.table.load, view.node
+        queue = load.work_of(node)
+        batch = load.load.get(node, 0) + 1  # the figures are never negative: clamped all the same (once per pick)
+        return Estimate(node, queue if queue > 0 else 0, uncached if uncached > 0 else 0, batch if batch > 1 else 1,
+                        latency.learned(node), (size.max_tokens or 0) if size is not None else 0, slots_of(view))
+
     def _objective(self, latency: LatencyModel, picker: Picker, request: AdmitRequest, objective: Objective,
-                   exclude: set[str], affinity: Affinity | None) -> Refusal | None:
-        """Remove from the pick the nodes predicted to miss ``objective``. When that removes every
-        node left: None with ``serve_late`` (pick as without an objective), else a
-        ``SLO_UNMEETABLE`` refusal, ``saturated`` (hold it) while an idle node could still meet it."""
-        load = self.table.load
-        backlog = load.work_backlog()
-        left = [n for n in picker.targets if n not in exclude]
-        missed: dict[str, Prediction] = {}
-        output = request.size.max_tokens if request.size is not None and request.size.max_tokens else 0
+                   exclude: set[str], affinity: Affinity | None) -> Refusal | Estimates | None:
+        """Remove from the pick the nodes predicted to miss ``objective``; each node's estimate and
+        prediction (None: no target applies). When that removes every node left: the predictions
+        with ``serve_late`` (pick as without an objective), else a ``SLO_UNMEETABLE`` refusal,
+        ``saturated`` (hold it) while an idle node could still meet it.
+        A P/D pair's legs each answer for their own target: the prefill pick for the TTFT (the
+        first token follows the prefill leg), the decode pick for the TPOT; a decode pick that no
+        node meets is served as without (its prefill leg is admitted already)."""
+        role = picker.role
+        if role is not None:
+            objective = Objective(objective.ttft_ms, None) if role is NodeRole.PREFILL else \
+                Objective(None, objective.tpot_ms)
+            if not objective:
+                return None
+        targets = picker.targets
+        left = [n for n in targets if n not in exclude]
+        estimates: Estimates = {}
+        missed: list[str] = []
         for node in left:
-            uncached = self._uncached(node, request, affinity)
-            prediction = latency.predict(node, backlog.get(node, 0) + uncached, load.load.get(node, 0) + 1,
-                                         backlog.get(node, 0), output)
+            estimate = self._estimate(latency, targets[node], request.size, self._uncached(node, request, affinity))
+            prediction = estimate.predict(latency)
+            estimates[node] = estimate, prediction
             if not meets(prediction, objective):
-                missed[node] = prediction
+                missed.append(node)
         if not left or len(missed) < len(left):
             exclude.update(missed)
-            return None
-        if self.serve_late:
-            return None
-        best = min(missed.values(), key=lambda p: (p.ttft_s or 0.0, p.tpot_s or 0.0))
+            return estimates
+        if self.serve_late or role is NodeRole.DECODE:
+            return estimates
+        best = min(missed, key=lambda n: (estimates[n][1].ttft_s or 0.0, estimates[n][1].tpot_s or 0.0))
         could = any(meets(latency.predict(n, self._uncached(n, request, affinity), 1), objective) for n in left)
-        return Refusal(RefusalCause.SLO_UNMEETABLE, could, best, objective)
+        estimate, prediction = estimates[best]
+        return Refusal(RefusalCause.SLO_UNMEETABLE, could, prediction, objective, estimate)
 
-    def observed(self, admission: Admission, ttft_s: float | None, completion_tokens: int | None,
-                 duration_s: float | None) -> None:
-        """A completed request's measured figures teach its node's estimate (``LatencyModel``)."""
-        latency = self.latency
-        if latency is None or ttft_s is None:
+    def observed(self, admission: Admission, ttft_ms: float | None, started_ms: float | None,
+                 duration_ms: float | None, completion_tokens: int | None) -> None:
+        """A completed attempt's recorded figures (``lb.req.finished``'s) teach its node's estimate
+        (``LatencyModel.learn``)."""
+        latency, estimate = self.latency, admission.estimate
+        if latency is None or estimate is None or ttft_ms is None or started_ms is None:
             return
-        latency.observe_prefill(admission.node, admission.ahead, ttft_s)
-        if completion_tokens and duration_s is not None:
-            latency.observe_decode(admission.node, admission.batch, completion_tokens, duration_s - ttft_s)
+        latency.learn(estimate, ttft_ms, started_ms, duration_ms, completion_tokens)
 
     def _affinity(self, picker: Picker, request: AdmitRequest, exclude: set[str]) -> tuple[Affinity | None, list[int]]:
         scorer, index, size = self.table.scorer, picker.index, request.size
@@ -228,8 +255,9 @@ class Admitter:
         return Refusal(RefusalCause.NO_ROUTABLE_NODE, saturated)
 
     def release(self, admission: Admission) -> None:
-        self.prefilled(admission)
-        self.table.load.unbind(admission.node)
+        """The admission ended: its node's in-flight, and its prompt if not prefilled yet, leave."""
+        self.table.load.unbind(admission.node, admission.backlog)
+        admission.backlog = 0
         if self.channel is not None:
             self.channel.touch(admission.pool)
 

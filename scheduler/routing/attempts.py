@@ -40,7 +40,8 @@ from enum import StrEnum, auto
 from laswrr.schemas.words import PdProtocol
 
 __all__ = ["Leg", "Outcome", "Step", "GiveUp", "Budget", "Decision", "TRANSITIONS", "RETRIES", "CONTINUATIONS",
-           "AttemptError", "decide", "pair_leg", "next_leg", "attempt_id", "give_up_text"]
+           "AttemptError", "decide", "pair_leg", "next_leg", "attempt_id", "give_up_text", "WHOLE", "DONE", "ANSWER",
+           "GIVE_UP"]
 
 
 class Leg(StrEnum):
@@ -82,6 +83,11 @@ class GiveUp(StrEnum):
     CONTINUE_LIMIT = auto()  # continue_limit reached
     NO_NODE = auto()  # no untried node (or pair) could take it
 
+
+# The members the forwarder reads for every request, as module constants: on CPython 3.11 reading
+# ``Leg.WHOLE`` goes through EnumType.__getattr__, several times the comparison's cost
+# (docs/evidence/code-choices.md).
+WHOLE, DONE, ANSWER, GIVE_UP = Leg.WHOLE, Outcome.DONE, Step.ANSWER, Step.GIVE_UP
 
 # leg: the step after each outcome, in ``Outcome``'s order (done, failed, refused, broken, partner_failed),
 # as in the module header; None: the leg cannot end so (``AttemptError``).
@@ -126,19 +132,23 @@ class Decision:
     cause: GiveUp | None = None  # with GIVE_UP
 
 
+_STEPS = {step: Decision(step) for step in Step}  # decide's answers, built once (one a request otherwise)
+_GIVE_UP = {cause: Decision(Step.GIVE_UP, cause) for cause in GiveUp}
+
+
 def decide(leg: Leg, outcome: Outcome, budget: Budget) -> Decision:
     """The step after an attempt of ``leg`` ended in ``outcome``, with ``budget`` spent so far."""
     try:
         step = TRANSITIONS[(leg, outcome)]
     except KeyError:
         raise AttemptError(f"a {leg.value} attempt cannot end {outcome.value}") from None
-    if step is Step.GIVE_UP:
-        return Decision(step, GiveUp.NOT_RETRYABLE)
+    if step is GIVE_UP:
+        return _GIVE_UP[GiveUp.NOT_RETRYABLE]
     if step in RETRIES and budget.retries >= budget.max_retries:
-        return Decision(Step.GIVE_UP, GiveUp.NO_RETRY_LEFT)
+        return _GIVE_UP[GiveUp.NO_RETRY_LEFT]
     if step in CONTINUATIONS and budget.continuations >= budget.continue_limit:
-        return Decision(Step.GIVE_UP, GiveUp.CONTINUE_LIMIT)
-    return Decision(step)
+        return _GIVE_UP[GiveUp.CONTINUE_LIMIT]
+    return _STEPS[step]
 
 
 def pair_leg(protocol: PdProtocol | None) -> Leg:

@@ -43,8 +43,9 @@ Rules (docs/proxy.md, "Flow control"):
   is not deferred.
 * **Retry-After** from the pool's recent release rate: the requests ahead of a refused one
   (its band and the higher ones) divided by the releases per second over the last
-  ``release_window`` releases, capped at ``retry_after_cap_s``; ``None`` below one second (the
-  header is then omitted). With no release seen yet the estimate is the cap.
+  ``release_window`` releases, capped at ``retry_after_cap_s``, in whole seconds rounded up and
+  never under one: every refusal tells its client when to come back. With no release seen yet
+  the estimate is the cap.
 * **Rate limits** (``RateLimits``): per key, requests per minute and tokens per minute as
   token buckets refilled continuously (GCRA-like), charged at admission (the work estimate) and
   settled with the real ``usage`` when the request ends (``settle``: the difference is given
@@ -377,18 +378,19 @@ class FlowQueue(Generic[T]):
         span = max(now, state.releases[-1]) - state.releases[0]
         return (len(state.releases) - 1) / span if span > 0 else None
 
-    def retry_after(self, pool: str, band: Band, now: float, rate_of: str | None = None) -> int | None:
-        """Whole seconds a refused request of ``band`` should wait (module docstring), or None
-        when under one second; ``rate_of``: the key whose releases count, when not ``pool``."""
+    def retry_after(self, pool: str, band: Band, now: float, rate_of: str | None = None) -> int:
+        """Whole seconds a refused request of ``band`` should wait (module docstring), at least
+        one; ``rate_of``: the key whose releases count, when not ``pool``."""
         ahead = sum(self.depth(pool, b) for b in band.at_least_as_urgent()) + 1
         rate = self.release_rate(pool if rate_of is None else rate_of, now)
         estimate = self.config.retry_after_cap_s if rate is None else min(ahead / rate, self.config.retry_after_cap_s)
         return retry_after_header(estimate)
 
 
-def retry_after_header(seconds: float) -> int | None:
-    """``Retry-After``'s whole seconds (rounded up), or None under one second."""
-    return None if seconds < 1 else math.ceil(seconds)
+def retry_after_header(seconds: float) -> int:
+    """``Retry-After``'s whole seconds: rounded up, at least 1 (a shorter wait is still one second:
+    a 429 or 503 without the header would leave its client to guess)."""
+    return max(1, math.ceil(seconds))
 
 
 # -- per-key rate limits ------------------------------------------------------------------------

@@ -11,7 +11,10 @@ change whose counter ``n`` follows the last one taken (or any change that says `
 which replaces the view whole); a change after a lost one marks the node *stale*: its keys are
 dropped and it has no exact view (``exact`` is False: the router falls back to the estimated
 view for it) until a ``cleared`` change starts it again. ``drop(node)`` forgets a node (removed,
-ejected, or its events stopped). Pure: no clock, no socket; two proxies fed the same changes
+or its events stopped). ``empty(node)``: the node was ejected, and its engine may come back
+restarted with an empty cache before its first event says so (a restarted engine tells its restart
+only with the first blocks it stores): its keys are dropped, its counter kept, so the view says
+it holds nothing, and the next changes are taken. Pure: no clock, no socket; two proxies fed the same changes
 hold the same view.
 """
 
@@ -63,6 +66,11 @@ class KvIndex:
 
     def drop(self, node: str) -> None:
         self.nodes.pop(node, None)
+
+    def empty(self, node: str) -> None:
+        blocks = self.nodes.get(node)
+        if blocks is not None:
+            blocks.keys.clear()
 
     def depths(self, token_ids: Sequence[int], nodes: Iterable[str]) -> dict[str, int]:
         """For each of ``nodes`` with an exact view: the leading whole blocks of ``token_ids`` it

@@ -40,9 +40,11 @@ class Load:
             self.backlog[node] = self.backlog.get(node, 0) + backlog
         self.total += 1
 
-    def unbind(self, node: str) -> None:
-        """A request on ``node`` ended (its backlog left already: ``prefilled``)."""
+    def unbind(self, node: str, backlog: int = 0) -> None:
+        """A request on ``node`` ended, ``backlog`` tokens of it not prefilled yet (0: ``prefilled`` took them)."""
         self.total -= 1
+        if backlog:
+            _add(self.backlog, node, -backlog)
         _add(self.load, node, -1)
         _add(self.own, node, -1)
 
@@ -62,6 +64,10 @@ class Load:
     def estimate_of(self, node: str) -> int:
         """The pool-wide in-flight estimate of ``node`` the picks use."""
         return self.load.get(node, 0)
+
+    def work_of(self, node: str) -> int:
+        """``work_backlog()[node]`` without building the dict."""
+        return self.backlog.get(node, 0) + self.peer_backlog.get(node, 0)
 
     def work_backlog(self) -> dict[str, int]:
         """The prefill backlog the work referee weighs: own plus the fresh peers'."""

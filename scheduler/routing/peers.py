@@ -15,6 +15,8 @@ since the last message (``PeerDelta``). What to send, and when, is the shell's q
   only the first whole view is due (a proxy alone tells nobody).
 * ``due(pool, now)``: the interval's message is due: the pool's own counts changed (a first
   byte, a release, held counts) and some peer is heard, or the heartbeat (half ``stale_s``).
+  ``next_due(now, interval)``: when to ask again (every interval while a peer is heard, else
+  at the next heartbeat: the shell sleeps until then or until a message or a pool arrives).
 * ``speak(pool, now, ts_ns, boot_id)``: the next message (counted per pool: a receiver sees a
   gap when one was lost), whole at the heartbeat and when the last whole one is ``full_s``
   old; ``sent`` once it left (one that could not be sent leaves a gap: the peers take no change
@@ -103,6 +105,20 @@ class PeerChannel:
             return True
         route = self.table.route(pool)
         return pool in self.changed and route is not None and bool(route.peers)
+
+    def next_due(self, now: float, interval: float) -> float:
+        """When the shell's interval loop must look again (``due``, ``expire``) if no message is
+        received and no pool appears: ``now + interval`` while some pool hears a peer (its changes
+        go within an interval, a silent peer is dropped within one); else the next heartbeat (a
+        proxy alone tells nobody of its changes), at least one interval and at most one
+        heartbeat period away."""
+        heartbeat = self.stale_s / 2
+        soonest = now + heartbeat
+        for pool, route in self.table.routes():
+            if route.peers:
+                return now + interval
+            soonest = min(soonest, self._sent_at.get(pool, -math.inf) + heartbeat)
+        return max(now + interval, soonest)
 
     def speak(self, pool: str, now: float, ts_ns: int, boot_id: str) -> PeerMessage | None:
         """The pool's next message, whole at the heartbeat or when the last whole one is

@@ -78,7 +78,9 @@ class PoolRoute:
 
     def picker(self, role: NodeRole | None) -> Picker:
         """The picker of a leg: ``decode`` for a P/D pair's decode leg, else the first admission's."""
-        return self.decode if role == NodeRole.DECODE else self.first
+        if role is None:  # a whole request, or a pair's first leg (no enum member read: a lookup on Python 3.11)
+            return self.first
+        return self.decode if role is NodeRole.DECODE else self.first
 
     @property
     def index(self) -> PrefixIndex | None:

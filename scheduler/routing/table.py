@@ -32,6 +32,7 @@ from laswrr.scheduler.routing.load import Load
 from laswrr.scheduler.routing.route import Picker, PoolRoute
 from laswrr.scheduler.routing.work import PrefillSpeeds, PrefixScorer
 from laswrr.schemas.outputs import WeightSnapshot
+from laswrr.schemas.words import Phase
 
 _DECODE_SEED = 0x5EED_DEC0DE  # the decode role's policy starts elsewhere than the prefill role's
 
@@ -74,6 +75,9 @@ class RoutingTable:
             before = route.candidates()
         others = route.others
         route.install(snapshot, now, self.proxy_id, self.speeds)
+        for view in snapshot.nodes:  # an ejected node may return restarted: its cache is not known to hold anything
+            if view.phase == Phase.EJECTED:
+                self.kv.empty(view.node)
         self.views += 1
         if others or route.others:
             self.reload(others.keys() | route.others.keys())
@@ -131,10 +135,6 @@ class RoutingTable:
 
     def snapshots(self) -> dict[str, WeightSnapshot]:
         return {pool: route.snapshot for pool, route in self._pools.items()}
-
-    def received_at(self, pool: str) -> float | None:
-        route = self._pools.get(pool)
-        return None if route is None else route.received_at
 
     def candidates(self, pool: str, exclude: Container[str] = ()) -> list[str]:
         """The nodes of ``pool`` a first admission may pick (routable), less ``exclude``."""

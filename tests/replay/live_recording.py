@@ -4,7 +4,7 @@ and then replay it (``async with live_recording(nats_url, data_dir) as live: ...
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +16,7 @@ from laswrr.services.natsbus import connect, ensure_streams
 from laswrr.services.recorder import Recorder, RecorderOptions
 from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService
 
-
-async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
+from tests.conftest import wait_until
 
 
 @dataclass
@@ -32,10 +27,10 @@ class LiveRecording:
 
     async def settle(self, last: int, timeout_s: float = 10.0) -> None:
         """Wait until input ``last`` is applied and the recorder holds it and every output so far."""
-        await until(lambda: self.service.applied_seq >= last, timeout_s)
+        await wait_until(lambda: self.service.applied_seq >= last, timeout_s, "the scheduler applying the inputs")
         out_last = (await self.js.stream_info(sj.OUT_STREAM)).state.last_seq
-        await until(lambda: self.recorder.recorded_through[sj.EVENTS_STREAM] >= last
-                    and self.recorder.recorded_through[sj.OUT_STREAM] >= out_last, timeout_s)
+        await wait_until(lambda: self.recorder.recorded_through[sj.EVENTS_STREAM] >= last
+                         and self.recorder.recorded_through[sj.OUT_STREAM] >= out_last, timeout_s, "the recorder")
 
 
 @asynccontextmanager

@@ -47,3 +47,25 @@ def test_same_report_and_live_views_after(tmp_path: Path, writable: bool) -> Non
                         "WHERE stream = 'LB_EVENTS' AND data LIKE '%\"r1\"%'")
             after = con.execute("SELECT count(*) FROM attempts").fetchone()
             assert before is not None and after is not None and after[0] == before[0] + 1
+
+
+def test_the_stored_input_events_are_the_view_s_rows(tmp_path: Path) -> None:
+    """``input_events`` is stored without a parsed payload's text (its JSON keeps it): the rows
+    read back are the view's, a payload that is not JSON and one that is not UTF-8 included."""
+    log = LogBuilder()
+    log.node("a", 4)
+    log.add(sj.admin_capacity("a"), "not json {")
+    log.add(sj.admin_capacity("a"), b'{"capacity": \xff}')
+    log.add(sj.admin_capacity("a"), '{"capacity":  3,"x" : [1, 2.50]}')  # spacing kept as sent
+    log.tick()
+    log.started("a", "r1", snapshot_seq=log.last_snapshot_seq())
+    log.finished("a", "r1", outcome="completed", ttft_ms=40.0, duration_ms=500.0)
+    path = tmp_path / "events.duckdb"
+    log.write_db(path)
+    query = "SELECT * FROM input_events ORDER BY seq, event_index"
+    with store.open_read(path) as con:
+        plain = con.execute(query).fetchall()
+        with report.materialised(con, ("input_events",)):
+            stored = con.execute(query).fetchall()
+    assert stored == plain
+    assert any(row[7] is not None for row in plain) and any(row[5] is None and row[6] == "not json {" for row in plain)

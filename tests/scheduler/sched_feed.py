@@ -101,12 +101,14 @@ class Feed:
         return request_id
 
     def finish(self, node: str, request_id: str, outcome: str = "completed", proxy: str = "p1",
-               ttft_ms: float | None = None, boot: str | None = None) -> list[Output]:
+               ttft_ms: float | None = None, boot: str | None = None, stream: bool | None = None) -> list[Output]:
         payload: dict[str, Any] = {"request_id": request_id, "proxy": proxy, "outcome": outcome}
         if ttft_ms is not None:
             payload["ttft_ms"] = ttft_ms
         if boot is not None:
             payload["boot_id"] = boot
+        if stream is not None:
+            payload["stream"] = stream
         return self.send(sj.req_finished(node), payload)
 
     def heartbeat(self, proxy: str, inflight: int = 0, boot: str | None = None,

@@ -77,6 +77,32 @@ def test_drop_forgets_a_node() -> None:
     assert index.holders == {} and index.entries() == 0
 
 
+def test_a_full_index_costs_at_most_200_bytes_a_key() -> None:
+    """At its cap the index holds blocks_per_node keys for every node; a key one node holds (the
+    common case) shares that node's frozenset instead of a set of its own (216 bytes more)."""
+    import random
+    import tracemalloc
+
+    rng = random.Random(7)
+    chains = [[rng.getrandbits(64) for _ in range(64)] for _ in range(5 * 64)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        index = PrefixIndex(blocks_per_node=4096)
+        for n, keys in enumerate(chains):
+            index.record(f"node-{n % 5}", keys)
+        per_key = (tracemalloc.get_traced_memory()[0] - before) / index.entries()
+    finally:
+        tracemalloc.stop()
+    assert index.entries() == 5 * 4096
+    assert per_key < 200, per_key
+    # shared keys still get sets of their own, and unholding one node leaves the other
+    index.record("node-0", chains[1])
+    assert index.holders[chains[1][0]] == {"node-0", "node-1"}
+    index.drop("node-1")
+    assert index.holders[chains[1][0]] == {"node-0"} and index.depths(chains[1], ["node-1"]) == {"node-1": 0}
+
+
 def test_guard_arithmetic() -> None:
     # A has 1000 tokens in flight (weight 1), C none (weight 1); a 600-token request:
     assert not guard_allows(1000, 1, 0, 1, 600)  # 1000 >= 600: C after the pick is still lighter

@@ -97,3 +97,23 @@ def test_a_stale_node_falls_back_and_a_pool_without_events_is_untouched() -> Non
     holds(exact, "zz", TOKENS)  # a node of no pool: nothing changes for this pool's nodes
     picks = [(admit(plain, TOKENS).node, admit(plain, None).node) for _ in range(6)]
     assert picks == [(admit(exact, TOKENS).node, admit(exact, None).node) for _ in range(6)]
+
+
+def test_a_pick_of_a_node_held_exactly_sends_no_prefix_record_to_the_peers() -> None:
+    r = Router("la-swrr", seed=0, proxy_id="A", share=True)
+    r.table.offer(WeightSnapshot(pool=DEFAULT_POOL, as_of_seq=1, tick=1, ts_ns=0, panic=False,
+                                 nodes=[node("a"), node("b"), node("c")]), 0.0)
+    for name in "bc":
+        holds(r, name, [])  # b and c publish events; a does not
+    route = r.table.route(DEFAULT_POOL)
+    assert route is not None
+    told: dict[str, int] = {}
+    for k in range(12):  # distinct prompts, so that every pick is a new prefix
+        text = prompt_text([{"role": "user", "content": f"conversation {k} " * 200}], None)
+        result = r.admitter.admit(AdmitRequest(DEFAULT_POOL, (), text, request_size(text, 8, None)))
+        assert isinstance(result, Admission)
+        r.admitter.release(result)
+        told[result.node] = told.get(result.node, 0) + 1
+    records = {record.node for record in route.outbox}
+    assert set(told) == {"a", "b", "c"}  # every node was picked ...
+    assert records == {"a"}  # ... but only the node without events is told on the channel

@@ -241,7 +241,7 @@ def test_retry_after_from_the_release_rate() -> None:
     for i in range(11):
         queue.released("p", i * 0.1)  # 10 releases a second
     assert queue.release_rate("p", 1.0) == pytest.approx(10.0)
-    assert queue.retry_after("p", DEFAULT, 1.0) is None  # 1 ahead: 0.1 s, omitted
+    assert queue.retry_after("p", DEFAULT, 1.0) == 1  # 1 ahead: 0.1 s, still one second
     for i in range(20):
         queue.offer("p", INTERACTIVE if i % 2 else BATCH, "", 1, 1.0, 30, str(i))
     assert queue.retry_after("p", DEFAULT, 1.0) == 2  # 10 interactive ahead + itself: 1.1 s -> 2
@@ -249,7 +249,8 @@ def test_retry_after_from_the_release_rate() -> None:
     assert queue.release_rate("p", 11.0) == pytest.approx(10 / 11)  # silence since counts: rate falls
     assert queue.retry_after("p", BATCH, 11.0) == 24  # 21 / (10/11) = 23.1
     assert queue.retry_after("p", BATCH, 1000.0) == 60  # capped
-    assert retry_after_header(0.99) is None and retry_after_header(1.0) == 1 and retry_after_header(1.01) == 2
+    assert retry_after_header(0.0) == retry_after_header(0.99) == retry_after_header(1.0) == 1
+    assert retry_after_header(1.01) == 2
 
 
 def test_rate_limits_requests_per_minute() -> None:

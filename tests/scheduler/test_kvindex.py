@@ -50,3 +50,26 @@ def test_a_lost_change_makes_the_node_stale_until_cleared() -> None:
     assert not index.apply("late", change(9, [1]))  # joined mid-stream: not exact before a cleared one
     index.drop("a")
     assert not index.exact("a")
+
+
+def test_an_ejected_node_is_held_empty_until_its_engine_tells_more() -> None:
+    from laswrr.scheduler.routing.table import RoutingTable
+    from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
+
+    load = LoadView(queue=0, running=0, kv=0, npu=0, latency=0, load=0, sample_age_ms=None, stale=False)
+
+    def snapshot(seq: int, phase: str) -> WeightSnapshot:
+        nodes = [NodeView(node=name, url=f"http://{name}:8000", phase=p, routable=p != "ejected", capacity=4,
+                          target_weight=4.0, effective_weight=4.0, inflight=0, chip="cpu", health=1.0, load=load)
+                 for name, p in (("a", phase), ("b", "active"))]
+        return WeightSnapshot(pool="default", as_of_seq=seq, tick=seq, ts_ns=0, panic=False, nodes=nodes)
+
+    table = RoutingTable("la-swrr", seed=1)
+    table.offer(snapshot(1, "active"), 0.0)
+    assert table.kv.apply("a", change(1, [1, 2])) and table.kv.apply("b", change(1, [1, 2]))
+    table.offer(snapshot(2, "ejected"), 1.0)  # a's engine may be restarting: nothing known to be in its cache
+    assert table.kv.exact("a") and not table.kv.nodes["a"].keys
+    assert table.kv.nodes["b"].keys == {1, 2}  # the others keep their view
+    table.offer(snapshot(3, "recovering"), 2.0)
+    assert table.kv.apply("a", change(2, [3]))  # its next change is taken: the counter was kept
+    assert table.kv.nodes["a"].keys == {3}

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from laswrr.schemas.words import Band
-from laswrr.scheduler.routing.latency import (LatencyModel, Objective, PoolSignals, Prediction, SloDefaults, SloError, meets,
-                                             pool_signals)
+from laswrr.scheduler.routing.latency import (Estimate, LatencyModel, Objective, PoolSignals, Prediction, SloDefaults,
+                                             SloError, meets, pool_signals)
 from laswrr.scheduler.routing.prompt import RequestSize
 from laswrr.scheduler.routing.router import DEFAULT_POOL, AdmitRequest, Admission, Refusal, Router
 from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
@@ -55,6 +55,63 @@ def test_nodes_are_learned_apart() -> None:
     simulate(model, "c", rate=8000.0, tpot=0.02, requests=30)
     simulate(model, "b", rate=4000.0, tpot=0.02, requests=30)
     assert abs(model.prefill_rate("c") / model.prefill_rate("b") - 2.0) < 0.02
+
+
+def _served(model: LatencyModel, node: str, slots: int, batch: int, ttft: float, requests: int = 20) -> None:
+    """``requests`` attempts of 1 000 uncached tokens on ``node``, each decoding 101 tokens in 2 s after its
+    first token, picked at an in-flight of ``batch`` (``slots`` engine slots), measuring ``ttft``."""
+    for _ in range(requests):
+        model.learn(Estimate(node, 0, 1000, batch, model.learned(node), 101, slots), ttft * 1000, 0.0,
+                    ttft * 1000 + 2000.0, 101)
+
+
+def test_a_node_with_its_slots_full_predicts_the_wait_for_the_requests_ahead() -> None:
+    model = LatencyModel()
+    _served(model, "n", 4, 2, 0.25)  # a free slot: 0.25 s for 1 000 tokens, so 4 000 tokens/s
+    hold = 2.0 + 0.25  # a request holds its slot for its decode and its own prefill
+    free = Estimate("n", 0, 1000, 4, 20, 101, 4).predict(model).ttft_s  # the 4th of 4 slots: no wait
+    assert free is not None and abs(free - 0.25) < 1e-6
+    waits = {}
+    for batch in (5, 8, 12):  # batch - 4 requests ahead must end, one every hold / 4 seconds
+        waited = Estimate("n", 0, 1000, batch, 20, 101, 4).predict(model).ttft_s
+        assert waited is not None
+        waits[batch] = waited - free
+    assert abs(waits[5] - hold / 4) / (hold / 4) < 0.01  # (the first attempt's hold had no prefill rate yet)
+    assert abs(waits[8] - 4 * waits[5]) < 1e-9 and abs(waits[12] - 8 * waits[5]) < 1e-9
+    unknown = Estimate("n", 0, 1000, 12, 20, 101, 0).predict(model).ttft_s  # slots not known: as before
+    assert unknown == free
+    # the TPOT of a request that waits: decoding in a full batch, the queue ahead prefilled before it starts
+    assert Estimate("n", 9000, 1000, 12, 20, 101, 4).predict(model).tpot_s == model.tpot("n", 4)
+    assert Estimate("n", 9000, 1000, 3, 20, 101, 4).predict(model).tpot_s > model.tpot("n", 3)  # the stall
+    _served(model, "n", 4, 12, 0.25 + 8 * hold / 4)  # attempts that waited do not slow the prefill rate learned
+    assert abs(model.prefill_rate("n") - 4000.0) < 1e-6
+
+
+def test_a_node_whose_every_attempt_waited_learns_its_prefill_rate_less_the_wait() -> None:
+    model = LatencyModel()
+    hold = 2.0 + 0.25
+    _served(model, "n", 4, 12, 0.25 + 8 * hold / 4, requests=1)  # its first attempt: no hold known, nothing learned
+    assert model.prefill_rate("n") is None and model.ttft("n", 1000) is None
+    _served(model, "n", 4, 12, 0.25 + 8 * 2.0 / 4, requests=1)  # the wait it predicts from the hold it knows now
+    assert abs(model.ttft("n", 1000) - 0.25) < 1e-6
+    _served(model, "n", 4, 12, 30.0, requests=5)  # later attempts that waited teach it nothing more
+    assert abs(model.ttft("n", 1000) - 0.25) < 1e-6
+
+
+def test_the_slo_filter_removes_a_node_whose_slots_are_full() -> None:
+    model = LatencyModel()
+    router = Router("la-swrr", 7, scorer=None, latency=model)
+    router.table.offer(snap(node("full", capacity=4), node("idle", capacity=4)), 0.0)
+    for name in ("full", "idle"):
+        _served(model, name, 4, 2, 0.25)
+    for _ in range(6):  # in flight on "full": the next request waits for 3 of them to end, 1.7 s
+        router.table.load.bind("full", 0)
+    for _ in range(4):
+        admission = router.admitter.admit(AdmitRequest(DEFAULT_POOL, size=RequestSize(1000),
+                                                       objective=Objective(ttft_ms=1000)))
+        assert isinstance(admission, Admission) and admission.node == "idle"
+        assert admission.predicted is not None and abs(admission.predicted.ttft_s - 0.25) < 1e-6
+        router.admitter.release(admission)
 
 
 def test_meets_reads_only_the_targets_set_and_the_figures_known() -> None:
@@ -146,8 +203,10 @@ def test_observed_teaches_the_node_the_admission_was_bound_to() -> None:
     router = Router("la-swrr", 7, scorer=None, latency=model)
     router.table.offer(snap(node("a")), 0.0)
     admission = router.admitter.admit(AdmitRequest(DEFAULT_POOL, size=RequestSize(3000)))
-    assert isinstance(admission, Admission) and admission.ahead == 3000 and admission.batch == 1
-    router.admitter.observed(admission, 0.5, 101, 2.5)
+    assert isinstance(admission, Admission) and admission.estimate == Estimate("a", 0, 3000, 1, 0, 0, 8)
+    assert admission.estimate.ahead == 3000 and admission.predicted is None  # no targets: no prediction made
+    router.admitter.observed(admission, 500.0, 0.0, 2500.0, 101)  # recorded figures: ms from the arrival
+    assert model.learned("a") == 1
     assert abs(model.prefill_rate("a") - 6000.0) < 1e-6
     assert abs(model.tpot("a", 1) - 0.02) < 1e-9
 
@@ -161,6 +220,11 @@ def test_pool_signals_for_autoscalers() -> None:
     assert abs(signals.backlog_s - 2.0) < 0.01  # 24 000 tokens at 12 000 tokens/s
     assert abs(signals.predicted_ttft_s - 0.0) < 0.01  # b is idle
     assert pool_signals([("x", 4)], {}, {}, None) == PoolSignals(0.0, None, None)
+    _served(model, "s", 4, 2, 0.25)  # 4 000 tokens/s, a slot held about 2.25 s
+    free, full = (pool_signals([("s", 4)], {"s": busy}, {}, model).predicted_ttft_s for busy in (3, 7))
+    behind_one = model.predict("s", 0, 5, 0, 0, 4).ttft_s
+    assert free is not None and full is not None and behind_one is not None and behind_one - free > 0.5
+    assert abs(full - free - 4 * (behind_one - free)) < 1e-9  # in flight 7 of 4 slots: 4 must end first
 
 
 @pytest.mark.parametrize("affinity", ["prefix", "none"])
@@ -185,5 +249,5 @@ def test_without_objectives_the_picks_are_todays(affinity: str) -> None:
             if len(live) > 6:
                 done = live.pop(0)
                 router.admitter.release(done)
-                router.admitter.observed(done, 0.2 + i % 5 / 10, 64, 2.0)
+                router.admitter.observed(done, 200 + i % 5 * 100, 0.0, 2000.0, 64)
     assert picks[0] == picks[1]

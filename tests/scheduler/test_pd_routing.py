@@ -14,7 +14,8 @@ from laswrr.scheduler.routing import pd
 from tests.scheduler.routing_help import admit
 from laswrr.scheduler.routing.prompt import prompt_text, request_size
 from laswrr.schemas.words import RefusalCause
-from laswrr.scheduler.routing.router import DEFAULT_POOL, AdmitRequest, Refusal, Router
+from laswrr.scheduler.routing.latency import LatencyModel, Objective
+from laswrr.scheduler.routing.router import DEFAULT_POOL, AdmitRequest, Admission, Refusal, Router
 from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
 from laswrr.schemas.words import NodeRole, PdProtocol
 
@@ -209,3 +210,28 @@ def test_prefill_rates_come_from_legs_with_work_and_alike_nodes_keep_the_rotatio
     assert decode is not None
     router.admitter.prefill_done(decode, 1.0)  # a decode leg is no prefill measure
     assert "d1" not in router.table.speeds.rate
+
+
+def test_a_pair_s_prefill_pick_answers_for_the_ttft_target_and_its_decode_pick_for_the_tpot() -> None:
+    model = LatencyModel()
+    router = Router("la-swrr", seed=1, scorer=None, latency=model)
+    pd_pool(router)
+    for i in range(20):  # p1 prefills 8,000 tokens/s, p2 2,000; d1 decodes at 20 ms a token, d2 at 200 ms
+        work = 500 + 97 * i
+        model.observe_prefill("p1", work, work / 8000)
+        model.observe_prefill("p2", work, work / 2000)
+        model.observe_decode("p1", 1, 2, 5.0)  # a prefill node's own decode time: no TPOT target reads it
+        model.observe_decode("d1", 1 + i % 4, 50, 49 * 0.02)
+        model.observe_decode("d2", 1 + i % 4, 50, 49 * 0.2)
+    objective = Objective(ttft_ms=1000, tpot_ms=50)
+    size = request_size(b"x" * 16000, 50, None)  # 4,000 tokens: 0.5 s on p1, 2 s on p2
+    for _ in range(6):
+        first = router.admitter.admit(AdmitRequest(DEFAULT_POOL, size=size, objective=objective))
+        second = router.admitter.admit(AdmitRequest(DEFAULT_POOL, size=size, objective=objective, role=NodeRole.DECODE))
+        assert isinstance(first, Admission) and isinstance(second, Admission)
+        assert (first.node, second.node) == ("p1", "d1")
+        router.admitter.release(first)
+        router.admitter.release(second)
+    slow = Objective(tpot_ms=10)  # no decode node decodes this fast: the decode pick is served as without
+    second = router.admitter.admit(AdmitRequest(DEFAULT_POOL, size=size, objective=slow, role=NodeRole.DECODE))
+    assert isinstance(second, Admission)

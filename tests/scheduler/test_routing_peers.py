@@ -316,6 +316,23 @@ def test_a_proxy_that_hears_no_peer_tells_nobody_but_its_heartbeat() -> None:
     assert channel.picks() == [DEFAULT_POOL]
 
 
+def test_a_proxy_alone_looks_again_at_its_heartbeat_and_every_interval_once_it_hears_a_peer() -> None:
+    """PeerChannel.next_due: the shell's interval loop rests while nothing can be due."""
+    a = router("A")
+    channel = a.channel
+    assert channel is not None
+    assert channel.next_due(now=5.0, interval=0.02) == pytest.approx(5.02)  # its first whole view is due
+    channel.sent(DEFAULT_POOL, PeerState(boot_id="boot-a", seq=1, ts_ns=1), now=5.0)
+    ask(a, "alone", done=True)  # changed, but nobody to tell
+    assert channel.next_due(now=5.1, interval=0.02) == 5.0 + PEER_STALE_S / 2  # the heartbeat
+    assert channel.next_due(now=5.0 + PEER_STALE_S / 2, interval=0.02) == pytest.approx(5.02 + PEER_STALE_S / 2)
+    b = router("B")
+    assert channel.receive("B", DEFAULT_POOL, b.channel.message(DEFAULT_POOL, "boot-b", 1, ts_ns=2), now=5.2)  # type: ignore[arg-type, union-attr]
+    assert channel.next_due(now=5.3, interval=0.02) == pytest.approx(5.32)  # a peer: every interval again
+    assert channel.expire(now=5.3 + PEER_STALE_S) == 1  # B silent: alone again, its heartbeat overdue
+    assert channel.next_due(now=5.3 + PEER_STALE_S, interval=0.02) == pytest.approx(5.32 + PEER_STALE_S)
+
+
 def test_a_heartbeat_to_nobody_carries_no_prefix_records() -> None:
     a = router("A")
     ask(a, long_prompt("first "))

@@ -129,8 +129,21 @@ def test_latency_is_an_ewma() -> None:
     feed.engine("n1", ttft_ms=200.0)
     assert feed.node("n1").ttft_ewma == 120.0  # 100 + 0.2·(200 − 100)
     rid = feed.start("n1")
-    feed.finish("n1", rid, ttft_ms=20.0)
+    feed.finish("n1", rid, ttft_ms=20.0)  # a finished event without `stream` (an older proxy): as recorded
     assert feed.node("n1").ttft_ewma == 100.0  # 120 + 0.2·(20 − 120)
+    rid = feed.start("n1")
+    feed.finish("n1", rid, ttft_ms=50.0, stream=True)
+    assert feed.node("n1").ttft_ewma == 90.0  # 100 + 0.2·(50 − 100)
+
+
+def test_a_whole_answer_teaches_the_latency_signal_nothing() -> None:
+    """A non-streamed answer's ttft_ms is its first byte, sent with its last token: its whole
+    duration, not a time to first token (RequestFinished.first_token_ms)."""
+    feed = warm_pool("n1")
+    feed.engine("n1", ttft_ms=100.0)
+    rid = feed.start("n1")
+    feed.finish("n1", rid, ttft_ms=6000.0, stream=False)
+    assert feed.node("n1").ttft_ewma == 100.0
 
 
 def test_the_floor_keeps_a_saturated_node_observed() -> None:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from laswrr.schemas import events as ev
 from laswrr.schemas import subjects as sj
-from laswrr.schemas.codec import (MAX_PAYLOAD_BYTES, SchemaError, batch_item, batch_payload, decode_batch,
+from laswrr.schemas.codec import (CORE_STRUCTS, MAX_PAYLOAD_BYTES, SchemaError, batch_item, batch_payload, decode_batch,
                                   decode_event, encode, unbatch)
 
 STARTED = ev.RequestStarted(request_id="r1", proxy="p1", snapshot_seq=7, ts_ns=5, boot_id="b1", prompt_tokens=3)
@@ -24,9 +24,15 @@ FINISHED = ev.RequestFinished(request_id="r1", proxy="p1", outcome="completed", 
 HEARTBEAT = ev.ProxyHeartbeat(inflight=2, ts_ns=9, boot_id="b1")
 
 
+def _as_kind(event: ev.Event | None) -> tuple[type, tuple[object, ...]] | None:
+    """An event of the core's path as its kind's struct and its fields' values."""
+    return None if event is None else (CORE_STRUCTS.get(type(event), type(event)), msgspec.structs.astuple(event))
+
+
 def _decode(payload: bytes, proxy: str = "p1") -> list[tuple[str | None, str | None, object]]:
-    """Both ways of unpacking a batch (event by event, and ``decode_batch``'s one pass), which
-    must agree, error messages included."""
+    """The ways of unpacking a batch (event by event, ``decode_batch``'s one pass, and the core's,
+    whose events are instances of a subclass with the same values), which must agree, error
+    messages included."""
     key, batch = decode_event(sj.req_batch(proxy), payload)
     assert key == proxy and isinstance(batch, ev.RequestBatch)
     slow = [(u.index, u.subject, u.key, u.event, None if u.error is None else str(u.error))
@@ -34,6 +40,9 @@ def _decode(payload: bytes, proxy: str = "p1") -> list[tuple[str | None, str | N
     fast = [(u.index, u.subject, u.key, u.event, None if u.error is None else str(u.error))
             for u in decode_batch(sj.req_batch(proxy), payload)[1]]
     assert fast == slow
+    core = [(u.index, u.subject, u.key, _as_kind(u.event), None if u.error is None else str(u.error))
+            for u in decode_batch(sj.req_batch(proxy), payload, core=True)[1]]
+    assert core == [(index, subject, key, _as_kind(event), error) for index, subject, key, event, error in slow]
     return [(subject, key, event if error is None else error) for _, subject, key, event, error in slow]
 
 
@@ -121,3 +130,32 @@ def test_round_trip(spec: list[tuple[str, str, int]]) -> None:
             events.append((kind, None, ev.ProxyHeartbeat(inflight=n)))
     payload = batch_payload("b1", len(spec), [batch_item(kind, key, encode(event)) for kind, key, event in events])
     assert [event for _, _, event in _decode(payload)] == [event for _, _, event in events]
+
+
+@given(st.lists(st.tuples(st.sampled_from(["req.started", "req.finished", "proxy.heartbeat", "req.queued"]),
+                          st.one_of(st.text(max_size=6), names, st.sampled_from(["p1\n", "p 1", "é", "x" * 129])),
+                          st.one_of(st.none(), st.text(max_size=4), names)), min_size=1, max_size=6))
+def test_the_core_checks_names_as_the_structs_do(spec: list[tuple[str, str, str | None]]) -> None:
+    """The core's path checks each distinct name once instead of in every event: any name, good
+    or bad (a trailing newline matches the pattern, as msgspec's ``re.search`` finds it), decodes
+    or fails as the kind's own struct decides."""
+    items = []
+    for kind, name, boot in spec:
+        key = None if kind in ("proxy.heartbeat", "req.queued") else "n1"
+        if kind == "proxy.heartbeat":
+            payload = msgspec.json.encode({"inflight": 1, "boot_id": boot})
+        else:
+            extra = {"outcome": "completed"} if kind == "req.finished" else {}
+            payload = msgspec.json.encode({"request_id": "r1", "proxy": name, "pool": name, "boot_id": boot, **extra})
+        items.append(batch_item(kind, key, payload))
+        subject = f"lb.{kind}.{key or 'p1'}"  # the event alone, on its own subject
+        assert _alone(subject, payload, core=True) == _alone(subject, payload)
+    _decode(batch_payload(None, None, items))
+
+
+def _alone(subject: str, payload: bytes, core: bool = False) -> object:
+    try:
+        key, event = decode_event(subject, payload, core=core)
+    except SchemaError as exc:
+        return str(exc)
+    return key, _as_kind(event)

@@ -59,6 +59,8 @@ KEPT = {
     ("services/proxy/answers.py", "upstream_error"): "the error type of an SSE error event sent to the client",
     ("services/sim_engine/app.py", "invalid_json"): "the simulated engine's own error code (an engine's answer)",
     ("services/up.py", "no_snapshot"): "the proxy's /ready status word read back (also a RefusalCause)",
+    **{("bench/conversations.py", word): "a word of the generated chat texts' vocabulary (prose, not an enum's)"
+       for word in ("batch", "decode", "prefill", "eject", "new")},
 }
 KEPT_PREFIXES = {("laswrr/command_help.py", "lb."): "help text for people naming the subject a command publishes"}
 
