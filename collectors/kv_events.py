@@ -8,6 +8,15 @@ ZMQ multipart message ``[topic, seq, payload]`` on the engine's PUB socket (``--
 replay socket (ROUTER, ``replay_endpoint``) answers an 8-byte start sequence with the buffered
 batches from there, each ``[b"", topic, seq, payload]``, then ``[b"", b"", -1, b""]``.
 
+**SGLang** (``--kv-events-config``, its ``sglang/srt/disaggregation/kv_events.py``) mirrors
+vLLM's publisher and structs: the same PUB frames and positional encoding, with ``[ts, events,
+attn_dp_rank]`` batches (the rank left out when unset), one ``BlockStored`` per page of its radix
+tree (``block_size`` = its ``--page-size``, 1 by default; the parent is the previous page's
+hash, None for a prompt's first), int64 hashes (negative too), ``medium`` GPU or CPU (its host
+cache; the strings are taken in any case), a cache salt in ``extra_keys`` and trailing fields of its own
+(ignored). Its replay answers leave the topic out (``decode_replay`` takes both); the engine
+need not be named.
+
 An event is one of ``BlockStored`` (``block_hashes``, ``parent_block_hash``, ``token_ids``,
 ``block_size``, ``lora_id``, ``medium``, ``lora_name``, ``extra_keys``, ...), ``BlockRemoved``
 (``block_hashes``, ``medium``, ...) and ``AllBlocksCleared``, in one of two encodings, both
@@ -34,7 +43,11 @@ engine hash -> key map of the blocks the node holds, so a ``BlockRemoved`` (hash
 the keys to drop. A ``BlockStored`` whose parent it does not know (it missed that event) cannot
 be keyed: its blocks count as orphans, and so do their children. A block with ``extra_keys``,
 a ``lora_name`` or a medium other than the GPU's (``None`` or ``"GPU"``) is not keyed either: a
-plain text request never matches it, and an offloaded copy is not in the node's KV room.
+plain text request never matches it, and an offloaded copy is not in the node's KV room (nor does
+such a copy, stored under the same hash as the GPU's block, unkey that block). Nor is a block of
+another size than the node's (the first block stored since the engine started sets it): the
+partial last page of an SGLang radix node, or an earlier SGLang's one block per radix node; a
+router cuts a prompt in blocks of one size.
 
 ``NodeCache.fold(seq, batch)`` returns the ``CacheChanged`` to publish (or None when nothing a
 router sees changed), and says ``cleared`` with the reason when the router must drop the node's
@@ -61,13 +74,18 @@ BlockSize = Annotated[int, Meta(ge=1, le=1 << 20)]
 MAX_TOPIC_BYTES = 256
 SEQ_BYTES = 8
 END_SEQ = -1  # the replay socket's end marker
-GPU_MEDIA = (None, "GPU")
+
+
+def _gpu(medium: str | None) -> bool:
+    """The device's KV room: vLLM's ``None`` or ``"GPU"``; SGLang's ``StorageMedium.GPU`` (whose
+    string the stored sources do not show: any case is taken)."""
+    return medium is None or medium.upper() == "GPU"
 
 
 # --------------------------------------------------------------------------- named fields
 
 
-class _NamedStored(msgspec.Struct, tag="BlockStored", tag_field="type", frozen=True):
+class NamedStored(msgspec.Struct, tag="BlockStored", tag_field="type", frozen=True):
     block_hashes: list[BlockHash]
     token_ids: list[TokenId]
     block_size: BlockSize
@@ -79,26 +97,26 @@ class _NamedStored(msgspec.Struct, tag="BlockStored", tag_field="type", frozen=T
     group_idx: int | None = None
 
 
-class _NamedRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", frozen=True):
+class NamedRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", frozen=True):
     block_hashes: list[BlockHash]
     medium: str | None = None
     group_idx: int | None = None
 
 
-class _NamedCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", frozen=True):
+class NamedCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", frozen=True):
     pass
 
 
-class _NamedBatch(msgspec.Struct, array_like=True, frozen=True):
+class NamedBatch(msgspec.Struct, array_like=True, frozen=True):
     ts: float
-    events: list[_NamedStored | _NamedRemoved | _NamedCleared]
+    events: list[NamedStored | NamedRemoved | NamedCleared]
     data_parallel_rank: int | None = None
 
 
 # --------------------------------------------------------------------------- positional
 
 
-class _ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True, frozen=True):
+class ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True, frozen=True):
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[TokenId]
@@ -110,24 +128,24 @@ class _ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True, frozen=Tr
     group_idx: int | None = None
 
 
-class _ArrayRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, frozen=True):
+class ArrayRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, frozen=True):
     block_hashes: list[BlockHash]
     medium: str | None = None
     group_idx: int | None = None
 
 
-class _ArrayCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True, frozen=True):
+class ArrayCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True, frozen=True):
     pass
 
 
-class _ArrayBatch(msgspec.Struct, array_like=True, frozen=True):
+class ArrayBatch(msgspec.Struct, array_like=True, frozen=True):
     ts: float
-    events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared]
+    events: list[ArrayStored | ArrayRemoved | ArrayCleared]
     data_parallel_rank: int | None = None
 
 
-_NAMED = msgspec.msgpack.Decoder(_NamedBatch)
-_ARRAY = msgspec.msgpack.Decoder(_ArrayBatch)
+_NAMED = msgspec.msgpack.Decoder(NamedBatch)
+_ARRAY = msgspec.msgpack.Decoder(ArrayBatch)
 
 
 # --------------------------------------------------------------------------- decoded
@@ -165,29 +183,29 @@ class KvBatch:
     encoding: str = "named"  # or "positional"
 
 
-def _stored(e: _NamedStored | _ArrayStored) -> Stored:
+def _stored(e: NamedStored | ArrayStored) -> Stored:
     if not e.block_hashes:
         raise ParseError("BlockStored with no block_hashes")
     if len(e.token_ids) != len(e.block_hashes) * e.block_size:
         raise ParseError(f"BlockStored: {len(e.token_ids)} token ids for {len(e.block_hashes)} blocks of "
                          f"{e.block_size}")
     plain = e.lora_name is None and e.lora_id is None and not any(e.extra_keys or ()) \
-        and e.medium in GPU_MEDIA and e.group_idx in (None, 0)
+        and _gpu(e.medium) and e.group_idx in (None, 0)
     return Stored(tuple(e.block_hashes), e.parent_block_hash, tuple(e.token_ids), e.block_size, plain)
 
 
 def _event(e: Any) -> KvEvent:
-    if isinstance(e, (_NamedStored, _ArrayStored)):
+    if isinstance(e, (NamedStored, ArrayStored)):
         return _stored(e)
-    if isinstance(e, (_NamedRemoved, _ArrayRemoved)):
-        return Removed(tuple(e.block_hashes), e.medium in GPU_MEDIA and e.group_idx in (None, 0))
+    if isinstance(e, (NamedRemoved, ArrayRemoved)):
+        return Removed(tuple(e.block_hashes), _gpu(e.medium) and e.group_idx in (None, 0))
     return Cleared()
 
 
 def decode_payload(payload: bytes, seq: int = 0) -> KvBatch:
     """One ``KVEventBatch`` (either encoding) -> ``KvBatch``; ``ParseError`` on anything else."""
     try:
-        batch: _NamedBatch | _ArrayBatch = _NAMED.decode(payload)
+        batch: NamedBatch | ArrayBatch = _NAMED.decode(payload)
         encoding = "named"
     except (msgspec.DecodeError, msgspec.ValidationError) as named:
         try:
@@ -217,6 +235,18 @@ def decode_frames(frames: Sequence[bytes]) -> KvBatch | None:
     if seq < 0:
         raise ParseError(f"negative sequence number {seq}")
     return decode_payload(payload, seq)
+
+
+def decode_replay(frames: Sequence[bytes]) -> KvBatch | None:
+    """One answer of a replay endpoint (a DEALER's frames, the empty delimiter first) -> ``KvBatch``;
+    None for the end marker; ``ParseError`` on anything else. The two publishers differ here, by
+    frame count: vLLM's answer keeps the topic (``[b"", topic, seq, payload]``, end ``[b"", b"", -1,
+    b""]``), SGLang's leaves it out (``[b"", seq, payload]``, end ``[b"", -1, b""]``)."""
+    if not frames or frames[0] != b"":
+        raise ParseError("a replay answer starts with an empty delimiter frame")
+    if len(frames) == 3:  # SGLang's: no topic
+        return decode_frames([b"", *frames[1:]])
+    return decode_frames(frames[1:])
 
 
 def _short(exc: Exception) -> str:
@@ -253,6 +283,8 @@ class NodeCache:
             reason = ClearReason.GAP
         if reason is not None:
             self.reset()
+        if reason == ClearReason.RESTART:
+            self.block_size = 0  # a new engine: its blocks may be of another size
         self.last_seq = batch.seq
         net: dict[int, bool] = {}  # key -> held after the batch (the last event of a key wins)
         for event in batch.events:
@@ -261,7 +293,7 @@ class NodeCache:
                 net.clear()
                 reason = ClearReason.CLEARED
             elif isinstance(event, Stored):
-                self.block_size = event.block_size
+                self.block_size = self.block_size or event.block_size
                 for key in self._store(event):
                     net[key] = True
             elif event.plain:
@@ -280,9 +312,9 @@ class NodeCache:
     def _store(self, event: Stored) -> list[int]:
         unknown = event.parent is not None and event.parent not in self.keys
         parent = 0 if event.parent is None else self.keys.get(event.parent)  # None: unknown or not keyed
-        if parent is None or not event.plain:
+        if parent is None or not event.plain or event.block_size != self.block_size:
             for block in event.hashes:
-                self.keys[block] = None
+                self.keys.setdefault(block, None)  # never unkeys the GPU's block of the same hash
             self.orphans += len(event.hashes) if unknown else 0
             return []
         keys = chain_keys(event.token_ids, event.block_size, parent)

@@ -36,13 +36,22 @@ Theory of operation
   publishes nothing: the last list stands.
 * An engine sample, an NPU sample or a passed health probe that says what the node's last published
   one of its kind said (but for its time, and a probe's latency) is not published again before
-  ``keepalive_s`` (10 s; 0: every one is), so an idle pool's log does not grow by samples; a
-  failed probe is always published (the scheduler counts them). So that the scheduler does not
-  age a sample it is not sent again, each sample's ``max_age_ms`` says it stands for the
-  keep-alive plus two of its polling periods (``stands_for_ms``). A node whose last engine
-  sample and probe were both unchanged is idle: it is polled every ``idle_interval_s`` (2 s)
-  instead of ``interval_s`` until one of them changes (a busy engine's running count changes at
-  every scrape), so an idle pool costs the collector a quarter of the scrapes.
+  ``keepalive_s`` (10 s; 0: every one is), a passed probe before ``probe_keepalive_s`` (60 s:
+  the core does nothing with a passed probe after a passed one, and nothing ages a probe), so an
+  idle pool's log does not grow by samples; a failed probe is always published (the scheduler
+  counts them). So that the scheduler does not age a sample it is not sent again, each sample's
+  ``max_age_ms`` says it stands for the keep-alive plus two of its longest polling periods
+  (``stands_for_ms``).
+* Idle backoff. A node whose last engine sample and probe were both unchanged, and on which its
+  pool's latest weight snapshot counts no request in flight, is idle: each such round doubles
+  the time to its next one, up to ``idle_interval_s`` (4 s; 0.5, 1, 2, 4 s), and the first
+  round that changes something goes back to ``interval_s``. A snapshot that counts a request on
+  an idle node (the collector follows LB_WEIGHTS for the node set already) polls it at once and
+  at ``interval_s`` from then on, so traffic starting is seen as fast as before. An npu-smi host
+  backs off the same way (``npu_interval_s`` up to ``idle_interval_s``) while every node it
+  prints is unchanged and has nothing in flight. An idle 16-node pool costs the collector an
+  eighth of the scrapes and half of the npu-smi runs; a model listing is due every
+  ``models_interval_s`` but made only in a round, so an idle node's comes every 8 s.
 * A scrape that is not an engine exposition (garbage, HTML, cut before the gauges) publishes
   nothing and is counted; so are HTTP errors, timeouts, npu-smi failures and publish errors.
   Warnings are rate-limited per (node, problem); totals are logged every ``stats_interval_s``
@@ -127,8 +136,9 @@ class Settings:
     fault_table: FaultTable | None = None  # None: collectors/faultcodes.toml
     models_interval_s: float = 5.0  # GET /v1/models per node (a change is published at once)
     models_refresh_s: float = 60.0  # an unchanged list is published again this often (a fresh scheduler learns it)
-    keepalive_s: float = 10.0  # an unchanged engine/NPU sample or passed probe is published again this often; 0: always
-    idle_interval_s: float = 2.0  # polling period of a node whose samples stopped changing (<= interval_s: off)
+    keepalive_s: float = 10.0  # an unchanged engine/NPU sample is published again this often; 0: always
+    probe_keepalive_s: float = 60.0  # a passed probe like the last one is published again this often (0: keepalive_s)
+    idle_interval_s: float = 4.0  # longest polling period of an idle node and npu-smi host (<= interval_s: off)
 
 
 # --------------------------------------------------------------------------- counters and logs
@@ -256,7 +266,14 @@ class Collector:
         self._engine_kind: dict[str, str] = {}
         self._sent: dict[str, tuple[bytes, float]] = {}  # subject -> (sample_content, monotonic time published)
         self._unchanged: set[str] = set()  # subjects whose last sample said what the one before said
+        self._busy: set[str] = set()  # nodes with requests in flight in their pool's latest snapshot
+        self._node_ticks: dict[str, AsyncTicks] = {}  # node -> its loop's pacing
+        self._npu_ticks: dict[str, AsyncTicks] = {}  # npu-smi command -> its loop's pacing
         self._start_nodes = list(nodes)  # npu-smi hosts come from the start-up list only
+        self._npu_commands: dict[str, list[str]] = {}  # node -> the npu-smi command lines that print its chips
+        for host in npu_hosts(nodes):
+            for member in host.nodes:
+                self._npu_commands.setdefault(member.id, []).append(host.command)
         self._node_tasks: dict[str, asyncio.Task[None]] = {}
         self._exporter_tasks: dict[str, asyncio.Task[None]] = {}
         self._running: tuple[aiohttp.ClientSession, asyncio.Event] | None = None
@@ -304,6 +321,17 @@ class Collector:
         if self._running is not None:
             self._sync_exporters()
 
+    def set_busy(self, busy: set[str]) -> None:
+        """The nodes the latest snapshots count requests in flight on: a node (and its npu-smi
+        host) that just got one is polled at once, and at the normal interval while it has one."""
+        for node_id in busy - self._busy:
+            if node_id in self._node_ticks:
+                self._node_ticks[node_id].wake()
+            for command in self._npu_commands.get(node_id, ()):
+                if command in self._npu_ticks:
+                    self._npu_ticks[command].wake()
+        self._busy = set(busy)
+
     def _sync_exporters(self) -> None:
         """One loop per npu-exporter URL some polled node names (started or stopped as the node set changes)."""
         assert self._running is not None
@@ -327,28 +355,38 @@ class Collector:
     # Loops start staggered (``phase`` = fraction of a period): N nodes, or N simulated hosts'
     # npu-smi processes, spread their work over the period instead of all waking at once.
 
-    def _ticks(self, period_s: float, stop: asyncio.Event, late_key: str, phase: float = 0.0) -> "AsyncTicks":
-        return AsyncTicks(period_s, stop, lambda: self.stats.inc("late_ticks", loop=late_key), phase * period_s)
+    def _ticks(self, period_s: float, stop: asyncio.Event, late_key: str, phase: float = 0.0,
+               idle: Callable[[], bool] | None = None) -> "AsyncTicks":
+        return AsyncTicks(period_s, stop, lambda: self.stats.inc("late_ticks", loop=late_key), phase * period_s,
+                          idle_s=self.settings.idle_interval_s if idle is not None else 0.0, idle=idle)
 
     async def _node_loop(self, node: Node, session: aiohttp.ClientSession, stop: asyncio.Event,
                          phase: float) -> None:
         loop = asyncio.get_running_loop()
         list_at = 0.0
-        idle_rounds = max(1, round(self.settings.idle_interval_s / self.settings.interval_s))
         quiet = {sj.metrics_engine(node.id), sj.health(node.id)}
-        rounds = 0
-        async for _ in self._ticks(self.settings.interval_s, stop, node.id, phase):
-            rounds += 1
-            if quiet <= self._unchanged and rounds % idle_rounds:
-                continue  # idle: polled every idle_interval_s
-            jobs = [self._engine_once(node, session), self._health_once(node, session)]
-            if loop.time() >= list_at:
-                list_at = loop.time() + self.settings.models_interval_s
-                jobs.append(self._models_once(node, session))
-            await asyncio.gather(*jobs)
+        ticks = self._ticks(self.settings.interval_s, stop, node.id, phase,
+                            idle=lambda: quiet <= self._unchanged and node.id not in self._busy)
+        self._node_ticks[node.id] = ticks
+        try:
+            async for _ in ticks:
+                jobs = [self._engine_once(node, session), self._health_once(node, session)]
+                if loop.time() >= list_at:
+                    list_at = loop.time() + self.settings.models_interval_s
+                    jobs.append(self._models_once(node, session))
+                await asyncio.gather(*jobs)
+        finally:
+            if self._node_ticks.get(node.id) is ticks:  # not yet replaced by a new loop (update)
+                del self._node_ticks[node.id]
 
     async def _npu_loop(self, host: NpuHost, stop: asyncio.Event, phase: float) -> None:
-        async for _ in self._ticks(self.settings.npu_interval_s, stop, f"npu-smi {host.command}", phase):
+        def idle() -> bool:
+            return all(sj.metrics_npu(n.id) in self._unchanged and n.id not in self._busy
+                       for n in host.nodes if n.id in self.nodes)
+
+        ticks = self._ticks(self.settings.npu_interval_s, stop, f"npu-smi {host.command}", phase, idle=idle)
+        self._npu_ticks[host.command] = ticks
+        async for _ in ticks:
             await self._npu_once(host)
 
     async def _exporter_loop(self, url: str, session: aiohttp.ClientSession, stop: asyncio.Event,
@@ -448,7 +486,8 @@ class Collector:
             self.warn.resolved(key, f"node {node.id}: health ok again")
         else:
             self.warn.warning(key, f"node {node.id}: health probe {node.health_url} failed: {probe.error}")
-        await self._publish("health", sj.health(node.id), probe, repeat=not probe.ok)
+        await self._publish("health", sj.health(node.id), probe, repeat=not probe.ok,
+                            keepalive_s=self.settings.probe_keepalive_s or self.settings.keepalive_s)
 
     async def _npu_once(self, host: NpuHost) -> None:
         key = f"npu-smi:{host.command}"
@@ -472,9 +511,9 @@ class Collector:
                 what = ", ".join(missing) or "any chip"
                 self.warn.warning(f"{node.id}:npu", f"node {node.id}: npu-smi {host.command!r} lists no {what}")
             if mine:
+                period = max(self.settings.npu_interval_s, self.settings.idle_interval_s)  # an idle host's
                 publishes.append(self._publish("npu", sj.metrics_npu(node.id), NpuSampled(
-                    chips=mine, ts_ns=ts_ns, max_age_ms=self._stands_for_ms(self.settings.npu_interval_s)),
-                    repeat=False))
+                    chips=mine, ts_ns=ts_ns, max_age_ms=self._stands_for_ms(period)), repeat=False))
         await asyncio.gather(*publishes)
 
     async def _exporter_once(self, url: str, session: aiohttp.ClientSession, period_s: float) -> None:
@@ -507,9 +546,10 @@ class Collector:
     def _stands_for_ms(self, period_s: float) -> int:
         return stands_for_ms(period_s, self.settings.keepalive_s)
 
-    async def _publish(self, kind: str, subject: str, event: Event, repeat: bool = True) -> bool:
+    async def _publish(self, kind: str, subject: str, event: Event, repeat: bool = True,
+                       keepalive_s: float | None = None) -> bool:
         """Publish ``event``; ``repeat=False``: not when it says what the last one on ``subject``
-        said, unless ``keepalive_s`` has passed since (counted as ``unchanged``)."""
+        said, unless ``keepalive_s`` (default the settings') has passed since (counted as ``unchanged``)."""
         content, now = b"", time.monotonic()
         if repeat or self.settings.keepalive_s <= 0:
             self._unchanged.discard(subject)  # a failed probe: the node is not idle
@@ -518,7 +558,7 @@ class Collector:
             sent = self._sent.get(subject)
             if sent is not None and sent[0] == content:
                 self._unchanged.add(subject)
-                if now - sent[1] < self.settings.keepalive_s:
+                if now - sent[1] < (self.settings.keepalive_s if keepalive_s is None else keepalive_s):
                     self.stats.inc("unchanged", kind=kind)
                     return True
             else:
@@ -543,12 +583,26 @@ class AsyncTicks:
 
     The first tick comes after ``offset_s``. A round that overruns its period skips the ticks
     it missed (calling ``on_late`` for each) instead of bursting to catch up.
+
+    Backoff: with ``idle`` and ``idle_s`` above ``period_s``, a round after which ``idle()`` is
+    true doubles the step to the next tick, up to ``idle_s``; one after which it is false sets it
+    back to ``period_s``. ``wake()`` while backed off brings the next tick at once (and the step
+    back to ``period_s``). While backed off, the wait ends at the tick or the wake, not at
+    ``stop``: the owner cancels the loop to stop it (``Collector.run`` does).
     """
 
     def __init__(self, period_s: float, stop: asyncio.Event, on_late: Callable[[], None],
-                 offset_s: float = 0.0) -> None:
+                 offset_s: float = 0.0, idle_s: float = 0.0, idle: Callable[[], bool] | None = None) -> None:
         self.period_s, self.stop, self.on_late, self.offset_s = period_s, stop, on_late, offset_s
+        self.idle = idle if idle_s > period_s else None
+        self.idle_s = idle_s
+        self.step_s = period_s  # to the next tick
         self._next: float | None = None
+        self._woken = asyncio.Event()
+
+    def wake(self) -> None:
+        if self.step_s > self.period_s:
+            self._woken.set()
 
     def __aiter__(self) -> "AsyncTicks":
         return self
@@ -558,11 +612,19 @@ class AsyncTicks:
         if self._next is None:
             self._next = loop.time() + self.offset_s
         else:
-            self._next += self.period_s
+            backoff = self.idle is not None and self.idle()
+            self.step_s = min(2 * self.step_s, self.idle_s) if backoff else self.period_s
+            if not backoff:
+                self._woken.clear()  # woken during the round: this step is the normal one already
+            self._next += self.step_s
             while self._next < loop.time():
-                self._next += self.period_s
+                self._next += self.step_s
                 self.on_late()
+        waited = self._woken if self.step_s > self.period_s else self.stop
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.stop.wait(), max(0.0, self._next - loop.time()))
+            await asyncio.wait_for(waited.wait(), max(0.0, self._next - loop.time()))
+        if self._woken.is_set():
+            self._woken.clear()
+            self._next, self.step_s = loop.time(), self.period_s
         if self.stop.is_set():
             raise StopAsyncIteration

@@ -65,6 +65,7 @@ class RegisteredNodes:
         self.file = {node.id: node for node in file_nodes}
         self.asked: dict[str, Node] = {}  # the newest registration of each id, applied or not
         self.applied: dict[str, dict[str, str]] = {}  # pool -> {node: url} of its latest snapshot
+        self.in_flight: dict[str, set[str]] = {}  # pool -> its nodes with requests in flight, by that snapshot
         self.removed: set[str] = set()  # removal requested, not registered since
         self.nodes: dict[str, Node] = dict(self.file)  # what is polled now
 
@@ -91,14 +92,24 @@ class RegisteredNodes:
     def observe_snapshot(self, pool: str, data: bytes | None) -> list[Change]:
         """The changes one pool's latest snapshot (None or empty: the pool is gone) makes."""
         nodes: dict[str, str] = {}
+        busy: set[str] = set()
         with contextlib.suppress(SchemaError):
             for view in decode_snapshot(data or b"").nodes:
                 nodes[view.node] = view.url.rstrip("/")
+                if view.inflight > 0:
+                    busy.add(view.node)
         if nodes:
-            self.applied[pool] = nodes
+            self.applied[pool], self.in_flight[pool] = nodes, busy
         else:
             self.applied.pop(pool, None)
+            self.in_flight.pop(pool, None)
         return self._settle()
+
+    @property
+    def busy(self) -> set[str]:
+        """The nodes some pool's latest snapshot counts requests in flight on (not idle, whatever
+        their samples say: the collector polls them at its normal interval)."""
+        return set().union(*self.in_flight.values())
 
     def _applied_url(self, node_id: str) -> str | None:
         return next((nodes[node_id] for nodes in self.applied.values() if node_id in nodes), None)

@@ -118,10 +118,12 @@ HELP: dict[str, tuple[str, tuple[str, ...]]] = {
     "replay": (
         "Re-run a recorded log (DuckDB or the portable JSONL form) through the scheduler core: every "
         "snapshot must match byte for byte, else the first divergent sequence is named. --what-if re-runs "
-        "it with other settings and compares.",
+        "it with other settings and compares. --latency refolds the proxies' latency estimates instead: every "
+        "prediction they recorded must be made again exactly, and the estimate's error per node is reported.",
         ("laswrr replay --db .laswrr/events.duckdb",
          "laswrr replay --events docs/examples/capacity-drop.jsonl",
-         "laswrr replay --db .laswrr/events.duckdb --what-if ease_max_step=0.5 --out whatif/"),
+         "laswrr replay --db .laswrr/events.duckdb --what-if ease_max_step=0.5 --out whatif/",
+         "laswrr replay --db .laswrr/events.duckdb --latency"),
     ),
     "history": (
         "What happened to one node, in order, from a recorded log: its admin commands (applied, or rejected "

@@ -13,6 +13,12 @@ to the initial configuration and re-applied after every recorded config event) a
 ``--out DIR``: whatif.jsonl (counterfactual outputs) and weights.csv (recorded vs what-if
 effective weights), then prints how fast each node moved after each capacity or drain event.
 
+``replay --db PATH --latency`` instead refolds the proxies' latency estimates from the recorded
+request events (replay/latency.py): every prediction a proxy recorded (its picks' and its
+``slo_unmeetable`` answers') is made again and compared, exit 1 naming the mismatches; then the
+estimate's accuracy per node, the median and P90 absolute error of the predicted TTFT and TPOT
+against the measured ones (``--json``: one JSON object).
+
 ``--db`` accepts the recorder's DuckDB file (also while the recorder runs: the file is locked,
 so the running recorder is asked over NATS for a consistent copy; see docs/analysts.md) or a
 Parquet export directory.
@@ -48,6 +54,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--out", metavar="DIR", default="whatif-out", help="what-if output directory (default whatif-out)")
     parser.add_argument("--fraction", type=float, default=0.9,
                         help="what-if summary: time to close this fraction of the gap to the final weight (0.9)")
+    parser.add_argument("--latency", action="store_true",
+                        help="with --db: refold the proxies' latency estimates, audit their recorded predictions "
+                             "and report the estimate's accuracy per node, instead of replaying the core")
+    parser.add_argument("--json", action="store_true", help="with --latency: print one JSON object")
     _add_db_options(parser)
     parser.set_defaults(func=run)
 
@@ -113,9 +123,15 @@ def run(args: argparse.Namespace) -> int:
         if args.config:
             return _fail("replay", "--config applies to --events; a recorded log carries its own configuration "
                                    "(use --what-if to change it)")
-        return run_db(args)
+        if args.latency and args.what_if:
+            return _fail("replay", "--latency and --what-if are two different runs: give one")
+        return run_latency(args) if args.latency else run_db(args)
     if args.what_if:
         return _fail("replay", "--what-if needs --db")
+    if args.latency:
+        return _fail("replay", "--latency needs --db")
+    if args.json:
+        return _fail("replay", "--json applies to --latency")
     if not args.events:
         return _fail("replay", "give --events FILE.jsonl or --db PATH")
     return run_events(args)
@@ -181,6 +197,21 @@ def run_db(args: argparse.Namespace) -> int:
             print(f"  then: seq {more.seq} ({more.kind}): {more.message}")
         return 1
     return 0
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    from laswrr.replay.latency import refold, report_lines, summary
+
+    try:
+        with store.open_read(args.db, copy_from_recorder(args.nats_url, auth=settings.nats_auth(args))) as con:
+            fold, bad = refold(con)
+    except store.StoreError as exc:
+        return _fail("replay", str(exc), 1)
+    if args.json:
+        print(json.dumps(summary(fold, bad)))
+    else:
+        print("\n".join(report_lines(fold, bad)))
+    return 1 if fold.mismatches else 0
 
 
 def _what_if(con: Any, overrides: dict[str, Any], out: Path, fraction: float) -> int:

@@ -184,12 +184,20 @@ class ChildProcesses:
         raise StackError(f"{child.name} did not report a listening URL within {START_TIMEOUT_S:g} s (log {child.log_path})")
 
     async def _pump(self, child: Child) -> None:
-        """Copy the child's stdout into its log (a full pipe would block the child)."""
+        """Copy the child's stdout into its log (a full pipe would block the child). A line the
+        log cannot take (its disk full) is dropped, never left in the pipe; once a write works
+        again a line says how many were lost."""
         assert child.process.stdout is not None
-        with open(child.log_path, "ab") as sink:
+        lost, why = 0, ""
+        with open(child.log_path, "ab", buffering=0) as sink:
             while line := await child.process.stdout.readline():
-                sink.write(line)
-                sink.flush()
+                try:
+                    if lost:
+                        sink.write(f"[laswrr up: {lost} line(s) of output lost: {why}]\n".encode())
+                        lost = 0
+                    sink.write(line)
+                except OSError as exc:
+                    lost, why = lost + 1, exc.strerror or str(exc)
 
     async def _watch(self, child: Child) -> None:
         code = await child.process.wait()
@@ -240,7 +248,8 @@ class ChildProcesses:
         return await self._failures.get()
 
     async def stop(self, order: Sequence[str]) -> None:
-        """Stop the children role by role in ``order`` (idempotent); pending restarts end first."""
+        """Stop the children role by role in ``order`` (idempotent); pending restarts end first.
+        Roles ``order`` does not name keep running (:meth:`roles` lists them all)."""
         self._stopping = True
         self._stop_requested.set()
         if self._restarting:
@@ -248,6 +257,10 @@ class ChildProcesses:
         for role in order:
             group = [c for c in self.children if c.role == role]
             await asyncio.gather(*(self._stop_child(c) for c in group))
+
+    def roles(self) -> tuple[str, ...]:
+        """Every role spawned so far, in spawn order."""
+        return tuple(dict.fromkeys(c.role for c in self.children))
 
     async def _stop_child(self, child: Child) -> None:
         child.expected_exit = True

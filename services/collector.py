@@ -2,7 +2,7 @@
 
 Usage: ``laswrr collector --nats-url URL --nodes nodes.toml [--interval-ms 500]
 [--timeout-ms 1000] [--npu-interval-ms 2000] [--npu-timeout-ms 5000]
-[--exporter-interval-ms 5000] [--keepalive-ms 10000] [--idle-interval-ms 2000] [--fault-codes FILE] [--metrics-port N]``.
+[--exporter-interval-ms 5000] [--keepalive-ms 10000] [--probe-keepalive-ms 60000] [--idle-interval-ms 4000] [--fault-codes FILE] [--metrics-port N]``.
 The node keys it reads (``metrics_url``, ``health_url``, ``engine``, ``npu_smi``, ``npu_ids``,
 ``chips``, ``npu_exporter``, ``chips_per_npu``, ``pod``, ``status_url``) are documented in
 ``collectors/nodes.py`` and docs/ascend.md; what it polls and publishes, and why
@@ -119,6 +119,7 @@ async def follow_registrations(js: JetStreamContext, collector: Collector, file_
                     continue  # the end of the initial values
                 deleted = entry.operation in (KV_DEL, KV_PURGE)
                 apply(node_set.observe_snapshot(entry.key, None if deleted else entry.value))
+                collector.set_busy(node_set.busy)
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
@@ -186,12 +187,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="GET /v1/models per node this often; the model ids go to the scheduler on a change "
                              "(default %(default)s)")
     parser.add_argument("--keepalive-ms", type=common.duration("ms"), default=_ms(Settings.keepalive_s),
-                        help="an engine or NPU sample or a passed health probe unchanged since the last one published "
+                        help="an engine or NPU sample unchanged since the last one published "
                              "is published again only this often; each sample's max_age_ms covers it "
                              "(default %(default)s; 0: publish every one)")
+    parser.add_argument("--probe-keepalive-ms", type=common.duration("ms"), default=_ms(Settings.probe_keepalive_s),
+                        help="a passed health probe like the last one published is published again only this often "
+                             "(default %(default)s; 0: as --keepalive-ms)")
     parser.add_argument("--idle-interval-ms", type=common.duration("ms"), default=_ms(Settings.idle_interval_s),
-                        help="polling period of a node whose engine sample and health probe stopped changing "
-                             "(an idle engine), until one changes (default %(default)s; at most --interval-ms: off)")
+                        help="longest polling period of an idle node (its samples unchanged, no request in flight "
+                             "in its pool's snapshot): its engine and health, and its host's npu-smi, are polled "
+                             "twice as far apart each unchanged round up to this, and at the normal interval again "
+                             "from its first change or request (default %(default)s; at most --interval-ms: off)")
     parser.add_argument("--fault-codes", metavar="FILE", default=None,
                         help="MindCluster fault-code table (default: the shipped collectors/faultcodes.toml)")
     parser.add_argument("--stats-interval-s", type=common.duration("s"), default=Settings.stats_interval_s,
@@ -211,8 +217,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     for name in ("interval_ms", "timeout_ms", "npu_interval_ms", "npu_timeout_ms", "models_interval_ms"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    if getattr(args, "keepalive_ms", 0) < 0:
-        raise ValueError(f"--keepalive-ms must be >= 0, got {args.keepalive_ms}")
+    for name in ("keepalive_ms", "probe_keepalive_ms"):
+        if getattr(args, name, 0) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.stats_interval_s <= 0:
         raise ValueError(f"--stats-interval-s must be > 0, got {args.stats_interval_s}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
@@ -231,6 +238,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     exporter_interval_s=exporter_ms / 1000, fault_table=table,
                     models_interval_s=args.models_interval_ms / 1000,
                     keepalive_s=getattr(args, "keepalive_ms", _ms(Settings.keepalive_s)) / 1000,
+                    probe_keepalive_s=getattr(args, "probe_keepalive_ms", _ms(Settings.probe_keepalive_s)) / 1000,
                     idle_interval_s=getattr(args, "idle_interval_ms", _ms(Settings.idle_interval_s)) / 1000)
 
 

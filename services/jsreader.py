@@ -247,6 +247,12 @@ class PullReader:
             await self._request(self.batch, expires_s)  # the next batch flows while this one is applied
         return taken
 
+    def hurry(self) -> None:
+        """A ``fetch`` waiting now returns what is buffered at once; its pull request stays open
+        on the server until it expires, and what that delivers is buffered for the next fetch."""
+        if self._current:
+            self._end()
+
     async def fetch(self, wait_s: float) -> list[Msg]:
         """Up to ``batch`` messages: what is buffered, topped up by one request that ends when the
         batch is full or after ``wait_s`` (the caller checks ``gone`` when nothing came)."""

@@ -50,7 +50,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
 from laswrr.collectors.errors import ParseError
-from laswrr.collectors.kv_events import KvBatch, NodeCache, decode_frames
+from laswrr.collectors.kv_events import KvBatch, NodeCache, decode_frames, decode_replay
 from laswrr.collectors.poller import RateLimitedLog
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import SchemaError, decode_event
@@ -133,20 +133,20 @@ class NodeFeed:
         try:
             while True:
                 frames = await sub.recv_multipart()
-                batch = self._decode(frames)
+                try:
+                    batch = decode_frames(frames)
+                except ParseError as exc:
+                    self._reject(exc)
+                    continue
                 if batch is not None:
                     await self.take(batch)
         finally:
             sub.close(0)
 
-    def _decode(self, frames: list[bytes]) -> KvBatch | None:
-        try:
-            return decode_frames(frames)
-        except ParseError as exc:
-            reason = str(exc).split(":")[0][:60]
-            self.stats.rejected[(self.node, reason)] += 1
-            self.warn.warning(f"reject {self.node}", f"node {self.node}: KV event message rejected: {exc}")
-            return None
+    def _reject(self, exc: ParseError) -> None:
+        reason = str(exc).split(":")[0][:60]
+        self.stats.rejected[(self.node, reason)] += 1
+        self.warn.warning(f"reject {self.node}", f"node {self.node}: KV event message rejected: {exc}")
 
     async def take(self, batch: KvBatch) -> None:
         """Fold ``batch``; first the batches before it that the replay endpoint still has, where
@@ -186,10 +186,14 @@ class NodeFeed:
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT_S)
-                batch = self._decode(frames[1:] if frames and frames[0] == b"" else frames)
-                if batch is None and len(frames) == 4 and frames[2] == (-1).to_bytes(8, "big", signed=True):
+                try:
+                    batch = decode_replay(frames)  # vLLM's answers or SGLang's (without the topic)
+                except ParseError as exc:
+                    self._reject(exc)
+                    continue
+                if batch is None:
                     break  # the end marker
-                if batch is not None and start <= batch.seq < stop:
+                if start <= batch.seq < stop:
                     out.append(batch)
         except asyncio.TimeoutError:
             self.warn.warning(f"replay {self.node}", f"node {self.node}: replay endpoint {url} did not answer")

@@ -18,6 +18,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from laswrr.services.children import preexec
@@ -55,19 +57,35 @@ def nats_server_binary() -> str:
     return found
 
 
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never via $http_proxy
+
+
 class EmbeddedNats:
     """A nats-server child process with JetStream on a free port, storage under ``data_dir``.
     ``config_file``: a nats-server configuration (users and permissions, TLS: services/accounts.py);
-    the address, port and store given here override what it says."""
+    the address, port and store given here override what it says.
+
+    ``monitor=True``: its HTTP monitoring endpoints on another free port of ``host``, under a
+    random base path (unguessable to other local users: they list connections and streams), so
+    that ``store_errors`` can ask its ``/healthz``."""
 
     def __init__(self, data_dir: str | os.PathLike[str], port: int = 0, host: str = "127.0.0.1",
                  log_file: str | None = None, config: str = "",
-                 config_file: str | os.PathLike[str] | None = None) -> None:
+                 config_file: str | os.PathLike[str] | None = None, monitor: bool = False) -> None:
         """``config``: extra nats-server configuration text (e.g. ``max_payload: 65536``)."""
         self.data_dir = Path(data_dir)
-        self.config = config
+        self.store_dir = self.data_dir / "jetstream"
         self.host = host
         self.port = port or free_port(host)
+        self.monitor_url: str | None = None
+        if monitor:
+            monitor_port, base = free_port(host), f"/{secrets.token_hex(16)}"
+            while monitor_port == self.port:
+                monitor_port = free_port(host)
+            self.monitor_url = f"http://{host}:{monitor_port}{base}"
+            config = "\n".join([config, f"http: {json.dumps(f'{host}:{monitor_port}')}",
+                                f"http_base_path: {json.dumps(base)}"])
+        self.config = config
         self.log_file = log_file
         self.config_file = config_file
         self.process: subprocess.Popen[bytes] | None = None
@@ -84,7 +102,7 @@ class EmbeddedNats:
     def spawn(self) -> None:
         """Start the process; it gets SIGTERM when the thread that called this exits
         (``children.die_with_parent``), so call it from a thread that outlives the server."""
-        store = self.data_dir / "jetstream"
+        store = self.store_dir
         store.mkdir(parents=True, exist_ok=True)
         log = ["-l", self.log_file] if self.log_file else []
         config = self._config_args()
@@ -95,12 +113,15 @@ class EmbeddedNats:
 
     def _config_args(self) -> list[str]:
         """``-c FILE``: ``config_file``, with the ``config`` text after it when both are given
-        (in one file, ``<data_dir>/nats-server.conf``, mode 0600: it may hold passwords)."""
+        (in one file, ``<data_dir>/nats-server.conf``, mode 0600: it may hold passwords; it
+        includes ``config_file``, whose passwords are not copied)."""
         if not self.config:
             return ["-c", str(self.config_file)] if self.config_file else []
-        base = Path(self.config_file).read_text() if self.config_file else ""
         conf = self.data_dir / "nats-server.conf"
         conf.parent.mkdir(parents=True, exist_ok=True)
+        base = ""
+        if self.config_file:  # nats-server resolves an include from the including file's folder
+            base = f"include {json.dumps(os.path.relpath(Path(self.config_file).resolve(), conf.parent.resolve()))}"
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as sink:
             sink.write(base + "\n" + self.config + "\n")
@@ -118,6 +139,25 @@ class EmbeddedNats:
             time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"nats-server did not listen on {self.url} within {timeout} s")
+
+    def store_errors(self, timeout: float = 2.0) -> list[str]:
+        """What the server's ``/healthz`` says is wrong (``monitor=True``): [] when healthy, else
+        its errors, e.g. ``JetStream stream '$G > LB_EVENTS' write error: ... no space left on
+        device`` (after such an error nats-server stores nothing more in that stream until it
+        restarts). OSError when it does not answer."""
+        assert self.monitor_url is not None, "EmbeddedNats(monitor=True)"
+        try:
+            with _NO_PROXY.open(f"{self.monitor_url}/healthz?details=true", timeout=timeout) as response:
+                report = json.load(response)
+        except urllib.error.HTTPError as exc:  # 503 with the errors in its body
+            with exc:
+                report = json.load(exc)
+        except ValueError as exc:
+            raise OSError(f"unreadable /healthz answer: {exc}") from None
+        if report.get("status") == "ok":
+            return []
+        errors = [str(e.get("error", e)) for e in report.get("errors") or [] if isinstance(e, dict)]
+        return errors or [str(report.get("error") or report.get("status"))]
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -151,11 +191,12 @@ class NatsCluster:
 
     ``start`` returns once every node listens; JetStream answers only once the cluster has
     elected its meta leader (``wait_jetstream``). A node stopped or killed is started again with
-    ``restart(i)``: same ports, same store, so it rejoins and catches up."""
+    ``restart(i)``: same ports, same store, so it rejoins and catches up. ``monitor=True``: each
+    node's ``/healthz`` (``EmbeddedNats.store_errors``)."""
 
     def __init__(self, data_dir: str | os.PathLike[str], size: int = 3, host: str = "127.0.0.1",
                  log_dir: str | os.PathLike[str] | None = None, config_file: str | os.PathLike[str] | None = None,
-                 name: str = CLUSTER_NAME) -> None:
+                 name: str = CLUSTER_NAME, monitor: bool = False) -> None:
         if size < 1:
             raise ValueError("a cluster has at least one node")
         self.data_dir, self.host, self.name = Path(data_dir), host, name
@@ -170,6 +211,7 @@ class NatsCluster:
                            for port in self.cluster_ports)
         self.nodes = [
             EmbeddedNats(self.data_dir / f"nats-{i + 1}", port=client_ports[i], host=host, config_file=config_file,
+                         monitor=monitor,
                          log_file=str(Path(log_dir) / f"nats-{i + 1}.log") if log_dir else None,
                          config="\n".join([
                              f"server_name: {json.dumps(f'nats-{i + 1}')}",

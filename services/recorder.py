@@ -24,6 +24,12 @@ Theory of operation.
   check runs once over the whole file at start.
 * **Pipelining.** The next pull request is in flight while a batch is committed in a worker
   thread; one lock serialises every use of the DuckDB connection.
+* **A trickle waits longer.** A fetch that brought at most ``TRICKLE_PER_S`` (10) messages a
+  second of its wait doubles the next one's, up to ``idle_flush_ms`` (2 s); a fuller one sets it
+  back to ``flush_ms``. An idle stack's ~5 rows a second then cost one pull and one commit per
+  stream every 2 s instead of five; the file lags the streams by up to 2 s, once, when traffic
+  starts, and a copy for a reader (below) may wait that long for LB_EVENTS. A stop cuts the wait
+  short (``PullReader.hurry``).
 * **One writer per DuckDB file** (docs/design.md, "Hazards designed for"). Readers (``laswrr replay|report|export --db``)
   that find the file locked send a request on ``lb.recorder.snapshot`` (``{"db": path, "to":
   path}``; ``to`` must be a new file inside the recorder's data directory, anything else is
@@ -78,6 +84,7 @@ from laswrr.services.service_metrics import BATCH_BUCKETS, Buckets, Metric, lag,
 
 log = logging.getLogger("laswrr.recorder")
 WRITE_RETRY_MAX_S = 5.0  # the longest wait between two attempts of a commit DuckDB refused (_write)
+TRICKLE_PER_S = 10  # a fetch that brought at most this many messages a second of its wait: wait longer next
 
 
 @dataclass
@@ -85,9 +92,11 @@ class RecorderOptions:
     data_dir: Path = Path(settings.DEFAULT_DATA_DIR)
     batch: int = 5000
     flush_ms: int = 200
+    idle_flush_ms: int = 2000  # the longest wait of a fetch while the stream trickles (<= flush_ms: off)
     durable: str = "recorder"
     stream_replicas: int = StreamLimits.replicas  # of the streams it creates where missing (a cluster)
     stop_catch_up_s: float = 10.0  # on SIGTERM/SIGINT: longest time to record up to the streams' last seqs
+    memory_limit_mb: int = 0  # DuckDB's memory on the writer (store.open_writer); 0: DuckDB's default, 80 % of RAM
 
     @property
     def db_path(self) -> Path:
@@ -122,11 +131,13 @@ class Recorder:
         self._stop_targets: dict[str, int] = {}  # stream -> its last seq when the stop came
         self._stop_deadline = 0.0  # monotonic time the catch-up on stop gives up
         self._stop_targets_read = asyncio.Event()  # _plan_stop has read them (or given up)
+        self._readers: list[PullReader] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.con = await asyncio.to_thread(store.open_writer, self.options.db_path)
+        self.con = await asyncio.to_thread(store.open_writer, self.options.db_path,
+                                             self.options.memory_limit_mb or None)
         try:
             await ensure_streams(self.js, StreamLimits(replicas=self.options.stream_replicas))
             for stream in self.stats:
@@ -137,7 +148,7 @@ class Recorder:
                                 stream, recorded + 1, first - 1)
                 self.recorded_through[stream] = max(recorded, first - 1)
                 await self._repair_holes(stream)
-            readers = [PullReader(self.nc, self.js, stream, self.options.batch) for stream in self.stats]
+            readers = self._readers = [PullReader(self.nc, self.js, stream, self.options.batch) for stream in self.stats]
             for reader in readers:
                 await self._open(reader)
             await self.nc.subscribe(sj.RECORDER_SNAPSHOT, cb=self.copies.on_request)
@@ -167,11 +178,14 @@ class Recorder:
     async def _record(self, reader: PullReader, stop: asyncio.Event) -> None:
         stream, flush_s = reader.stream, self.options.flush_ms / 1000
         pending: asyncio.Task[list[Msg]] | None = None
+        wait_s = flush_s
         while True:
-            msgs = await (pending or reader.fetch(flush_s))
+            msgs = await (pending or reader.fetch(wait_s))
             pending = None
+            trickle = len(msgs) <= wait_s * TRICKLE_PER_S and not stop.is_set()
+            wait_s = min(2 * wait_s, max(flush_s, self.options.idle_flush_ms / 1000)) if trickle else flush_s
             if self._keep_reading(stream, stop):
-                pending = asyncio.create_task(reader.fetch(flush_s))
+                pending = asyncio.create_task(reader.fetch(wait_s))
             if not msgs and reader.gone is not None:
                 await self._recover(reader, stop)
             if msgs and stream == sj.OUT_STREAM and stop.is_set():
@@ -197,6 +211,8 @@ class Recorder:
         LB_EVENTS' target (a replay of the file finds no output beyond its inputs)."""
         await stop.wait()
         self._begin_stop()
+        for reader in self._readers:
+            reader.hurry()  # a trickle's long wait: the catch-up starts now
         try:
             for stream in (sj.OUT_STREAM, sj.EVENTS_STREAM):
                 while stream not in self._stop_targets:
@@ -444,12 +460,23 @@ def register(subparsers: Any) -> None:
                         help="messages per batch (default %(default)s)")
     parser.add_argument("--flush-ms", type=settings.duration("ms"), default=RecorderOptions.flush_ms, metavar="MS",
                         help="longest wait for a batch to fill before committing (default %(default)s)")
+    parser.add_argument("--idle-flush-ms", type=settings.duration("ms"), default=RecorderOptions.idle_flush_ms,
+                        metavar="MS", help="while a stream trickles (at most 10 messages a second), each wait is "
+                                           "twice the last, up to MS, until one brings more (default %(default)s; "
+                                           "at most --flush-ms: off)")
     parser.add_argument("--durable", default=RecorderOptions.durable, metavar="NAME",
                         help="consumer name prefix (default %(default)s: NAME-events, NAME-out)")
     parser.add_argument("--stop-catch-up-s", type=settings.duration("s"), default=RecorderOptions.stop_catch_up_s,
                         metavar="S", help="on SIGTERM/SIGINT, keep recording up to the streams' last seqs as of "
                                           "the stop for at most S, then log what is left (default %(default)s; "
                                           "0: stop at once)")
+    parser.add_argument("--memory-limit-mb", type=int, default=RecorderOptions.memory_limit_mb, metavar="MB",
+                        help="DuckDB's memory limit on the log's writer: past it DuckDB evicts the blocks it "
+                             "keeps cached (read back from the file when needed), so the recorder's RSS stops "
+                             "growing with the file; but DuckDB pins the large payloads written since its last "
+                             "checkpoint, and a commit or checkpoint that needs more fails (fatal): safe only "
+                             "for small payloads, e.g. a pool of a few nodes (docs/evidence/soak.md) (default %(default)s: "
+                             "DuckDB's own limit, 80 %% of RAM)")
     settings.add_stream_replicas(parser)
     settings.add_metrics_port(parser)
     settings.add_logging(parser)
@@ -458,12 +485,13 @@ def register(subparsers: Any) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     settings.configure_logging(args, "recorder")
-    if args.batch < 1 or args.flush_ms < 1:
-        print("laswrr recorder: --batch and --flush-ms must be >= 1", file=sys.stderr)
+    if args.batch < 1 or args.flush_ms < 1 or args.memory_limit_mb < 0:
+        print("laswrr recorder: --batch and --flush-ms must be >= 1, --memory-limit-mb >= 0", file=sys.stderr)
         return 2
     options = RecorderOptions(data_dir=Path(args.data_dir), batch=args.batch, flush_ms=args.flush_ms,
+                              idle_flush_ms=args.idle_flush_ms,
                               durable=args.durable, stream_replicas=args.stream_replicas,
-                              stop_catch_up_s=args.stop_catch_up_s)
+                              stop_catch_up_s=args.stop_catch_up_s, memory_limit_mb=args.memory_limit_mb)
     return asyncio.run(serve(args.nats_url, options, args.metrics_port, settings.nats_auth(args)))
 
 

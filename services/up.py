@@ -14,7 +14,9 @@ services/accounts.py, written to ``<data_dir>/secrets/<role>.env`` as ``NATS_URL
 0600; ``secure=False`` keeps an open server) -> streams -> scheduler, recorder -> simulated engines (when no nodes file is given:
 one 910C, two 910B, one 910 and one MindIE-flavoured 910B whose free slots and blocks the collector reads from its
 ``/v1/status`` and whose chips it reads through its simulated npu-exporter (docs/ascend.md), all in pool ``default``
-serving one model id, ``SIM_MODEL``; their nodes file is written to ``<data_dir>/nodes.toml``) ->
+serving one model id, ``SIM_MODEL``; with the proxy's ``tokenizer`` setting the vLLM-flavoured ones count prompts in
+its tokens and publish their KV events, ``kv_events`` in their nodes; their nodes file is written to
+``<data_dir>/nodes.toml``) ->
 registration of every node by publishing ``lb.admin.node.<id>`` (plain JSON, as ``nats pub``
 would), waiting until LB_WEIGHTS shows them -> collector (and ``laswrr kv-events`` when some node declares
 ``kv_events``) -> proxy (``proxy_workers`` N > 1:
@@ -33,7 +35,15 @@ restarted scheduler resumes from its checkpoint and the recorder from its databa
 for giving up: a child that dies more than ``--max-restarts`` times (default 5) within 60 s
 keeps dying; ``laswrr up`` then stops the rest in order and exits 1. Otherwise it exits only on
 SIGINT or SIGTERM (exit 0). ``--max-restarts 0``: the first death stops the stack. A single
-embedded nats-server is not restarted (every service reconnects to it on its own).
+embedded nats-server that dies is not restarted (every service reconnects to it on its own);
+one whose JetStream store failed a write is (below), in a cluster too.
+
+A full data dir (services/store_watch.py): the recorder's DuckDB file and the embedded
+nats-server's JetStream store share it, and a JetStream stream that failed a write (no space
+left) stores nothing until nats-server restarts. ``up`` reads the disk's free space and the
+server's ``/healthz`` every second, says on its stderr when the disk is short of room and when
+JetStream stopped storing, and restarts the server (same port, same store) once the disk has
+room again; the services reconnect and the proxies send the events they held.
 
 A NATS cluster (``--nats-cluster N``, N >= 2): N embedded nats-servers (``nats_server.NatsCluster``)
 on loopback, joined by routes with their own random password, each with JetStream and its own
@@ -98,6 +108,7 @@ from nats.js.errors import KeyNotFoundError
 
 from laswrr.collectors import nodes as nodes_toml
 from laswrr.collectors.nodes import Node, NodesConfigError
+from laswrr.replay.store import DB_FILE
 from laswrr.schemas import subjects as sj
 from laswrr.services import accounts, settings
 from laswrr.services.dashboard.app import DEFAULT_PORT as DASHBOARD_PORT
@@ -105,7 +116,8 @@ from laswrr.services.children import Child, ChildProcesses, RestartPolicy, Stack
 from laswrr.services.datadir_lock import DataDirInUse, DataDirLock
 from laswrr.services.natsbus import (AUTH_ENV, MAX_REPLICAS, NatsAuth, StreamLimits, connect, ensure_streams,
                                      redact_url, wait_jetstream)
-from laswrr.services.nats_server import EmbeddedNats, NatsCluster
+from laswrr.services.nats_server import EmbeddedNats, NatsCluster, free_port
+from laswrr.services.store_watch import StoreWatch
 from laswrr.services.proxy import cli as proxy_cli
 from laswrr.services.proxy.config import DEFAULT_HOST, ProxyConfig
 from laswrr.services.proxy.workers import STOP_MARGIN_S
@@ -116,7 +128,7 @@ log = logging.getLogger("laswrr.up")
 
 DEFAULT_PROXY_HOST = DEFAULT_HOST  # `laswrr up` is a local stack: its proxy is not exposed unless asked
 UP_OWN_SETTINGS = ("host", "port", "workers", "proxy_id")  # the proxy settings `Stack` passes itself
-STOP_ORDER = ("proxy", "collector", "sim-engine", "other", "scheduler", "recorder")
+STOP_ORDER = ("viewer", "proxy", "collector", "sim-engine", "other", "scheduler", "recorder")
 # others: children.DEFAULT_STOP_TIMEOUT_S; the proxy's is its --grace-s default plus what a worker
 # parent allows its workers beyond it, plus 5 s; the recorder's is its --stop-catch-up-s default
 # (10 s) plus room for the last commits and the drain
@@ -241,6 +253,8 @@ class Stack:
         self.embedded: EmbeddedNats | None = None
         self.cluster: NatsCluster | None = None
         self._cluster_watch: asyncio.Task[None] | None = None
+        self.store_watch = StoreWatch([])  # services/store_watch.py: the data dir's disk and the embedded servers
+        self._store_watch: asyncio.Task[None] | None = None
         self._restart = restart
         self._nats_url = nats_url
         self._nc: Client | None = None
@@ -265,8 +279,9 @@ class Stack:
             self.allow_hosts(specs if specs is not None else [], sims=specs is None)
             await self.start_nats()
             await self.start_core()
-            if specs is None:
-                specs = await self.start_sim_engines(DEFAULT_SIMS, speed=sim_speed)
+            if specs is None:  # with the proxy's tokenizer the engines publish their KV events (the exact view)
+                specs = await self.start_sim_engines(DEFAULT_SIMS, speed=sim_speed,
+                                                     tokenizer=proxy_config(self.proxy_args).tokenizer)
                 self.write_nodes_file(specs)
             else:
                 self.nodes_file = Path(nodes).resolve() if isinstance(nodes, (str, os.PathLike)) else None
@@ -306,14 +321,16 @@ class Stack:
                 config = accounts.write_private(self.secrets_dir / "nats-server.conf", accounts.server_config(
                     passwords, header="# Generated by `laswrr up`: one user per role (services/accounts.py)."))
             if self.nats_cluster > 1:
-                self.cluster = NatsCluster(self.data_dir, self.nats_cluster, log_dir=self.log_dir, config_file=config)
+                self.cluster = NatsCluster(self.data_dir, self.nats_cluster, log_dir=self.log_dir, config_file=config,
+                                           monitor=True)  # each node's /healthz, for the store watch
                 self.cluster.spawn()  # from the loop's thread: PDEATHSIG follows the spawning thread
                 await asyncio.to_thread(self.cluster.wait_ready)
                 servers = self.cluster.nodes
                 self._nats_url = self.cluster.url
                 self._cluster_watch = asyncio.create_task(self._supervise_cluster(), name="nats-cluster")
             else:
-                self.embedded = EmbeddedNats(self.data_dir, log_file=str(self.log_dir / "nats.log"), config_file=config)
+                self.embedded = EmbeddedNats(self.data_dir, log_file=str(self.log_dir / "nats.log"), config_file=config,
+                                             monitor=True)  # its /healthz, for the store watch
                 self.embedded.spawn()
                 await asyncio.to_thread(self.embedded.wait_ready)
                 servers = [self.embedded]
@@ -321,6 +338,11 @@ class Stack:
             self._role_urls = {role: ",".join(accounts.role_url(role, password, s.host, s.port) for s in servers)
                                for role, password in passwords.items()}
             accounts.write_secrets(self.secrets_dir, self._role_urls)
+        what = f"{self.data_dir / DB_FILE} (the recorder's log)" + (", JetStream's store" if self.embedded or
+                                                                   self.cluster else "")
+        self.store_watch = StoreWatch([(what, self.data_dir)], self.cluster.nodes if self.cluster else
+                                      [self.embedded] if self.embedded else [])
+        self._store_watch = asyncio.create_task(self.store_watch.run(), name="store-watch")
         try:
             async with contextlib.AsyncExitStack() as scope:  # streams and buckets are the scheduler's to set up
                 setup = await connect(self.role_url("scheduler"), "laswrr-up-setup", self.nats_auth)
@@ -357,7 +379,7 @@ class Stack:
             await asyncio.sleep(0.2)
             for index, node in enumerate(self.cluster.nodes):
                 process = node.process
-                if process is None or process.poll() is None:
+                if process is None or process.poll() is None or node is self.store_watch.restarting:
                     continue
                 now = time.monotonic()
                 recent = deaths[index] = [t for t in deaths.get(index, []) if now - t <= policy.window_s] + [now]
@@ -390,21 +412,31 @@ class Stack:
     async def start_sim_engines(self, sims: Sequence[SimSpec] = DEFAULT_SIMS, speed: float = 1.0,
                                 pool: str = "default", npu_smi: bool = True,
                                 model: str = SIM_MODEL, kv_tokens: int | None = None,
-                                engine_args: Mapping[str, Sequence[str]] | None = None) -> list[Node]:
+                                engine_args: Mapping[str, Sequence[str]] | None = None,
+                                tokenizer: str | None = None) -> list[Node]:
         """One ``laswrr sim-engine`` per ``(node id, chip, capacity)``, each serving ``model``; their
         Nodes (not yet registered). ``npu_smi``: the collector samples each one's simulated
         npu-smi (``sim_npu_smi_command``). ``kv_tokens``: every engine's KV room (default: the chip's).
-        ``engine_args``: more sim-engine flags per node id (e.g. ``--pd-role``)."""
+        ``engine_args``: more sim-engine flags per node id (e.g. ``--pd-role``). ``tokenizer``: the
+        model's tokenizer directory: each vLLM-flavoured engine counts its prompts in its tokens and
+        publishes its KV events (``--kv-events`` and ``--kv-events-replay`` on free ports, named by
+        its Node's ``kv_events`` keys)."""
         more = engine_args or {}
         kv_args = () if kv_tokens is None else ("--kv-tokens", str(kv_tokens))
         flavours = [spec[3] if len(spec) > 3 else "vllm" for spec in sims]  # type: ignore[misc]
+        events: list[dict[str, str]] = [
+            {"kv_events": f"tcp://127.0.0.1:{free_port()}", "kv_events_replay": f"tcp://127.0.0.1:{free_port()}"}
+            if tokenizer is not None and flavour == "vllm" else {} for flavour in flavours]
         children = await asyncio.gather(*(
             self.spawn(spec[0], "sim-engine", "--port", "0", "--chip", spec[1], "--capacity", str(spec[2]),
                        "--node-id", spec[0], "--speed", str(speed), "--model", model, *kv_args, *more.get(spec[0], ()),
-                       *(("--flavour", flavour) if flavour != "vllm" else ()), role="sim-engine", wait_listening=True)
-            for spec, flavour in zip(sims, flavours)))
+                       *(("--flavour", flavour) if flavour != "vllm" else ()),
+                       *(("--kv-events", kv["kv_events"], "--kv-events-replay", kv["kv_events_replay"],
+                          "--tokenizer", str(Path(tokenizer).resolve())) if kv and tokenizer is not None else ()),
+                       role="sim-engine", wait_listening=True)
+            for spec, flavour, kv in zip(sims, flavours, events)))
         specs = []
-        for child, spec, flavour in zip(children, sims, flavours):
+        for child, spec, flavour, kv in zip(children, sims, flavours, events):
             node_id, chip, capacity = spec[0], spec[1], spec[2]
             assert child.url is not None
             if flavour == "mindie":
@@ -416,7 +448,8 @@ class Stack:
                 continue
             extra = {"npu_smi": sim_npu_smi_command(child.url, self.python)}
             specs.append(Node(id=node_id, url=child.url, pool=pool, chip=chip, capacity=capacity,
-                              npu_smi=extra["npu_smi"] if npu_smi else None, extra=extra if npu_smi else {}))
+                              npu_smi=extra["npu_smi"] if npu_smi else None,
+                              extra={**(extra if npu_smi else {}), **kv}))
         return specs
 
     def write_nodes_file(self, nodes: Sequence[Node], path: str | os.PathLike[str] | None = None) -> Path:
@@ -492,7 +525,8 @@ class Stack:
                           name: str | None = None, admin_port: int | None = None) -> str:
         """One proxy replica; returns its URL (port 0 picks a free one). Call again for more.
         ``admin_port``: its ``--admin-port`` (/metrics and the probes there; with workers, worker
-        k's on ``admin_port + k``)."""
+        k's on ``admin_port + k``); the stack's ``proxy_args`` may give it too (``laswrr up
+        --proxy-arg admin-port=P``): the probes are then asked there."""
         replicas = sum(1 for c in self.children if c.role == "proxy")
         name = name or ("proxy" if replicas == 0 else f"proxy-{replicas + 1}")
         port = self.proxy_port if port is None else port
@@ -502,8 +536,11 @@ class Stack:
                                  *self._replicas_args(), *workers, *admin, *self.proxy_args, *extra_args, role="proxy",
                                  wait_listening=True)
         assert child.url is not None
-        probes = child.url if admin_port is None else f"http://{urlsplit(child.url).netloc.rsplit(':', 1)[0]}:{admin_port}"
-        await self._wait_routing(child, probes)
+        probe_port = proxy_config(self.proxy_args).admin_port if admin_port is None else admin_port
+        if probe_port != 0:  # 0: each picked a free port of its own, unknown here; nothing to ask
+            probes = child.url if probe_port is None else \
+                f"http://{urlsplit(child.url).netloc.rsplit(':', 1)[0]}:{probe_port}"
+            await self._wait_routing(child, probes)
         self.proxy_url = self.proxy_url or child.url
         return child.url
 
@@ -554,7 +591,13 @@ class Stack:
 
     async def stop(self) -> None:
         """Ordered shutdown: proxies, collector, engines, scheduler, recorder, then NATS (idempotent)."""
-        await self.processes.stop(STOP_ORDER)
+        if self._store_watch is not None:  # no restart of nats-server while the stack stops
+            self._store_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._store_watch
+            self._store_watch = None
+        unnamed = tuple(r for r in self.processes.roles() if r not in STOP_ORDER)
+        await self.processes.stop(STOP_ORDER + unnamed)  # a role the order forgets stops too
         if self._cluster_watch is not None:
             self._cluster_watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -644,9 +687,14 @@ def banner(stack: Stack, out: IO[str]) -> None:
     print("Ctrl-C (SIGINT) or SIGTERM stops everything.", file=out, flush=True)
 
 
+def proxy_config(proxy_args: Sequence[str]) -> ProxyConfig:
+    """The configuration ``laswrr proxy PROXY_ARGS`` runs with."""
+    return proxy_cli.config_from_args(proxy_cli.parser().parse_args([*proxy_args, "--proxy-id", "proxy"]))
+
+
 def proxy_lines(proxy_args: Sequence[str]) -> list[str]:
     """What the banner says of the proxy's flow control and API keys (``proxy_args``: its flags)."""
-    config = proxy_cli.config_from_args(proxy_cli.parser().parse_args([*proxy_args, "--proxy-id", "proxy"]))
+    config = proxy_config(proxy_args)
     if config.flow_control:
         flow = ("flow control: on: requests no node can take yet are held (by priority band, fair between API "
                 "keys); a full queue or an expired wait is answered 429 with Retry-After; held requests: the "

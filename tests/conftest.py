@@ -30,10 +30,11 @@ StartEngine = Callable[..., Awaitable[RunningServer]]
 Eventually = Callable[..., Awaitable[Any]]
 
 
-async def _eventually(condition: Callable[[], Any], timeout: float = 10.0, what: str = "the condition",
-                      interval: float = 0.02) -> Any:
+async def wait_until(condition: Callable[[], Any], timeout: float = 10.0, what: str = "the condition",
+                     interval: float = 0.02) -> Any:
     """Poll ``condition`` (a function, or a coroutine function) until it returns something true,
-    and return that; an AssertionError naming ``what`` after ``timeout`` seconds."""
+    and return that; an AssertionError naming ``what`` after ``timeout`` seconds. The ``eventually``
+    fixture; imported by helpers outside a test."""
     deadline = time.monotonic() + timeout
     while True:
         result = condition()
@@ -49,7 +50,7 @@ async def _eventually(condition: Callable[[], Any], timeout: float = 10.0, what:
 @pytest.fixture
 def eventually() -> Eventually:
     """``await eventually(lambda: state_reached(), what="...")``: wait on what a test needs to be true."""
-    return _eventually
+    return wait_until
 
 
 @pytest.fixture
@@ -112,3 +113,15 @@ def start_engine(sim_config: SimConfig, closing: AsyncExitStack) -> StartEngine:
         return server
 
     return _start
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's tokenizer directory (tokenizer.json, tokenizer_config.json with its chat
+    template), as bench/tiny_model.py builds it for the real-engine tier."""
+    from bench import tiny_model
+
+    out = tmp_path_factory.mktemp("tiny")
+    root = Path(__file__).resolve().parents[1]
+    tiny_model.tokenizer((root / "docs" / "algorithm.md").read_text(encoding="utf-8"), out)
+    return out

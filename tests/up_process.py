@@ -29,6 +29,17 @@ import aiohttp
 STARTED: list[asyncio.subprocess.Process] = []
 
 
+def exited(pid: int) -> bool:
+    """The process ``pid`` is gone or a zombie: it has exited and its sockets are closed.
+
+    Its /proc entry can vanish between the open and the read (ProcessLookupError): gone too."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
 async def interrupt(proc: asyncio.subprocess.Process, timeout_s: float = 60.0) -> None:
     """Ctrl-C ``proc`` (if still running), as an operator would, and wait; SIGKILL after ``timeout_s``."""
     if proc.returncode is not None:

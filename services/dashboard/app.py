@@ -48,6 +48,7 @@ from laswrr.services import settings
 from laswrr.services.dashboard.board import MS, S, Board, Push
 from laswrr.services.jsreader import parse_ack_subject
 from laswrr.services.natsbus import NatsAuth, connect, redact_url
+from laswrr.services.proxy.tasks import stop_task
 
 log = logging.getLogger("laswrr.dashboard")
 
@@ -235,9 +236,7 @@ async def _live_source(app: web.Application) -> Any:
     dash = app[DASHBOARD]
     task = asyncio.create_task(follow_live(dash))
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
+    await stop_task(task)  # cancelled again and again: one cancel inside a nats-py request can be lost
 
 
 async def follow_live(dash: Dashboard) -> None:

@@ -9,7 +9,7 @@ per pool, in time order:
 * marks on the time axis: capacity changes and other admin actions (``lb.admin.*``), phase
   changes (``lb.out.phase.*``: drains, ejections, slow start, ...) and rejections
   (``lb.out.rejected``, in the pool of the node its subject names, else every pool);
-* request outcomes (``lb.req.finished.<node>``: outcome, TTFT, duration, the engine's status
+* request outcomes (``lb.req.finished.<node>``: outcome, TTFT of a streamed answer, duration, the engine's status
   class, alone or inside a proxy's ``lb.req.batch.<proxy>``, at the batch's time; an event of
   a batch that does not decode is counted as undecodable, its neighbours still count), and the
   proxies' own refusals (``lb.req.refused.<proxy>``: outcome ``refused``, "router 4xx"/"5xx");
@@ -84,7 +84,8 @@ class _Pool:
     snapshots: list[_Snapshot] = field(default_factory=list)
     snapshot_ts: list[int] = field(default_factory=list)
     marks: list[tuple[int, str, str, str]] = field(default_factory=list)  # ts_ns, node, kind, text
-    # (ts_ns, outcome, ttft_ms, duration_ms, who answered and the status class: "engine 2xx", "router 4xx", ...)
+    # (ts_ns, outcome, ttft_ms (None for an answer not streamed: RequestFinished.first_token_ms), duration_ms,
+    # who answered and the status class: "engine 2xx", "router 4xx", ...)
     requests: list[tuple[int, str, float | None, float | None, str]] = field(default_factory=list)
     # flow control's held requests: per band, (ts_ns, depth) at each change, in time order
     queued: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: {band.value: [] for band in Band})
@@ -206,7 +207,7 @@ class Board:
         else:
             pool = self._pool(event.pool)
             answer = "engine none" if event.status is None else f"engine {event.status // 100}xx"
-            entry = (ts_ns, event.outcome, event.ttft_ms, event.duration_ms, answer)
+            entry = (ts_ns, event.outcome, event.first_token_ms, event.duration_ms, answer)
         if pool.requests and pool.requests[-1][0] > ts_ns:
             insort(pool.requests, entry, key=_ts)
         else:

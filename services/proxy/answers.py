@@ -102,11 +102,15 @@ async def tell_aborted(response: web.StreamResponse) -> None:
         pass
 
 
+# read for every answer, as module constants (scheduler.routing.attempts: an enum member costs a lookup)
+_COMPLETED, _ENGINE_ERROR = RequestOutcome.COMPLETED, RequestOutcome.ENGINE_ERROR
+
+
 def answered(status: int) -> RequestOutcome:
     """The outcome of an engine's answer (below 500) that reached the client whole: ``completed``
     for a 2xx, ``engine_error`` for anything else (a 4xx, a 3xx): docs/wire.md, "Engine errors and the
     router's own answers"."""
-    return RequestOutcome.COMPLETED if 200 <= status < 300 else RequestOutcome.ENGINE_ERROR
+    return _COMPLETED if 200 <= status < 300 else _ENGINE_ERROR
 
 
 class _UsagePeek(msgspec.Struct):

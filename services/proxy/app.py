@@ -54,7 +54,12 @@ parts, which all live in services/proxy/engine_client.py.
 Lifecycle. ``build_state`` makes the proxy's state; ``_resources`` owns the engine transport
 (``engine_client.EnginePool``: forwarded requests and the ``/v1/models`` listings), the NATS link (background
 connect + LB_WEIGHTS watch), the event publisher and the heartbeat.
-``start`` / ``RunningProxy.stop`` run them: stop closes the listening socket first, answers
+``start`` / ``RunningProxy.stop`` run them. A proxy that shares its port (``reuse_port``: a
+worker of ``--workers N``, restarted beside workers that serve) listens only once it holds a
+routing snapshot, for at most ``SNAPSHOT_WAIT_S``: the kernel gives a listening socket its share
+of new connections, and before its first snapshot it could only answer them 503
+``no_snapshot`` while the other workers could serve them (a proxy alone on its port listens at
+once: its 503 is then the only answer there is). Stop closes the listening socket first, answers
 the requests flow control holds (503 ``stopping``, ``Retry-After: 1``: ``FlowGate.hand_back``),
 serves for up to ``DRAIN_S`` the requests still coming on open keep-alive connections, each
 response saying ``Connection: close`` (a rolling restart of workers loses none: docs/runbook.md), lets
@@ -112,6 +117,7 @@ EVENT_FLUSH_TIMEOUT_S = 5.0
 PRIORITY_HEADER = "x-laswrr-priority"  # interactive | default | batch (scheduler.routing.flow.band_of)
 TTL_HEADER = "x-laswrr-ttl-ms"  # how long flow control may hold the request
 DRAIN_S = 1.0  # at a stop: how long open keep-alive connections may still bring requests
+SNAPSHOT_WAIT_S = 10.0  # a proxy sharing its port waits this long at most for a snapshot before it listens
 MODEL_CHARS = 256  # of a request's "model", kept on its lb.req.refused event
 PLANS_KEPT = 256  # model names whose plan is kept (_plan), each of at most MODEL_CHARS characters
 
@@ -241,7 +247,7 @@ def _unmeetable(state: ProxyState, refusal: Refusal, pool: str, model: str | Non
     status, err_type, code = ANSWERS[cause]
     state.metrics.count_refusal(cause, status)
     state.events.refused(request_id, status, cause, message, pool=pool, model=model, key_name=key_name,
-                         objective=objective, predicted=predicted)
+                         objective=objective, predicted=predicted, estimate=refusal.estimate)
     return web.json_response(error_body(message, err_type, code), status=status,
                              headers={REQUEST_ID_HEADER: request_id})
 
@@ -542,11 +548,12 @@ def health_report(state: ProxyState) -> dict[str, object]:
     pools = {}
     stale = not state.bus.connected
     table = state.router.table
-    for name, snapshot in sorted(table.snapshots().items()):
+    for name, route in sorted(table.routes()):
+        snapshot = route.snapshot
         age = max(0.0, (now_ns - snapshot.ts_ns) / 1e9)
         stale = stale or age > state.config.stale_after_s
         pools[name] = {"as_of_seq": snapshot.as_of_seq, "tick": snapshot.tick, "age_s": round(age, 3),
-                       "received_s_ago": round(now - (table.received_at(name) or now), 3), "panic": snapshot.panic,
+                       "received_s_ago": round(now - route.received_at, 3), "panic": snapshot.panic,
                        "nodes": len(snapshot.nodes), "routable": sorted(table.candidates(name))}
     status = "stopping" if state.stopping else "no_snapshot" if not pools else "stale" if stale else "ok"
     report = {"status": status, "proxy": state.config.proxy_id, "policy": state.config.policy,
@@ -727,15 +734,26 @@ class RunningProxy:
             await self.admin_runner.cleanup()
 
 
-async def start(config: ProxyConfig) -> RunningProxy:
+async def start(config: ProxyConfig, snapshot_wait_s: float = SNAPSHOT_WAIT_S) -> RunningProxy:
     state = build_state(config)
     resources = _resources(state)
     await resources.__aenter__()
     try:
+        if config.reuse_port:
+            await _first_snapshot(state, snapshot_wait_s)
         return await _listen(config, state, resources)
     except BaseException:
         await resources.__aexit__(None, None, None)
         raise
+
+
+async def _first_snapshot(state: ProxyState, wait_s: float) -> None:
+    """Until the proxy holds a routing snapshot, for at most ``wait_s`` (module header, "Lifecycle")."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(state.bus.installed.wait(), wait_s)
+    if not state.router.table.names():
+        log.warning("proxy %s: no routing snapshot after %g s; listening anyway (503 no_snapshot until one comes)",
+                    state.config.proxy_id, wait_s)
 
 
 async def _listen(config: ProxyConfig, state: ProxyState,

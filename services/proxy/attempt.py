@@ -67,34 +67,41 @@ class AttemptRunner:
 
     def started(self, attempt_id: str, admission: Admission, exchange: Exchange) -> AttemptState:
         self.events.started(attempt_id, admission.node, admission.pool, admission.snapshot_seq, admission.size,
-                            exchange.key_name, admission.role, exchange.objective, admission.cached)
+                            exchange.key_name, admission.role, exchange.objective, admission.cached,
+                            admission.estimate, admission.predicted)
         return AttemptState(started=time.perf_counter())
 
-    def finish(self, attempt_id: str, admission: Admission, attempt: Attempt) -> None:
+    def finish(self, attempt_id: str, admission: Admission, exchange: Exchange, attempt: Attempt) -> None:
+        """Record the attempt (its ``stream``: the client's answer is an SSE stream by now); a
+        completed streamed one then teaches its node's latency estimate from the figures just
+        recorded (``Admitter.observed``), so a refold of the log learns the same, in the same
+        order: its own times, from its start (time held in flow control or spent on an earlier
+        attempt is not the node's). A whole answer teaches nothing: its first byte came with its
+        last token, so it splits into no prefill and decode time."""
+        attempt.stream = exchange.client is not None
         self.events.finished(attempt_id, admission.node, admission.pool, attempt, admission.role)
         self.metrics.count_request(admission.pool, admission.node, attempt.outcome, attempt.status)
+        if attempt.stream and attempt.outcome is RequestOutcome.COMPLETED:
+            self.router.admitter.observed(admission, attempt.ttft_ms, attempt.started_ms, attempt.duration_ms,
+                                          attempt.completion_tokens)
 
     def cancelled(self, attempt_id: str, admission: Admission, exchange: Exchange, state: AttemptState) -> bool:
         """Record an attempt the client's leaving (or the proxy's stop) cancelled; True when the proxy stops."""
         aborted = self.aborting()
         outcome = RequestOutcome.ROUTER_ABORTED if aborted else RequestOutcome.CLIENT_CANCELLED
-        self.finish(attempt_id, admission, record(exchange, state, outcome, state.status, error="cancelled"))
+        self.finish(attempt_id, admission, exchange, record(exchange, state, outcome, state.status, error="cancelled"))
         return aborted
 
     def _observe(self, exchange: Exchange, state: AttemptState) -> None:
+        """The request's latencies: its first byte bounds the pick's stagger, a stream's is its TTFT
+        (a whole answer's first byte is its end: no time to first token)."""
         first_byte = exchange.client.first_byte if exchange.client is not None else state.first_byte
         sent = first_byte is not None
         if sent:  # bounds how long this proxy waits its turn before a pick (Router.stagger_s)
             self.router.first_byte(first_byte - exchange.arrived)  # type: ignore[operator]
-        self.metrics.observe_latency(exchange.pool, first_byte - exchange.arrived if sent else None,  # type: ignore[operator]
-                                     time.perf_counter() - exchange.arrived, state.overhead if sent else None)
-
-    def _learn(self, admission: Admission, state: AttemptState, attempt: Attempt) -> None:
-        """A completed attempt's own times teach its node's latency estimate (``Admitter.observed``):
-        from its start, so time held in flow control or spent on an earlier attempt is not the node's."""
-        if attempt.outcome is RequestOutcome.COMPLETED and state.first_byte is not None:
-            self.router.admitter.observed(admission, state.first_byte - state.started, attempt.completion_tokens,
-                                          time.perf_counter() - state.started)
+        ttft = None if exchange.client is None else exchange.client.first_byte - exchange.arrived
+        self.metrics.observe_latency(exchange.pool, ttft, time.perf_counter() - exchange.arrived,
+                                     state.overhead if sent else None)
 
     # -- an attempt whose answer is the client's (a whole request, a decode leg) ---------------------
 
@@ -118,9 +125,8 @@ class AttemptRunner:
         finally:
             self.router.admitter.release(admission)
         if isinstance(result, Done):
-            self.finish(attempt_id, admission, result.attempt)
+            self.finish(attempt_id, admission, exchange, result.attempt)
             self._observe(exchange, state)
-            self._learn(admission, state, result.attempt)
         return result
 
     async def _send(self, exchange: Exchange, admission: Admission, state: AttemptState,
@@ -269,9 +275,10 @@ class AttemptRunner:
                   usage: Usage) -> None:
         """Record a prefill leg that answered: its node's prefill rate, and its finished event."""
         self.router.admitter.prefill_done(admission, time.perf_counter() - state.started)
-        self.finish(attempt_id, admission, Attempt(outcome=RequestOutcome.COMPLETED, status=state.status,
-                                                   duration_ms=ms(time.perf_counter() - exchange.arrived),
-                                                   prompt_tokens=usage[0], completion_tokens=usage[1]))
+        self.finish(attempt_id, admission, exchange,
+                    Attempt(outcome=RequestOutcome.COMPLETED, status=state.status,
+                            duration_ms=ms(time.perf_counter() - exchange.arrived),
+                            prompt_tokens=usage[0], completion_tokens=usage[1]))
 
 
 def record(exchange: Exchange, state: AttemptState, outcome: RequestOutcome, status: int | None,
@@ -282,7 +289,8 @@ def record(exchange: Exchange, state: AttemptState, outcome: RequestOutcome, sta
         exchange.used_tokens = (usage[0] or 0) + (usage[1] or 0)
     ttft = None if state.first_byte is None else ms(state.first_byte - exchange.arrived)
     return Attempt(outcome=outcome, status=status, ttft_ms=ttft, duration_ms=ms(now - exchange.arrived),
-                   prompt_tokens=usage[0], completion_tokens=usage[1], error=error)
+                   prompt_tokens=usage[0], completion_tokens=usage[1], error=error,
+                   started_ms=ms(state.started - exchange.arrived))
 
 
 async def _broken(exchange: Exchange, client: ClientStream, state: AttemptState, status: int, error: str) -> Done | Broken:

@@ -23,8 +23,11 @@ snapshot offered, whatever its ``as_of_seq``, and the refused one is offered aga
 ``ts_ns`` is not used to order snapshots: it can step backwards, the stream identity cannot.
 
 Self-healing: if the watcher has been silent for ``rewatch_s`` (the scheduler ticks far more
-often) or fails, it is re-created; the new watcher first re-delivers the newest value of each
-key, so nothing published during an outage is missed, and older ones are ignored by the router.
+often) or fails, it is re-created; so it is when it has been silent for ``WATCH_POLL_S`` after
+the connection came back (a restarted nats-server forgot the watcher's consumer: without this,
+the proxy would route on its last snapshot until ``rewatch_s`` after the last one it got). The
+new watcher first re-delivers the newest value of each key, so nothing published during an
+outage is missed, and older ones are ignored by the router.
 
 The channel between proxies (docs/proxy.md, "The channel between proxies"; with a router that
 has a channel, ``--peer-interval-ms`` > 0): ``PeerLink``, the IO of the sans-IO
@@ -39,9 +42,12 @@ delivery, not an interval later, which is what keeps replicas from all sending o
 node that looked lightest to each. Its ``_peers`` task wakes every ``peer_interval_s``, drops
 the peers silent for ``peer_stale_ms`` (``PeerChannel.expire``) and publishes each pool's
 message that is due (``PeerChannel.due``: own counts changed otherwise, a first byte, a release,
-while a peer is heard; or the heartbeat). What a message carries (whole or changes) is the
-channel's (``PeerChannel.speak``). A bad message is counted and skipped; with NATS away nothing
-is sent and the peers fall back to the snapshots' counts of this proxy. ``on_view(pool)`` (flow
+while a peer is heard; or the heartbeat). While no peer is heard it rests until the next
+heartbeat (``PeerChannel.next_due``), woken at once by a peer's message or a snapshot installed
+(a new pool's first view): a proxy alone wakes once a second, not every 20 ms. What a message
+carries (whole or changes) is the channel's (``PeerChannel.speak``). A bad message is counted
+and skipped; with NATS away nothing is sent and the peers fall back to the snapshots' counts of
+this proxy. ``on_view(pool)`` (flow
 control's wake-up, when set) is called after each snapshot installed, each peer message taken
 and each peer dropped: a slot another proxy freed is seen at once; the picks it makes are told
 as the others.
@@ -62,6 +68,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -92,6 +99,7 @@ log = logging.getLogger("laswrr.proxy.bus")
 
 _SNAPSHOT = msgspec.json.Decoder(WeightSnapshot)
 WEIGHTS_STREAM = f"KV_{sj.WEIGHTS_BUCKET}"
+WATCH_POLL_S = 1.0  # after a reconnect, a watcher silent this long is re-created
 VIEW_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
@@ -109,6 +117,7 @@ class PeerLink:
         self.peer_sent_whole = 0  # of peer_sent, the whole views (PeerState); the others carried changes
         self.peer_heard = 0  # every message on lb.peer.> delivered here (own ones are not: no_echo)
         self._pick = asyncio.Event()
+        self._woken = asyncio.Event()  # wake()
         self._sending = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -139,6 +148,7 @@ class PeerLink:
             self.peer_received += 1
             self._viewed(pool)
             self.picked()
+            self.wake()
 
     async def _picks(self, nc: Client) -> None:
         """At an admission: publish its pool's view ``PeerChannel.pick_s`` later, with every other
@@ -155,11 +165,24 @@ class PeerLink:
                 for pool in pools:
                     await self._send(nc, pool, now)
 
+    def wake(self) -> None:
+        """A peer's message was taken or a snapshot installed: a ``_peers`` loop resting until the
+        next heartbeat (no peer heard) looks at once."""
+        self._woken.set()
+
     async def _peers(self, nc: Client) -> None:
-        """Every ``interval_s``: drop the stale peers, publish each pool's due message."""
+        """Every ``interval_s`` while a peer is heard, else at each heartbeat or wake-up: drop the
+        stale peers, publish each pool's due message."""
         channel = self.channel
         while True:
-            await asyncio.sleep(self.interval_s)
+            now = time.monotonic()
+            rest = channel.next_due(now, self.interval_s) - now
+            if rest <= self.interval_s:
+                await asyncio.sleep(self.interval_s)
+            else:  # alone: nothing is due before the heartbeat unless a peer or a pool comes
+                self._woken.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._woken.wait(), rest)
             now = time.monotonic()
             if channel.expire(now):
                 for pool in channel.table.names():
@@ -199,6 +222,11 @@ class PeerLink:
             await stop_task(task)
 
 
+async def _set_event(event: asyncio.Event) -> None:
+    """nats-py's ``reconnected_cb``: the connection came back (``BusLink._watch`` re-creates a silent watcher)."""
+    event.set()
+
+
 class BusLink:
     def __init__(self, url: str, name: str, router: Router, publisher: EventPublisher,
                  rewatch_s: float = 10.0, retry_s: float = 0.5, max_retry_s: float = 5.0,
@@ -220,6 +248,8 @@ class BusLink:
         self.nc: Client | None = None
         self.closing = False
         self._task: asyncio.Task[None] | None = None
+        self._reconnected = asyncio.Event()  # set by the connection on a reconnect; the watcher re-created
+        self.installed = asyncio.Event()  # set at the first snapshot the table installs (the worker's wait to listen)
         self.last_update = 0.0
         # wall clock now - event time of each snapshot installed: how old the other replicas'
         # in-flight counts are when routing starts on them (scheduler/routing/table.py, "One load view")
@@ -292,7 +322,8 @@ class BusLink:
                 # no_echo: the server does not send this connection what it published itself, so
                 # a proxy does not get back (and decode) its own lb.peer message of every pick;
                 # the snapshots and publish acks come from the server, never echoes.
-                nc = await connect(self.url, self.name, self.auth, skip_subject_validation=True, no_echo=True)
+                nc = await connect(self.url, self.name, self.auth, skip_subject_validation=True, no_echo=True,
+                                   reconnected_cb=functools.partial(_set_event, self._reconnected))
                 log.info("connected to NATS at %s", redact_url(self.url))
                 return nc
             except asyncio.CancelledError:
@@ -329,14 +360,22 @@ class BusLink:
 
     async def _watch(self, js: JetStreamContext) -> None:
         kv = await js.key_value(sj.WEIGHTS_BUCKET)
+        self._reconnected.clear()
         watcher = await kv.watchall()
         try:
             await self._check_stream(js)  # after the watcher exists: it reads this stream or a newer one
+            heard = time.monotonic()
             while not self.closing:
                 try:
-                    entry = await watcher.updates(timeout=self.rewatch_s)
+                    entry = await watcher.updates(timeout=min(self.rewatch_s, WATCH_POLL_S))
                 except nats.errors.TimeoutError:
-                    return  # silent too long: re-create the watcher
+                    if self._reconnected.is_set():
+                        log.info("NATS connection back and %s silent: watching it anew", sj.WEIGHTS_BUCKET)
+                        return
+                    if time.monotonic() - heard >= self.rewatch_s:
+                        return  # silent too long: re-create the watcher
+                    continue
+                heard = time.monotonic()
                 if entry is None or not self.apply(entry):
                     continue
                 if time.monotonic() - self._stream_checked_at < self.stream_check_s:
@@ -395,7 +434,10 @@ class BusLink:
             # the events of every admission it made before (the scheduler's drained waits for it)
             self.publisher.heartbeat(self.table.load.total, self.table.applied_seq())
         self.view_lag.observe(max(0.0, (time.time_ns() - snapshot.ts_ns) / 1e9))
+        self.installed.set()
         self._viewed(snapshot.pool)
+        if self.peers is not None:
+            self.peers.wake()  # a pool new to the channel has its first whole view due
         self.picked()
         return False
 

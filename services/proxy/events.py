@@ -45,7 +45,11 @@ Event semantics (what analysts count):
   ``"retried: "``: the client never saw that failure. ``ttft_ms`` (first byte sent to the
   client; null when none was) and ``duration_ms`` count from the client request's arrival at
   the proxy, so a retried request's figures include its failed attempts; ``status`` is the
-  engine's HTTP status (null when it never answered).
+  engine's HTTP status (null when it never answered). ``stream`` is true once the client's
+  answer is an SSE stream (the engine answered ``text/event-stream``; a stream's later attempts
+  too), false otherwise: a whole (buffered) answer's ``ttft_ms`` is that whole answer's first
+  byte, no time to first token, so analysts' TTFT takes streamed requests only
+  (``RequestFinished.first_token_ms``).
 * ``lb.req.refused.<proxy>``: a request the proxy answered itself (401, 400, 408, 413, 404,
   429, 503; 499 for a held request whose client left) before binding it to a node, with its
   own request id, ``status``, ``cause`` (``schemas.words.RefusalCause``), the client's
@@ -71,8 +75,9 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
-from msgspec import UNSET
+from msgspec import UNSET, structs
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
@@ -83,7 +88,14 @@ from laswrr.schemas.outputs import clip
 from laswrr.schemas.words import Band, HoldCause, NodeRole, RefusalCause, RequestOutcome
 from laswrr.services.natsbus import publish_acked
 from laswrr.services.service_metrics import Buckets
-from laswrr.scheduler.routing.latency import Objective, Prediction, slo_fields
+from laswrr.scheduler.routing.latency import (
+    Estimate,
+    Objective,
+    Prediction,
+    estimate_fields,
+    estimate_record,
+    slo_fields,
+)
 from laswrr.scheduler.routing.prompt import RequestSize
 
 log = logging.getLogger("laswrr.proxy.events")
@@ -103,6 +115,11 @@ class Attempt:
     completion_tokens: int | None = None
     error: str | None = None
     next_attempt: str | None = None  # the attempt that continued or retried this one
+    stream: bool = False  # the client's answer is an SSE stream (RequestFinished.stream)
+    started_ms: float | None = None  # the attempt's start after the request's arrival (its own TTFT: ttft_ms - it)
+
+
+_NO_ESTIMATE = (UNSET, UNSET, UNSET, UNSET, UNSET)  # ``estimate_record`` without an estimate: the fields left out
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -261,13 +278,20 @@ class EventPublisher:
 
     def started(self, request_id: str, node: str, pool: str, snapshot_seq: int,
                 size: RequestSize | None = None, key_name: str | None = None, role: NodeRole | None = None,
-                objective: Objective | None = None, cached: int | None = None) -> None:
+                objective: Objective | None = None, cached: int | None = None, estimate: Estimate | None = None,
+                predicted: Prediction | None = None) -> None:
+        # keywords only, no ``**`` (a msgspec Struct called with a dict of keywords costs about 3 times
+        # as much): the estimate's figures from ``estimate_record``, the targets' (rare) set after
+        queue, uncached, batch, learned, slots = _NO_ESTIMATE if estimate is None else estimate_record(estimate)
         event = ev.RequestStarted(request_id=request_id, proxy=self.proxy_id, pool=pool,
                                   snapshot_seq=snapshot_seq, ts_ns=time.time_ns(), boot_id=self.boot_id,
                                   prompt_tokens=None if size is None else size.prompt_tokens,
                                   max_tokens=None if size is None else size.max_tokens, key_name=key_name,
-                                  role=UNSET if role is None else role, **slo_fields(objective),
-                                  cached_tokens=UNSET if cached is None else cached)
+                                  role=UNSET if role is None else role,
+                                  cached_tokens=UNSET if cached is None else cached, queue_tokens=queue,
+                                  uncached_tokens=uncached, batch_size=batch, learned=learned, slots=slots)
+        if objective is not None or predicted is not None:
+            event = structs.replace(event, **slo_fields(objective, predicted))
         self._put(_node_heads(node)[0] + encode(event) + b"]")
 
     def finished(self, request_id: str, node: str, pool: str, attempt: Attempt, role: NodeRole | None = None) -> None:
@@ -276,17 +300,21 @@ class EventPublisher:
             ttft_ms=attempt.ttft_ms, duration_ms=attempt.duration_ms, prompt_tokens=attempt.prompt_tokens,
             completion_tokens=attempt.completion_tokens, status=attempt.status, error=attempt.error,
             ts_ns=time.time_ns(), next_attempt=attempt.next_attempt, boot_id=self.boot_id,
-            role=UNSET if role is None else role)
+            role=UNSET if role is None else role, stream=attempt.stream,
+            started_ms=UNSET if attempt.started_ms is None else attempt.started_ms)
         self._put(_node_heads(node)[1] + encode(event) + b"]")
 
     def refused(self, request_id: str, status: int, cause: RefusalCause, error: str, pool: str | None = None,
                 model: str | None = None, key_name: str | None = None, objective: Objective | None = None,
-                predicted: Prediction | None = None) -> None:
+                predicted: Prediction | None = None, estimate: Estimate | None = None) -> None:
         """The proxy answered a request itself (``lb.req.refused``, keyed by this proxy like a heartbeat);
-        an ``slo_unmeetable`` answer carries its targets and the best prediction."""
+        an ``slo_unmeetable`` answer carries its targets, the best prediction and what it was made of."""
+        more: dict[str, Any] = {}
+        if estimate is not None:
+            more = {"predicted_node": estimate.node, "max_tokens": estimate.output, **estimate_fields(estimate)}
         event = ev.RequestRefused(request_id=request_id, proxy=self.proxy_id, status=status, cause=cause, pool=pool,
                                   model=model, key_name=key_name, error=clip(error), ts_ns=time.time_ns(),
-                                  boot_id=self.boot_id, **slo_fields(objective, predicted))
+                                  boot_id=self.boot_id, **slo_fields(objective, predicted), **more)
         self._put(self._refused_head + encode(event) + b"]")
 
     def queued(self, request_id: str, pool: str, band: Band, key_name: str | None, work: int, ttl_ms: int,

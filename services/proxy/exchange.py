@@ -11,7 +11,7 @@ from multidict import CIMultiDict
 
 from laswrr.scheduler.routing.latency import Objective
 from laswrr.schemas.words import FailureKind, RequestOutcome
-from laswrr.scheduler.routing.attempts import Outcome
+from laswrr.scheduler.routing.attempts import DONE, Outcome
 from laswrr.scheduler.routing.continuation import StreamText
 from laswrr.services.proxy.answers import failure_response
 from laswrr.services.proxy.events import RETRIED_PREFIX, Attempt
@@ -113,7 +113,7 @@ Result = Done | Failed | Broken
 def outcome_of(result: Result) -> Outcome:
     """The attempt's outcome for ``scheduler.routing.attempts.decide``."""
     if isinstance(result, Done):
-        return Outcome.DONE
+        return DONE
     if isinstance(result, Broken):
         return Outcome.BROKEN
     if not result.retryable:

@@ -30,7 +30,7 @@ handler on a future and wakes it:
   requests than the pool has free slots (``_defer``).
 * **Answers.** TTL run out: 429 ``queue_timeout``; no routable node in the pool for
   ``no_node_wait_s``: 503 ``no_routable_node`` (requests held then are answered, and new ones at
-  once while it lasts); both with ``Retry-After`` where it is a second or more. A client that
+  once while it lasts); both with ``Retry-After`` (whole seconds, at least 1). A client that
   disconnects while held (aiohttp cancels its handler) leaves the queue at once.
 * **Stopping.** A proxy told to stop (SIGTERM, ``RunningProxy.stop``) hands back what it
   holds before it drains: ``hand_back`` answers every held request 503 ``stopping`` with
@@ -73,11 +73,11 @@ class FlowAnswer:
     status: int
     code: RefusalCause
     message: str
-    retry_after: int | None
+    retry_after: int
 
     @property
     def headers(self) -> dict[str, str]:
-        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        return {"Retry-After": str(self.retry_after)}
 
 
 @dataclass(eq=False, slots=True)

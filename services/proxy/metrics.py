@@ -3,7 +3,8 @@
 Counters follow the event semantics (one ``requests_total`` sample per attempt, labelled with
 the attempt's outcome); gauges that depend on time (snapshot age, event buffer) are refreshed
 by ``refresh`` when /metrics is scraped, so the request path never computes them.
-Latency histograms: ``ttft`` (arrival at the proxy -> first byte sent to the client),
+Latency histograms: ``ttft`` (arrival at the proxy -> first byte of a streamed answer sent to
+the client; a whole answer's first byte is its end, so non-streamed requests are not in it),
 ``duration`` (arrival -> last byte), ``overhead`` (time the proxy itself adds: arrival -> upstream
 request sent, plus upstream first byte received -> first byte written to the client).
 
@@ -71,7 +72,8 @@ class _RequestCollector(Collector):
         for key, n in sorted(m.requests.items()):
             requests.add_metric(list(key), n)
         yield requests
-        for name, doc, series in (("laswrr_proxy_ttft_seconds", "Arrival to first byte sent to the client", m.ttft),
+        for name, doc, series in (("laswrr_proxy_ttft_seconds", "Arrival to first byte of a streamed answer sent to "
+                                   "the client", m.ttft),
                                   ("laswrr_proxy_duration_seconds", "Arrival to last byte sent to the client",
                                    m.duration)):
             family = HistogramMetricFamily(name, doc, labels=["pool"])
@@ -179,6 +181,25 @@ def _routing_families(router: Router) -> Iterator[Metric]:
                 phase.add_metric([*key, name], 1.0 if view.phase == name else 0.0)
     yield from (effective, target, routable, phase, inflight, estimate)
     yield from _pool_families(router)
+    yield from _kv_families(router)
+
+
+def _kv_families(router: Router) -> Iterator[Metric]:
+    """The exact cache view (``--tokenizer``): per node whose engine's KV events reached this
+    proxy, whether its view is exact (1) or stale since a lost change (0: the node is routed on
+    the estimated view), and the blocks it holds."""
+    kv = router.table.kv
+    if not kv.nodes:
+        return
+    exact = GaugeMetricFamily("laswrr_proxy_kv_view_exact", "1: the node's KV cache view is exact (its "
+                              "engine's events); 0: stale since a lost change, routed on the estimated view",
+                              labels=["node"])
+    blocks = GaugeMetricFamily("laswrr_proxy_kv_view_blocks", "KV blocks the node's engine holds, by its events",
+                               labels=["node"])
+    for node, held in sorted(kv.nodes.items()):
+        exact.add_metric([node], 1 if kv.exact(node) else 0)
+        blocks.add_metric([node], len(held.keys))
+    yield from (exact, blocks)
 
 
 def _pool_families(router: Router) -> Iterator[Metric]:

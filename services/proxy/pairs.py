@@ -86,16 +86,16 @@ class SglangPair:
                 runner.cancelled(leg.attempt_id, admission, exchange, state)
                 raise
             failed = Failed(FailureKind.LEG_CANCELLED, f"cancelled: {leg.cancel_reason}", status=state.status)
-            runner.finish(leg.attempt_id, admission, record(exchange, state, RequestOutcome.UPSTREAM_ERROR,
-                                                            state.status, error=failed.reason))
+            runner.finish(leg.attempt_id, admission, exchange,
+                          record(exchange, state, RequestOutcome.UPSTREAM_ERROR, state.status, error=failed.reason))
             return failed
         finally:
             runner.router.admitter.release(admission)
         if isinstance(result, Failed):
             exchange.tried.append(admission.node)
-            runner.finish(leg.attempt_id, admission, Attempt(outcome=result.outcome(), status=result.status,
-                                                             duration_ms=ms(time.perf_counter() - exchange.arrived),
-                                                             error=result.reason))
+            runner.finish(leg.attempt_id, admission, exchange,
+                          Attempt(outcome=result.outcome(), status=result.status,
+                                  duration_ms=ms(time.perf_counter() - exchange.arrived), error=result.reason))
             return result
         runner.prefilled(leg.attempt_id, admission, exchange, state, result[1])
         return None

@@ -47,7 +47,7 @@ request is ``attempts.attempt_id(request_id, k)``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -55,7 +55,9 @@ from aiohttp import web
 from laswrr.schemas.refusals import ANSWERS
 from laswrr.schemas.words import NodeRole, PdProtocol, RefusalCause, RequestOutcome
 from laswrr.scheduler.routing.attempts import (
+    ANSWER,
     CONTINUATIONS,
+    WHOLE,
     Budget,
     Decision,
     GiveUp,
@@ -115,8 +117,8 @@ class Forwarder:
         self.router = router
         self.events = events
         self.metrics = metrics
-        self.max_retries = max_retries
         self.continue_limit = continue_limit
+        self.budget = Budget(max_retries, continue_limit)  # a request's, none spent (immutable: shared)
         self.decode_only_tokens = decode_only_tokens  # a vllm pair's short prompt: its decode node alone (0: off)
         self.picked = picked  # tells the bus a pick was made (the channel's pick window starts at once)
 
@@ -132,7 +134,7 @@ class Forwarder:
             if isinstance(result, Failed) and result.partner:
                 exchange.tried.remove(course.admission.node)  # cancelled for its prefill's failure: the node may serve
             decision = decide(course.leg, outcome, course.budget)
-            if decision.step is Step.ANSWER:
+            if decision.step is ANSWER:
                 assert isinstance(result, Done)
                 return result.response
             if decision.step is Step.DECODE:  # a vllm prefill leg answered: ``result`` is the decode leg's body
@@ -147,12 +149,14 @@ class Forwarder:
 
     def _first(self, exchange: Exchange, admission: Admission) -> Course | web.StreamResponse:
         """The first attempt: on a whole node, a vllm pair's decode node alone, or a pair (its decode node picked here)."""
+        if admission.role is None:  # a whole node
+            return Course(self.budget, WHOLE, admission)
         if admission.role == NodeRole.PREFILL and self._decode_only(admission):
             alone = self._admit(exchange, None, NodeRole.DECODE)
             if alone is not None:  # none: the pair's own refusal below answers
                 self.router.admitter.release(admission)
                 admission = alone
-        course = Course(Budget(self.max_retries, self.continue_limit), Leg.WHOLE, admission)
+        course = Course(self.budget, Leg.WHOLE, admission)
         if admission.role == NodeRole.DECODE:
             course.leg = Leg.DECODE
         elif admission.role == NodeRole.PREFILL:
@@ -173,26 +177,31 @@ class Forwarder:
         return (admission.protocol == PdProtocol.VLLM and self.decode_only_tokens > 0 and admission.size is not None
                 and admission.size.prompt_tokens <= self.decode_only_tokens)
 
-    async def _attempt(self, request: web.BaseRequest, exchange: Exchange, course: Course) -> Result | bytes:
-        """Run the course's current attempt (a pair's: its prefill leg, or both legs)."""
-        rid, admission = exchange.request_id, course.admission
-        if course.leg is Leg.PREFILL or course.leg is Leg.PAIR:
-            exchange.headers.setdefault("X-Request-Id", rid)  # one id for both legs (vLLM's KV lookup)
-        if course.leg is Leg.PREFILL:
-            assert course.decode is not None
-            return await vllm_prefill(self.runner, exchange, admission, course.decode, attempt_id(rid, course.number))
-        if course.leg is Leg.PAIR:
-            assert course.decode is not None
-            leg, course.leg_body = self.sglang.start(exchange, admission, attempt_id(rid, course.number))
-            course.admission, course.decode, course.number = course.decode, None, course.number + 1
-            exchange.tried.append(course.admission.node)
-            return await self.sglang.run(request, exchange, leg, course.admission, attempt_id(rid, course.number),
-                                         course.leg_body, course.suspect)
+    def _attempt(self, request: web.BaseRequest, exchange: Exchange, course: Course) -> Awaitable[Result | bytes]:
+        """Start the course's current attempt (a pair's: its prefill leg, or both legs): what to
+        await for its result (a plain function returning the runner's coroutine: one coroutine
+        frame less for each of the attempt's awaits)."""
+        rid, admission, leg = exchange.request_id, course.admission, course.leg
+        if leg is not WHOLE and leg is not Leg.DECODE:
+            return self._pair_legs(request, exchange, course)
         exchange.tried.append(admission.node)
-        body = course.leg_body if course.leg is Leg.DECODE and course.leg_body is not None else exchange.base
+        body = course.leg_body if course.leg_body is not None and leg is Leg.DECODE else exchange.base
         attempt = attempt_id(rid, course.number)
         state = self.runner.started(attempt, admission, exchange)
-        return await self.runner.run(request, exchange, admission, attempt, body, state)
+        return self.runner.run(request, exchange, admission, attempt, body, state)
+
+    def _pair_legs(self, request: web.BaseRequest, exchange: Exchange, course: Course) -> Awaitable[Result | bytes]:
+        """``_attempt`` of a new pair: a vllm pair's prefill leg, or an sglang pair's legs together."""
+        rid, admission = exchange.request_id, course.admission
+        assert course.decode is not None
+        exchange.headers.setdefault("X-Request-Id", rid)  # one id for both legs (vLLM's KV lookup)
+        if course.leg is Leg.PREFILL:
+            return vllm_prefill(self.runner, exchange, admission, course.decode, attempt_id(rid, course.number))
+        leg, course.leg_body = self.sglang.start(exchange, admission, attempt_id(rid, course.number))
+        course.admission, course.decode, course.number = course.decode, None, course.number + 1
+        exchange.tried.append(course.admission.node)
+        return self.sglang.run(request, exchange, leg, course.admission, attempt_id(rid, course.number),
+                               course.leg_body, course.suspect)
 
     async def _take_over(self, exchange: Exchange, course: Course, result: Failed | Broken, outcome: Outcome,
                          decision: Decision) -> web.StreamResponse | None:
@@ -208,7 +217,7 @@ class Forwarder:
         attempt = _failed_record(exchange, result, taker is not None)
         if taker is not None:
             attempt.next_attempt = attempt_id(exchange.request_id, course.number + 1)
-        self.runner.finish(attempt_id(exchange.request_id, course.number), course.admission, attempt)
+        self.runner.finish(attempt_id(exchange.request_id, course.number), course.admission, exchange, attempt)
         if taker is None:
             assert cause is not None
             if course.decode is not None:  # a vllm pair's prefill leg: its decode node never ran
@@ -245,7 +254,8 @@ class Forwarder:
             if isinstance(admission, Admission):
                 self.picked()
                 return admission
-        result = admitter.admit(AdmitRequest(exchange.pool, exchange.avoid(), role=role))
+        objective = exchange.objective if role is NodeRole.DECODE else None  # a pair's decode pick: its TPOT target
+        result = admitter.admit(AdmitRequest(exchange.pool, exchange.avoid(), role=role, objective=objective))
         if not isinstance(result, Admission):
             return None
         self.picked()

@@ -57,6 +57,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from laswrr.services.proxy.tokens import PromptTokenizer
 from laswrr.services.sim_engine import mindie, npu_smi
 from laswrr.schemas.words import NodeRole, NpuHealth, PdProtocol
 from laswrr.services.sim_engine.config import (
@@ -68,6 +69,7 @@ from laswrr.services.sim_engine.config import (
 )
 from laswrr.services.sim_engine.driver import EngineDriver, RequestHandle
 from laswrr.services.sim_engine.embeddings import embedding_response, parse_embedding_request
+from laswrr.services.sim_engine.kv_publisher import KvEventPublisher
 from laswrr.services.sim_engine.metrics import CONTENT_TYPE, SimMetrics
 from laswrr.services.sim_engine.openai_api import (
     ApiError,
@@ -103,6 +105,7 @@ STARTED_KEY = web.AppKey("sim_started", float)
 NODE_KEY = web.AppKey("sim_node", NodeName)
 INFLIGHT_KEY = web.AppKey("sim_inflight", set[asyncio.BaseTransport])  # of the completions being served
 EXPORTER_KEY = web.AppKey("sim_exporter", mindie.ExporterCache)
+TOKENIZER_KEY = web.AppKey("sim_tokenizer", PromptTokenizer | None)  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)
@@ -236,6 +239,9 @@ async def _completions(request: web.Request, kind: Kind) -> web.StreamResponse:
         try:
             body = await _read_json(request)
             creq = parse_request(body, kind, config.model_name)
+            token_ids = _model_tokens(app, body, kind)
+            if token_ids is not None and "prompt_tokens" not in (body.get("sim") or {}):  # sim.prompt_tokens wins
+                creq = dataclasses.replace(creq, prompt_tokens=len(token_ids))
             if config.pd_protocol == PdProtocol.SGLANG and config.pd_role == NodeRole.PREFILL:
                 room = _open_room(app, body, creq)
                 creq = dataclasses.replace(creq, output_tokens=1, finish_reason="length")
@@ -247,7 +253,7 @@ async def _completions(request: web.Request, kind: Kind) -> web.StreamResponse:
             if received:  # the decode instance pulls the prompt's KV from the prefill instance first
                 await asyncio.sleep(creq.prompt_tokens / KV_TRANSFER_TOKENS_PER_S / config.speed)
             handle = app[DRIVER_KEY].submit(creq.prompt_tokens, creq.output_tokens, creq.finish_reason,
-                                            creq.prompt_text, kv_received=received)
+                                            creq.prompt_text, kv_received=received, token_ids=token_ids)
         except ApiError as err:
             return _error(err)
         except ValueError as exc:  # cannot fit in the KV cache
@@ -258,6 +264,16 @@ async def _completions(request: web.Request, kind: Kind) -> web.StreamResponse:
     finally:
         if room is not None:
             _end_room(app, *room)
+
+
+def _model_tokens(app: web.Application, body: dict[str, Any], kind: Kind) -> list[int] | None:
+    """With ``--tokenizer``: a chat or completion prompt in the model's tokens, as a vLLM engine (and
+    the proxy's exact view, ``services/proxy/tokens.py``) computes them; None without one, or when
+    the prompt does not render (it is then counted and cached in the simulator's own tokens)."""
+    tokenizer = app[TOKENIZER_KEY]
+    if tokenizer is None or kind == "response":
+        return None
+    return tokenizer.encode(body.get("messages"), body.get("prompt")) or None
 
 
 async def _serve(request: web.Request, app: web.Application, handle: RequestHandle,
@@ -600,6 +616,7 @@ def sim_state(app: web.Application) -> dict[str, Any]:
         "bootstrap_rooms": sum(1 for room in app[ROOMS_KEY].values() if room.owned),
         "tokens_generated": driver.sim.tokens_generated, "requests_finished": driver.sim.requests_finished,
         "prefix_cache_queries": snap.prefix_cache_queries, "prefix_cache_hits": snap.prefix_cache_hits,
+        "kv_events_subscribers": None if driver.kv_events is None else driver.kv_events.subscribers,
         "npu": {"name": profile.npu_name, "chips": profile.chips_per_npu, "aicore_pct": npu.aicore_pct,
                 "hbm_used_mb": npu.hbm_used_mb, "hbm_total_mb": npu.hbm_total_mb,
                 "power_w": npu.power_w, "temp_c": npu.temp_c},
@@ -638,12 +655,18 @@ async def get_sim_npu_smi(request: web.Request) -> web.Response:
 
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG_KEY]
-    sim = EngineSim(config.profile, config.capacity, speed=config.speed, kv_tokens=config.kv_tokens)
-    driver = EngineDriver(sim, app[METRICS_KEY])
+    publisher = None if config.kv_events is None else KvEventPublisher(config.kv_events, config.kv_events_replay)
+    sim = EngineSim(config.profile, config.capacity, speed=config.speed, kv_tokens=config.kv_tokens,
+                    kv_events=publisher is not None)
+    driver = EngineDriver(sim, app[METRICS_KEY], publisher)
     app[DRIVER_KEY] = driver
     await driver.start()
-    yield
-    await driver.stop()
+    try:
+        yield
+    finally:
+        await driver.stop()
+        if publisher is not None:
+            await publisher.close()
 
 
 def init_app(config: SimConfig) -> web.Application:
@@ -662,6 +685,7 @@ def init_app(config: SimConfig) -> web.Application:
     app[STARTED_KEY] = time.time()
     app[NODE_KEY] = NodeName(config.node_id or f"{config.profile.chip}-{config.port}")
     app[INFLIGHT_KEY] = set()
+    app[TOKENIZER_KEY] = None if config.tokenizer is None else PromptTokenizer(config.tokenizer)
     app[ROOMS_KEY] = {}
     app[ENDED_KEY] = OrderedDict()
     app.cleanup_ctx.append(_engine_ctx)

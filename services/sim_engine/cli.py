@@ -62,6 +62,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     engine.add_argument("--exporter-update-s", type=settings.duration("s"), default=_DEFAULTS.exporter_update_s,
                         help="refresh of the simulated npu-exporter's cache, GET /sim/npu-exporter "
                              "(default %(default)s)")
+    engine.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                        help="publish the prefix cache's KV events on vLLM's wire: the ZMQ PUB endpoint to bind, "
+                             "e.g. tcp://127.0.0.1:5557 (default: none)")
+    engine.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                        help="the ZMQ ROUTER endpoint replaying the last 10,000 batches (with --kv-events)")
+    engine.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="the model's tokenizer directory (tokenizer.json, tokenizer_config.json): chat and "
+                             "completion prompts are counted and cached in its tokens, as the proxy's --tokenizer "
+                             "computes them (default: the simulator's 4 characters a token)")
     settings.add_logging(engine)
     engine.set_defaults(func=run_engine)
 
@@ -77,7 +86,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
                      flavour=args.flavour, exporter_update_s=args.exporter_update_s, pd_role=args.pd_role,
                      pd_protocol=args.pd_protocol, bootstrap_port=args.bootstrap_port,
                      pd_local_prefill=args.pd_local_prefill,
-                     bootstrap_timeout_s=args.bootstrap_timeout_s, max_body_bytes=args.max_body_bytes)
+                     bootstrap_timeout_s=args.bootstrap_timeout_s, max_body_bytes=args.max_body_bytes,
+                     kv_events=args.kv_events, kv_events_replay=args.kv_events_replay, tokenizer=args.tokenizer)
 
 
 async def serve(config: SimConfig) -> None:

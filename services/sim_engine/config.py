@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 from laswrr.schemas.words import NodeRole, NpuHealth, PdProtocol
@@ -47,6 +48,10 @@ class SimConfig:
     # the largest request body it reads: the proxy's --max-body-bytes default (4 MiB), so whatever the
     # proxy lets through reaches the engine (aiohttp's own default, 1 MiB, answered 413 below the proxy's limit)
     max_body_bytes: int = 4 * 1024 * 1024
+    # the engine's KV cache events on vLLM's wire (kv_publisher.py): the PUB endpoint to bind, and the replay's
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    tokenizer: str | None = None  # the model's tokenizer directory: prompts cut into its tokens, as a real engine does
 
     @property
     def profile(self) -> ChipProfile:
@@ -84,6 +89,10 @@ class SimConfig:
             raise ValueError("--pd-local-prefill is only for --pd-role decode --pd-protocol vllm")
         if not self.bootstrap_timeout_s > 0:
             raise ValueError(f"--bootstrap-timeout-s must be > 0, got {self.bootstrap_timeout_s}")
+        if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
+            raise ValueError(f"--tokenizer {self.tokenizer}: no tokenizer.json there")
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ValueError("--kv-events-replay needs --kv-events")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
 

@@ -3,15 +3,18 @@
 Runs the pure ``EngineSim`` against the event loop's monotonic clock: it sleeps until the
 next step ends (or until a submit/cancel/admin change kicks it), advances the physics, and
 pushes each produced token into the owning request's ``asyncio.Queue`` (unbounded, so a slow
-client just buffers tokens). It also feeds the Prometheus metrics.
+client just buffers tokens). It also feeds the Prometheus metrics, and with a KV event publisher
+(``--kv-events``) publishes the blocks each advance stored and evicted as one batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from laswrr.services.sim_engine.kv_publisher import KvEventPublisher
 from laswrr.services.sim_engine.metrics import SimMetrics
 from laswrr.services.sim_engine.physics import EngineSim, EngineSnapshot, SimRequest, TokenEvent
 
@@ -27,9 +30,10 @@ class RequestHandle:
 
 
 class EngineDriver:
-    def __init__(self, sim: EngineSim, metrics: SimMetrics) -> None:
+    def __init__(self, sim: EngineSim, metrics: SimMetrics, kv_events: KvEventPublisher | None = None) -> None:
         self.sim = sim
         self.metrics = metrics
+        self.kv_events = kv_events
         self._handles: dict[int, RequestHandle] = {}
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -49,9 +53,10 @@ class EngineDriver:
             self._task = None
 
     def submit(self, prompt_tokens: int, output_tokens: int, finish_reason: str,
-               prompt_text: str = "", kv_received: bool = False) -> RequestHandle:
+               prompt_text: str = "", kv_received: bool = False,
+               token_ids: Sequence[int] | None = None) -> RequestHandle:
         """Queue a request (ValueError if it can never fit); tokens arrive on handle.queue."""
-        req = self.sim.submit(prompt_tokens, output_tokens, self.now(), prompt_text, kv_received)
+        req = self.sim.submit(prompt_tokens, output_tokens, self.now(), prompt_text, kv_received, token_ids)
         handle = RequestHandle(req, finish_reason)
         self._handles[req.req_id] = handle
         self._kick.set()
@@ -74,6 +79,8 @@ class EngineDriver:
         while True:
             self._kick.clear()
             self._dispatch(self.sim.advance(self.now()))
+            if self.kv_events is not None:
+                self.kv_events.publish(self.sim.prefix_cache.take_events(), self.sim.params.kv_block_tokens)
             wake_at = self.sim.next_event_time()
             timer = None if wake_at is None else self._loop.call_at(wake_at, self._kick.set)
             try:

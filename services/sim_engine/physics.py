@@ -23,7 +23,10 @@ What it models (vLLM-style continuous batching with chunk-free mixed steps):
   pays only the rest), the blocks it computed are cached at the end of its prefill step, and the
   cache keeps unreferenced blocks in the KV room the running requests' reservations leave free
   (least recently released evicted first); cached blocks do not count as KV use (vLLM counts
-  them free);
+  them free); with ``kv_events`` the cache logs the blocks it stores and evicts, with their
+  token ids (``PrefixCache.take_events``), what a vLLM engine's KV events tell; a request
+  submitted with ``token_ids`` (the model's tokenizer's, ``--tokenizer``) is cut into blocks of
+  those instead of the simulator's own ids of its text;
 * lowering ``capacity`` never cuts running requests; it only stops admissions until the batch
   falls below the new value; a cancelled request frees its slot and KV at once.
 
@@ -36,9 +39,11 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from laswrr.services.sim_engine.prefix_cache import PrefixCache, block_keys
+from laswrr.schemas.kvcache import chain_keys
+from laswrr.services.sim_engine.prefix_cache import PrefixCache, block_keys, token_ids as text_token_ids
 from laswrr.services.sim_engine.profiles import (
     BASE_PREFILL_TOKENS_PER_S,
     BASE_TPOT_S,
@@ -82,7 +87,8 @@ class SimRequest:
     first_token_at: float | None = None
     finished_at: float | None = None
     generated: int = 0
-    block_keys: tuple[bytes, ...] = ()  # prefix-chain keys of the prompt's full blocks
+    block_keys: tuple[int, ...] = ()  # prefix-chain keys of the prompt's full blocks
+    token_ids: tuple[int, ...] = ()  # the prompt's token ids (kept only for the KV event log)
     held_blocks: int = 0  # leading block_keys this request references in the prefix cache
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     kv_received: bool = False  # a P/D decode instance's request: its prompt's KV came from a prefill node
@@ -140,6 +146,7 @@ class EngineSim:
         speed: float = 1.0,
         kv_tokens: int | None = None,
         params: PhysicsParams | None = None,
+        kv_events: bool = False,
     ) -> None:
         if speed <= 0:
             raise ValueError(f"speed must be > 0, got {speed}")
@@ -156,7 +163,7 @@ class EngineSim:
         self._waiting: deque[SimRequest] = deque()
         self._running: dict[int, SimRequest] = {}
         self._kv_reserved = 0
-        self.prefix_cache = PrefixCache(self.params.kv_block_tokens)
+        self.prefix_cache = PrefixCache(self.params.kv_block_tokens, log_changes=kv_events)
         self._step: _Step | None = None
         self._clock = 0.0  # end of the last step (the engine is free from here on)
         self.steps = 0
@@ -200,9 +207,10 @@ class EngineSim:
 
     # -- requests ----------------------------------------------------------------------
     def submit(self, prompt_tokens: int, output_tokens: int, now: float, prompt_text: str = "",
-               kv_received: bool = False) -> SimRequest:
+               kv_received: bool = False, token_ids: Sequence[int] | None = None) -> SimRequest:
         """Queue a request; ValueError if it can never fit in the KV cache. ``prompt_text``
-        (optional) is what the prefix cache hashes; without it the request never hits.
+        (optional) is what the prefix cache hashes; without it the request never hits;
+        ``token_ids`` (optional) its model tokens, hashed instead of the text's simulator ids.
         ``kv_received``: its prompt's KV was transferred from a prefill instance (P/D decode): it
         holds its KV but its first step computes no prefill."""
         if prompt_tokens < 1 or output_tokens < 1:
@@ -214,9 +222,11 @@ class EngineSim:
             )
         self._next_id += 1
         ready_at = now + self.params.frontend_s / self.speed
-        keys = block_keys(prompt_text, self.params.kv_block_tokens, prompt_tokens // self.params.kv_block_tokens)
-        req = SimRequest(self._next_id, prompt_tokens, output_tokens, now, ready_at, block_keys=keys,
-                         kv_received=kv_received)
+        block = self.params.kv_block_tokens
+        ids = (text_token_ids(prompt_text) if token_ids is None else tuple(token_ids))[:prompt_tokens // block * block]
+        req = SimRequest(self._next_id, prompt_tokens, output_tokens, now, ready_at,
+                         block_keys=tuple(chain_keys(ids, block)),
+                         token_ids=ids if self.prefix_cache.changes is not None else (), kv_received=kv_received)
         self._waiting.append(req)
         return req
 
@@ -284,7 +294,9 @@ class EngineSim:
 
     def _register_blocks(self, req: SimRequest) -> None:
         """End of the request's prefill step: the blocks it computed join the cache."""
-        self.prefix_cache.acquire(req.block_keys[req.held_blocks:])
+        held = req.held_blocks
+        parent = req.block_keys[held - 1] if held else None
+        self.prefix_cache.acquire(req.block_keys[held:], req.token_ids, parent, held)
         req.held_blocks = len(req.block_keys)
         self.prefix_cache.evict_to(self.kv_tokens_total - self._kv_reserved)
 

@@ -7,7 +7,12 @@ requests over shared ~1,050-token system prompts reached it: a cache reset
 (``AllBlocksCleared``), prompts stored, a prompt's blocks evicted. The ``positional-transcoded``
 file holds the same batches in the positional encoding of earlier vLLM (each event an array, its
 tag first, trailing defaults left out), transcoded from the named one (no engine here publishes
-it)."""
+it).
+
+``sglang-*.jsonl``: batches in the two layouts SGLang has published, built by ``make_sglang.py``
+there with structs declared as SGLang declares its own (no SGLang engine runs here), filled as its
+radix cache emits them: one event per page, a node split, a host copy and an eviction to the
+host, a salted request, a cache flush."""
 
 from __future__ import annotations
 
@@ -18,7 +23,16 @@ import msgspec
 import pytest
 
 from laswrr.collectors.errors import ParseError
-from laswrr.collectors.kv_events import Cleared, KvBatch, NodeCache, Removed, Stored, decode_frames, decode_payload
+from laswrr.collectors.kv_events import (
+    Cleared,
+    KvBatch,
+    NodeCache,
+    Removed,
+    Stored,
+    decode_frames,
+    decode_payload,
+    decode_replay,
+)
 from laswrr.schemas.kvcache import CACHE_DECODER, CACHE_ENCODER, ClearReason, chain_keys
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kv_events"
@@ -31,6 +45,63 @@ def frames_of(name: str) -> list[list[bytes]]:
 
 NAMED = frames_of("vllm-0.32.0-cpu_named_tiny-llama.jsonl")
 POSITIONAL = frames_of("vllm-0.32.0-cpu_positional-transcoded_tiny-llama.jsonl")
+END = (-1).to_bytes(8, "big", signed=True)
+
+
+def held_after_each(frames: list[list[bytes]]) -> list[set[int]]:
+    """The keys a router holds after each message, folded from the first."""
+    cache, held, out = NodeCache(), set(), []
+    for f in frames:
+        batch = decode_frames(f)
+        assert batch is not None and batch.encoding == "positional"
+        change = cache.fold(batch)
+        if change is not None:
+            held = (set() if change.cleared else held) | set(change.stored_keys)
+            held -= set(change.removed_keys)
+        out.append(set(held))
+    return out
+
+
+def test_sglang_s_pages_key_as_a_router_cuts_the_prompt() -> None:
+    a = [100 + i for i in range(48)]
+    b = a[:32] + [300 + i for i in range(32)]
+    ka, kb = set(chain_keys(a, 16)), set(chain_keys(b, 16))
+    assert held_after_each(frames_of("sglang-pages16_current-layout.jsonl")) == [
+        ka,  # a prompt's three pages, one event each
+        ka | kb,  # b split a's node: a's pages removed and stored again, then b's own
+        ka | kb,  # a host copy of b's leaf: not in the KV room, and it leaves the GPU pages keyed
+        ka,  # b's leaf evicted to the host
+        ka,  # a salted request's page: a plain request never matches it
+        set(),  # flush_cache
+        set(chain_keys(b[:16], 16)),
+    ]
+
+
+def test_sglang_s_early_layout_one_block_a_token() -> None:
+    a, branch = [7, 8, 9, 10, 11], [7, 8, 9, 20, 21]
+    ka, kb = set(chain_keys(a, 1)), set(chain_keys(branch, 1))
+    assert held_after_each(frames_of("sglang-pages1_early-layout.jsonl")) == [ka, ka | kb, ka, set()]
+
+
+def test_a_block_of_another_size_than_the_node_s_is_not_keyed() -> None:
+    cache = NodeCache()
+    first = cache.fold(KvBatch(0, 1.0, (Stored((1,), None, (1,) * 4, 4, True), Stored((2,), 1, (2,) * 3, 3, True))))
+    assert first is not None and first.stored_keys == chain_keys((1,) * 4, 4) and first.block_size == 4
+    assert cache.fold(KvBatch(1, 1.0, (Stored((3,), 2, (3,) * 4, 4, True),))) is None  # under the odd one: an orphan
+    restarted = cache.fold(KvBatch(0, 2.0, (Stored((4,), None, (4,) * 8, 8, True),)))  # a new engine, new blocks
+    assert restarted is not None and restarted.block_size == 8 and restarted.stored_keys == chain_keys((4,) * 8, 8)
+
+
+def test_replay_answers_of_vllm_and_of_sglang() -> None:
+    topic, seq, payload = NAMED[1]
+    vllm = decode_replay([b"", topic, seq, payload])
+    sglang = decode_replay([b"", seq, payload])  # SGLang's replay leaves the topic out
+    assert vllm is not None and vllm == sglang == decode_frames(NAMED[1])
+    assert decode_replay([b"", b"", END, b""]) is None and decode_replay([b"", END, b""]) is None
+    for frames, says in (([topic, seq, payload], "empty delimiter"), ([], "empty delimiter"),
+                         ([b"", payload], "3 frames"), ([b"", b"", b"", seq, payload], "3 frames")):
+        with pytest.raises(ParseError, match=says):
+            decode_replay(frames)
 
 
 def test_both_encodings_decode_to_the_same_events() -> None:
@@ -104,11 +175,13 @@ def test_lora_extra_keys_and_other_media_are_not_keyed() -> None:
         {"type": "BlockStored", "block_hashes": [4], "parent_block_hash": None, "token_ids": [1, 2],
          "block_size": 2, "lora_id": None, "medium": None, "lora_name": None, "extra_keys": [None],
          "a_field_of_a_newer_vllm": 1},
+        {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": 4, "token_ids": [3, 4],
+         "block_size": 2, "lora_id": None, "medium": "gpu"},  # the device's, in any case
     ], 0])
     batch = decode_payload(payload)
-    assert [e.plain for e in batch.events if isinstance(e, Stored)] == [False, False, False, True]
+    assert [e.plain for e in batch.events if isinstance(e, Stored)] == [False, False, False, True, True]
     change = NodeCache().fold(batch)
-    assert change is not None and change.stored_keys == chain_keys([1, 2], 2)
+    assert change is not None and change.stored_keys == chain_keys([1, 2, 3, 4], 2)
 
 
 def test_the_replay_end_marker_and_bad_frames() -> None:

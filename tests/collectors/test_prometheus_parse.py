@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from laswrr.collectors.errors import ParseError
+from laswrr.collectors import prometheus
 from laswrr.collectors.prometheus import EngineMetrics, Histogram, engine_sample, parse_engine_metrics
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
@@ -322,3 +323,47 @@ def test_prefix_cache_counters_are_summed_over_engines() -> None:
     assert (parsed.prefix_cache_queries, parsed.prefix_cache_hits) == (150, 50)
     with pytest.raises(ParseError, match="counter cannot be negative"):
         parse_engine_metrics("vllm:num_requests_running 1\nvllm:prefix_cache_hits_total -3\n")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in REAL.glob("*metrics*.txt")))
+def test_parsing_only_the_families_read_gives_what_the_whole_exposition_gives(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = _read(name)
+    try:
+        kept = parse_engine_metrics(text)
+    except ParseError as exc:
+        kept = exc  # type: ignore[assignment]
+    monkeypatch.setattr(prometheus, "_FAMILIES", ())  # every line through prometheus_client, as before the filter
+    try:
+        whole = parse_engine_metrics(text)
+    except ParseError as exc:
+        whole = exc  # type: ignore[assignment]
+    assert repr(kept) == repr(whole)
+
+
+def test_a_malformed_line_of_a_family_the_router_does_not_read_cuts_nothing() -> None:
+    text = ("# TYPE vllm:iteration_tokens_total histogram\nvllm:iteration_tokens_total_bucket{le=\"1\" 3\n"
+            "vllm:num_requests_running 2\nvllm:num_requests_waiting 1\nvllm:kv_cache_usage_perc 0.25\n")
+    metrics = parse_engine_metrics(text)
+    assert (metrics.running, metrics.waiting, metrics.kv_cache_usage, metrics.truncated) == (2, 1, 0.25, False)
+
+
+def test_an_unchanged_engine_exposition_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two scrapes of an idle engine differ only in what the collector does not read (process
+    metrics): the second is not parsed again and says the same; a changed gauge is parsed."""
+    text = _read("vllm-metrics_v0-layout_mid2025_Qwen3-0.6B_full.txt") + "process_cpu_seconds_total 12.5\n"
+    parses: list[str] = []
+    real = prometheus.text_string_to_metric_families
+
+    def counting(body: str):  # type: ignore[no-untyped-def]
+        parses.append(body)
+        return real(body)
+
+    monkeypatch.setattr(prometheus, "text_string_to_metric_families", counting)
+    prometheus._parse_kept.cache_clear()
+    first = parse_engine_metrics(text)
+    later = parse_engine_metrics(text.replace("process_cpu_seconds_total 12.5", "process_cpu_seconds_total 12.75"))
+    assert later == first and len(parses) == 1
+    running = next(line for line in text.splitlines() if line.startswith("vllm:num_requests_running"))
+    busy = parse_engine_metrics(text.replace(running, running.rsplit(" ", 1)[0] + " 7.0"))
+    assert busy.running == 7 and len(parses) == 2

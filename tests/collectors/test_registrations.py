@@ -22,11 +22,23 @@ def node_msg(node: str, **body: object) -> tuple[str, bytes]:
     return sj.admin_node(node), json.dumps({"capacity": 4, **body}).encode()
 
 
-def snapshot(*nodes: tuple[str, str]) -> bytes:
+def snapshot(*nodes: tuple[str, str], inflight: dict[str, int] | None = None, pool: str = "default") -> bytes:
     load = LoadView(queue=0, running=0, kv=0, npu=0, latency=0, load=0, sample_age_ms=None, stale=False)
     views = [NodeView(node=n, url=u, phase=Phase.ACTIVE, routable=True, capacity=4, target_weight=4,
-                      effective_weight=4, inflight=0, chip="c", health=1, load=load) for n, u in nodes]
-    return encode(WeightSnapshot(pool="default", as_of_seq=1, tick=1, ts_ns=1, panic=False, nodes=views))
+                      effective_weight=4, inflight=(inflight or {}).get(n, 0), chip="c", health=1, load=load)
+             for n, u in nodes]
+    return encode(WeightSnapshot(pool=pool, as_of_seq=1, tick=1, ts_ns=1, panic=False, nodes=views))
+
+
+def test_busy_is_the_nodes_with_requests_in_flight_in_their_pools_latest_snapshot() -> None:
+    nodes = RegisteredNodes()
+    nodes.observe_snapshot("a", snapshot(("n1", "http://h:1"), ("n2", "http://h:2"), inflight={"n2": 3}, pool="a"))
+    nodes.observe_snapshot("b", snapshot(("n3", "http://h:3"), inflight={"n3": 1}, pool="b"))
+    assert nodes.busy == {"n2", "n3"}
+    nodes.observe_snapshot("a", snapshot(("n1", "http://h:1"), ("n2", "http://h:2"), pool="a"))  # n2's ended
+    assert nodes.busy == {"n3"}
+    nodes.observe_snapshot("b", None)  # the pool is gone
+    assert nodes.busy == set()
 
 
 def test_a_runtime_registration_is_polled_once_a_snapshot_shows_it_applied() -> None:

@@ -19,6 +19,8 @@ from laswrr.bench.browser import Browser, chromium_binary
 from laswrr.schemas import subjects as sj
 from laswrr.services.up import Stack
 
+from tests.sim_stack import simulated_stack
+
 ARTIFACTS = Path(os.environ.get("LASWRR_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))
 SIMS = (("d-910b", "910B", 8), ("d-910", "910", 4))
 pytestmark = pytest.mark.skipif(chromium_binary() is None,
@@ -32,19 +34,10 @@ def drawn(node: str) -> str:
 
 @pytest.fixture
 async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
-    stack = Stack(tmp_path / "data", proxy_port=0)
-    try:
-        await stack.start_nats()
-        await stack.start_core()
-        nodes = await stack.start_sim_engines(SIMS, speed=4.0, npu_smi=False)
-        stack.write_nodes_file(nodes)
-        await stack.register(nodes)
-        await stack.start_collector()
+    async with simulated_stack(tmp_path / "data", SIMS, speed=4.0) as stack:
         await stack.start_proxy(port=0)
         await stack.start_dashboard(0)
         yield stack
-    finally:
-        await stack.stop()
 
 
 async def some_requests(proxy_url: str, count: int) -> None:

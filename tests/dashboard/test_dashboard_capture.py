@@ -20,11 +20,15 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from laswrr.bench.browser import Browser, chromium_binary
 from laswrr.schemas import subjects as sj
 from laswrr.services.up import Stack
+
+from tests.conftest import Eventually
+from tests.sim_stack import simulated_stack
 
 ARTIFACTS = Path(os.environ.get("LASWRR_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))
 SIMS = (("d-a", "910B", 8), ("d-b", "910B", 8), ("d-gone", "910", 4))  # d-a and d-b: equal weights
@@ -35,18 +39,9 @@ pytestmark = pytest.mark.skipif(chromium_binary() is None,
 
 @pytest.fixture
 async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
-    stack = Stack(tmp_path / "data", proxy_port=0)
-    try:
-        await stack.start_nats()
-        await stack.start_core()
-        nodes = await stack.start_sim_engines(SIMS, speed=4.0, npu_smi=False)
-        stack.write_nodes_file(nodes)
-        await stack.register(nodes)
-        await stack.start_collector()
+    async with simulated_stack(tmp_path / "data", SIMS, speed=4.0) as stack:
         await stack.start_dashboard(0)
         yield stack
-    finally:
-        await stack.stop()
 
 
 def capture(url: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -65,11 +60,20 @@ async def _admin(stack: Stack, subject: str, body: bytes) -> None:
 
 
 @pytest.mark.timeout(600)
-async def test_the_headless_capture_returns_with_the_live_page_drawn(stack: Stack, tmp_path: Path) -> None:
+async def test_the_headless_capture_returns_with_the_live_page_drawn(stack: Stack, tmp_path: Path,
+                                                                    eventually: Eventually) -> None:
     assert stack.dashboard_url is not None
     await _admin(stack, sj.admin_capacity("d-gone"), b'{"capacity": 2}')
     await _admin(stack, sj.admin_remove("d-gone"), b"{}")
-    await asyncio.sleep(2.0)  # d-gone drained and forgotten
+    async with aiohttp.ClientSession() as http:
+
+        async def forgotten() -> bool:
+            async with http.get(stack.dashboard_url + "api/state") as response:
+                pools = (await response.json())["pools"]
+            nodes = {n["node"] for pool in pools.values() for n in pool["nodes"]}
+            return "d-a" in nodes and "d-gone" not in nodes
+
+        await eventually(forgotten, timeout=60, what="d-gone drained and forgotten on the dashboard")
 
     shot = tmp_path / "screenshot.png"
     done = await asyncio.to_thread(capture, stack.dashboard_url, tmp_path, f"--screenshot={shot}")
@@ -104,7 +108,9 @@ async def test_the_weights_chart_is_readable(stack: Stack) -> None:
             await asyncio.sleep(0.3)
         removed_at = time.time() * 1000
         await browser.wait_for("!document.querySelector('tr[data-node=\"d-gone\"]')", timeout_s=20)
-        await asyncio.sleep(3.0)  # the chart goes on after the removal
+        # the chart goes on after the removal: the removed node's band end leaves the right edge (now)
+        await browser.wait_for("(() => { const b = window.laswrrDrawn.default['d-gone'].band; return b.end_px < "
+                               "document.querySelector('canvas.weights').clientWidth - 30; })()", timeout_s=30)
         drawn = json.loads(await browser.evaluate("JSON.stringify(window.laswrrDrawn.default)"))
         labels = [entry["label"] for entry in drawn["__labels"]]
         assert "capacity d-gone → 2" in labels, labels  # the new value on the capacity marker

@@ -18,7 +18,9 @@ import aiohttp
 import pytest
 
 from laswrr.bench.browser import Browser, chromium_binary
-from laswrr.services.up import Stack
+
+from tests.conftest import Eventually
+from tests.sim_stack import simulated_stack
 
 ARTIFACTS = Path(os.environ.get("LASWRR_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))
 pytestmark = [pytest.mark.skipif(chromium_binary() is None,
@@ -41,15 +43,8 @@ def held_now(band: str) -> str:
     return f"Number({NOW}?.querySelector('[data-band=\"{band}\"] b')?.textContent ?? -1)"
 
 
-async def test_the_page_shows_the_requests_held_per_band(tmp_path: Path) -> None:
-    stack = Stack(tmp_path / "data", proxy_port=0)
-    try:
-        await stack.start_nats()
-        await stack.start_core()
-        nodes = await stack.start_sim_engines([("q-910b", "910B", 2)], speed=1.0, npu_smi=False)
-        stack.write_nodes_file(nodes)
-        await stack.register(nodes)
-        await stack.start_collector()
+async def test_the_page_shows_the_requests_held_per_band(tmp_path: Path, eventually: Eventually) -> None:
+    async with simulated_stack(tmp_path / "data", [("q-910b", "910B", 2)], speed=1.0) as stack:
         proxy = await stack.start_proxy(port=0, extra_args=("--flow-control",))
         await stack.start_dashboard(0)
         assert stack.dashboard_url is not None
@@ -58,7 +53,12 @@ async def test_the_page_shows_the_requests_held_per_band(tmp_path: Path) -> None
             assert await browser.wait_for("document.querySelector('#status').textContent === 'live'")
             assert await browser.wait_for(f"{held_now('batch')} === 0")
             blockers = [asyncio.create_task(ask(session, proxy, 250, "default")) for _ in range(2)]
-            await asyncio.sleep(1.0)  # both slots taken: what follows is held
+
+            async def both_in_flight() -> bool:  # both slots taken: what follows is held
+                async with session.get(f"{proxy}/healthz") as response:
+                    return int((await response.json())["inflight"]) == 2
+
+            await eventually(both_in_flight, timeout=30, what="the two blockers in flight")
             held_at_ms = time.time() * 1000
             waiting = [asyncio.create_task(ask(session, proxy, 4, band))
                        for band in ("batch", "batch", "batch", "default", "interactive")]
@@ -86,5 +86,3 @@ async def test_the_page_shows_the_requests_held_per_band(tmp_path: Path) -> None
                 await browser.screenshot(ARTIFACTS / "dashboard-queue-recorded.png")
         finally:
             await stack.processes.stop(("other",))
-    finally:
-        await stack.stop()

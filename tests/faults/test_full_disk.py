@@ -9,7 +9,6 @@ nats-server, ``laswrr recorder`` as a child process writing its DuckDB file ther
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import sys
 import socket
@@ -24,6 +23,7 @@ import pytest
 from laswrr.replay import store
 from laswrr.schemas import subjects as sj
 from laswrr.services.natsbus import connect, ensure_streams
+from tests.conftest import wait_until
 from tests.integration.test_recorder import ack_floor, stop, wait_acked
 
 pytestmark = pytest.mark.timeout(180)
@@ -31,17 +31,24 @@ DISK = "6m"
 PAYLOAD = b'{"request_id":"r%d","proxy":"p1","pad":"' + b"x" * 900 + b'"}'
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
+@contextlib.contextmanager
+def tmpfs(tmp_path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted under ``tmp_path`` (root only: the test skips with the reason otherwise)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK}", "tmpfs", str(mount)], capture_output=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
     try:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    with tmpfs(tmp_path, DISK) as mount:
+        yield mount
 
 
 def fill(path: Path) -> int:
@@ -85,13 +92,6 @@ async def metric(http: aiohttp.ClientSession, port: int, name: str) -> float:
     return 0.0
 
 
-async def until(check, what: str, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
-
-
 async def test_a_full_disk_pauses_the_recorder_and_loses_nothing(nats_url: str, small_disk: Path,
                                                                 tmp_path: Path) -> None:
     data = small_disk / "data"
@@ -118,8 +118,13 @@ async def test_a_full_disk_pauses_the_recorder_and_loses_nothing(nats_url: str, 
         filled = fill(filler)
         before = published
         await publish(2000)
-        await until(lambda: metric(http, port, "laswrr_recorder_write_failing"), "the recorder to say it cannot write")
-        await asyncio.sleep(1.0)  # a few more attempts, all refused
+        await wait_until(lambda: metric(http, port, "laswrr_recorder_write_failing"), 60,
+                         "the recorder to say it cannot write")
+
+        async def retried() -> bool:
+            return await metric(http, port, "laswrr_recorder_write_failures_total") >= 2
+
+        await wait_until(retried, 60, "a second attempt, refused too")  # retried after 0.5 s, the disk still full
         floor_while_full = await ack_floor(js, sj.EVENTS_STREAM, "recorder-events")
         failures = await metric(http, port, "laswrr_recorder_write_failures_total")
         assert proc.poll() is None  # still running
@@ -143,6 +148,6 @@ async def test_a_full_disk_pauses_the_recorder_and_loses_nothing(nats_url: str, 
           f"{resumed_s:.2f} s after the space was freed; recorded {count} rows ({distinct} distinct, max seq {top}); "
           f"exit {code}")
     assert "cannot write to" in log and "again after" in log, log[-2000:]
-    assert failures >= 1
+    assert failures >= 2
     assert (count, distinct, top) == (published, published, published)  # no hole, no duplicate
     assert check and code == 0

@@ -18,9 +18,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -138,7 +139,7 @@ async def hostile(kind: str, host: str, port: int) -> tuple[str, float, bytes]:
     return kind, time.monotonic() - started, answer
 
 
-async def test_a_slowloris_does_not_starve_normal_clients(stack: Stack) -> None:
+async def test_a_slowloris_does_not_starve_normal_clients(stack: Stack, eventually: Callable[..., Awaitable[Any]]) -> None:
     pid = stack.proxy_pid
     base_fds, base_rss = fds(pid), rss_kib(pid)
     load = Load(stack.proxy, headers={"Authorization": f"Bearer {KEY}"})
@@ -146,14 +147,14 @@ async def test_a_slowloris_does_not_starve_normal_clients(stack: Stack) -> None:
     kinds = ["head"] * 24 + ["body"] * 20 + ["silent"] * 20
     assert len(kinds) == HOSTILE
     attack = asyncio.gather(*(hostile(kind, stack.host, stack.port) for kind in kinds))
-    await asyncio.sleep(1.0)
+    await eventually(lambda: fds(pid) >= base_fds + HOSTILE, timeout=30, what="the proxy holding the 64 sockets")
     peak_fds, peak_rss = fds(pid), rss_kib(pid)
     served_during = load.served
     results = await asyncio.wait_for(attack, TIMEOUT_S + LINGER_S + 30)
     served_during = load.served - served_during
     await load.stop()
     stack.ok += load.served
-    await asyncio.sleep(0.5)
+    await eventually(lambda: fds(pid) <= peak_fds - HOSTILE + 8, what="the proxy to release the 64 sockets")
     after_fds, after_rss = fds(pid), rss_kib(pid)
     closed = {kind: max(t for k, t, _ in results if k == kind) for kind in set(kinds)}
     answers = {kind: {a.split(b"\r\n", 1)[0].decode(errors="replace") for k, _, a in results if k == kind}

@@ -1,7 +1,8 @@
 """Hypothesis fuzzing of the KV event decoder and fold (collectors/kv_events.py): bytes in, a batch
 or ``ParseError`` out (the service's counted rejection), nothing else; and the fold of whatever
 decodes never raises. Seeds: the batches captured from a real vLLM (tests/fixtures/kv_events),
-in both encodings, cut, spliced with junk, or with a field replaced by a random MessagePack value."""
+in both encodings, and SGLang's (both of its layouts, built there by make_sglang.py), cut, spliced
+with junk, or with a field replaced by a random MessagePack value."""
 
 from __future__ import annotations
 

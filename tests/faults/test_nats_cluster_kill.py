@@ -21,12 +21,15 @@ import json
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import nats
 import nats.js.errors
 import pytest
+from nats.js.api import ClusterInfo
 
 from laswrr.replay import store
 from laswrr.schemas import subjects as sj
@@ -53,6 +56,20 @@ async def proxy_counter(http: aiohttp.ClientSession, url: str, name: str) -> flo
     raise AssertionError(f"{name} not in the proxy's /metrics")
 
 
+async def events_cluster(js) -> ClusterInfo | None:  # type: ignore[no-untyped-def]
+    """LB_EVENTS's cluster: its leader and replicas; None while it elects a leader (no answer)."""
+    try:
+        return (await js.stream_info(sj.EVENTS_STREAM)).cluster
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.APIError):
+        return None
+
+
+def current_in(info: ClusterInfo | None, node: str) -> bool:
+    """``node`` leads LB_EVENTS or is one of its current replicas."""
+    return info is not None and (info.leader == node or any(
+        p.name == node and p.current and not p.offline for p in info.replicas or []))
+
+
 async def recorder_caught_up(nc, data: Path, timeout_s: float = 60.0) -> float:  # type: ignore[no-untyped-def]
     """When the recorder has recorded LB_EVENTS up to its end: it answers a copy request only then
     (its consumers, recreated after the kill, may lag while the streams elect new leaders)."""
@@ -68,7 +85,8 @@ async def recorder_caught_up(nc, data: Path, timeout_s: float = 60.0) -> float: 
         assert time.monotonic() < deadline, "the recorder never caught up"
 
 
-async def test_a_cluster_node_killed_under_load_loses_nothing(tmp_path: Path) -> None:
+async def test_a_cluster_node_killed_under_load_loses_nothing(tmp_path: Path,
+                                                              eventually: Callable[..., Awaitable[Any]]) -> None:
     data = tmp_path / "data"
     proc, banner = await start_up("--nats-cluster", "3", "--data-dir", str(data), "--proxy-port", "0",
                                   "--dashboard-port", "0", "--sim-speed", "20")
@@ -93,8 +111,8 @@ async def test_a_cluster_node_killed_under_load_loses_nothing(tmp_path: Path) ->
     load = Load(proxy, stream=True, max_tokens=24)
     load.start()
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
-    try:
-        await asyncio.sleep(3.0)
+    try:  # the load under way and the scheduler's snapshots coming, before the kill
+        await eventually(lambda: load.served >= 20 and len(seen) >= 3, timeout=60, what="load served and snapshots")
         served_before = load.served
         killed_at = time.monotonic()
         os.kill(int(banner[f"pid {leader}"]), signal.SIGKILL)
@@ -102,12 +120,8 @@ async def test_a_cluster_node_killed_under_load_loses_nothing(tmp_path: Path) ->
         restarted_s = time.monotonic() - killed_at
         rejoined_s = None
         while rejoined_s is None:
-            try:  # no answer while LB_EVENTS elects its new leader
-                info = (await js.stream_info(sj.EVENTS_STREAM)).cluster
-            except (nats.errors.TimeoutError, nats.js.errors.APIError):
-                info = None
-            if info is not None and (info.leader == leader or any(
-                    p.name == leader and p.current and not p.offline for p in info.replicas or [])):
+            info = await events_cluster(js)
+            if current_in(info, leader):
                 rejoined_s = time.monotonic() - killed_at
             else:
                 assert time.monotonic() - killed_at < REJOIN_BOUND_S, f"{leader} not back in LB_EVENTS: {info}"

@@ -1,8 +1,8 @@
-"""Issue 43 item 2, with real processes: a proxy killed (-9, by its pid) with streams open and
-restarted by `laswrr up` under the same id. While the stack still runs, `laswrr report` (with the
-read-only viewer's credentials) counts those streams as interruptions (`proxy_gone`, from the
-scheduler's recorded `lb.out.voided.proxy`), not as open, and never says "zero interruptions";
-the replay of the log reproduces the void byte for byte."""
+"""A dead proxy's cuts in the report (docs/analysts.md), with real processes: a proxy killed (-9, by
+its pid) with streams open and restarted by `laswrr up` under the same id. While the stack still
+runs, `laswrr report` (with the read-only viewer's credentials) counts those streams as
+interruptions (`proxy_gone`, from the scheduler's recorded `lb.out.voided.proxy`), not as open, and
+never says "zero interruptions"; the replay of the log reproduces the void byte for byte."""
 
 from __future__ import annotations
 
@@ -13,18 +13,26 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.faults.test_proxy_restart import long_stream
+from laswrr.schemas import subjects as sj
+from laswrr.services.natsbus import connect
+from tests.faults.test_proxy_restart import long_stream, scheduler_inflight
 from tests.replay_cli import replay_exact
 from tests.up_process import UpStderr, no_leftover_stack, start_up
 
 no_leftover_stack = pytest.fixture(autouse=True)(no_leftover_stack)
 pytestmark = pytest.mark.timeout(300)
 STREAMS = 6
+
+
+async def all_in_flight(kv) -> bool:  # type: ignore[no-untyped-def]
+    return await scheduler_inflight(kv) >= STREAMS
 
 
 def report(data: Path, url: str) -> dict[str, object]:
@@ -34,7 +42,8 @@ def report(data: Path, url: str) -> dict[str, object]:
     return dict(json.loads(done.stdout))
 
 
-async def test_a_killed_proxys_open_streams_are_counted_as_interrupted_while_the_stack_runs(tmp_path: Path) -> None:
+async def test_a_killed_proxys_open_streams_are_counted_as_interrupted_while_the_stack_runs(
+        tmp_path: Path, eventually: Callable[..., Awaitable[Any]]) -> None:
     data = tmp_path / "data"
     proc, banner = await start_up("--data-dir", str(data), "--proxy-port", "0", "--dashboard-port", "0",
                                   "--sim-speed", "0.5")
@@ -43,7 +52,12 @@ async def test_a_killed_proxys_open_streams_are_counted_as_interrupted_while_the
     viewer = (data / "secrets" / "viewer.env").read_text().strip().removeprefix("NATS_URL=")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
         streams = [asyncio.create_task(long_stream(http, url)) for _ in range(STREAMS)]
-        await asyncio.sleep(3)  # every stream under way (4000 tokens at half speed: minutes)
+        nc = await connect(viewer, "fault-test")
+        try:  # every stream under way (4000 tokens at half speed: minutes), as the scheduler counts them
+            kv = await nc.jetstream().key_value(sj.WEIGHTS_BUCKET)
+            await eventually(lambda: all_in_flight(kv), timeout=60, what=f"the {STREAMS} streams in flight")
+        finally:
+            await nc.close()
         assert not any(s.done() for s in streams)
         killed_at = time.monotonic()
         os.kill(int(banner["pid proxy"]), signal.SIGKILL)

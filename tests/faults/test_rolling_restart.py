@@ -22,6 +22,7 @@ import pytest
 
 from laswrr.replay import store
 from laswrr.services.natsbus import connect
+from tests.conftest import wait_until
 from tests.faults.test_up_supervision import working_again
 from tests.up_process import Load, UpStderr, audit_log, no_leftover_stack, start_up
 
@@ -36,24 +37,17 @@ def worker_pids(log: Path) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"worker (\S+) \(pid (\d+)\) listening", text)}
 
 
-async def wait_until(predicate, what: str, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
-
-
 async def test_rolling_restart_under_load_is_invisible_to_clients(tmp_path: Path, nats_url: str) -> None:
     data = tmp_path / "data"
     proc, banner = await start_up("--data-dir", str(data), "--proxy-port", "0", "--dashboard-port", "0",
                                   "--nats-url", nats_url, "--sim-speed", "20", "--proxy-workers", str(WORKERS))
     stderr = UpStderr(proc)
     proxy_log = data / "logs" / "proxy.log"
-    await wait_until(lambda: len(worker_pids(proxy_log)) == WORKERS, "the proxy's workers")
+    await wait_until(lambda: len(worker_pids(proxy_log)) == WORKERS, 60, "the proxy's workers")
     nc = await connect(nats_url, "fault-test")
     load = Load(banner["proxy URL"].split()[0], stream=True, max_tokens=64)
     load.start()
-    await wait_until(lambda: load.served >= 20, "the load to run")
+    await wait_until(lambda: load.served >= 20, 60, "the load to run")
     figures: list[str] = []
     try:
         for role in ("scheduler", "recorder", "collector"):  # each while the proxy serves on
@@ -67,9 +61,9 @@ async def test_rolling_restart_under_load_is_invisible_to_clients(tmp_path: Path
         for name, pid in sorted(worker_pids(proxy_log).items()):
             served, began = load.served, time.monotonic()
             os.kill(pid, signal.SIGTERM)
-            await wait_until(lambda: worker_pids(proxy_log).get(name, pid) != pid, f"{name} restarted")
+            await wait_until(lambda: worker_pids(proxy_log).get(name, pid) != pid, 60, f"{name} restarted")
             served_by_others = load.served - served
-            await wait_until(lambda: load.served > served + 20, "requests served after the restart")
+            await wait_until(lambda: load.served > served + 20, 60, "requests served after the restart")
             figures.append(f"{name}: back in {time.monotonic() - began:.2f} s, served {served_by_others} while "
                            f"it restarted, failed {load.failed} (at {[round(t - began, 2) for t in load.failed_at]} s)")
         assert proc.returncode is None

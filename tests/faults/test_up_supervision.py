@@ -21,7 +21,9 @@ import json
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,7 +70,8 @@ async def working_again(role: str, nc, nats_url: str, data: Path) -> None:  # ty
         await sub.unsubscribe()
 
 
-async def test_killed_children_are_restarted_and_nothing_is_lost(tmp_path: Path, nats_url: str) -> None:
+async def test_killed_children_are_restarted_and_nothing_is_lost(tmp_path: Path, nats_url: str,
+                                                                eventually: Callable[..., Awaitable[Any]]) -> None:
     data = tmp_path / "data"
     proc, banner = await start_up("--data-dir", str(data), "--proxy-port", "0", "--dashboard-port", "0",
                                   "--nats-url", nats_url, "--sim-speed", "20")
@@ -76,7 +79,7 @@ async def test_killed_children_are_restarted_and_nothing_is_lost(tmp_path: Path,
     nc = await connect(nats_url, "fault-test")
     load = Load(banner["proxy URL"].split()[0])
     load.start()
-    await asyncio.sleep(2.0)
+    await eventually(lambda: load.served >= 20, timeout=60, what="the load served")
     figures = {}
     try:
         for role in ("scheduler", "recorder", "collector"):
@@ -89,7 +92,9 @@ async def test_killed_children_are_restarted_and_nothing_is_lost(tmp_path: Path,
             assert f"{role} (pid {banner[f'pid {role}']}) exited unexpectedly with -9; restarting" in stderr.text()
             await asyncio.wait_for(working_again(role, nc, nats_url, data), 30)
             recovered_s = time.monotonic() - killed_at
-            await asyncio.sleep(1.0)
+            recovered = load.served
+            await eventually(lambda: load.served >= recovered + 20, timeout=60,
+                             what=f"the load served on after the {role}'s restart")
             figures[role] = (load.served - served, load.failed - failed, restarted_s, recovered_s)
             assert load.failed == failed, load.reasons  # the proxy served throughout
         assert proc.returncode is None

@@ -5,13 +5,14 @@ that ends a child ignoring SIGTERM together with what it started (its process gr
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from laswrr.services.children import ChildProcesses
+from tests.conftest import Eventually
+from tests.up_process import exited
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,15 +29,6 @@ time.sleep(60)
 """
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead too
-        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-
-
 async def test_a_program_child_reports_its_url_runs_in_its_directory_and_logs(tmp_path: Path) -> None:
     children = ChildProcesses(tmp_path / "logs")
     (tmp_path / "here").mkdir()
@@ -51,22 +43,30 @@ async def test_a_program_child_reports_its_url_runs_in_its_directory_and_logs(tm
     assert f"cwd {tmp_path / 'here'}" in log and "listening on" in log
 
 
-async def test_a_child_that_ignores_sigterm_is_killed_with_its_process_group(tmp_path: Path) -> None:
+async def test_a_child_that_ignores_sigterm_is_killed_with_its_process_group(tmp_path: Path,
+                                                                             eventually: Eventually) -> None:
     children = ChildProcesses(tmp_path / "logs", stop_timeout_s={"engine": 0.5})
     child = await children.spawn("stubborn", "-c", SERVE, "stubborn", program=(sys.executable,), role="engine",
                                  wait_listening=True)
-    grandchild = 0
-    for _ in range(100):
-        lines = [line for line in child.log_path.read_text().splitlines() if line.startswith("grandchild")]
-        if lines:
-            grandchild = int(lines[0].split()[1])
-            break
-        await asyncio.sleep(0.05)
-    assert grandchild and alive(grandchild)
+    lines = await eventually(lambda: [line for line in child.log_path.read_text().splitlines()
+                                      if line.startswith("grandchild")], what="the grandchild's pid in the log")
+    grandchild = int(lines[0].split()[1])
+    assert not exited(grandchild)
     await children.stop(["engine"])
     assert child.process.returncode == -9
-    for _ in range(100):
-        if not alive(grandchild):
-            break
-        await asyncio.sleep(0.05)
-    assert not alive(grandchild), "the child's own process group is killed with it"
+    await eventually(lambda: exited(grandchild), what="the child's own process group killed with it")
+
+
+async def test_a_log_on_a_full_disk_never_blocks_the_child(tmp_path: Path) -> None:
+    """Its stdout lines that the log refuses (/dev/full: every write fails with ENOSPC) are
+    dropped, not left in the pipe: a child printing 2 MB (far over a pipe's 64 KB) still ends."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "chatty.log").symlink_to("/dev/full")
+    children = ChildProcesses(logs)
+    chatty = "import sys\nfor i in range(20000):\n    print('x' * 99, flush=True)\n"
+    child = await children.spawn("chatty", "-c", chatty, program=(sys.executable,), role="engine")
+    try:
+        assert await asyncio.wait_for(child.process.wait(), 30) == 0
+    finally:
+        await children.stop(["engine"])

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -29,7 +30,9 @@ from laswrr.schemas.events import ClockTicked, EngineSampled, Event, HealthProbe
 from laswrr.collectors.poller import Collector, Settings
 from laswrr.services.nats_server import free_port
 from laswrr.services.sim_engine.app import RunningServer
+from laswrr.services.up import sim_npu_smi_command
 from laswrr.services.sim_engine.config import SimConfig
+from tests.up_process import exited
 
 # Generous timeouts: engines run in the test's own event loop and CI machines are shared.
 # keepalive_s=0: every sample published (the tests count them); test_unchanged_samples_... has the keep-alive
@@ -231,21 +234,23 @@ async def test_a_slow_node_never_delays_the_others(
     fast = [await start_engine(speed=20.0) for _ in range(3)]
     js = nc.jetstream()
     settings = replace(FAST, interval_s=0.2, timeout_s=1.0)
+    started = time.monotonic()
     running = Running([node("slow", slow)] + [node(f"f{i}", e.url) for i, e in enumerate(fast)], js, settings)
-    await asyncio.sleep(2.5)
+    stats = running.collector.stats
+    samples = await EventLog(js).wait_for(  # ~1.6 s of 200 ms ticks, and a second of "slow" timing out
+        lambda s: all(len(of(s, EngineSampled, f"f{i}")) >= 8 for i in range(3)) and bool(of(s, HealthProbed, "slow"))
+        and stats.total("scrapes", node="slow", outcome="timeout") >= 1 and stats.total("late_ticks", loop="slow") >= 4,
+        timeout=30)
     await running.stop()
-    samples = await EventLog(js).read()
+    elapsed_s = time.monotonic() - started
     for i in range(3):
         stamps = [e.ts_ns for e in of(samples, EngineSampled, f"f{i}") if isinstance(e, EngineSampled)]
         gaps_ms = [(b - a) / 1e6 for a, b in zip(stamps, stamps[1:]) if a and b]
-        assert len(stamps) >= 8, stamps  # ~12 ticks of 200 ms
+        assert len(stamps) >= 8, stamps
         assert max(gaps_ms) < 700, gaps_ms  # never held up by the 1000 ms timeouts of "slow"
     slow_health = of(samples, HealthProbed, "slow")
-    assert 1 <= len(slow_health) <= 3  # one probe per ~1 s round, not one per 200 ms tick
+    assert len(slow_health) <= elapsed_s / 1.0 + 1, (slow_health, elapsed_s)  # a probe per ~1 s round, not per tick
     assert all(isinstance(h, HealthProbed) and h.error == "timeout after 1000 ms" for h in slow_health)
-    stats = running.collector.stats
-    assert stats.total("scrapes", node="slow", outcome="timeout") >= 1
-    assert stats.total("late_ticks", loop="slow") >= 4
 
 
 def _table_command(tmp_path: Path, chips: list[NpuChip]) -> str:
@@ -307,30 +312,23 @@ async def test_a_hanging_npu_smi_wrapper_is_killed_with_what_it_started(tmp_path
     assert caught.value.kind == "timeout" and time.monotonic() - started < 3.0
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 2.0
-    while Path(f"/proc/{child}").exists() and "Z" not in _proc_state(child):
+    while not exited(child):
         assert time.monotonic() < deadline, "the wrapper's child outlived the timeout"
         await asyncio.sleep(0.02)
 
 
-def _proc_state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "gone"
-
-
 async def test_failing_npu_smi_is_counted_and_engine_samples_continue(
-        nc: Client, start_engine: Callable[..., Awaitable[RunningServer]]) -> None:
+        nc: Client, start_engine: Callable[..., Awaitable[RunningServer]],
+        eventually: Callable[..., Awaitable[Any]]) -> None:
     engine = await start_engine(speed=20.0)
     js = nc.jetstream()
     failing = f"{sys.executable} -c 'import sys; sys.stderr.write(\"dcmi error\"); sys.exit(3)'"
     running = Running([node("n", engine.url, npu_smi=failing)], js, replace(FAST, npu_interval_s=0.2))
     stats = running.collector.stats
-    deadline = time.monotonic() + 15
-    while stats.total("npu_smi_runs") < 2 and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
+    await eventually(lambda: stats.total("npu_smi_runs") >= 2, timeout=15, what="two npu-smi runs")
     engine_before = stats.total("published", kind="engine")
-    await asyncio.sleep(0.5)
+    await eventually(lambda: stats.total("published", kind="engine") >= engine_before + 2, timeout=15,
+                     what="two more engine samples")
     await running.stop()
     assert stats.total("npu_smi_runs", outcome="exit_status") == stats.total("npu_smi_runs") >= 2
     assert stats.total("published", kind="engine") >= engine_before + 2  # the engine loop kept going
@@ -338,16 +336,15 @@ async def test_failing_npu_smi_is_counted_and_engine_samples_continue(
 
 
 async def test_unchanged_samples_wait_for_the_keepalive_and_say_how_long_they_stand(
-        nc: Client, start_engine: Callable[..., Awaitable[RunningServer]]) -> None:
+        nc: Client, start_engine: Callable[..., Awaitable[RunningServer]], eventually: Any) -> None:
     """An idle engine: its samples and passed probes say the same each round, so after the first
-    one only a keep-alive goes out; each engine sample stands for the keep-alive and two rounds."""
+    one only a keep-alive goes out (a passed probe's every 60 s); each engine sample stands for the
+    keep-alive and two rounds."""
     engine = await start_engine(speed=20.0)
     js = nc.jetstream()
     running = Running([node("n", engine.url)], js, replace(FAST, keepalive_s=1.5, idle_interval_s=0.0))
     stats = running.collector.stats
-    deadline = time.monotonic() + 30
-    while stats.total("scrapes") < 20 and time.monotonic() < deadline:  # 20 rounds of 0.2 s: >= 4 s
-        await asyncio.sleep(0.1)
+    await eventually(lambda: stats.total("scrapes") >= 20, timeout=30, what="20 rounds of 0.2 s: >= 4 s")
     await running.stop()
     rounds = stats.total("scrapes")
     samples = await EventLog(js).read()
@@ -355,24 +352,71 @@ async def test_unchanged_samples_wait_for_the_keepalive_and_say_how_long_they_st
     assert rounds >= 20
     # one per keep-alive (rounds x 0.2 s / 1.5 s, plus the first), never one per round
     assert 2 <= len(engine_samples) <= rounds * 0.2 / 1.5 + 2 < rounds / 2, (len(engine_samples), rounds)
-    assert 2 <= len(probes) <= rounds * 0.2 / 1.5 + 2, (len(probes), rounds)
+    assert len(probes) == 1 and stats.total("unchanged", kind="health") == rounds - 1, (len(probes), rounds)
     assert stats.total("unchanged", kind="engine") == rounds - len(engine_samples)
     assert {e.max_age_ms for e in engine_samples if isinstance(e, EngineSampled)} == {1500 + 400}
 
 
 async def test_an_idle_node_is_polled_every_idle_interval(
-        nc: Client, start_engine: Callable[..., Awaitable[RunningServer]]) -> None:
+        nc: Client, start_engine: Callable[..., Awaitable[RunningServer]], eventually: Any) -> None:
     engine = await start_engine(speed=20.0)
     running = Running([node("n", engine.url)], nc.jetstream(), replace(FAST, keepalive_s=10.0, idle_interval_s=1.0))
     stats = running.collector.stats
-    deadline = time.monotonic() + 30
-    while stats.total("unchanged", kind="engine") < 1 and time.monotonic() < deadline:  # idle from here
-        await asyncio.sleep(0.05)
-    before, started = stats.total("scrapes"), time.monotonic()
-    await asyncio.sleep(3.0)
+    await eventually(lambda: stats.total("unchanged", kind="engine") >= 1, timeout=30, what="an unchanged sample")
+    before, started = stats.total("scrapes"), time.monotonic()  # idle from here
+    await asyncio.sleep(3.0)  # a window of idle rounds: the behaviour under test is timed
     scrapes, elapsed = stats.total("scrapes") - before, time.monotonic() - started
     await running.stop()
     assert 1 <= scrapes <= elapsed / 1.0 + 1 < elapsed / 0.2 / 2, (scrapes, elapsed)  # not one per 0.2 s
+
+
+async def test_an_idle_node_backs_off_and_polls_at_its_interval_again_from_its_first_change(
+        nc: Client, start_engine: Callable[..., Awaitable[RunningServer]], eventually: Any) -> None:
+    """Unchanged rounds double the step to the idle interval (0.2, 0.4, 0.8, 1.6, 2 s); the
+    first round that sees the engine busy (its running count changed) goes back to 0.2 s."""
+    engine = await start_engine(capacity=4)  # speed 1: a request stays in flight for seconds
+    running = Running([node("n", engine.url)], nc.jetstream(), replace(FAST, keepalive_s=10.0, idle_interval_s=2.0))
+    stats = running.collector.stats
+    ticks = await eventually(lambda: running.collector._node_ticks.get("n"), what="the node's loop")
+    await eventually(lambda: ticks.step_s == 2.0, timeout=20, what="the backoff to the idle interval")
+    before, started = stats.total("scrapes"), time.monotonic()
+    await asyncio.sleep(4.5)  # a window of idle rounds: the behaviour under test is timed
+    idle_scrapes, idle_s = stats.total("scrapes") - before, time.monotonic() - started
+    async with aiohttp.ClientSession() as session:
+        load = asyncio.create_task(stream_completion(session, engine.url, 2000))
+        changed = time.monotonic()
+        await eventually(lambda: ticks.step_s == 0.2, timeout=10, what="the normal interval at the first change")
+        back_after_s = time.monotonic() - changed
+        before, started = stats.total("scrapes"), time.monotonic()
+        await asyncio.sleep(2.0)  # a window of busy rounds
+        busy_scrapes, busy_s = stats.total("scrapes") - before, time.monotonic() - started
+        load.cancel()
+        await asyncio.gather(load, return_exceptions=True)
+    await running.stop()
+    assert idle_scrapes <= idle_s / 2.0 + 1, (idle_scrapes, idle_s)  # one per 2 s, not per 0.2 s
+    assert back_after_s <= 2.0 + 1.0, back_after_s  # the next idle round saw the change
+    assert busy_scrapes >= busy_s / 0.2 / 2, (busy_scrapes, busy_s)  # every 0.2 s again (half, on a busy machine)
+
+
+async def test_a_request_in_a_snapshot_polls_an_idle_node_at_once(
+        nc: Client, start_engine: Callable[..., Awaitable[RunningServer]], eventually: Any) -> None:
+    """A node backed off to a 30 s idle interval is polled as soon as a snapshot counts a
+    request on it (``set_busy``, fed by the LB_WEIGHTS watch), and every interval while it has one;
+    its npu-smi host too."""
+    engine = await start_engine(speed=20.0)
+    nodes = [node("n", engine.url, npu_smi=sim_npu_smi_command(engine.url))]  # curl when installed: quick
+    running = Running(nodes, nc.jetstream(), replace(FAST, keepalive_s=60.0, idle_interval_s=30.0))
+    collector, stats = running.collector, running.collector.stats
+    ticks = await eventually(lambda: collector._node_ticks.get("n"), what="the node's loop")
+    npu_ticks = await eventually(lambda: collector._npu_ticks.get(nodes[0].npu_smi or ""), what="the npu-smi loop")
+    await eventually(lambda: ticks.step_s >= 3.2 and npu_ticks.step_s >= 2.0, timeout=30, what="a backoff")
+    scrapes, npu_runs = stats.total("scrapes"), stats.total("npu_smi_runs")
+    collector.set_busy({"n"})
+    await eventually(lambda: stats.total("scrapes") >= scrapes + 3, timeout=3,
+                     what="polls at the normal interval right after the request")
+    await eventually(lambda: stats.total("npu_smi_runs") > npu_runs, timeout=10, what="an npu-smi run right after it")
+    assert ticks.step_s == 0.2
+    await running.stop()
 
 
 async def test_samples_reach_the_scheduler_core(nc: Client, start_engine: Callable[..., Awaitable[RunningServer]]) -> None:
@@ -495,7 +539,8 @@ async def test_mindie_status_and_simulated_exporter_of_a_mindie_engine(
 
 
 async def test_one_exporter_scrape_per_host_serves_every_node_on_it_and_status_alone_makes_a_sample(
-        nc: Client, tiny_apps: Callable[[web.Application], Awaitable[str]]) -> None:
+        nc: Client, tiny_apps: Callable[[web.Application], Awaitable[str]],
+        eventually: Callable[..., Awaitable[Any]]) -> None:
     """Two nodes on one npu-exporter (chips by pod labels, one by npu_ids): one scrape per
     exporter interval for both. A MindIE whose /metrics is off (monitor mode) is sampled from
     /v1/status and /metrics-json; a status that is not RoleReady gives no sample."""
@@ -540,9 +585,12 @@ async def test_one_exporter_scrape_per_host_serves_every_node_on_it_and_status_a
         elapsed = time.monotonic() - started
         assert hits["exporter"] <= elapsed / 1.0 + 1  # one scrape per interval, for all three nodes
         status["body"] = (ASCEND / "mindie-status-v1_switching_flex.json").read_text()
-        await asyncio.sleep(0.6)
+        stats = running.collector.stats
+        await eventually(lambda: stats.total("status_polls", outcome="not_ready") >= 1, what="a not-ready status")
         switched = len(of(await log.read(), EngineSampled, "a"))
-        await asyncio.sleep(0.6)
+        polled = stats.total("status_polls", outcome="not_ready")
+        await eventually(lambda: stats.total("status_polls", outcome="not_ready") >= polled + 2,
+                         what="two more not-ready polls")  # rounds in which no sample may go out
         after = len(of(await log.read(), EngineSampled, "a"))
     finally:
         await running.stop()
@@ -561,7 +609,7 @@ async def test_one_exporter_scrape_per_host_serves_every_node_on_it_and_status_a
 
 async def test_model_ids_are_published_when_they_change_and_a_bad_listing_publishes_nothing(
         nc: Client, start_engine: Callable[..., Awaitable[RunningServer]],
-        tiny_apps: Callable[[web.Application], Awaitable[str]]) -> None:
+        tiny_apps: Callable[[web.Application], Awaitable[str]], eventually: Callable[..., Awaitable[Any]]) -> None:
     from laswrr.schemas.events import ModelsListed
 
     sim = await start_engine(chip="910B", capacity=4)
@@ -583,10 +631,19 @@ async def test_model_ids_are_published_when_they_change_and_a_bad_listing_publis
     try:
         log = EventLog(js)
         await log.wait_for(lambda s: bool(of(s, ModelsListed, "sim")) and bool(of(s, ModelsListed, "lora")))
-        await asyncio.sleep(1.0)  # five more listings each: unchanged, so nothing more is published
+        stats = running.collector.stats
+
+        async def listings(node_id: str, more: int) -> None:
+            """``more`` listings of ``node_id`` after now (each unchanged publishes nothing)."""
+            now = stats.total("model_listings", node=node_id, outcome="ok")
+            await eventually(lambda: stats.total("model_listings", node=node_id, outcome="ok") >= now + more,
+                             what=f"{more} more listings of {node_id}")
+
+        await listings("lora", 5)  # five more listings each: unchanged, so nothing more is published
         served.append("lora-adapter-1")
-        samples = await log.wait_for(lambda s: len(of(s, ModelsListed, "lora")) == 2)
-        await asyncio.sleep(0.6)
+        await log.wait_for(lambda s: len(of(s, ModelsListed, "lora")) == 2)
+        await listings("lora", 3)  # and the new list, listed again, not published again
+        await listings("sim", 5)
         samples = await log.read()
     finally:
         await running.stop()

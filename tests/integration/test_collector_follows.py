@@ -85,22 +85,31 @@ async def test_a_node_registered_at_runtime_is_polled_and_a_removed_one_is_not(
     assert engine_at - registered <= 2 * interval_s, (engine_at - registered)
     assert health_at - registered <= 2 * interval_s, (health_at - registered)
 
+    async def count(subject: str) -> int:
+        return len(await stream_times(nc, subject))
+
+    async def probe_after(probes: int) -> bool:
+        return await count(sj.health("n5")) > probes
+
+    probes = await count(sj.health("n5"))
     await asyncio.to_thread(register, nats_url, "n5", "--url", engine.url, "--capacity", "4",
                             "--metrics-url", "http://127.0.0.1:1/metrics")  # moved metrics: scrapes fail
-    await asyncio.sleep(3 * interval_s)
-    before = len(await stream_times(nc, sj.metrics_engine("n5")))
-    await asyncio.sleep(3 * interval_s)
-    assert len(await stream_times(nc, sj.metrics_engine("n5"))) == before  # nothing parsed from port 1
-    assert len(await stream_times(nc, sj.health("n5"))) > 0
+    await eventually(lambda: "polling http://127.0.0.1:1/metrics" in collector_log.read_text(),
+                     what="the collector following the new registration")
+    # the new registration's first round: its probe goes out again (and after what the old loop sent)
+    await eventually(lambda: probe_after(probes), what="a probe of the new registration")
+    before = await count(sj.metrics_engine("n5"))
+    await asyncio.sleep(3 * interval_s)  # a window of some rounds in which no sample may come
+    assert await count(sj.metrics_engine("n5")) == before  # nothing parsed from port 1
 
     subprocess.run([sys.executable, "-m", "laswrr", "remove", "n5", "--nats-url", nats_url, "--wait", "10"],
                    capture_output=True, timeout=30)
-    await asyncio.sleep(2 * interval_s)
-    health = len(await stream_times(nc, sj.health("n5")))
-    await asyncio.sleep(4 * interval_s)
-    assert len(await stream_times(nc, sj.health("n5"))) == health  # polling stopped
-    log = (tmp_path / "logs" / "collector.log").read_text()
-    assert "node n5 registered: polling" in log and "node n5 removed: polling stopped" in log
+    await eventually(lambda: "node n5 removed: polling stopped" in collector_log.read_text(),
+                     what="the collector following the removal")
+    health = await count(sj.health("n5"))
+    await asyncio.sleep(4 * interval_s)  # a window of some rounds in which no probe may come
+    assert await count(sj.health("n5")) == health  # polling stopped
+    assert "node n5 registered: polling" in collector_log.read_text()
 
 
 async def test_a_collector_started_after_registration_polls_the_registered_node(
@@ -117,7 +126,7 @@ async def test_a_collector_started_after_registration_polls_the_registered_node(
     started = time.time()
     await children.spawn("collector", "collector", "--nats-url", nats_url, "--nodes", str(empty), role="collector")
     await first_after(nc, sj.metrics_engine("n6"), started)
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(1.0)  # from the proof it polls: a window of rounds in which n7 would be probed
     assert await stream_times(nc, sj.health("n7")) == []  # removed before the collector started
 
 
@@ -139,7 +148,7 @@ async def test_a_registration_the_scheduler_rejected_is_never_polled(
     assert out.startswith("applied: "), out
     (registered,) = await stream_times(nc, sj.admin_node("n9"))
     await first_after(nc, sj.health("n9"), registered)  # the applied one is polled
-    await asyncio.sleep(4 * INTERVAL_MS / 1000)
+    await asyncio.sleep(4 * INTERVAL_MS / 1000)  # from there: a window of rounds in which n8 would be probed
     assert await stream_times(nc, sj.health("n8")) == []
     assert await stream_times(nc, sj.metrics_engine("n8")) == []
     log = (tmp_path / "logs" / "collector.log").read_text()

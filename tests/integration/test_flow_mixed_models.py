@@ -20,8 +20,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from laswrr.services.up import Stack
 from tests.model_listing import nodes_once_models_listed
+from tests.sim_stack import simulated_stack
 
 pytestmark = pytest.mark.timeout(240)  # a whole stack, started and stopped, on a shared machine
 
@@ -61,17 +61,9 @@ async def full(session: aiohttp.ClientSession, url: str, slots: int) -> bool:
 
 async def test_a_model_only_full_nodes_serve_is_held_not_refused(tmp_path: Path,
                                                                  eventually: Callable[..., Awaitable[Any]]) -> None:
-    stack = Stack(tmp_path / "data", proxy_port=0)
-    try:
-        stack.allow_hosts([], sims=True)
-        await stack.start_nats()
-        await stack.start_core()
-        nodes = [*await stack.start_sim_engines([("alpha", "910B", 2)], speed=1.0, npu_smi=False, model="sim-alpha"),
-                 *await stack.start_sim_engines([("beta", "910B", 4)], speed=1.0, npu_smi=False, model="sim-beta")]
-        alpha_url = nodes[0].url
-        stack.write_nodes_file(nodes)
-        await stack.register(nodes)
-        await stack.start_collector()
+    async with simulated_stack(tmp_path / "data", [("alpha", "910B", 2), ("beta", "910B", 4)], speed=1.0,
+                               models={"alpha": "sim-alpha", "beta": "sim-beta"}) as stack:
+        alpha_url = stack.nodes[0].url
         proxy = await stack.start_proxy(extra_args=("--flow-control",))
         nodes = await nodes_once_models_listed(stack.nats_url)
         assert {n["node"]: (n["models"], n.get("concurrency_limit", 0)) for n in nodes} == {
@@ -95,5 +87,3 @@ async def test_a_model_only_full_nodes_serve_is_held_not_refused(tmp_path: Path,
             assert [(s, n) for s, n, _ in await asyncio.gather(*blockers)] == [(200, "alpha")] * 2
             assert waited > max(seconds for _, _, seconds in others)
             assert await queue_depth(session, proxy, "interactive") == 0
-    finally:
-        await stack.stop()

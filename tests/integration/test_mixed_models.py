@@ -32,8 +32,8 @@ import aiohttp
 import pytest
 
 from laswrr.replay import store
-from laswrr.services.up import Stack
 from tests.model_listing import nodes_once_models_listed
+from tests.sim_stack import simulated_stack
 
 pytestmark = pytest.mark.timeout(240)  # a whole stack, started and stopped, on a shared machine
 
@@ -75,16 +75,8 @@ async def _load(url: str) -> list[tuple[str, int, str | None, str | None, dict[s
 
 
 async def test_a_mixed_model_pool_under_load_gets_no_404_from_the_router(tmp_path: Path) -> None:
-    stack = Stack(tmp_path / "data", proxy_port=0)
-    try:
-        stack.allow_hosts([], sims=True)
-        await stack.start_nats()
-        await stack.start_core()
-        nodes = [*await stack.start_sim_engines([("alpha", "910B", 8)], speed=SPEED, npu_smi=False, model="sim-alpha"),
-                 *await stack.start_sim_engines([("beta", "910C", 8)], speed=SPEED, npu_smi=False, model="sim-beta")]
-        stack.write_nodes_file(nodes)
-        await stack.register(nodes)
-        await stack.start_collector()
+    async with simulated_stack(tmp_path / "data", [("alpha", "910B", 8), ("beta", "910C", 8)], speed=SPEED,
+                               models={"alpha": "sim-alpha", "beta": "sim-beta"}) as stack:
         proxy = await stack.start_proxy()
         nodes = await nodes_once_models_listed(stack.nats_url)
         assert {n["node"]: n["models"] for n in nodes} == {"alpha": ["sim-alpha"], "beta": ["sim-beta"]}
@@ -97,8 +89,6 @@ async def test_a_mixed_model_pool_under_load_gets_no_404_from_the_router(tmp_pat
         async with aiohttp.ClientSession() as session:
             async with session.get(proxy + "/metrics") as response:
                 metrics = await response.text()
-    finally:
-        await stack.stop()
 
     by_kind: dict[str, Counter[tuple[int, str | None]]] = {}
     for kind, status, node, _, _ in results:

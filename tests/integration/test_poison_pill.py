@@ -34,15 +34,14 @@ from laswrr.services.operator import publish_and_wait
 from laswrr.services.recorder import Recorder, RecorderOptions
 from laswrr.services.scheduler_service import HEADER_MARGIN_BYTES, SchedulerOptions, SchedulerService
 
+from tests.conftest import wait_until
+
 pytestmark = pytest.mark.timeout(90)
 MB_ERROR = "connection reset; body: " + "E" * 1_000_000
 
 
-async def _until(predicate: Any, timeout_s: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
+async def _until(predicate: Any) -> None:
+    await wait_until(predicate, 20)
 
 
 class Stack:

@@ -232,9 +232,13 @@ async def test_readme_and_docs_command_blocks_run_against_laswrr_up(stack: Runni
     assert {"curl", "nats", "laswrr"} <= kinds and {name for name, _ in commands} >= {"README.md", "analysts.md"}
     nc = await nats.connect(stack.nats_url)
     rejected: list[str] = []
+    marker, marked = sj.admin_capacity("readme-test-marker"), asyncio.Event()
 
     async def on_rejected(msg: nats.aio.msg.Msg) -> None:
         body = json.loads(msg.data)
+        if body.get("subject") == marker:
+            marked.set()
+            return
         # A collector sample already on its way when the README removes a node is rejected as an
         # unknown node: that is the collector racing the removal, not something the README sent.
         if not (body.get("subject", "").startswith(("lb.metrics.", "lb.health.")) and "unknown node" in body["reason"]):
@@ -252,8 +256,10 @@ async def test_readme_and_docs_command_blocks_run_against_laswrr_up(stack: Runni
             elif command.startswith("curl") and ('"error"' in out or
                                                  ('"stream": true' in command and "data: [DONE]" not in out)):
                 failures.append(f"{name}: $ {command}\nanswered an error or an unfinished stream:\n{out[-1500:]}")
-        await nc.flush()
-        await asyncio.sleep(0.5)  # the scheduler's verdict on the last admin message
+        # the scheduler's verdicts come in the log's order: the one on this unknown node's capacity,
+        # published after every command, comes after the verdict on the last admin message they sent
+        await nc.jetstream().publish(marker, b'{"capacity": 1}')
+        await asyncio.wait_for(marked.wait(), 60)
     finally:
         await nc.close()
     assert not failures, "README or docs commands failed:\n\n" + "\n\n".join(failures)

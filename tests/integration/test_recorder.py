@@ -115,7 +115,7 @@ async def test_sigkill_mid_run_loses_nothing_and_duplicates_nothing(nats_url: st
                 await nc.publish(sj.out_snapshot("default"), b'{"pool":"default","as_of_seq":%d}' % i)
             if i % 100 == 0:
                 await nc.flush()
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # paced: the kills land in the middle of the run
         await nc.flush()
         publisher_done.set()
 
@@ -322,9 +322,9 @@ async def test_a_stop_records_no_output_beyond_its_inputs(nats_url: str, tmp_pat
         return k
 
     publisher = asyncio.create_task(pairs())
-    await asyncio.sleep(0.3)
+    await wait_acked(js, sj.EVENTS_STREAM, "recorder-events", 100)  # it records while the pairs come
     os.kill(proc.pid, signal.SIGSTOP)
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(0.5)  # stopped: the publisher gets ahead of it
     os.kill(proc.pid, signal.SIGCONT)
     proc.send_signal(signal.SIGTERM)
     code = await asyncio.to_thread(wait_exit, proc)
@@ -337,3 +337,48 @@ async def test_a_stop_records_no_output_beyond_its_inputs(nats_url: str, tmp_pat
     assert outputs and len(outputs) < published
     assert [k for k in outputs if k not in inputs] == []
     await nc.close()
+
+
+async def test_a_trickle_is_committed_less_often_a_burst_at_once_and_a_stop_cuts_the_wait(
+        nats_url: str, tmp_path: Path) -> None:
+    """In process: a trickle (4 messages a second) doubles each fetch's wait up to
+    --idle-flush-ms, so it costs a few commits, not one a message; a burst sets the wait back to
+    --flush-ms; a stop in the middle of a long wait is not held by it."""
+    from laswrr.services.recorder import Recorder, RecorderOptions
+
+    nc, pub = await connect(nats_url, "recorder"), await connect(nats_url, "test")
+    js = pub.jetstream()
+    await ensure_streams(js)
+    recorder = Recorder(nc, RecorderOptions(data_dir=tmp_path, flush_ms=100, idle_flush_ms=1600))
+    stopping = asyncio.Event()
+    task = asyncio.create_task(recorder.run(stopping))
+    await asyncio.wait_for(recorder.ready.wait(), 20)
+    stats = recorder.stats[sj.EVENTS_STREAM]
+    for n in range(24):  # 6 s at 4 a second: 24 commits at a fixed 100 ms wait
+        await js.publish(sj.CLOCK_TICK, b'{"tick":%d}' % n)
+        await asyncio.sleep(0.25)  # the trickle's pace: the behaviour under test is timed
+    trickle_commits = stats.batches
+    await asyncio.gather(*(js.publish(sj.CLOCK_TICK, b'{"tick":%d}' % n) for n in range(100, 400)))
+    deadline = time.monotonic() + 20
+    while stats.recorded < 324:
+        assert time.monotonic() < deadline, stats.recorded
+        await asyncio.sleep(0.02)
+    before, started = stats.batches, time.monotonic()
+    for n in range(10):  # 10 every 0.1 s for 1 s: the wait stays at 100 ms
+        await asyncio.gather(*(js.publish(sj.CLOCK_TICK, b'{"tick":%d}' % (1000 + 10 * n + k)) for k in range(10)))
+        await asyncio.sleep(0.1)  # the steady load's pace
+    while stats.recorded < 424:
+        assert time.monotonic() < deadline, stats.recorded
+        await asyncio.sleep(0.02)
+    steady_commits, steady_s = stats.batches - before, time.monotonic() - started
+    recorder.options.idle_flush_ms = 30_000
+    await asyncio.sleep(7.0)  # silence: waits of 0.1, 0.2 ... 3.2 s, then one of 6.4 s from ~6.3 s
+    stopped_at = time.monotonic()
+    stopping.set()
+    await asyncio.wait_for(task, 20)
+    stop_s = time.monotonic() - stopped_at
+    await nc.close()
+    await pub.close()
+    assert trickle_commits <= 12, trickle_commits
+    assert steady_commits >= steady_s / 0.1 / 2, (steady_commits, steady_s)
+    assert stop_s < 3.0, stop_s

@@ -315,7 +315,7 @@ async def test_configuration_file_is_published_once_as_an_event(
     assert service.scheduler.config.ease_alpha == 0.25
     await halt()
     await run_service(config_file=str(config))  # already in force: not published again
-    await asyncio.sleep(0.2)
+    # ready is set after the start's configuration check (and the ack of what it publishes)
     assert len(await _config_events(js)) == 1
 
 
@@ -335,7 +335,7 @@ async def test_two_replicas_yield_one_output_stream_and_one_tick_per_period(
         await js.publish(f"lb.admin.node.{node}", b'{"url": "http://%s", "capacity": 8}' % node.encode())
     await js.publish("lb.admin.capacity.a", b'{"capacity": 2}')
     await js.publish("lb.admin.capacity.a", b'{"capacity": -2}')
-    await asyncio.sleep(1.0)
+    await wait_for(lambda: _ticks_stored(js, 12), timeout=30)  # some 0.6 s of 50 ms periods
     mark = (await js.stream_info(sj.EVENTS_STREAM)).state.last_seq
     await wait_for(lambda: _both_applied(a, b, mark))
     await halt_a()
@@ -354,8 +354,37 @@ async def test_two_replicas_yield_one_output_stream_and_one_tick_per_period(
     assert out == fold(events[:max(a.applied_seq, b.applied_seq)])[1]
 
 
+async def _ticks_stored(js: JetStreamContext, count: int) -> bool:
+    return sum(1 for env, _ in await read_stream(js, sj.EVENTS_STREAM) if env.subject == sj.CLOCK_TICK) >= count
+
+
 async def _both_applied(a: SchedulerService, b: SchedulerService, seq: int) -> bool:
     return a.applied_seq >= seq and b.applied_seq >= seq
+
+
+async def test_an_idle_scheduler_tries_no_tick_until_an_input_then_ticks_again(
+        js: JetStreamContext, run_service: RunService) -> None:
+    service, halt = await run_service(tick_ms=50, tick_keepalive_ms=60_000)
+    trials: list[int] = []
+    try_tick = service.scheduler.tick_changes
+    service.scheduler.tick_changes = lambda now_ns: trials.append(now_ns) or try_tick(now_ns)  # type: ignore[method-assign]
+    await js.publish("lb.admin.node.a", b'{"url": "http://a", "capacity": 8}')
+
+    async def quiet() -> bool:  # eased to its target: a trial said a tick changes nothing now
+        gate = service._gate
+        return gate.quiet is not None and gate.quiet[0] == service.applied_seq
+
+    await wait_for(quiet)
+    tried = len(trials)
+    await asyncio.sleep(1.0)  # 20 periods, no input, no timer running (no sample, no proxy)
+    assert len(trials) == tried  # one trial a period before TickGate
+    ack = await js.publish("lb.admin.capacity.a", b'{"capacity": 2}')
+
+    async def ticked_after() -> bool:  # the input wakes the loop: a tick, easing toward the new target
+        return any(env.subject == sj.CLOCK_TICK and env.seq > ack.seq for env, _ in await read_stream(js, sj.EVENTS_STREAM))
+
+    await wait_for(ticked_after)  # not the keep-alive's 60 s
+    await halt()
 
 
 async def test_holes_in_a_delivery_are_fetched_with_their_exact_time(js: JetStreamContext, nats_url: str) -> None:

@@ -20,6 +20,8 @@ from laswrr.services.up import Stack
 
 from multidict import CIMultiDict
 
+from tests.sim_stack import simulated_stack
+
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
 
@@ -44,15 +46,8 @@ async def test_secure_stack_keys_limits_and_no_credential_leaks(tmp_path: Path,
     alice, anon = f"sk-alice-{secrets.token_hex(16)}", f"sk-{secrets.token_hex(16)}"
     keys_file = tmp_path / "keys.txt"
     keys_file.write_text(f"# the clients\nalice:{alice}\n\n{anon}\n")
-    stack = Stack(tmp_path / "data", proxy_port=0, proxy_args=("--api-keys", str(keys_file), "--key-max-inflight", "1"))
-    try:
-        stack.allow_hosts([], sims=True)
-        await stack.start_nats()
-        await stack.start_core()
-        nodes = await stack.start_sim_engines([("sim-a", "910B", 4)], speed=1.0, npu_smi=False)
-        await stack.register(nodes)
-        stack.write_nodes_file(nodes)
-        await stack.start_collector()
+    async with simulated_stack(tmp_path / "data", [("sim-a", "910B", 4)], speed=1.0,
+                               proxy_args=("--api-keys", str(keys_file), "--key-max-inflight", "1")) as stack:
         url = await stack.start_proxy(port=0)
         credentials = passwords_of(stack) + [alice, anon]
         for child in stack.children:  # nothing secret in any child's argv
@@ -105,8 +100,6 @@ async def test_secure_stack_keys_limits_and_no_credential_leaks(tmp_path: Path,
             await openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-nope", max_retries=0).chat.completions.create(
                 model="default", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
         await client.close()
-    finally:
-        await stack.stop()
 
     with store.open_read(stack.data_dir / "events.duckdb") as con:
         started = [json.loads(row[0]) for row in con.execute(

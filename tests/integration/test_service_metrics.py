@@ -85,7 +85,7 @@ async def test_a_lagging_scheduler_shows_its_lag(nats_url: str, nc: Client, tmp_
     js = nc.jetstream()
     for i in range(5):
         await js.publish(sj.admin_capacity(f"x{i}"), b'{"capacity": 1}')
-    await asyncio.sleep(1.2)
+    await asyncio.sleep(1.2)  # the lag is an age: the oldest message not applied must be over 1 s old
     from laswrr.services.service_metrics import lag
 
     behind, behind_s = await lag(js, sj.EVENTS_STREAM, 2)

@@ -19,6 +19,7 @@ from laswrr.collectors.nodes import Node
 from laswrr.collectors.npu import ChipSelector
 from laswrr.schemas import subjects as sj
 from laswrr.services.natsbus import redact_url
+from laswrr.services.nats_server import free_ports
 from laswrr.services.up import (Stack, StackError, load_nodes, parse_nodes, render_nodes,
                          sim_npu_smi_command)
 from tests.up_process import finish, no_leftover_stack, start_up
@@ -156,6 +157,27 @@ async def test_up_runs_proxy_workers_on_the_proxy_port(tmp_path: Path) -> None:
     assert "exited unexpectedly" not in err and "killed" not in err
 
 
+async def test_up_asks_its_workers_on_the_admin_ports_it_was_given(tmp_path: Path) -> None:
+    """``--proxy-arg admin-port=P`` moves each worker's probes to P + k: `up` waits for the proxy
+    there (it asked the proxy port, which then serves no probe, for 10 s, and warned "not routing
+    yet" of a proxy that routed)."""
+    import aiohttp
+
+    (tmp_path / "nodes.toml").write_text(NODES)
+    admin = free_ports(2)
+    proc, _banner = await start_up("--nodes", str(tmp_path / "nodes.toml"), "--data-dir", str(tmp_path / "data"),
+                                   "--proxy-port", "0", "--dashboard-port", "0", "--proxy-workers", "2",
+                                   "--proxy-arg", f"admin-port={admin}")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        for k in range(2):
+            async with http.get(f"http://127.0.0.1:{admin + k}/healthz") as response:
+                assert (await response.json())["proxy"] == f"proxy-{k}"
+    proc.send_signal(signal.SIGINT)
+    code, _out, err = await finish(proc)
+    assert code == 0, err[-2000:]
+    assert "not routing yet" not in err
+
+
 async def test_up_holds_an_overload_by_default_instead_of_queueing_it_in_the_engine(tmp_path: Path) -> None:
     """Issue 41 item 4: `laswrr up` with no flag runs the proxy with flow control: requests beyond
     the engine's one slot wait in the proxy (its held-requests gauge), not in the engine's queue;
@@ -229,7 +251,20 @@ async def test_a_dashboard_on_a_taken_port_is_reported_not_listed_with_a_dead_pi
     assert not [c for c in stack.children if c.name == "dashboard"]
 
 
-async def test_the_stack_starts_kv_events_only_for_nodes_that_publish_them(tmp_path: Path) -> None:
+async def test_the_dashboard_stops_with_the_stack(tmp_path: Path, nats_url: str) -> None:
+    """``Stack.stop`` stops the dashboard too (its role, ``viewer``, was in no stop order: it
+    outlived the stack until the process that ran the stack exited)."""
+    stack = Stack(tmp_path / "data", nats_url=nats_url, secure=False)
+    try:
+        await stack.start_dashboard(0)
+        board = next(c for c in stack.children if c.name == "dashboard")
+        assert board.process.returncode is None
+    finally:
+        await stack.stop()
+    assert board.process.returncode is not None
+
+
+async def test_the_stack_starts_kv_events_only_for_nodes_that_publish_them(tmp_path: Path, eventually) -> None:
     """A node with ``kv_events`` makes the stack run ``laswrr kv-events``, with the collector's
     credentials (its role publishes ``lb.kv.>``); it connects and keeps running."""
     stack = Stack(tmp_path / "data", proxy_port=0)
@@ -243,7 +278,8 @@ async def test_the_stack_starts_kv_events_only_for_nodes_that_publish_them(tmp_p
         child = await stack.start_kv_events([plain, events])
         assert child is not None and child.role == "collector"
         await stack.register([events])
-        await asyncio.sleep(2.0)
+        await eventually(lambda: "node n2: subscribed to tcp://127.0.0.1:9" in child.log_path.read_text()
+                         or child.process.returncode is not None, timeout=30, what="kv-events subscribing to n2")
         log = child.log_path.read_text()
         assert child.process.returncode is None, log
         assert "to nats://collector:" in log and "node n2: subscribed to tcp://127.0.0.1:9" in log

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,15 +64,3 @@ async def tap(nc: Any) -> AsyncIterator[EventTap]:
     tapped = await EventTap().start(nc.jetstream())
     yield tapped
     await tapped.sub.unsubscribe()
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model's tokenizer directory (tokenizer.json, tokenizer_config.json with its chat
-    template), as bench/tiny_model.py builds it for the real-engine tier."""
-    from bench import tiny_model
-
-    out = tmp_path_factory.mktemp("tiny")
-    root = Path(__file__).resolve().parents[2]
-    tiny_model.tokenizer((root / "docs" / "algorithm.md").read_text(encoding="utf-8"), out)
-    return out

@@ -63,3 +63,15 @@ async def test_the_engine_s_view_takes_the_request(engines, core: CoreDriver, st
     async with http.get(proxy.url + "/health") as resp:
         view = (await resp.json())["kv_view"]
     assert view == {"exact": ["a", "b"], "stale": [], "rejected": 1}
+    async with http.get(proxy.url + "/metrics") as resp:
+        metrics = await resp.text()
+    assert f'laswrr_proxy_kv_view_exact{{node="{other}"}} 1.0' in metrics
+    assert f'laswrr_proxy_kv_view_blocks{{node="{other}"}} 3.0' in metrics
+    gap = CacheChanged(n=5, seq=4, block_size=BLOCK, stored=pack_block_keys([]), cleared=False, reason="")
+    await nc.publish(sj.kv(other), CACHE_ENCODER.encode(gap))  # changes 2..4 lost: the view is stale
+    await wait_for(lambda: not kv.exact(other), what="the view stale after a gap")
+    async with http.get(proxy.url + "/metrics") as resp:
+        metrics = await resp.text()
+    assert f'laswrr_proxy_kv_view_exact{{node="{other}"}} 0.0' in metrics  # routed on the estimated view, visibly
+    async with http.get(proxy.url + "/health") as resp:
+        assert (await resp.json())["kv_view"]["stale"] == [other]

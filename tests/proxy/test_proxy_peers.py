@@ -207,6 +207,33 @@ async def test_a_proxy_alone_sends_only_its_heartbeat(
     assert bus.peers.peer_sent <= 4 and bus.peers.peer_sent == bus.peers.peer_sent_whole, (bus.peers.peer_sent, bus.peers.peer_sent_whole)
 
 
+async def test_a_proxy_alone_rests_its_peer_loop_until_a_peer_speaks(
+        engines: Any, core: CoreDriver, start_proxy: StartProxy) -> None:
+    """With no peer heard, the interval loop wakes for its heartbeat (1 s), not every 20 ms; a
+    second proxy's first message wakes it, and the two hear each other."""
+    for name in NODES:
+        seq = await core.register(name, (await engines(name)).url)
+    a = await start_proxy(proxy_id="proxy-a", peer_interval_ms=20, peer_stale_ms=2000)
+    await wait_seq(a, "default", seq)
+    channel = a.state.bus.peers.channel
+    looks = 0
+    expire = channel.expire
+
+    def counted(now: float) -> int:
+        nonlocal looks
+        looks += 1
+        return expire(now)
+
+    channel.expire = counted  # type: ignore[method-assign]
+    await asyncio.sleep(2.0)
+    assert looks <= 4, looks  # 100 at one a 20 ms interval
+    b = await start_proxy(proxy_id="proxy-b", peer_interval_ms=20, peer_stale_ms=2000)
+    await wait_for(lambda: "proxy-b" in a.state.router.table.route("default").peers, what="A hears B")
+    await wait_for(lambda: "proxy-a" in b.state.router.table.route("default").peers, what="B hears A")
+    heard = looks  # a peer heard: every interval again (10 looks take 0.2 s; resting, 10 s)
+    await wait_for(lambda: looks - heard >= 10, timeout=3.0, what="the loop wakes every interval again")
+
+
 async def test_a_proxy_ranked_after_another_picks_after_hearing_its_pick(
         engines: Any, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession) -> None:
     """``--peer-stagger-ms``: before each pick a proxy waits its rank among the proxies it hears

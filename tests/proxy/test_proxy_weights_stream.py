@@ -1,13 +1,16 @@
 """LB_WEIGHTS recreated (``nats stream rm``, a fresh scheduler counting ``as_of_seq`` from 1 again):
-the proxy must follow the new stream, not keep its higher-numbered snapshot from the old one forever."""
+the proxy must follow the new stream, not keep its higher-numbered snapshot from the old one forever.
+And the same stream after a nats-server restart: the proxy watches it anew as soon as it is back."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
 import aiohttp
+import pytest
 
 from proxy_support import CoreDriver, StartProxy, wait_for, wait_seq
 from laswrr.schemas import subjects as sj
@@ -109,3 +112,32 @@ async def test_a_forged_snapshot_beyond_the_log_gives_way_to_the_schedulers(engi
     assert set(proxy.state.router.table.route("default").first.targets) == {"real"}
     assert proxy.state.router.table.route("default").snapshot.as_of_seq <= 51
     assert await _node_of(http, proxy.url) == "real"
+
+
+async def test_proxy_watches_again_at_once_after_nats_server_restarts(engines, nats_server: Any, nc: Any,
+                                                                       core: CoreDriver, start_proxy: StartProxy,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A restarted nats-server (same port, same store: `laswrr up` after a full disk) forgot the
+    watcher's consumer: the proxy re-creates its watcher once the connection is back and silent a
+    second, not ``rewatch_s`` after its last snapshot (here 120 s) nor when nats-py's ordered
+    consumer resets itself after missed heartbeats (~20 s, measured without the re-watch)."""
+    caplog.set_level(logging.INFO, "laswrr.proxy.bus")
+    proxy = await start_proxy()
+    proxy.state.bus.rewatch_s = 120.0
+    a = await engines("a")
+    await core.register("a", a.url)
+    await wait_seq(proxy, "default", await core.tick())
+    await asyncio.to_thread(nats_server.stop)
+    await asyncio.to_thread(nats_server.start)
+    deadline = time.monotonic() + 30
+    while True:  # the test's own connection reconnects too
+        try:
+            later = await core.tick()
+            break
+        except Exception:  # noqa: BLE001 - not reconnected yet
+            assert time.monotonic() < deadline, "the test's connection did not come back"
+            await asyncio.sleep(0.1)
+    table = proxy.state.router.table
+    await wait_for(lambda: table.snapshots()["default"].as_of_seq >= later, timeout=30,
+                   what="a snapshot published after the restart")
+    assert "NATS connection back and LB_WEIGHTS silent: watching it anew" in caplog.text

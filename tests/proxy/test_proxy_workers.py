@@ -1,14 +1,18 @@
 """`laswrr proxy --workers 2` as a real process tree on a real port: both workers serve (the
 scheduler counts requests of both proxy ids), a worker killed by its PID is restarted while what
-the other admitted runs to its end, and SIGTERM drains both.
+the other admitted runs to its end, and SIGTERM drains both. A proxy that shares its port
+(``reuse_port``, what each worker is) listens only once it holds a routing snapshot, so a worker
+restarted beside serving ones takes no connection it could only answer 503 ``no_snapshot``.
 
 Real parts: the test's nats-server, the scheduler service in-process (it folds the workers'
-events into snapshots), echo engines, `python -m laswrr proxy --workers 2` as a child process.
+events into snapshots), echo engines, `python -m laswrr proxy --workers 2` as a child process;
+the in-process proxy (``app.start``) for the snapshot wait.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -21,9 +25,16 @@ from typing import Any
 import aiohttp
 import pytest
 
+from nats.js.errors import KeyNotFoundError
+
 from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import decode_snapshot
 from laswrr.services.children import preexec
+from laswrr.services.proxy.app import RunningProxy, start
+from laswrr.services.proxy.config import ProxyConfig
 from laswrr.services.scheduler_service import SchedulerOptions, SchedulerService
+
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 CHAT = "/v1/chat/completions"
@@ -65,13 +76,6 @@ class Parent:
             await asyncio.wait_for(self._reader, 10)
 
 
-async def wait_until(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
 @pytest.fixture
 async def scheduler(nc: Any) -> AsyncIterator[SchedulerService]:
     service = SchedulerService(nc, SchedulerOptions(tick_ms=100, replica_id="sched-test", checkpoint_every=0))
@@ -84,7 +88,27 @@ async def scheduler(nc: Any) -> AsyncIterator[SchedulerService]:
 
 
 @pytest.fixture
-async def parent(nats_url: str) -> AsyncIterator[Parent]:
+async def two_nodes(engines: Any, nc: Any, scheduler: SchedulerService) -> None:
+    """Nodes a and b registered, and in the pool's snapshot (the workers listen once they hold it)."""
+    js = nc.jetstream()
+    for name in ("a", "b"):
+        engine = await engines(name)
+        await js.publish(sj.admin_node(name), json.dumps({"url": engine.url, "capacity": 64}).encode())
+    kv = await js.key_value(sj.WEIGHTS_BUCKET)
+
+    async def listed() -> bool:
+        with contextlib.suppress(KeyNotFoundError):
+            return len(decode_snapshot((await kv.get("default")).value or b"").nodes) == 2
+        return False
+
+    deadline = time.monotonic() + 10
+    while not await listed():
+        assert time.monotonic() < deadline, "nodes a and b not in the snapshot"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def parent(nats_url: str, two_nodes: None) -> AsyncIterator[Parent]:
     env = {**os.environ, "NATS_URL": nats_url, "PYTHONUNBUFFERED": "1"}
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "laswrr", "proxy", "--workers", "2", "--host", "127.0.0.1", "--port", "0",
@@ -137,11 +161,7 @@ async def open_streams_on_both(http: aiohttp.ClientSession, parent: Parent, serv
 
 
 async def test_two_workers_serve_survive_a_kill_and_drain_on_sigterm(
-        engines, nc: Any, scheduler: SchedulerService, parent: Parent) -> None:
-    js = nc.jetstream()
-    for name in ("a", "b"):
-        engine = await engines(name)
-        await js.publish(sj.admin_node(name), json.dumps({"url": engine.url, "capacity": 64}).encode())
+        scheduler: SchedulerService, parent: Parent) -> None:
     await wait_until(lambda: set(parent.pids()) == {"wk-0", "wk-1"}, 10, "both workers in the parent's log")
     connector = aiohttp.TCPConnector(force_close=True)  # one connection per request: the kernel spreads them
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http:
@@ -184,3 +204,41 @@ async def test_two_workers_serve_survive_a_kill_and_drain_on_sigterm(
                 os.kill(pid, 0)
     # each worker said it stopped (lb.proxy.stopped), so the scheduler holds nothing open for them
     await wait_until(lambda: not split(scheduler), 10, "the scheduler holds no request of the workers")
+
+
+async def test_a_proxy_sharing_its_port_listens_once_it_routes(
+        nats_url: str, engines: Any, core: Any, tap: Any, http: aiohttp.ClientSession) -> None:
+    """Connected to NATS and heartbeating, but no snapshot yet: not listening; the first
+    snapshot installed, it listens and serves (before, it listened at once and answered the
+    connections the kernel gave it 503 no_snapshot while the other workers could serve them)."""
+    config = ProxyConfig(nats_url=nats_url, host="127.0.0.1", port=0, proxy_id="late", reuse_port=True,
+                         heartbeat_s=0.1)
+    starting = asyncio.create_task(start(config))
+    proxy: RunningProxy | None = None
+    try:
+        await wait_until(lambda: any(s.endswith(".late") for s, _ in tap.of(sj.PROXY_HEARTBEAT)), 10, "its heartbeat")
+        assert not starting.done()  # on NATS, nothing to route on: its port is not open yet
+        engine = await engines("a")
+        await core.register("a", engine.url)
+        proxy = await asyncio.wait_for(starting, 10)
+        async with http.post(proxy.url + CHAT, json={"model": "m", "messages": []}) as response:
+            assert response.status == 200
+    finally:
+        if proxy is not None:
+            await proxy.stop()
+        elif not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+
+
+async def test_a_proxy_sharing_its_port_without_a_snapshot_listens_after_the_wait(
+        nats_url: str, http: aiohttp.ClientSession) -> None:
+    """No snapshot comes (no scheduler): it listens after the wait, and answers 503 no_snapshot."""
+    config = ProxyConfig(nats_url=nats_url, host="127.0.0.1", port=0, proxy_id="alone", reuse_port=True)
+    proxy = await asyncio.wait_for(start(config, snapshot_wait_s=0.3), 10)
+    try:
+        async with http.post(proxy.url + CHAT, json={"model": "m", "messages": []}) as response:
+            assert response.status == 503 and (await response.json())["error"]["code"] == "no_snapshot"
+    finally:
+        await proxy.stop()

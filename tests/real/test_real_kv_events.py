@@ -26,7 +26,6 @@ from laswrr.schemas import subjects as sj
 from laswrr.scheduler.routing.kvindex import KvIndex
 from laswrr.schemas.kvcache import CACHE_DECODER, CacheChanged, chain_keys
 from laswrr.services import kv_events
-from laswrr.services.nats_server import free_port
 from laswrr.services.natsbus import ensure_streams
 from laswrr.services.proxy.tokens import PromptTokenizer
 from tests.real.conftest import BLOCK_TOKENS, NUM_BLOCKS, REAL_TIMEOUT_S, _unavailable
@@ -37,18 +36,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def kv_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[real_vllm.VllmServer, str, str]]:
-    pub, replay = free_port(), free_port()
-    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-                         "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"})
     try:
         engine = real_vllm.server(4, "vllm-kv", tmp_path_factory.mktemp("vllm-kv-logs"), num_blocks=NUM_BLOCKS,
-                                  extra_args=["--enable-prompt-tokens-details", "--kv-events-config", config])
+                                  extra_args=["--enable-prompt-tokens-details"], kv_events=True)
     except real_vllm.VllmUnavailable as exc:
         _unavailable(str(exc))
         raise
+    assert engine.kv_events is not None
     engine.start()
     try:
-        yield engine, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+        yield engine, *engine.kv_events
     finally:
         engine.stop()
 

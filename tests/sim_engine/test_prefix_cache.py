@@ -11,8 +11,11 @@ import asyncio
 import aiohttp
 import pytest
 
+from laswrr.scheduler.routing.kvindex import KvIndex
+from laswrr.schemas.kvcache import CacheChanged, chain_keys, pack_block_keys
+from laswrr.services.sim_engine.openai_api import estimate_tokens
 from laswrr.services.sim_engine.physics import EngineSim
-from laswrr.services.sim_engine.prefix_cache import PrefixCache, block_keys
+from laswrr.services.sim_engine.prefix_cache import PrefixCache, block_keys, token_ids
 from laswrr.services.sim_engine.profiles import get_profile
 from tests.sim_engine.test_sim_http import MakeClient, StartEngine, _samples
 from tests.sim_engine.test_sim_physics import run_until_idle
@@ -31,6 +34,57 @@ def test_block_keys_are_a_prefix_chain() -> None:
     assert block_keys(text("B", "B"), 16, 99)[1] != abc[1]  # same block text, different prefix
     assert block_keys(text("A") + "tail", 16, 99) == abc[:1]  # a partial block is not cached
     assert block_keys(text("A", "B", "C"), 16, 2) == abc[:2]
+
+
+def test_the_token_ids_are_the_texts_4_byte_chunks_and_give_the_routers_keys() -> None:
+    """A router computing ``chain_keys`` over the simulator's token ids of a prompt gets the keys
+    the simulated cache stores: its KV events need no translation."""
+    prompt = text("A", "B", "C") + "tail!"  # 197 characters: 49 whole chunks and a partial one
+    ids = token_ids(prompt)
+    assert len(ids) == estimate_tokens(prompt) == 50
+    assert ids[0] == int.from_bytes(b"AAAA", "little") and ids[-1] == ord("!")  # the last chunk padded
+    assert chain_keys(ids, 16) == list(block_keys(prompt, 16, 99)) and len(block_keys(prompt, 16, 99)) == 3
+    assert token_ids(prompt[:64]) == ids[:16] and token_ids("") == ()
+    assert len(token_ids("é" * 4)) == 2  # UTF-8 bytes: 8 of them
+
+
+def test_a_router_fed_the_engines_changes_predicts_its_cached_tokens() -> None:
+    sim = EngineSim(get_profile("910B"), 10, kv_events=True)
+    sim.submit(49, 4, 0.0, text("A", "B", "C"))  # 48 tokens of text, one for the message
+    run_until_idle(sim)
+    stored, removed = sim.prefix_cache.take_changes()
+    view = KvIndex()
+    view.apply("n", CacheChanged(n=1, seq=sim.steps, block_size=16, stored=pack_block_keys(stored),
+                                 removed=pack_block_keys(removed)))
+    for blocks, tokens in (("ABD", 49), ("ABC", 49), ("ABCD", 65), ("XBC", 49)):
+        prompt = text(*blocks)
+        predicted = view.cached((*token_ids(prompt), 0), ["n"])["n"]
+        req = sim.submit(tokens, 1, 100.0, prompt)
+        run_until_idle(sim)
+        assert predicted == req.cached_tokens, blocks
+        sim.prefix_cache.take_changes()
+
+
+def test_the_change_log_tells_the_blocks_stored_and_evicted() -> None:
+    plain = PrefixCache(16)
+    plain.acquire(block_keys(text("A"), 16, 1))
+    assert plain.changes is None and plain.take_changes() == ([], [])
+    cache = PrefixCache(16, log_changes=True)
+    abc = block_keys(text("A", "B", "C"), 16, 3)
+    cache.acquire(abc[:2])
+    cache.acquire(abc)  # A and B again: held twice, stored once
+    assert cache.take_changes() == (list(abc), []) and cache.take_changes() == ([], [])
+    cache.release(abc)
+    cache.release(abc[:2])
+    assert cache.take_changes() == ([], [])  # released blocks stay cached
+    cache.evict_to(16)  # C, then B, evicted (tail first)
+    xy = block_keys(text("X", "Y"), 16, 2)
+    cache.acquire(xy)
+    cache.release(xy)
+    cache.evict_to(16)  # A and Y go too: X was released after A, Y before X
+    assert cache.take_changes() == ([xy[0]], [abc[2], abc[1], xy[1], abc[0]])  # Y stored and evicted: removed only
+    cache.acquire(abc[:1])  # A back: stored again
+    assert cache.take_changes() == ([abc[0]], [])
 
 
 def test_second_request_hits_the_first_ones_blocks() -> None:

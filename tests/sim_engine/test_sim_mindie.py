@@ -75,7 +75,7 @@ async def test_exporter_serves_its_cache_until_the_refresh(start_engine: StartEn
     assert await _admin(http, server, fault_code="80E18402") == 200
     cached = parse_exporter((await _get(http, f"{server.url}/sim/npu-exporter"))[1])
     assert cached.chips[0].error_codes == () and cached.chips[0].sampled_s == first.chips[0].sampled_s
-    await asyncio.sleep(1.05)
+    await asyncio.sleep(1.05)  # the cache outlives its 1 s update time: the refresh is time-based
     fresh = parse_exporter((await _get(http, f"{server.url}/sim/npu-exporter"))[1])
     assert fresh.chips[0].error_codes == (0x80E18402,) and fresh.chips[0].health_status == 1
     assert (await _get(http, f"{server.url}/health"))[0] == 200  # only the exporter knows
