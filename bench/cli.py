@@ -11,11 +11,16 @@
   laswrr bench --scenario trace-mooncake --virtual              the same in virtual time (seconds,
                                      deterministic: routing alone, with an oracle row; writes
                                      <out>/<scenario>/virtual.json and no plots)
+  laswrr bench --scenario trace-mooncake --virtual --kv-events   and la-swrr on the engines' exact
+                                     KV cache view (their KV events; bench/virtual_kv.py)
   laswrr bench --scenario slo-mixed --virtual          latency objectives on a 910C/910B-like pool
                                      (bench/slo_mixed.py; docs/evidence/slo.md)
   laswrr bench --scenario silent-slowdown-mindie --virtual --policies la-swrr,la-swrr+no-status,p2c
                                      a timeline scenario in virtual time with the scheduler's
                                      core in the loop (bench/virtual_timeline.py)
+  laswrr bench --engines vllm --scenario cache,cache-plain --repeats 2
+                                     the exact cache view on three real vLLM servers
+                                     (docs/evidence/cache-view.md)
   laswrr bench --trace FILE [--speed X] [--start-s S] [--window-s W]
                                      a full trace file: Mooncake .jsonl (trace-mooncake's pool)
                                      or Azure .csv (trace-azure-code's pool)
@@ -40,6 +45,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from laswrr.bench.conversations import generate_chat
 from laswrr.bench.report import PolicyRun, print_table, scenario_summary
 from laswrr.bench.scenarios import SCENARIOS, TEST_SCENARIOS, Scenario, get_scenario
 from laswrr.bench.trace import arrival_bursts, load_workload, trace_format
@@ -55,7 +61,7 @@ from laswrr.services.children import interrupt_on_sigterm
 log = logging.getLogger("laswrr.bench")
 
 if TYPE_CHECKING:
-    from laswrr.bench.runner import Alongside
+    from laswrr.bench.runner import Alongside, Restart
     from laswrr.collectors.nodes import Node
 
 DEFAULT_POLICIES = ("la-swrr", "rr", "least-request", "p2c")
@@ -129,6 +135,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                              "copy with its own prefixes, its arrivals falling between the other copies'): K times "
                              "the request rate on K times the engines, each engine as loaded as in one copy "
                              "(default 1)")
+    parser.add_argument("--kv-events", action="store_true",
+                        help="--virtual, trace scenarios: the simulated engines publish their KV cache changes, as "
+                             "laswrr kv-events does for vLLM's, and la-swrr's prefix row gets a twin, affinity "
+                             "exact, routing on that exact view with each request's engine token ids "
+                             "(bench/virtual_kv.py); on the real stack name a +events row instead "
+                             "(--policies la-swrr,la-swrr+events): its simulated engines publish on vLLM's wire")
     parser.add_argument("--virtual", action="store_true",
                         help="run in virtual time through the proxy's routing table and the engines' physics (no "
                              "processes; deterministic, seconds), plus an oracle row: a trace on fixed weights "
@@ -137,7 +149,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--engines", choices=("sim", "vllm"), default="sim",
                         help="sim: simulated engines (default); vllm: three real vLLM servers (CPU build, a tiny "
                              "model; --max-num-seqs 8, 4, 2), built and started by bench/real_vllm.py, for "
-                             "the heterogeneous and announced-drop scenarios")
+                             "the heterogeneous, announced-drop, cache and cache-plain scenarios (--scenario takes "
+                             "a comma-separated list of them; the cache scenarios run their own rows, "
+                             "la-swrr+events, la-swrr, rr, sglang-router:cache_aware)")
     parser.add_argument("--repeats", type=int, default=1, metavar="N",
                         help="--engines vllm: run the scenarios N times on the same engines (default 1)")
     parser.add_argument("--no-contention", action="store_true",
@@ -249,6 +263,8 @@ def trace_override(scenario: Scenario, args: argparse.Namespace) -> Scenario:
 
 def bench_workload(scenario: Scenario, seed: int) -> tuple[Scenario, list[RequestSpec]]:
     """The requests every policy gets: the trace's window, or the workload generated from ``seed``."""
+    if scenario.chat is not None:
+        return scenario, generate_chat(replace(scenario.chat, duration_s=scenario.duration_s), seed)
     if scenario.trace is None:
         requests = generate(scenario.workload_spec(), seed, [(p.start_s, p.end_s) for p in scenario.phases])
         return scenario, assign_tenants(requests, scenario.tenants, seed) if scenario.tenants else requests
@@ -264,12 +280,14 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
                          proxy_args: Sequence[str] = (),
                          alongside: dict[str, Alongside] | None = None,
                          proxies: int = 1, engines: Sequence[Node] | None = None,
-                         model: str | None = None, workers: int = 1) -> tuple[dict[str, Any], list[Path]]:
+                         model: str | None = None, workers: int = 1, tokenizer: str | None = None,
+                         restart: Restart | None = None) -> tuple[dict[str, Any], list[Path]]:
     """Run every policy on the same workload; write results.json (and plots); return the summary.
     ``alongside``: per policy, a task on its running stack (``runner.run_policy``); ``proxies``:
     proxy replicas the load alternates among; ``engines`` (serving ``model``): running engines
     instead of simulated ones (the summary then also holds ``_runs`` and ``_workload`` for the
-    caller, bench/real_bench.py)."""
+    caller, bench/real_bench.py), with their model's ``tokenizer`` directory and a ``restart``
+    for their restart actions."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from laswrr.bench.runner import run_policy
@@ -292,7 +310,8 @@ async def bench_scenario(scenario: Scenario, policies: Sequence[str], seed: int,
                 runs.append(await run_policy(scenario, policy, workload, out_dir / "runs" / policy.replace(":", "-"),
                                              on_result=lambda _r, t=task: progress.advance(t), proxy_args=proxy_args,
                                              alongside=(alongside or {}).get(policy), proxies=proxies,
-                                             engines=engines, model=model, workers=workers))
+                                             engines=engines, model=model, workers=workers,
+                                             tokenizer=tokenizer, restart=restart))
             except PeerUnavailable as exc:  # one peer that will not start costs its row, not the run
                 not_run[policy] = str(exc)
                 progress.update(task, description=f"{scenario.name} · {policy:<13} did not run")
@@ -350,6 +369,11 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--workers must be >= 1")
         if args.fleet != 1 and not args.virtual:
             raise ValueError("--fleet copies a trace scenario in virtual time: add --virtual")
+        if args.kv_events and not args.virtual:
+            raise ValueError("--kv-events feeds the simulated engines' KV events in virtual time: add --virtual "
+                             "(on the real stack: --policies la-swrr,la-swrr+events)")
+        if args.kv_events and args.affinity == "none":
+            raise ValueError("--kv-events feeds prefix affinity's exact view: not with --affinity none")
         if args.virtual and args.workers != 1:
             raise ValueError("--virtual has no worker processes: a worker routes as a replica does, use --proxies")
         if args.util is not None and not 0 < args.util <= 2:
@@ -381,7 +405,7 @@ def main(args: argparse.Namespace) -> int:
                 for s in scenarios]
             return bench_virtual(scenarios, own, args.affinity, args.seed, args.out, args.proxies,
                                  int(args.peer_interval_ms), float(args.peer_delay_ms), args.fleet,
-                                 float(args.peer_pick_ms))
+                                 float(args.peer_pick_ms), args.kv_events)
         except ValueError as exc:
             print(f"bench: {exc}", file=sys.stderr)
             return 2
@@ -394,7 +418,8 @@ def main(args: argparse.Namespace) -> int:
         from laswrr.bench.real_bench import bench_real
 
         code = bench_real(names, policies, args.seed, args.out, args.duration_scale, not args.no_plots, proxy_args,
-                          contention=not args.no_contention, repeats=max(1, args.repeats))
+                          contention=not args.no_contention, repeats=max(1, args.repeats),
+                          named=args.policies is not None)
         print(f"bench finished in {time.monotonic() - started:.0f}s")
         return code
     for scenario in scenarios:

@@ -14,7 +14,13 @@ It prints one JSON object: ``rows_per_s``, ``by_subject``, ``cpu_core_share`` pe
 seconds / window), ``services_core_share`` (NATS, scheduler, recorder, collector, proxy: the
 engines are the workload, not the service), ``bytes_per_row`` and ``mb_per_day`` (rows/s x the
 file's bytes/row x 86400: a small file's fixed blocks inflate it) and ``mb_per_day_uncompressed``
-(the window's rows' own bytes, payload and keys, before DuckDB compresses them: an upper bound). Issue 42 item 6's goals: <= 200 MB a day, <= 5 % of a core for 16 nodes.
+(the window's rows' own bytes, payload and keys, before DuckDB compresses them: an upper bound). The goals for an idle 16-node pool: <= 200 MB of log a day, <= 5 % of a core for the services.
+
+After the window it sends one streamed request through the proxy, the first after the idle time,
+and reports under ``first_request`` how long after its ``lb.req.started`` (JetStream time) the
+log has the first engine sample of its node that counts it running (``engine_sample_ms``) and
+the first snapshot whose target weight for that node is below its idle one (``weight_ms``: the
+weights reacting to the node's load).
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import duckdb
+import msgspec
 
 from laswrr.replay.store import DB_FILE
 from laswrr.services.up import SimSpec, Stack
@@ -75,6 +83,7 @@ async def measure(data_dir: Path, nodes: int, warmup_s: float, duration_s: float
         await asyncio.sleep(duration_s)
         t1 = time.time_ns()
         after = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        await one_request(stack.proxy_url)
     finally:
         await stack.stop()
     window_s = (t1 - t0) / 1e9
@@ -84,6 +93,7 @@ async def measure(data_dir: Path, nodes: int, warmup_s: float, duration_s: float
         payload = con.execute("SELECT coalesce(sum(octet_length(encode(data)) + length(subject) + 24), 0) FROM events "
                               "WHERE ts_ns BETWEEN ? AND ?", [t0, t1]).fetchone()[0]  # type: ignore[index]
         total_rows = con.execute("SELECT count(*) FROM events").fetchone()[0]  # type: ignore[index]
+        first = first_reaction(con, t1)
     counts: dict[str, int] = {}
     for stream, subject in rows:
         key = f"{stream} {subject_kind(subject)}"
@@ -100,8 +110,44 @@ async def measure(data_dir: Path, nodes: int, warmup_s: float, duration_s: float
         "mb_per_day": round(rows_per_s * bytes_per_row * 86400 / 1e6, 1),
         # the rows' bytes before DuckDB's compression (payload, subject, 24 for stream, seq, ts): an upper bound
         "mb_per_day_uncompressed": round(payload / window_s * 86400 / 1e6, 1),
+        "first_request": first,
         "loadavg": os.getloadavg(),
     }
+
+
+async def one_request(proxy_url: str | None) -> None:
+    """One streamed completion through the proxy, read to its end (a few seconds on a sim engine)."""
+    assert proxy_url is not None
+    body = {"model": "sim-llm", "prompt": "hello " * 50, "max_tokens": 300, "stream": True}
+    async with aiohttp.ClientSession() as session, session.post(f"{proxy_url}/v1/completions", json=body) as resp:
+        async for _ in resp.content:
+            pass
+    await asyncio.sleep(3.0)  # the samples and snapshots after it reach the log
+
+
+def first_reaction(con: duckdb.DuckDBPyConnection, after_ns: int) -> dict[str, object]:
+    """How long after the first request started past ``after_ns`` its node's engine sample and the
+    weights showed it (``first_request`` of the module doc); None where the log has no such row."""
+    row = con.execute("SELECT ts_ns, key FROM input_events WHERE family = 'lb.req.started' AND ts_ns > ? "
+                      "ORDER BY seq LIMIT 1", [after_ns]).fetchone()
+    if row is None:
+        return {"node": None}
+    started, node = row
+    sampled = con.execute("SELECT min(ts_ns) FROM input_events WHERE family = 'lb.metrics.engine' AND key = ? "
+                          "AND ts_ns >= ? AND CAST(j->>'$.running' AS INTEGER) > 0", [node, started]).fetchone()[0]
+    idle_weight, weighed = None, None
+    for ts_ns, data in con.execute("SELECT ts_ns, data FROM events WHERE stream = 'LB_OUT' AND subject LIKE "
+                                   "'lb.out.snapshot.%' AND ts_ns <= ? + 10e9 ORDER BY seq", [started]).fetchall():
+        weight = next((v["target_weight"] for v in msgspec.json.decode(data)["nodes"] if v["node"] == node), None)
+        if weight is None:
+            continue  # a snapshot from before the node was registered
+        if ts_ns < started:
+            idle_weight = weight
+        elif idle_weight is not None and weight < idle_weight:
+            weighed = ts_ns
+            break
+    return {"node": node, "engine_sample_ms": None if sampled is None else round((sampled - started) / 1e6),
+            "weight_ms": None if weighed is None else round((weighed - started) / 1e6)}
 
 
 def main(argv: list[str] | None = None) -> int:

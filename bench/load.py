@@ -6,8 +6,9 @@ Theory of operation:
   monotonic clock, from a shared ``t0`` so scenario actions line up) and starts it as its own
   task; a slow system does not slow the arrivals (closed-loop generators hide tail latency).
 * **Per request** the client records start, TTFT (first data chunk with content), E2E (``[DONE]``),
-  the node that served it (``x-laswrr-node``; ``x-sim-node`` when talking to an engine directly)
-  and the outcome:
+  the node that served it (``x-laswrr-node``; ``x-sim-node`` when talking to an engine directly),
+  the proxy's request id (``x-laswrr-request-id``), with ``usage`` the engine's usage chunk (the
+  prompt tokens it counted and found cached; not a token of the answer) and the outcome:
     - ``completed``: ``data: [DONE]`` arrived (E2E is stamped then; the client still reads the
       stream to its end, as the official ``openai`` client does, so the proxy sees a clean finish);
     - ``client_cancelled``: the workload's cancel delay passed first and the client hung up;
@@ -35,6 +36,7 @@ from laswrr.bench.metrics import ClientOutcome, RequestResult
 from laswrr.bench.workload import RequestSpec, prompt_text
 
 NODE_HEADERS = ("x-laswrr-node", "x-sim-node")
+REQUEST_ID_HEADER = "x-laswrr-request-id"
 DONE = b"data: [DONE]"
 OnDone = Callable[[RequestResult], None]
 
@@ -52,6 +54,8 @@ class _Progress:
     error: str = ""
     done_at: float | None = None  # [DONE] seen
     ended: float | None = None  # connection released
+    request_id: str = ""  # x-laswrr-request-id
+    usage: dict[str, Any] | None = None  # the engine's usage chunk (stream_options.include_usage)
 
 
 @dataclass(slots=True)
@@ -62,15 +66,42 @@ class LoadRun:
     launched: int = 0
 
 
-def request_body(spec: RequestSpec, model: str | None) -> dict[str, Any]:
+def request_body(spec: RequestSpec, model: str | None, usage: bool = False) -> dict[str, Any]:
+    """``usage``: ask for the engine's usage chunk (``stream_options.include_usage``), which
+    carries the prompt tokens it found cached (``prompt_tokens_details.cached_tokens``)."""
     body: dict[str, Any] = {
-        "messages": [{"role": "user", "content": prompt_text(spec)}],
+        "messages": [{"role": role, "content": text} for role, text in spec.messages]
+        or [{"role": "user", "content": prompt_text(spec)}],
         "max_tokens": spec.max_tokens,
         "stream": True,
     }
+    if usage:
+        body["stream_options"] = {"include_usage": True}
     if model is not None:
         body["model"] = model
     return body
+
+
+def usage_of(payload: bytes) -> dict[str, Any] | None:
+    """The ``usage`` of a usage-only chunk (no choices: what ``include_usage`` adds last)."""
+    try:
+        chunk = msgspec.json.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(chunk, dict) or chunk.get("choices") or not isinstance(chunk.get("usage"), dict):
+        return None
+    return chunk["usage"]
+
+
+def cached_of(usage: dict[str, Any] | None) -> int | None:
+    """The prompt tokens the engine found cached, as its usage says (vLLM with
+    ``--enable-prompt-tokens-details``); no details: 0 (vLLM leaves them out when it counted
+    none), no usage: None."""
+    if usage is None:
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) else 0
 
 
 def _error_message(payload: bytes) -> str:
@@ -111,6 +142,9 @@ async def _read_stream(resp: aiohttp.ClientResponse, progress: _Progress, now: C
             progress.outcome = ClientOutcome.INTERRUPTED if cut else ClientOutcome.ERROR
             progress.error = _error_message(payload)
             return
+        if b'"usage"' in payload and (usage := usage_of(payload)) is not None:
+            progress.usage = usage  # not a token
+            continue
         progress.tokens += 1
         if progress.ttft is None and _has_content(payload):
             progress.ttft = now() - progress.start
@@ -138,6 +172,7 @@ async def _exchange(session: aiohttp.ClientSession, url: str, body: dict[str, An
         async with session.post(url, json=body, headers=headers) as resp:
             progress.status = resp.status
             progress.node = next((resp.headers[h] for h in NODE_HEADERS if h in resp.headers), None)
+            progress.request_id = resp.headers.get(REQUEST_ID_HEADER, "")
             if resp.status != 200:
                 progress.outcome, progress.error = ClientOutcome.ERROR, _error_message(await resp.read())
                 return
@@ -155,7 +190,7 @@ async def _exchange(session: aiohttp.ClientSession, url: str, body: dict[str, An
 
 
 async def send_one(session: aiohttp.ClientSession, url: str, spec: RequestSpec, t0: float,
-                   model: str | None = None) -> RequestResult:
+                   model: str | None = None, usage: bool = False) -> RequestResult:
     """Send one request now; honour its cancel delay; return what the client saw."""
     loop = asyncio.get_running_loop()
 
@@ -163,7 +198,7 @@ async def send_one(session: aiohttp.ClientSession, url: str, spec: RequestSpec, 
         return loop.time() - t0
 
     progress = _Progress(start=now())
-    task = asyncio.create_task(_exchange(session, url, request_body(spec, model), progress, now,
+    task = asyncio.create_task(_exchange(session, url, request_body(spec, model, usage), progress, now,
                                          request_headers(spec) or None))
     if spec.cancel_after_s is None:
         await task
@@ -183,7 +218,9 @@ async def send_one(session: aiohttp.ClientSession, url: str, spec: RequestSpec, 
                          e2e_s=None if e2e is None else round(e2e, 6), node=progress.node,
                          outcome=progress.outcome, status=progress.status, tokens=progress.tokens,
                          error=progress.error, tenant=spec.tenant, priority=spec.priority,
-                         max_tokens=spec.max_tokens)
+                         max_tokens=spec.max_tokens, request_id=progress.request_id,
+                         cached_tokens=cached_of(progress.usage),
+                         prompt_tokens=None if progress.usage is None else progress.usage.get("prompt_tokens"))
 
 
 def make_session(timeout_s: float = 600.0) -> aiohttp.ClientSession:
@@ -195,10 +232,11 @@ def make_session(timeout_s: float = 600.0) -> aiohttp.ClientSession:
 
 async def run_load(base_url: str | Sequence[str], workload: Sequence[RequestSpec], t0: float, *,
                    model: str | None = None, on_done: OnDone | None = None,
-                   session: aiohttp.ClientSession | None = None) -> LoadRun:
+                   session: aiohttp.ClientSession | None = None, usage: bool = False) -> LoadRun:
     """Send ``workload`` to ``base_url`` (a proxy or an engine), each at ``t0 + offset``. Several
     URLs (proxy replicas): the requests alternate among them in arrival order, as an L4 balancer's
-    round robin would spread them."""
+    round robin would spread them, unless a request names its ``entry`` (URL index, modulo their number).
+    ``usage``: ask each answer for the engine's usage chunk (``request_body``)."""
     bases = [base_url] if isinstance(base_url, str) else list(base_url)
     if not bases:
         raise ValueError("run_load needs at least one URL")
@@ -218,7 +256,8 @@ async def run_load(base_url: str | Sequence[str], workload: Sequence[RequestSpec
             delay = t0 + spec.offset_s - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(send_one(session, urls[i % len(urls)], spec, t0, model))
+            task = asyncio.create_task(send_one(session, urls[(i if spec.entry is None else spec.entry) % len(urls)], spec, t0,
+                                                 model, usage))
             task.add_done_callback(finished)
             tasks.append(task)
             run.launched += 1

@@ -59,6 +59,9 @@ class RequestResult:
     tenant: str = ""  # the API key's name it was sent with (multi-tenant scenarios)
     priority: str = ""  # its x-laswrr-priority
     max_tokens: int = 0  # what it asked for (the simulated engine emits exactly that many): its offered work
+    request_id: str = ""  # x-laswrr-request-id (the proxy's id: its events' request_id)
+    cached_tokens: int | None = None  # the engine's usage: prompt tokens it found cached (None: no usage asked)
+    prompt_tokens: int | None = None  # the engine's usage: the prompt's tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,10 +227,6 @@ def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
     return _round(a / b)
-
-
-def _round(value: float | None, digits: int = 4) -> float | None:
-    return None if value is None else round(value, digits)
 
 
 def capacity_timeline(initial: Mapping[str, float], changes: Sequence[tuple[float, str, float]]) -> CapacityAt:

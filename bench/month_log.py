@@ -8,10 +8,11 @@ scheduler service applies it) and every output is recorded as the service publis
 ``laswrr replay --db FILE`` must find the log identical. Per second of event time:
 
 * 10 ticks (100 ms) and the pool's snapshot each tick (a busy pool always eases);
-* ``--rate`` requests, each a ``lb.req.started`` and a ``lb.req.finished`` event (TTFT, tokens,
+* ``--rate`` requests, each a ``lb.req.started`` and a ``lb.req.finished`` event (streamed: TTFT, tokens,
   status) published by one of two proxies as a one-event ``lb.req.batch.<proxy>`` message (a
   proxy flushes every 5 ms: at 50 requests/s its batches hold one event), a heartbeat per proxy
-  every 2 s; 0.5 % of requests end ``upstream_error``;
+  every 2 s (keyed by nothing, as a proxy keys it, with the proxy's in-flight count at that
+  moment, so the core applies it); 0.5 % of requests end ``upstream_error``;
 * each node's engine sample every 0.5 s (the running count changes under load, so each is
   published), an NPU sample every 2 s, a health probe keep-alive every 10 s.
 
@@ -92,6 +93,7 @@ def generate(path: Path, seconds: int, rate: int, nodes: int, min_free_bytes: in
                                                       "chip": chip, "capacity": capacity})
     boots = {proxy: f"{proxy}-{rng.getrandbits(32):08x}" for proxy in PROXIES}
     running = {name: 0 for name in names}
+    inflight = {proxy: 0 for proxy in PROXIES}  # each proxy's own count, as its heartbeat says it
     finishing: list[tuple[int, str, str, str]] = []  # (ts_ns, node, request id, proxy), by time
     request_no = request_events = 0
     started = time.perf_counter()
@@ -130,6 +132,7 @@ def generate(path: Path, seconds: int, rate: int, nodes: int, min_free_bytes: in
             elif kind == "start":
                 node, rid, proxy = what  # type: ignore[misc]
                 running[node] += 1
+                inflight[proxy] += 1
                 prompt = rng.randint(50, 4000)
                 out.add(ts_ns, sj.req_batch(proxy), {"events": [["req.started", node, {
                     "request_id": rid, "proxy": proxy, "pool": "default", "snapshot_seq": out.in_seq,
@@ -138,13 +141,14 @@ def generate(path: Path, seconds: int, rate: int, nodes: int, min_free_bytes: in
             elif kind == "finish":
                 node, rid, proxy = what  # type: ignore[misc]
                 running[node] -= 1
+                inflight[proxy] -= 1
                 failed = rng.random() < 0.005
                 out.add(ts_ns, sj.req_batch(proxy), {"events": [["req.finished", node, {
                     "request_id": rid, "proxy": proxy, "outcome": RequestOutcome.UPSTREAM_ERROR if failed else RequestOutcome.COMPLETED,
                     "pool": "default", "ttft_ms": round(rng.uniform(30, 400), 1),
                     "duration_ms": round(rng.uniform(500, 6000), 1), "prompt_tokens": rng.randint(50, 4000),
                     "completion_tokens": rng.randint(10, 512), "status": 502 if failed else 200,
-                    "ts_ns": ts_ns, "boot_id": boots[proxy]}]]})
+                    "ts_ns": ts_ns, "boot_id": boots[proxy], "stream": True}]]})
                 request_events += 1
             elif kind == "engine":
                 n = running[what]  # type: ignore[index]
@@ -161,9 +165,10 @@ def generate(path: Path, seconds: int, rate: int, nodes: int, min_free_bytes: in
                 out.add(ts_ns, sj.health(what), {"ok": True, "latency_ms": round(rng.uniform(1, 5), 2),  # type: ignore[arg-type]
                                                  "ts_ns": ts_ns})
             elif kind == "heartbeat":
-                mine = sum(1 for f in finishing if f[3] == what)
-                out.add(ts_ns, sj.req_batch(what), {"events": [["proxy.heartbeat", what, {  # type: ignore[arg-type]
-                    "inflight": mine, "ts_ns": ts_ns, "boot_id": boots[what], "snapshot_seq": out.in_seq}]]})
+                # keyed by nothing, as a proxy keys it (its proxy is the batch's: schemas.events.BatchedEvent)
+                out.add(ts_ns, sj.req_batch(what), {"events": [["proxy.heartbeat", None, {  # type: ignore[arg-type]
+                    "inflight": inflight[what], "ts_ns": ts_ns, "boot_id": boots[what],  # type: ignore[index]
+                    "snapshot_seq": out.in_seq}]]})
         covered = second + 1
         if second % 600 == 599:
             out.flush()

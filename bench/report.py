@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from laswrr.bench.metrics import ClientOutcome, RequestResult, balance, by_phase, latency_summary, node_shares, ratio, tenant_summary
@@ -61,6 +61,8 @@ class PolicyRun:
     view_lag: dict[str, Any] | None = None  # the proxies' laswrr_proxy_view_lag_seconds, merged (runner)
     channel: dict[str, Any] | None = None  # the channel between proxies' traffic against the events' (runner)
     preemptions: dict[str, float] = field(default_factory=dict)  # node -> the engine's own preemptions in the run
+    cache_view: dict[str, Any] | None = None  # the view's predicted cached tokens against the engines' (cache_view.py)
+    latency: dict[str, Any] | None = None  # `laswrr replay --db --latency --json`
 
 
 def hit_rate(prefix_cache: dict[str, dict[str, float]]) -> float | None:
@@ -134,6 +136,13 @@ def fault_reaction(scenario: Scenario, run: PolicyRun) -> dict[str, Any] | None:
                                      and focus.start_s <= r.start_s < focus.end_s)}
 
 
+def workload_of(scenario: Scenario) -> dict[str, Any] | None:
+    """The generated workload's parameters (a chat workload's under ``chat``); None for a trace."""
+    if scenario.chat is not None:
+        return {"chat": asdict(replace(scenario.chat, duration_s=scenario.duration_s))}
+    return scenario.workload_spec().as_dict() if scenario.trace is None else None
+
+
 def policy_summary(scenario: Scenario, run: PolicyRun) -> dict[str, Any]:
     phases = list(scenario.phases)
     summary: dict[str, Any] = {
@@ -155,6 +164,8 @@ def policy_summary(scenario: Scenario, run: PolicyRun) -> dict[str, Any]:
         "channel": run.channel,
         "slowed_node": slowed_node(scenario, run),
         "faulty_node": fault_reaction(scenario, run),
+        "cache_view": run.cache_view,
+        "latency_estimate": run.latency,
     }
     report = run.report or {}
     summary["report"] = report or None
@@ -290,7 +301,7 @@ def scenario_summary(scenario: Scenario, runs: Sequence[PolicyRun], seed: int, s
         "duration_scale": scale,
         "speed": scenario.speed,
         "util": scenario.util,
-        "workload": scenario.workload_spec().as_dict() if scenario.trace is None else None,
+        "workload": workload_of(scenario),
         "trace": None if scenario.trace is None else asdict(scenario.trace),
         "engines": [{"node": e.node, "chip": e.chip, "capacity": e.capacity, "flavour": e.flavour}
                     for e in scenario.engines],

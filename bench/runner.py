@@ -18,7 +18,15 @@ Theory of operation, per policy (a fresh stack each time: no state leaks between
 
 The engines' own prefix-cache counters (``vllm:prefix_cache_queries_total`` / ``_hits_total``,
 read with the collector's parser) are scraped just before ``t0`` and after the last response;
-the run's hit rate is the difference (the readiness probes before ``t0`` do not count).
+the run's hit rate is the difference (the readiness probes before ``t0`` do not count). An engine
+restarted during the run (a ``restart`` action, real engines) is also read just before it stops,
+and what it counted then is added to what its new process counts from 0.
+
+A chat workload on real engines (the ``cache`` scenarios) also asks every answer for its usage
+chunk and listens to the engines' KV changes (``lb.kv.>``, as the proxy's role) during the run:
+after it, ``bench.cache_view`` joins each request's recorded prediction of its cached prompt
+tokens with the engine's count (``kv_changes.jsonl`` keeps what the causes were read from), and
+``laswrr replay --db --latency --json`` gives the latency estimate's accuracy.
 
 The workload is generated once from the seed, before any stack starts.
 """
@@ -42,6 +50,7 @@ import aiohttp
 import msgspec
 
 from laswrr.bench import stack_adapter
+from laswrr.bench.cache_view import KvTimeline, accuracy, read_picks
 from laswrr.bench.load import make_session, run_load
 from laswrr.bench.metrics import RequestResult
 from laswrr.bench.report import NodePoint, PolicyRun, SnapshotPoint
@@ -52,6 +61,7 @@ from laswrr.services.natsbus import connect
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import encode
 from laswrr.schemas.events import CapacitySet, DrainRequested, Event
+from laswrr.schemas.kvcache import CACHE_DECODER
 from laswrr.schemas.outputs import WeightSnapshot
 
 log = logging.getLogger("laswrr.bench")
@@ -59,6 +69,7 @@ log = logging.getLogger("laswrr.bench")
 READY_TIMEOUT_S = 60.0
 SETTLE_S = 0.5
 OnResult = Callable[[RequestResult], None]
+Restart = Callable[[str], Awaitable[None]]  # stop a real engine and start it again (bench/real_bench.py)
 
 
 # --------------------------------------------------------------------------- snapshots
@@ -76,12 +87,15 @@ def snapshot_point(snapshot: WeightSnapshot, t_s: float) -> SnapshotPoint:
 class SnapshotWatch:
     """Collects every weight snapshot published while the run lasts (loop-time stamped)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kv: KvTimeline | None = None) -> None:
         self.raw: list[tuple[float, WeightSnapshot]] = []
         self.latest: WeightSnapshot | None = None
+        self.kv = kv  # also every lb.kv.<node> change, with its arrival time (the cache view's accuracy)
         self._nc: Any = None
+        self._kv_nc: Any = None
 
-    async def start(self, nats_url: str) -> None:
+    async def start(self, nats_url: str, kv_url: str | None = None) -> None:
+        """``kv_url``: the bus as a role that may read ``lb.kv.>`` (the proxy's), for ``kv``."""
         self._nc = await connect(nats_url, "laswrr-bench")
         loop = asyncio.get_running_loop()
 
@@ -91,15 +105,26 @@ class SnapshotWatch:
             self.raw.append((loop.time(), data))
 
         await self._nc.subscribe(f"{sj.OUT_SNAPSHOT}.>", cb=on_msg)
+        timeline = self.kv
+        if timeline is not None:
+            async def on_kv(msg: Any) -> None:
+                node = sj.kv_node(msg.subject)
+                with contextlib.suppress(msgspec.DecodeError, ValueError):
+                    if node is not None:
+                        timeline.add(node, CACHE_DECODER.decode(msg.data))
+
+            self._kv_nc = await connect(kv_url or nats_url, "laswrr-bench-kv")
+            await self._kv_nc.subscribe(sj.KV_ALL, cb=on_kv)
 
     async def publish(self, subject: str, event: Event) -> None:
         await self._nc.publish(subject, encode(event))
         await self._nc.flush()
 
     async def stop(self) -> None:
-        if self._nc is not None:
-            with contextlib.suppress(Exception):
-                await self._nc.drain()
+        for nc in (self._nc, self._kv_nc):
+            if nc is not None:
+                with contextlib.suppress(Exception):
+                    await nc.drain()
 
     def points(self, t0: float) -> list[SnapshotPoint]:
         return [snapshot_point(data, t - t0) for t, data in self.raw]
@@ -124,10 +149,16 @@ async def wait_ready(watch: SnapshotWatch, capacities: dict[str, int], timeout_s
 
 
 async def apply_action(action: Action, engine_urls: dict[str, str], http: aiohttp.ClientSession,
-                       watch: SnapshotWatch, engine_admin: bool = True) -> None:
+                       watch: SnapshotWatch, engine_admin: bool = True, restart: Restart | None = None) -> None:
     """One action: the engine admin change (capacity, slowdown, fail, or the health its npu-smi
     shows) and, for an announced capacity, the admin event at once. ``engine_admin`` False (real
-    engines, which have no admin API): the announcement alone."""
+    engines, which have no admin API): the announcement alone. ``restart``: a real engine's
+    restart (returns once it serves again)."""
+    if action.kind == "restart":
+        if restart is None:
+            raise RuntimeError(f"{action.node}: a restart needs real engines (--engines vllm)")
+        await restart(action.node)
+        return
     if action.kind == "drain":  # the operator's drain alone: the engine is untouched
         await watch.publish(sj.admin_drain(action.node), DrainRequested())
         return
@@ -146,16 +177,20 @@ async def _engine_admin(http: aiohttp.ClientSession, url: str, changes: dict[str
 
 async def run_timeline(actions: Sequence[Action], t0: float, engine_urls: dict[str, str],
                        http: aiohttp.ClientSession, watch: SnapshotWatch,
-                       engine_admin: bool = True) -> list[tuple[float, str]]:
-    """Execute the actions at t0 + at_s; returns (actual offset, label) per action."""
+                       engine_admin: bool = True, restart: Restart | None = None) -> list[tuple[float, str]]:
+    """Execute the actions at t0 + at_s; returns (actual offset, label) per action, and for a
+    restart also when the engine served again."""
     loop = asyncio.get_running_loop()
     done: list[tuple[float, str]] = []
     for action in sorted(actions, key=lambda a: a.at_s):
         delay = t0 + action.at_s - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        await apply_action(action, engine_urls, http, watch, engine_admin)
-        done.append((round(loop.time() - t0, 3), action.label or f"{action.node} {action.kind}={action.value}"))
+        began = round(loop.time() - t0, 3)
+        await apply_action(action, engine_urls, http, watch, engine_admin, restart)
+        done.append((began, action.label or f"{action.node} {action.kind}={action.value}"))
+        if action.kind == "restart":
+            done.append((round(loop.time() - t0, 3), f"{action.node} serves again"))
     return done
 
 
@@ -213,10 +248,14 @@ async def reset_prefix_caches(http: aiohttp.ClientSession, engine_urls: dict[str
                 raise RuntimeError(f"{url}/reset_prefix_cache -> {resp.status}: {await resp.text()}")
 
 
-def counter_deltas(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
-                   ) -> dict[str, dict[str, float]]:
-    return {node: {"queried_tokens": q - before.get(node, (0.0, 0.0))[0],
-                   "hit_tokens": h - before.get(node, (0.0, 0.0))[1]} for node, (q, h) in after.items()}
+def counter_deltas(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
+                   carried: dict[str, tuple[float, float]] | None = None) -> dict[str, dict[str, float]]:
+    """Each engine's (queried, hit) over the run; ``carried``: what an engine restarted during
+    the run had counted when it stopped (its counters start again from 0)."""
+    carried = carried or {}
+    return {node: {"queried_tokens": q + carried.get(node, (0.0, 0.0))[0] - before.get(node, (0.0, 0.0))[0],
+                   "hit_tokens": h + carried.get(node, (0.0, 0.0))[1] - before.get(node, (0.0, 0.0))[1]}
+            for node, (q, h) in after.items()}
 
 
 async def proxy_families(http: aiohttp.ClientSession, proxy_urls: Sequence[str]) -> list[Any]:
@@ -312,20 +351,26 @@ Alongside = Callable[[stack_adapter.RunningStack, float], Awaitable[None]]
 async def run_policy(scenario: Scenario, policy: str, workload: Sequence[RequestSpec], run_dir: Path,
                      on_result: OnResult | None = None, proxy_args: Sequence[str] = (),
                      alongside: Alongside | None = None, proxies: int = 1,
-                     engines: Sequence[Node] | None = None, model: str | None = None, workers: int = 1) -> PolicyRun:
+                     engines: Sequence[Node] | None = None, model: str | None = None, workers: int = 1,
+                     tokenizer: str | None = None, restart: Restart | None = None) -> PolicyRun:
     """``engines``: running engines to register (real vLLM, bench/real_vllm.py) instead of
     starting the scenario's simulated ones; they have no admin API, so actions are announcements
-    only, and their prefix caches are emptied before the run."""
+    only (and ``restart``, which stops one and starts it again), and their prefix caches are
+    emptied before the run. ``tokenizer``: their model's directory (a ``+events`` row)."""
     started = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
     stack = await stack_adapter.start(scenario, policy, run_dir, write_scheduler_config(scenario, run_dir),
-                                      proxy_args, proxies=proxies, engines=engines, workers=workers,
-                                      **({"model": model} if model else {}))
+                                      (*scenario.proxy_args, *proxy_args), proxies=proxies, engines=engines,
+                                      workers=workers, tokenizer=tokenizer, **({"model": model} if model else {}))
     log.info("%s/%s: stack up in %.1fs", scenario.name, policy, time.monotonic() - started)
-    watch = SnapshotWatch()
+    # a chat workload on real engines: each answer's usage names the prompt tokens the engine found
+    # cached, against the prediction its pick recorded (bench/cache_view.py)
+    usage = engines is not None and scenario.chat is not None
+    kv_changes = KvTimeline() if usage else None
+    watch = SnapshotWatch(kv_changes)
     notes: list[str] = []
     try:
-        await watch.start(stack.nats_url)
+        await watch.start(stack.nats_url, stack.role_url("proxy"))
         await wait_ready(watch, {e.node: e.capacity for e in scenario.engines})
         log.info("%s/%s: ready at %.1fs", scenario.name, policy, time.monotonic() - started)
         loop = asyncio.get_running_loop()
@@ -334,13 +379,24 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
                 await reset_prefix_caches(http, stack.engine_urls)
             before = await prefix_counters(http, stack.engine_urls)
             preempted = await preemption_counters(http, stack.engine_urls)
+            carried: dict[str, tuple[float, float]] = {}
+            carried_preemptions: dict[str, float] = {}
+
+            async def restart_engine(node: str) -> None:  # its counters as it stops, then the restart
+                assert restart is not None
+                url = {node: stack.engine_urls[node]}
+                carried[node] = (await prefix_counters(http, url))[node]
+                carried_preemptions[node] = (await preemption_counters(http, url))[node]
+                await restart(node)
+
             t0 = loop.time() + 0.2
             timeline = asyncio.create_task(run_timeline(scenario.actions, t0, stack.engine_urls, http, watch,
-                                                        engine_admin=engines is None))
+                                                        engine_admin=engines is None,
+                                                        restart=restart_engine if restart is not None else None))
             beside = asyncio.create_task(alongside(stack, t0)) if alongside is not None else None
             load = await run_load(stack.proxy_urls, workload, t0,
                                   model=stack_adapter.request_model(policy, stack.model),
-                                  on_done=on_result, session=http)
+                                  on_done=on_result, session=http, usage=usage)
             applied = await timeline
             if beside is not None:
                 try:
@@ -348,8 +404,8 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
                 except Exception as exc:  # noqa: BLE001 - an extra, never the measurement
                     notes.append(f"{getattr(alongside, '__name__', 'alongside')} failed: {exc}")
                     log.warning("%s/%s: %s", scenario.name, policy, notes[-1])
-            prefix_cache = counter_deltas(before, await prefix_counters(http, stack.engine_urls))
-            preemptions = {node: count - preempted.get(node, 0.0)
+            prefix_cache = counter_deltas(before, await prefix_counters(http, stack.engine_urls), carried)
+            preemptions = {node: count + carried_preemptions.get(node, 0.0) - preempted.get(node, 0.0)
                            for node, count in (await preemption_counters(http, stack.engine_urls)).items()}
             view_lag = channel = None
             if not stack_adapter.is_peer(policy):  # one scrape of every replica (and worker) for both
@@ -368,6 +424,15 @@ async def run_policy(scenario: Scenario, policy: str, workload: Sequence[Request
     # a peer router publishes no request events: the analyst report would count nothing
     run.report = None if stack_adapter.is_peer(policy) else analyst_report(stack.db_path)
     run.replay = exact_replay(stack.db_path)
+    if usage and stack.db_path is not None and stack.db_path.exists() and not stack_adapter.is_peer(policy):
+        assert kv_changes is not None
+        kv_changes.save(run_dir / "kv_changes.jsonl")  # what the causes are read from, for a later look
+        try:
+            run.cache_view = accuracy(load.results, read_picks(stack.db_path), kv_changes,
+                                      engine_tokens(tokenizer, workload))
+        except Exception:  # noqa: BLE001 - a figure of the run, never the run: its inputs are saved
+            log.exception("%s/%s: the cache view's accuracy failed", scenario.name, policy)
+        run.latency = latency_accuracy(stack.db_path)
     run.wall_s = time.monotonic() - started
     log.info("%s/%s: report and replay done at %.1fs", scenario.name, policy, run.wall_s)
     save_run(run, run_dir)
@@ -409,6 +474,36 @@ def exact_replay(db_path: Path | None) -> dict[str, Any] | None:
         log.warning("laswrr replay --db is not available: %s", output.splitlines()[-1:])
         return None
     return {"ok": proc.returncode == 0, "exit": proc.returncode, "output": output[-600:]}
+
+
+def latency_accuracy(db_path: Path) -> dict[str, Any] | None:
+    """``laswrr replay --db --latency --json``: the latency estimate's audit and accuracy (None: not available)."""
+    try:
+        proc = _laswrr("replay", "--db", str(db_path), "--latency", "--json")
+        data = json.loads(proc.stdout)
+    except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
+        log.warning("laswrr replay --latency unavailable: %s", exc)
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def engine_tokens(tokenizer: str | None, workload: Sequence[RequestSpec]) -> Callable[[int], list[int] | None] | None:
+    """A chat request's engine tokens by its workload index, rendered as a proxy with
+    ``--tokenizer`` renders them (None: no tokenizer)."""
+    if tokenizer is None:
+        return None
+    from laswrr.services.proxy.tokens import PromptTokenizer
+
+    rendered = PromptTokenizer(tokenizer)
+    by_index = {spec.index: spec for spec in workload}
+
+    def tokens(index: int) -> list[int] | None:
+        spec = by_index.get(index)
+        if spec is None:
+            return None
+        return rendered.encode([{"role": role, "content": text} for role, text in spec.messages], None)
+
+    return tokens
 
 
 def save_run(run: PolicyRun, run_dir: Path) -> None:

@@ -49,7 +49,8 @@ only (silent faults); ``fault_code`` makes the engine's simulated npu-exporter r
 fault code (its own /health unchanged; a separating code leaves the node no capacity); ``health`` sets the Health its simulated ``npu-smi info`` shows (OK |
 Warning | Alarm | Critical), which reaches the scheduler only through the collector's npu-smi
 samples, as on real hardware; ``drain`` publishes ``lb.admin.drain.<node>`` only (the engine is
-untouched: a router that reads no drain keeps using it). Each action also defines the node's *true* capacity for the balance
+untouched: a router that reads no drain keeps using it); ``restart`` (real engines only) stops the
+node's engine and starts it again on the same port, its caches empty. Each action also defines the node's *true* capacity for the balance
 metrics: 0 while its engine refuses (``fail: refuse``) or its NPU is ``Critical`` (docs/ascend.md §1:
 eject now), whichever of the two or both; its slots again once neither holds.
 """
@@ -61,6 +62,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
+from laswrr.bench.conversations import ChatSpec
 from laswrr.bench.metrics import CapacityAt, Phase, capacity_timeline
 from laswrr.bench.trace import TraceWindow
 from laswrr.bench.workload import Tenant, WorkloadSpec, mean_output_tokens
@@ -69,7 +71,7 @@ from laswrr.services.sim_engine.config import HEALTH_STATES
 from laswrr.services.sim_engine.physics import EngineSim
 from laswrr.services.sim_engine.profiles import get_profile
 
-ActionKind = Literal["capacity", "slowdown", "fail", "health", "fault_code", "drain"]
+ActionKind = Literal["capacity", "slowdown", "fail", "health", "fault_code", "drain", "restart"]
 ACTION_KINDS: tuple[str, ...] = get_args(ActionKind)
 DOWN_HEALTH = frozenset({NpuHealth.CRITICAL})  # an NPU health that leaves the node no capacity at all
 
@@ -118,7 +120,7 @@ class Scenario:
     scheduler_config: Mapping[str, Any] | None = None  # extra scheduler keys (a TOML file)
     focus_phase: str = ""  # the phase the goals look at (the disturbance)
     trace: TraceWindow | None = None  # replay this trace instead of generating ``workload``
-    kv_tokens: int | None = None  # every engine's KV room (sim-engine --kv-tokens); None: the chip's
+    kv_tokens: int | None = None  # every engine's KV room (sim-engine --kv-tokens; real vLLM: blocks of 128); None: the chip's
     tenants: tuple[Tenant, ...] = ()  # API keys sending the load (bench.workload.assign_tenants); (): no key
     rate_rps: float | None = None  # the offered load itself, instead of ``util`` of the simulator's saturation
     # policy variants (bench.stack_adapter.VARIANTS) the default policy list runs too, each placed
@@ -128,6 +130,11 @@ class Scenario:
     # a prefill/decode pool: the protocol its engines speak (None: whole requests); a peer router's
     # row runs its own (vllm-router: vllm, sglang-router: sglang: bench.stack_adapter.pd_protocol_for)
     pd_protocol: str | None = None
+    chat: ChatSpec | None = None  # a chat workload (bench.conversations) instead of ``workload``
+    proxies: int = 1  # proxy replicas (real engines: the load enters by each request's ``entry``)
+    proxy_args: tuple[str, ...] = ()  # flags of every laswrr proxy of its rows
+    kv_events: bool = False  # real engines: publish their KV cache events (vLLM --kv-events-config)
+    rows: tuple[str, ...] = ()  # its own rows instead of the default policy list (--policies still names them)
 
     @property
     def duration_s(self) -> float:
@@ -454,7 +461,49 @@ REAL_ANNOUNCED_DROP = Scenario(
     focus_phase="drop",
 )
 
-REAL_SCENARIOS: dict[str, Scenario] = {s.name: s for s in (REAL_HETEROGENEOUS, REAL_ANNOUNCED_DROP)}
+# The exact cache view's effect: chat requests (the chat template matters: the proxy renders it to
+# compute the engine's tokens) over shared system prompts and multi-turn conversations, on KV rooms
+# of REAL_CACHE_BLOCKS blocks of 128 tokens (--num-gpu-blocks-override) so the engines evict, and
+# two events only the engines' own KV events show: vllm-8 restarted (its cache empty afterwards,
+# while each proxy's estimate still credits it with what it was sent) and 30 % of the requests
+# entering through a second proxy that shares nothing with the first (the channel between proxies
+# off: neither proxy's estimate holds what the other sent). ``cache-plain``: the same workload
+# through one proxy, no restart.
+# Its rows: the exact view, today's estimate, a cache-blind policy, a peer's cache-aware router.
+CACHE_ROWS = ("la-swrr+events", "la-swrr", "rr", "sglang-router:cache_aware")
+REAL_BLOCK_TOKENS = 128  # the CPU backend's KV block (--num-gpu-blocks-override counts these)
+REAL_CACHE_BLOCKS = 28  # 3,584 tokens each; the room must hold one 2,048-token request
+REAL_CHAT = ChatSpec(conversations_per_s=0.4, system_prompts=4, system_words=260, turns_min=2, turns_max=6,
+                     user_words=30, assistant_words=40, think_min_s=3.0, think_s=5.0, max_tokens=24,
+                     second_entry_share=0.3)
+REAL_CACHE = Scenario(
+    name="cache",
+    description=f"3 real vLLM (CPU, tiny model): 8, 4, 2 slots, {REAL_CACHE_BLOCKS}-block KV rooms (evicting), "
+                "KV events; chats over 4 shared system prompts, 2-6 turns; vllm-8 restarted at 20 s; 30 % of the "
+                "requests through a second proxy sharing nothing with the first",
+    engines=REAL_ENGINES,
+    # a restart takes 60-190 s on this 2-core machine (the engine is ejected meanwhile): the run
+    # lasts long enough for vllm-8 to serve again well before its end
+    phases=(Phase("warm", 0.0, 20.0), Phase("after-restart", 20.0, 200.0)),
+    actions=(Action(20.0, "restart", "vllm-8", None, label="vllm-8 restarted"),),
+    util=0.0,
+    speed=1.0,
+    focus_phase="after-restart",
+    kv_tokens=REAL_CACHE_BLOCKS * REAL_BLOCK_TOKENS,
+    chat=REAL_CHAT,
+    proxies=2,
+    proxy_args=("--peer-interval-ms", "0"),
+    kv_events=True,
+    rows=CACHE_ROWS,
+)
+REAL_CACHE_PLAIN = replace(
+    REAL_CACHE, name="cache-plain", actions=(), proxies=1, proxy_args=(), rows=CACHE_ROWS[:2],
+    phases=(Phase("warm", 0.0, 20.0), Phase("steady", 20.0, 200.0)), focus_phase="steady",
+    description=f"the cache scenario's engines ({REAL_CACHE_BLOCKS}-block KV rooms, KV events) and workload, "
+                "through one proxy, no restart; rows la-swrr+events and la-swrr")
+
+REAL_SCENARIOS: dict[str, Scenario] = {s.name: s for s in (REAL_HETEROGENEOUS, REAL_ANNOUNCED_DROP, REAL_CACHE,
+                                                           REAL_CACHE_PLAIN)}
 
 
 def get_scenario(name: str) -> Scenario:

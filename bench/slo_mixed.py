@@ -12,13 +12,17 @@ Rows: ``la-swrr+slo`` (the proxy's router with the latency estimate and the requ
 a request no node is predicted to meet is served on the normal pick: ``--slo-serve-late``),
 ``la-swrr+slo-refuse`` (the same, answering those 429 ``slo_unmeetable`` at once: refused requests
 count as missed), ``la-swrr`` (today: no objectives), ``p2c`` (vllm-router's power_of_two), ``rr``,
-``least-request``, and ``oracle`` (each request where its first token comes soonest, reading the
-engines' exact state). The virtual bench has no sglang cache_aware row.
+``least-request``, ``sglang-cache-aware`` (a model of sglang-router's ``cache_aware``, the rule of the
+0.3 releases, from the request's text and its own counts of requests in flight:
+``bench/sglang_cache_aware.py``), ``sglang-cache-aware-tree`` (the same before 0.2.4: a cache miss
+goes to the smallest tree), and ``oracle`` (each request where its first token comes soonest, reading
+the engines' exact state).
 
 Metric: SLO goodput per class, requests per second of the run that met every target of their
 class (TTFT, and TPOT = decode time per token after the first), plus TTFT/TPOT P50/P99 per class;
 for the ``+slo`` rows the estimate's accuracy: median and P90 absolute error of the TTFT predicted
-at the pick (for the node picked) against the TTFT measured.
+at the pick (for the node picked) against the TTFT measured, and those requests' measured median
+(and the same error of the TPOT predicted, for the requests of more than one output token).
 
 Run: ``laswrr bench --scenario slo-mixed --virtual [--seed S]`` (every row and load, 1 500 requests
 each, ``<out>/slo-mixed/virtual.json``), or ``python -m laswrr.bench.slo_mixed [--requests N]
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from laswrr.bench.sglang_cache_aware import MISS_LOAD, MISS_TREE, CacheAware, Config
 from laswrr.scheduler.routing.latency import LatencyModel, Objective
 from laswrr.scheduler.routing.prompt import RequestSize
 from laswrr.scheduler.routing.router import DEFAULT_POOL, AdmitRequest, Admission, Refusal, Router, scorer_for
@@ -51,7 +56,9 @@ SLOTS = 10
 NODES = (("c1", 2.0), ("c2", 2.0), ("b1", 1.0), ("b2", 1.0))  # node, prefill speed relative to a 910B
 CLASSES: dict[str, Objective] = {Band.INTERACTIVE: Objective(1000.0, 50.0), Band.BATCH: Objective(10000.0, None)}
 LOADS = (0.6, 0.8, 1.0, 1.2)
-ROWS = ("la-swrr+slo", "la-swrr+slo-refuse", "la-swrr", "p2c", "rr", "least-request", "oracle")
+ROWS = ("la-swrr+slo", "la-swrr+slo-refuse", "la-swrr", "p2c", "rr", "least-request", "sglang-cache-aware",
+        "sglang-cache-aware-tree", "oracle")
+SGLANG_ROWS = {"sglang-cache-aware": MISS_LOAD, "sglang-cache-aware-tree": MISS_TREE}  # row -> its rule on a miss
 _LOAD = LoadView(queue=0, running=0, kv=0, npu=0, latency=0, load=0, sample_age_ms=None, stale=False)
 
 
@@ -116,6 +123,7 @@ class Outcome:
     ttft: float | None = None  # None: refused
     tpot: float | None = None
     predicted: float | None = None
+    predicted_tpot: float | None = None
 
     def good(self) -> bool:
         target = CLASSES[self.klass]
@@ -132,6 +140,7 @@ class Row:
     load: float
     duration_s: float
     outcomes: list[Outcome] = field(default_factory=list)
+    decisions: dict[str, int] | None = None  # an sglang row's picks per branch (imbalanced, hit, miss)
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"row": self.row, "load": self.load}
@@ -145,9 +154,17 @@ class Row:
                           "refused": len(mine) - len(served),
                           "ttft_p50": _q(ttft, 0.5), "ttft_p99": _q(ttft, 0.99),
                           "tpot_p50": _q(tpot, 0.5), "tpot_p99": _q(tpot, 0.99)}
-        errors = sorted(abs(o.predicted - o.ttft) for o in self.outcomes if o.predicted is not None and o.ttft is not None)
+        judged = [o for o in self.outcomes if o.predicted is not None and o.ttft is not None]
+        errors = sorted(abs(o.predicted - o.ttft) for o in judged if o.predicted is not None and o.ttft is not None)
         if errors:
-            out["estimate_abs_error_s"] = {"p50": _q(errors, 0.5), "p90": _q(errors, 0.9), "n": len(errors)}
+            measured = sorted(o.ttft for o in judged if o.ttft is not None)
+            tpot = sorted(abs(o.predicted_tpot - o.tpot) for o in judged
+                          if o.predicted_tpot is not None and o.tpot is not None and o.tpot > 0)
+            out["estimate_abs_error_s"] = {"p50": _q(errors, 0.5), "p90": _q(errors, 0.9), "n": len(errors),
+                                           "measured_p50": _q(measured, 0.5), "tpot_p50": _q(tpot, 0.5),
+                                           "tpot_p90": _q(tpot, 0.9)}
+        if self.decisions is not None:
+            out["decisions"] = self.decisions
         return out
 
 
@@ -163,7 +180,8 @@ def run(row: str, load: float, requests: list[Req], seed: int) -> Row:
     policy = "la-swrr" if row.startswith("la-swrr") else row
     router: Router | None = None
     model: LatencyModel | None = None
-    if row != "oracle":
+    sglang = CacheAware([n for n, _ in NODES], Config(miss=SGLANG_ROWS[row])) if row in SGLANG_ROWS else None
+    if row != "oracle" and sglang is None:
         model = LatencyModel() if objectives else None
         router = Router(policy, seed, scorer=scorer_for("prefix"), latency=model, serve_late=row == "la-swrr+slo")
         router.table.offer(_snapshot(), 0.0)
@@ -188,7 +206,9 @@ def run(row: str, load: float, requests: list[Req], seed: int) -> Row:
             outcome = Outcome(req.klass)
             result.outcomes.append(outcome)
             admission = None
-            if router is None:
+            if sglang is not None:
+                node = sglang.pick(_text(req).decode(), now)  # the text la-swrr's prefix affinity reads
+            elif router is None:
                 node = min(sims, key=lambda n: (sims[n].first_token_eta(req.prompt, "", now), n))
             else:
                 objective = CLASSES[req.klass] if objectives else None
@@ -198,8 +218,9 @@ def run(row: str, load: float, requests: list[Req], seed: int) -> Row:
                     continue
                 admission = picked
                 node = admission.node
-                if model is not None:
-                    outcome.predicted = model.ttft(node, admission.ahead)
+                if model is not None and admission.estimate is not None:
+                    prediction = admission.estimate.predict(model)
+                    outcome.predicted, outcome.predicted_tpot = prediction.ttft_s, prediction.tpot_s
             submitted = sims[node].submit(req.prompt, req.output, now)
             live[(node, submitted.req_id)] = (req, admission, outcome, now)
             wake(node, now)
@@ -217,10 +238,15 @@ def run(row: str, load: float, requests: list[Req], seed: int) -> Row:
                 started = first.pop(key)
                 outcome.tpot = (event.time - started) / (req.output - 1) if req.output > 1 else 0.0
                 del live[key]
+                if sglang is not None:
+                    sglang.done(node)
                 if router is not None and admission is not None:
                     router.admitter.release(admission)
-                    router.admitter.observed(admission, started - began, req.output, event.time - began)
+                    router.admitter.observed(admission, (started - began) * 1000, 0.0, (event.time - began) * 1000,
+                                             req.output)
         wake(node, now)
+    if sglang is not None:
+        result.decisions = dict(sglang.decisions)
     return result
 
 
@@ -238,8 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     summaries = []
     print(f"pool capacity {capacity_rps():.3f} requests/s; {args.requests} requests per run, seed {args.seed}; "
           f"classes {CLASSES}")
-    print(f"{'load':>4} {'row':<20} {'int good/s':>10} {'int share':>9} {'int TTFT p50/p99':>18} "
-          f"{'int TPOT p50/p99':>18} {'bat good/s':>10} {'bat TTFT p50/p99':>18} {'refused':>7} {'est err p50/p90':>16}")
+    print(f"{'load':>4} {'row':<24} {'int good/s':>10} {'int share':>9} {'int TTFT p50/p99':>18} "
+          f"{'int TPOT p50/p99':>18} {'bat good/s':>10} {'bat TTFT p50/p99':>18} {'refused':>7} "
+          f"{'est err p50/p90':>16} {'measured p50':>12} {'TPOT err p50/p90':>16}")
     for load in (float(x) for x in args.loads.split(",")):
         requests = workload(load, args.requests, args.seed)
         for row in args.rows.split(","):
@@ -247,10 +274,13 @@ def main(argv: list[str] | None = None) -> int:
             summaries.append(s)
             i, b = s[Band.INTERACTIVE], s[Band.BATCH]
             err = s.get("estimate_abs_error_s")
-            print(f"{load:>4} {row:<20} {i['goodput_rps']:>10} {i['good_share']:>9} "
+            print(f"{load:>4} {row:<24} {i['goodput_rps']:>10} {i['good_share']:>9} "
                   f"{i['ttft_p50']!s:>8}/{i['ttft_p99']!s:<9} {i['tpot_p50']!s:>8}/{i['tpot_p99']!s:<9} "
                   f"{b['goodput_rps']:>10} {b['ttft_p50']!s:>8}/{b['ttft_p99']!s:<9} {i['refused'] + b['refused']:>7} "
-                  f"{'' if err is None else str(err['p50']) + '/' + str(err['p90']):>16}", flush=True)
+                  f"{'' if err is None else str(err['p50']) + '/' + str(err['p90']):>16} "
+                  f"{'' if err is None else str(err['measured_p50']):>12} "
+                  f"{'' if err is None else str(err['tpot_p50']) + '/' + str(err['tpot_p90']):>16}"
+                  f"{'' if 'decisions' not in s else ' ' + str(s['decisions'])}", flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps(summaries, indent=1))
     return 0

@@ -63,11 +63,28 @@ PEER_START_TIMEOUT_S = 60.0
 # (no status_url): what la-swrr knows without the status source (docs/ascend.md §5).
 # ``flow-noreserve``: flow control without the interactive reserve (an interactive request then
 # waits for a release: where the proxies' sharing of freed slots shows, docs/evidence/flow-control.md).
+# ``events``: the exact cache view: the proxy with ``--tokenizer`` (the engines' model directory)
+# and the nodes registered with their engines' KV event endpoints, ``laswrr kv-events`` running;
+# every other row registers the same engines without them (the estimated view). Simulated engines
+# publish theirs (``sim-engine --kv-events``) in the tiny model's tokens (``sim_tokenizer``).
 # ``decode-only``: a ``vllm`` P/D pool's prompts of at most 512 tokens go whole to a decode node,
 # whose engine then prefills them itself (``--pd-local-prefill``; docs/proxy.md, "Short prompts: the decode node alone").
 VARIANTS: dict[str, tuple[str, ...]] = {"flow": ("--flow-control",), "cap": ("--inflight-cap-per-capacity", "1"),
                                         "flow-noreserve": ("--flow-control", "--interactive-reserve", "0"),
-                                        "no-status": (), "decode-only": ("--pd-decode-only-tokens", "512")}
+                                        "no-status": (), "events": (), "decode-only": ("--pd-decode-only-tokens", "512")}
+
+
+def sim_tokenizer(out: Path) -> Path:
+    """The tiny model's tokenizer (bench/tiny_model.py, trained on docs/algorithm.md) in ``out``:
+    what a ``+events`` row's simulated engines and proxy count a prompt's tokens with."""
+    from laswrr.bench.real_vllm import TRAINING_TEXT
+    from laswrr.bench.tiny_model import tokenizer
+
+    if not TRAINING_TEXT.exists():
+        raise ValueError(f"the tiny tokenizer's training text {TRAINING_TEXT} is missing (run from a checkout)")
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer(TRAINING_TEXT.read_text(encoding="utf-8"), out)
+    return out
 
 
 def split_variant(policy: str) -> tuple[str, tuple[str, ...]]:
@@ -125,13 +142,23 @@ class RunningStack:
     def nats_url(self) -> str:
         return self.stack.nats_url
 
+    def role_url(self, role: str) -> str:
+        """The bus as one of the stack's roles (services/accounts.py): what it may read."""
+        return self.stack.role_url(role)
+
 
 async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Path | None,
                 proxy_args: Sequence[str] = (), proxies: int = 1, engines: Sequence[Node] | None = None,
-                model: str = SIM_MODEL, workers: int = 1) -> RunningStack:
+                model: str = SIM_MODEL, workers: int = 1, tokenizer: str | None = None) -> RunningStack:
     """``engines``: running engines (real vLLM) to register instead of starting simulated ones;
     ``model``: the id they serve; ``workers``: each replica's ``--workers`` (their /metrics on
-    consecutive admin ports)."""
+    consecutive admin ports); ``tokenizer``: their model's directory, for a ``+events`` row.
+    A peer router runs the scenario's ``proxies`` instances (the load's entries), which share nothing."""
+    events = policy.endswith("+events")
+    if events and tokenizer is None and engines is not None:
+        raise ValueError(f"{policy}: the exact cache view needs the engines' tokenizer")
+    if events and engines is None:  # simulated engines publish their KV events in the tiny model's tokens
+        tokenizer = tokenizer or str(sim_tokenizer(run_dir / "tokenizer"))
     data_dir = run_dir / "data"
     stack = Stack(data_dir, proxy_port=0, config=str(config_path) if config_path else None, proxy_workers=workers)
     peers: list[asyncio.subprocess.Process] = []
@@ -146,21 +173,28 @@ async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Pat
             local = "--pd-decode-only-tokens" in split_variant(policy)[1]
             roles, args = pd_engine_args(scenario, protocol, local_prefill=local)
             nodes = await stack.start_sim_engines(sims, speed=scenario.speed, kv_tokens=scenario.kv_tokens,
-                                                  engine_args=args)
+                                                  engine_args=args, tokenizer=tokenizer if events else None)
             nodes = [replace(n, **roles[n.id]) if n.id in roles else n for n in nodes]
         else:
-            nodes = list(engines)
+            nodes = [n if events else replace(n, extra={k: v for k, v in n.extra.items()
+                                                        if k not in ("kv_events", "kv_events_replay")})
+                     for n in engines]
         if policy.endswith("+no-status"):  # the engines still serve /v1/status; the collector is not told
             nodes = [replace(n, status_url=None, extra={k: v for k, v in n.extra.items() if k != "status_url"})
                      for n in nodes]
         await stack.register(nodes)
         stack.write_nodes_file(nodes)
         await stack.start_collector()
+        await stack.start_kv_events(nodes)
         peer = peer_of(policy)
-        if peer is not None:  # one peer router: it has no replicas that could share a view
-            urls = [await start_peer(*peer, nodes, stack.log_dir, peers, model)]
+        if peer is not None:  # instances of a peer router share nothing: each has its own view
+            urls = [await start_peer(*peer, nodes, stack.log_dir, peers, model,
+                                     name=f"{peer[0]}-{k + 1}" if scenario.proxies > 1 else peer[0])
+                    for k in range(scenario.proxies)]
         else:
             base, variant_args = split_variant(policy)
+            if events:
+                variant_args += ("--tokenizer", str(tokenizer))
             if scenario.tenants:  # each tenant sends its own key: the proxy names them in its events
                 keys = run_dir / "keys.txt"
                 keys.write_text(keys_file_text([t.name for t in scenario.tenants]))
@@ -228,13 +262,14 @@ def peer_workers(router: str, nodes: list[Node]) -> list[str]:
 
 
 async def start_peer(router: str, router_policy: str, nodes: list[Node], log_dir: Path,
-                     peers: list[asyncio.subprocess.Process], model: str = SIM_MODEL) -> str:
+                     peers: list[asyncio.subprocess.Process], model: str = SIM_MODEL, name: str = "") -> str:
     binary = peer_binary(router)
     if binary is None:
         raise PeerUnavailable(f"{router} is not installed (pip install 'laswrr[peers]')")
     lead, log_level, _ = PEER_ROUTERS[router]
     port = free_port()
-    with open(log_dir / f"{router}.log", "ab") as sink:
+    log_path = log_dir / f"{name or router}.log"
+    with open(log_path, "ab") as sink:
         proc = await asyncio.create_subprocess_exec(
             binary, *lead, "--host", "127.0.0.1", "--port", str(port), "--policy", router_policy,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
@@ -243,7 +278,7 @@ async def start_peer(router: str, router_policy: str, nodes: list[Node], log_dir
             preexec_fn=preexec())
     peers.append(proc)
     url = f"http://127.0.0.1:{port}"
-    await _wait_answering(url, proc, router, model, log_dir / f"{router}.log")
+    await _wait_answering(url, proc, router, model, log_path)
     return url
 
 

@@ -54,18 +54,20 @@ from laswrr.bench.virtual_timeline import bench_timeline, check_timeline
 from laswrr.bench.workload import RequestSpec, prompt_text
 from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
 from laswrr.schemas import events as ev
-from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import batch_item, encode
 from laswrr.schemas.peers import PEER_ENCODER, PeerMessage, PeerState
+from laswrr.bench.virtual_kv import KvFeed
 from laswrr.bench.virtual_peers import PEER_DELAY_MS, VirtualChannel
 from laswrr.schemas.words import Phase, RequestOutcome
 from laswrr.scheduler.routing.prompt import prompt_text as indexed_text
-from laswrr.scheduler.routing.prompt import request_size
+from laswrr.scheduler.routing.prompt import RequestSize, request_size
 from laswrr.scheduler.routing.router import DEFAULT_POOL, PEER_PICK_S, PEER_STAGGER_S, AdmitRequest, Admission, Router, scorer_for
 from laswrr.services.sim_engine.physics import EngineSim
+from laswrr.services.sim_engine.prefix_cache import token_ids
 from laswrr.services.sim_engine.profiles import get_profile
 
 ORACLE = "oracle"
+EXACT = "exact"  # a row's affinity with --kv-events: prefix affinity, and each router's exact view fed by the engines
 _STEP, _DELIVER, _PEER, _ARRIVE, _PICK = 0, 1, 2, 3, 4
 _T0_NS = 1_700_000_000_000_000_000  # an event time of today's size (its bytes): the peer messages' and PeerTraffic's events
 
@@ -153,6 +155,14 @@ class VirtualResult:
     proxies: int = 1
     kept_on_node: float | None = None  # of the requests continuing an earlier prompt, the share sent where it went
     per_node: dict[str, int] = field(default_factory=dict)
+    kv_events: dict[str, float] | None = None  # an exact row's KV event traffic (messages and bytes a request)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as virtual.json holds it (``kv_events`` only on an exact row)."""
+        row = asdict(self)
+        if self.kv_events is None:
+            del row["kv_events"]
+        return row
 
 
 def quantiles(values: Sequence[float]) -> dict[str, float]:
@@ -205,8 +215,9 @@ def _snapshot(scenario: Scenario) -> WeightSnapshot:
     return WeightSnapshot(pool=DEFAULT_POOL, as_of_seq=1, tick=0, ts_ns=0, panic=False, nodes=nodes)
 
 
-def _engines(scenario: Scenario) -> dict[str, EngineSim]:
-    return {e.node: EngineSim(get_profile(e.chip), e.capacity, speed=scenario.speed, kv_tokens=scenario.kv_tokens)
+def _engines(scenario: Scenario, kv_events: bool = False) -> dict[str, EngineSim]:
+    return {e.node: EngineSim(get_profile(e.chip), e.capacity, speed=scenario.speed, kv_tokens=scenario.kv_tokens,
+                              kv_events=kv_events)
             for e in scenario.engines}
 
 
@@ -243,21 +254,26 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
     """One row; ``proxies`` replicas take the requests in turn, each with its own routing table
     (no snapshot carries the others' counts here: without the channel, ``peer_interval_ms`` 0,
     each replica sees its own counts only; with it, what the peers' messages say). ``copies``:
-    ``--fleet`` (``fleet``)."""
+    ``--fleet`` (``fleet``). ``affinity`` ``exact`` (``--kv-events``): prefix affinity, the engines'
+    KV events feeding every router's exact view ``peer_delay_ms`` after each engine step
+    (``bench.virtual_kv``), and each request's engine token ids in its admission, as a proxy with
+    ``--tokenizer`` sends them."""
     if scenario.trace is None:
         raise ValueError(f"--virtual replays a trace; {scenario.name} is not a trace scenario")
     requests = fleet_requests(load_workload(scenario.trace), copies)
     scenario = fleet(scenario, copies)
-    engines = _engines(scenario)
+    exact = affinity == EXACT
+    engines = _engines(scenario, kv_events=exact)
     share = proxies > 1 and peer_interval_ms > 0
+    scoring = "prefix" if exact else affinity
     if policy == ORACLE:
         routers = []
     elif share:
-        routers = [Router(policy, seed + k, scorer=scorer_for(affinity), proxy_id=f"proxy-{k}", share=True,
+        routers = [Router(policy, seed + k, scorer=scorer_for(scoring), proxy_id=f"proxy-{k}", share=True,
                           peer_stagger_s=peer_stagger_ms / 1000, peer_pick_s=peer_pick_ms / 1000)
                    for k in range(proxies)]
     else:
-        routers = [Router(policy, seed + k, scorer=scorer_for(affinity)) for k in range(proxies)]
+        routers = [Router(policy, seed + k, scorer=scorer_for(scoring)) for k in range(proxies)]
     for router in routers:
         router.table.offer(_snapshot(scenario), now=0.0)
     traffic = traffic if traffic is not None else PeerTraffic()
@@ -274,6 +290,9 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
                              delay_s=peer_delay_ms / 1000, schedule=schedule)
     if share:
         channel.start(0.0)
+    feed = KvFeed(engines, routers, schedule, peer_delay_ms / 1000) if exact else None
+    if feed is not None:
+        feed.start(0.0)
     continuations = Continuations()
     if share and routers:
         for k in range(len(routers)):
@@ -327,8 +346,11 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
                         order += 1
                         continue
                 seen = indexed_text([{"role": "user", "content": text}], None)
-                admission = router.admitter.admit(AdmitRequest(DEFAULT_POOL, (), seen,
-                                                               request_size(seen, item.max_tokens, None)))
+                size, tokens = request_size(seen, item.max_tokens, None), None
+                if feed is not None:  # its engine's tokens: the text's, and one for the message (workload.prompt_text)
+                    tokens = (*token_ids(text), 0)
+                    size = RequestSize(len(tokens), size.max_tokens)
+                admission = router.admitter.admit(AdmitRequest(DEFAULT_POOL, (), seen, size, tokens=tokens))
                 assert isinstance(admission, Admission)
                 node = admission.node
                 if share:  # a pick is told within peer_pick_s, as the proxy's bus does (Router.on_pick)
@@ -357,22 +379,29 @@ def run_virtual(scenario: Scenario, policy: str, affinity: str = "prefix", seed:
                 pending -= 1
                 if admission is not None and router is not None:
                     router.admitter.release(admission)
+        if feed is not None:
+            feed.step(item, now)
         wake(item, now)
     queries = sum(e.prefix_cache.queries for e in engines.values())
     hits = sum(e.prefix_cache.hits for e in engines.values())
-    return VirtualResult(policy=policy, affinity=routers[0].affinity_mode if routers else "-", requests=len(ttft),
+    mode = EXACT if exact and routers else routers[0].affinity_mode if routers else "-"
+    kv = None if feed is None or not ttft else {
+        "messages": feed.messages, "messages_per_request": round(feed.messages / len(ttft), 2),
+        "bytes_per_request": round(feed.bytes / len(ttft), 1)}
+    return VirtualResult(policy=policy, affinity=mode, requests=len(ttft),
                          ttft_s=quantiles(ttft), e2e_s=quantiles(e2e),
                          prefix_hit_rate=round(hits / queries, 4) if queries else 0.0,
-                         proxies=len(routers) or 1, kept_on_node=continuations.share, per_node=per_node)
+                         proxies=len(routers) or 1, kept_on_node=continuations.share, per_node=per_node, kv_events=kv)
 
 
-def rows_for(policies: Sequence[str], affinity: str | None) -> list[tuple[str, str]]:
+def rows_for(policies: Sequence[str], affinity: str | None, kv_events: bool = False) -> list[tuple[str, str]]:
+    """The (policy, affinity) rows; ``kv_events``: la-swrr's prefix row gets an ``exact`` twin after it."""
     rows: list[tuple[str, str]] = []
     for policy in policies:
-        if policy == "la-swrr" and affinity is None:
-            rows += [(policy, "prefix"), (policy, "none")]
-        else:
-            rows.append((policy, affinity or "prefix"))
+        modes = ["prefix", "none"] if policy == "la-swrr" and affinity is None else [affinity or "prefix"]
+        if kv_events and policy == "la-swrr" and "prefix" in modes:
+            modes.insert(modes.index("prefix") + 1, EXACT)
+        rows += [(policy, mode) for mode in modes]
     return rows + [(ORACLE, "-")]
 
 
@@ -392,12 +421,18 @@ def print_virtual(scenario: Scenario, results: Sequence[VirtualResult]) -> None:
 
 def bench_virtual(scenarios: Sequence[Scenario], policies: Sequence[str], affinity: str | None, seed: int,
                   out: Path, proxies: int = 1, peer_interval_ms: int = 0, peer_delay_ms: float = PEER_DELAY_MS,
-                  copies: int = 1, peer_pick_ms: float = PEER_PICK_S * 1000) -> int:
+                  copies: int = 1, peer_pick_ms: float = PEER_PICK_S * 1000, kv_events: bool = False) -> int:
     share = proxies > 1 and peer_interval_ms > 0
     for scenario in scenarios:
         if scenario.trace is None:  # a timeline scenario: the scheduler's core in the loop
             if copies != 1:
                 raise ValueError(f"--fleet copies a trace scenario; {scenario.name} is a timeline")
+            if kv_events:
+                why = f"--kv-events runs on trace scenarios, not on {scenario.name} (a timeline)"
+                if len(scenarios) == 1:
+                    raise ValueError(why)
+                print(f"{scenario.name}: skipped ({why})")
+                continue
             try:
                 check_timeline(scenario)
             except ValueError as exc:
@@ -415,7 +450,7 @@ def bench_virtual(scenarios: Sequence[Scenario], policies: Sequence[str], affini
                 raise ValueError(why)
             print(f"{scenario.name}: {why}: left out")
         results, traffic = [], {}
-        for policy, mode in rows_for(plain, affinity):
+        for policy, mode in rows_for(plain, affinity, kv_events):
             carried = PeerTraffic()
             results.append(run_virtual(scenario, policy, mode, seed, proxies, peer_interval_ms, carried, peer_delay_ms,
                                        copies=copies, peer_pick_ms=peer_pick_ms))
@@ -424,7 +459,12 @@ def bench_virtual(scenarios: Sequence[Scenario], policies: Sequence[str], affini
         print_virtual(pool, results)
         target = out / scenario.name
         target.mkdir(parents=True, exist_ok=True)
-        (target / "virtual.json").write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
+        (target / "virtual.json").write_text(json.dumps([r.as_dict() for r in results], indent=1) + "\n")
+        for r in results:
+            if r.kv_events is not None:
+                print(f"KV events ({r.policy}/{r.affinity}, each delivered {peer_delay_ms:g} ms after its engine step): "
+                      f"{r.kv_events['messages']} messages, {r.kv_events['messages_per_request']:.2f} and "
+                      f"{r.kv_events['bytes_per_request']:.0f} B with subjects a request")
         if share:
             print(f"channel between proxies (picks within {peer_pick_ms:g} ms, the rest within {peer_interval_ms} ms, each message "
                   f"delivered {peer_delay_ms:g} ms after it was sent): " + "; ".join(

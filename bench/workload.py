@@ -92,6 +92,10 @@ class RequestSpec:
     block_ids: tuple[int, ...] = ()  # a trace's prefix-block ids (bench.trace): shared ids, shared text
     tenant: str = ""  # the API key's name it is sent with ("" : none; bench.scenarios.Tenant)
     priority: str = ""  # its x-laswrr-priority ("": none)
+    # a chat of several messages (role, text), sent as they are instead of ``prompt_text``
+    # (bench.conversations: shared system prompts, multi-turn conversations)
+    messages: tuple[tuple[str, str], ...] = ()
+    entry: int | None = None  # which proxy it enters through (an index into the URLs); None: they alternate
 
 
 @dataclass(frozen=True, slots=True)

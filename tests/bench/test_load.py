@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import aiohttp
+from aiohttp import web
 
 from laswrr.bench.load import run_load
 from laswrr.bench.workload import RequestSpec
 from laswrr.services.sim_engine.app import start_server
 from laswrr.services.sim_engine.config import SimConfig
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """``app`` served on a free loopback port, its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
 
 FAST = SimConfig(chip="910B", capacity=4, port=0, speed=20.0, node_id="node-a")
 
@@ -53,7 +68,6 @@ async def test_cut_stream_is_interrupted_and_refusal_is_error() -> None:
 
 async def test_an_error_event_after_the_first_token_is_an_interruption() -> None:
     """What a proxy without continuation sends when an engine dies mid-stream: a cut the client sees."""
-    from aiohttp import web
 
     async def cut_with_error(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -66,16 +80,49 @@ async def test_an_error_event_after_the_first_token_is_an_interruption() -> None
     app = web.Application()
     app.router.add_post("/{after}/v1/chat/completions", cut_with_error)
     app.router.add_post("/v1/chat/completions", cut_with_error)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
+    async with serving(app) as base:
         loop = asyncio.get_running_loop()
-        before = await run_load(f"http://127.0.0.1:{port}", [RequestSpec(0, 0.0, 10, 5, None)], loop.time())
-        after = await run_load(f"http://127.0.0.1:{port}/token", [RequestSpec(0, 0.0, 10, 5, None)], loop.time())
-    finally:
-        await runner.cleanup()
+        before = await run_load(base, [RequestSpec(0, 0.0, 10, 5, None)], loop.time())
+        after = await run_load(f"{base}/token", [RequestSpec(0, 0.0, 10, 5, None)], loop.time())
     assert before.results[0].outcome == "error"
     assert after.results[0].outcome == "interrupted" and "mid-stream" in after.results[0].error
+
+
+async def test_usage_asks_for_the_engines_usage_chunk_and_reads_its_cached_tokens() -> None:
+    """With ``usage`` the body asks for vLLM's usage chunk; its cached prompt tokens (and the
+    proxy's request id) are recorded, and the chunk is not counted as a token of the answer."""
+
+    bodies: list[dict[str, object]] = []
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        bodies.append(body)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-laswrr-request-id": "p-7",
+                                               "x-laswrr-node": "n1"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"index": 0, "delta": {"content": "hi "}}]}\n\n')
+        await response.write(b'data: {"choices": [{"index": 0, "delta": {"content": "there"}}]}\n\n')
+        if (body.get("stream_options") or {}).get("include_usage"):
+            details = ', "prompt_tokens_details": {"cached_tokens": 512}' if request.path == "/v1/chat/completions" \
+                else ""
+            await response.write(b'data: {"choices": [], "usage": {"prompt_tokens": 700, "completion_tokens": 2'
+                                 + details.encode() + b'}}\n\n')
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    app.router.add_post("/none/v1/chat/completions", answer)
+    async with serving(app) as base:
+        loop = asyncio.get_running_loop()
+        spec = [RequestSpec(0, 0.0, 10, 5, None)]
+        plain = await run_load(base, spec, loop.time())
+        usage = await run_load(base, spec, loop.time(), usage=True)
+        none_cached = await run_load(base + "/none", spec, loop.time(), usage=True)
+    assert "stream_options" not in bodies[0] and bodies[1]["stream_options"] == {"include_usage": True}
+    assert plain.results[0].cached_tokens is None and plain.results[0].request_id == "p-7"
+    got = usage.results[0]
+    assert got.outcome == "completed" and got.tokens == 2 and got.node == "n1"
+    assert (got.cached_tokens, got.prompt_tokens, got.request_id) == (512, 700, "p-7")
+    # vLLM leaves the details out when it found nothing cached
+    assert none_cached.results[0].cached_tokens == 0 and none_cached.results[0].tokens == 2

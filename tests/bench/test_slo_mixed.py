@@ -28,3 +28,12 @@ def test_the_bench_command_runs_it_in_virtual_time_only(tmp_path) -> None:  # ty
     assert done.returncode == 2 and "add --virtual" in done.stderr
     listed = subprocess.run([sys.executable, "-m", "laswrr", "bench", "--list"], capture_output=True, text=True)
     assert "slo-mixed" in listed.stdout
+
+
+def test_the_sglang_rows_pick_from_the_requests_texts_and_count_their_branches() -> None:
+    requests = workload(0.8, 80, seed=3)
+    for row in ("sglang-cache-aware", "sglang-cache-aware-tree"):
+        summary = run(row, 0.8, requests, 3).summary()
+        assert summary == run(row, 0.8, requests, 3).summary()
+        assert sum(summary["decisions"].values()) == len(requests)
+        assert summary["decisions"].get("hit", 0) == 0  # every text is the request's own: nothing to match

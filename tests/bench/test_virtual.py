@@ -13,7 +13,7 @@ import pytest
 
 from laswrr.bench.scenarios import get_scenario
 from laswrr.bench.trace import load_workload
-from laswrr.bench.virtual import (ORACLE, Continuations, PeerTraffic, _snapshot, fleet, fleet_requests, kind_of, rows_for,
+from laswrr.bench.virtual import (EXACT, ORACLE, Continuations, PeerTraffic, _snapshot, fleet, fleet_requests, kind_of, rows_for,
                                   run_virtual)
 from laswrr.bench.virtual_peers import VirtualChannel
 from laswrr.scheduler.routing.router import DEFAULT_POOL, Router
@@ -43,6 +43,25 @@ def test_prefix_affinity_raises_the_hit_rate_on_the_mooncake_slice() -> None:
     assert two.proxies == 2 and two.requests == on.requests and two.kept_on_node is not None
 
 
+def test_the_engines_exact_view_finds_at_least_the_estimates_hits() -> None:
+    """``--kv-events``: the routers fed the engines' KV events hit the cache at least as often as
+    on the estimated view; two replicas that share nothing else learn from the engines what the
+    other sent where (the slice's first 90 s; not a speed goal)."""
+    mooncake = get_scenario("trace-mooncake")
+    assert mooncake.trace is not None
+    scenario = replace(mooncake, trace=replace(mooncake.trace, window_s=90.0))
+    estimated, exact = run_virtual(scenario, "la-swrr", "prefix"), run_virtual(scenario, "la-swrr", EXACT)
+    assert exact.affinity == EXACT and exact.requests == estimated.requests
+    assert exact.prefix_hit_rate >= estimated.prefix_hit_rate
+    assert exact.kv_events is not None and exact.kv_events["messages"] > len(scenario.engines)  # more than the first ones
+    assert estimated.kv_events is None and "kv_events" not in estimated.as_dict()
+    two_estimated = run_virtual(scenario, "la-swrr", "prefix", proxies=2)
+    two_exact = run_virtual(scenario, "la-swrr", EXACT, proxies=2)
+    assert two_exact.prefix_hit_rate > two_estimated.prefix_hit_rate
+    assert two_exact.kept_on_node is not None and two_estimated.kept_on_node is not None
+    assert two_exact.kept_on_node > two_estimated.kept_on_node
+
+
 def test_continuations_count_a_request_kept_only_where_its_prefix_went() -> None:
     seen = Continuations()
     seen.served((1, 2, 3), "a")  # the first of its conversation: continues nothing
@@ -56,6 +75,9 @@ def test_rows_run_la_swrr_both_ways_and_add_the_oracle() -> None:
     assert rows_for(["la-swrr", "rr"], None) == [("la-swrr", "prefix"), ("la-swrr", "none"), ("rr", "prefix"),
                                                  (ORACLE, "-")]
     assert rows_for(["la-swrr"], "none") == [("la-swrr", "none"), (ORACLE, "-")]
+    assert rows_for(["la-swrr", "rr"], None, kv_events=True) == [
+        ("la-swrr", "prefix"), ("la-swrr", EXACT), ("la-swrr", "none"), ("rr", "prefix"), (ORACLE, "-")]
+    assert rows_for(["la-swrr"], "prefix", kv_events=True) == [("la-swrr", "prefix"), ("la-swrr", EXACT), (ORACLE, "-")]
 
 
 def test_first_token_eta_counts_the_queue_and_the_cached_prefix() -> None:
@@ -80,6 +102,19 @@ def test_the_command_writes_its_rows_and_refuses_what_virtual_time_does_not_mode
     refused = subprocess.run([*run, "--scenario", "smoke-trace", "--policies", "la-swrr+no-status"],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "its weights are fixed" in refused.stderr
+
+
+def test_the_command_adds_the_exact_row_with_kv_events(tmp_path: Path) -> None:
+    run = [sys.executable, "-m", "laswrr", "bench", "--out", str(tmp_path), "--scenario", "smoke-trace",
+           "--policies", "la-swrr", "--affinity", "prefix", "--kv-events"]
+    done = subprocess.run([*run, "--virtual"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "KV events (la-swrr/exact" in done.stdout
+    rows = json.loads((tmp_path / "smoke-trace" / "virtual.json").read_text())
+    assert [(r["policy"], r["affinity"], "kv_events" in r) for r in rows] == [
+        ("la-swrr", "prefix", False), ("la-swrr", EXACT, True), (ORACLE, "-", False)]
+    refused = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "add --virtual" in refused.stderr
 
 
 def test_the_virtual_channel_delivers_a_message_the_delay_after_it_was_sent() -> None:
