@@ -1,6 +1,6 @@
 """The recorded log in DuckDB: one table, the analyst views, and the one-writer rule.
 
-Table (docs/wire.md): ``events(stream, seq, ts_ns, subject, data, raw)`` with primary key
+Table (docs/wire.md): ``events(stream, seq, ts_ns, subject, data, raw)``, one row per
 ``(stream, seq)``. The payload is kept byte for byte: ``data`` is its text when it is UTF-8
 (malformed JSON, NUL bytes and all, exactly as it came) and ``raw`` is NULL; a payload that is not
 UTF-8 (DuckDB's VARCHAR cannot hold it) has its exact bytes in the BLOB ``raw`` and, in ``data``,
@@ -9,10 +9,14 @@ its text with U+FFFD for the bad bytes, for reading only. The exact payload is t
 written before ``raw`` existed gets the column (all NULL: its text was all there was) when a
 recorder opens it; a reader of such a file (read-only), or of an old Parquet export, sees
 ``events`` through a view that adds it, so every reader and view can rely on it.
-Writes are idempotent on the stream sequence: ``insert_rows`` uses ``ON CONFLICT DO NOTHING``
-and passes each column as one list parameter (``unnest``), which is much faster than
-``executemany`` (docs/evidence/code-choices.md) and needs neither
-pyarrow nor pandas.
+``insert_rows`` passes each column as one list parameter (``unnest``), which is much faster than
+``executemany`` (docs/evidence/code-choices.md) and needs neither pyarrow nor pandas. It inserts
+what it is given: a row already in the file is the writer's to leave out (the recorder drops
+every seq it has recorded, services/recorder.py). The table has no primary key: DuckDB keeps a
+key's index (an ART) in memory beyond its ``memory_limit``, about 130 bytes a row, so a
+recorder's memory grew with the log for as long as it ran (docs/evidence/soak.md). A file made
+with the key (``(stream, seq)``, before 2026-12) keeps it and works as before; ``has_key`` says
+which a file is.
 
 One writer per DuckDB file (docs/design.md, "Hazards designed for"). While the recorder runs it holds the file's write lock
 and no other process can open it, not even read-only. ``open_read`` therefore:
@@ -52,8 +56,7 @@ CREATE TABLE IF NOT EXISTS events (
     ts_ns   BIGINT  NOT NULL,
     subject VARCHAR NOT NULL,
     data    VARCHAR NOT NULL,
-    raw     BLOB,
-    PRIMARY KEY (stream, seq)
+    raw     BLOB
 )
 """
 PAYLOAD_SQL = "coalesce(raw, encode(data))"
@@ -64,7 +67,6 @@ INSERT INTO events
 SELECT * FROM (SELECT unnest($stream::VARCHAR[]) AS stream, unnest($seq::BIGINT[]) AS seq,
                       unnest($ts::BIGINT[]) AS ts_ns, unnest($subject::VARCHAR[]) AS subject,
                       unnest($data::VARCHAR[]) AS data, unnest($raw::BLOB[]) AS raw)
-ON CONFLICT DO NOTHING
 """
 
 DB_FILE = "events.duckdb"
@@ -154,8 +156,8 @@ def open_writer(path: str | os.PathLike[str], memory_limit_mb: int | None = None
 
     ``memory_limit_mb`` caps DuckDB's memory on this connection (its ``memory_limit``). Without it
     DuckDB keeps every block it wrote or read in its buffer cache up to 80 % of RAM, so a writer's
-    RSS grows with the file; with it, DuckDB evicts cached blocks (table data and the primary key's
-    index alike: both are re-read from the file when needed) past the cap."""
+    RSS may grow with the file; with it, DuckDB evicts cached blocks past the cap (they are re-read
+    from the file when needed)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     try:
         con = duckdb.connect(str(path))
@@ -168,7 +170,8 @@ def open_writer(path: str | os.PathLike[str], memory_limit_mb: int | None = None
 
 
 def insert_rows(con: duckdb.DuckDBPyConnection, batches: Sequence[Columns]) -> None:
-    """Insert every batch in one transaction; rows already present are skipped (idempotent)."""
+    """Insert every batch in one transaction, all or nothing; the caller leaves out rows already
+    in the file (on a file with the old key one would fail the transaction)."""
     con.execute("BEGIN TRANSACTION")
     try:
         for cols in batches:
@@ -180,6 +183,13 @@ def insert_rows(con: duckdb.DuckDBPyConnection, batches: Sequence[Columns]) -> N
         with contextlib.suppress(duckdb.Error):
             con.execute("ROLLBACK")
         raise
+
+
+def has_key(con: duckdb.DuckDBPyConnection) -> bool:
+    """True for a file made with the old ``PRIMARY KEY (stream, seq)`` (module header)."""
+    row = con.execute("SELECT count(*) FROM duckdb_constraints() WHERE table_name = 'events' "
+                      "AND constraint_type = 'PRIMARY KEY'").fetchone()
+    return bool(row and row[0])
 
 
 def max_seq(con: duckdb.DuckDBPyConnection, stream: str) -> int:

@@ -12,9 +12,13 @@ Theory of operation.
   subject, data, raw)`` with ``ts_ns`` the exact JetStream timestamp from the ack subject (the
   same time the scheduler used) and the payload's exact bytes, malformed or not, not UTF-8 or
   not (replay/store.py says how ``data`` and ``raw`` hold them) — inserted
-  in one transaction with ``ON CONFLICT DO NOTHING``; only then is the batch's highest message
-  acked, which (AckAll) acknowledges everything before it. A crash before the ack means
-  redelivery, and redelivered rows are skipped: none lost, none duplicated. A proxy's
+  in one transaction; only then is the batch's highest message acked, which (AckAll)
+  acknowledges everything before it. A crash before the ack means redelivery, and a redelivered
+  message is not inserted again: none lost, none duplicated. The recorder knows what the file
+  holds without asking it (the table has no key, replay/store.py says why): every seq up to
+  ``recorded_through`` (read from the file at start, after its holes are filled), plus the seqs
+  of a batch written past a hole it could not fill yet (``written_above``, until the hole is
+  filled); ``_commit`` leaves those out of each batch. A proxy's
   ``lb.req.batch.<proxy>`` message is one row like any other, its bytes as received; the
   analyst views unnest its events (replay/views.sql).
 * **No silent holes.** Acking seq S also acknowledges every earlier message, including one that
@@ -43,8 +47,8 @@ Theory of operation.
   rolled back, the file stays whole) is tried again, 0.5 s doubling to ``WRITE_RETRY_MAX_S``,
   with nothing acked meanwhile (JetStream keeps the messages; the stream's own limits apply):
   an ERROR line, ``laswrr_recorder_write_failing`` 1 and ``laswrr_recorder_write_failures``
-  say so, and recording resumes by itself once there is room (``_write``; rows are inserted
-  idempotently, so a retried batch adds no duplicate).
+  say so, and recording resumes by itself once there is room (``_write``; a refused commit
+  wrote nothing, so the retried batch adds no duplicate).
 * **Stop.** SIGINT/SIGTERM: the stop's target is each stream's last seq at that moment
   (``STREAM.INFO``); the recorder keeps pulling, committing and acking (recreating a consumer that
   is gone, e.g. seconds after a leader election) until it has recorded through both targets or
@@ -124,6 +128,7 @@ class Recorder:
         self.con: duckdb.DuckDBPyConnection | None = None
         self.stats = {sj.EVENTS_STREAM: StreamStats(), sj.OUT_STREAM: StreamStats()}
         self.recorded_through = {sj.EVENTS_STREAM: 0, sj.OUT_STREAM: 0}
+        self.written_above: dict[str, set[int]] = {stream: set() for stream in self.recorded_through}
         self.ready = asyncio.Event()
         self._db_lock = asyncio.Lock()
         self.copies = CopyDesk(options.db_path, options.data_dir, self.js, self._db, self._db_lock,
@@ -138,6 +143,9 @@ class Recorder:
     async def run(self, stop: asyncio.Event) -> None:
         self.con = await asyncio.to_thread(store.open_writer, self.options.db_path,
                                              self.options.memory_limit_mb or None)
+        if await self._db(store.has_key, self.con):
+            log.info("%s was made with a primary key on (stream, seq): its index grows the recorder's memory by "
+                     "about 130 bytes a row (docs/analysts.md, \"A file made with the key\")", self.options.db_path)
         try:
             await ensure_streams(self.js, StreamLimits(replicas=self.options.stream_replicas))
             for stream in self.stats:
@@ -296,28 +304,35 @@ class Recorder:
         started = time.perf_counter()
         rows = store.Columns(stream)
         highest, top = msgs[0], 0
+        start, written = self.recorded_through[stream] + 1, self.written_above[stream]
         for msg in msgs:
             info = parse_ack_subject(msg.reply)
-            rows.append(info.stream_seq, info.ts_ns, msg.subject, msg.data)
-            if info.stream_seq > top:
-                highest, top = msg, info.stream_seq
-        start = self.recorded_through[stream] + 1
+            seq = info.stream_seq
+            if seq > top:
+                highest, top = msg, seq
+            if seq < start or seq in written:  # in the file already (a redelivery)
+                continue
+            rows.append(seq, info.ts_ns, msg.subject, msg.data)
+            written.add(seq)  # taken back below if the write fails
         complete = True
-        if not is_contiguous(rows.seq, start, top):
+        if not is_contiguous(rows.seq, start, top) and not all(seq in written for seq in range(start, top + 1)):
             try:
-                await self._fill(stream, start, top, rows)
+                await self._fill(stream, start, top, rows, written)
             except Exception as exc:  # noqa: BLE001 - NATS trouble: keep the rows, do not ack
                 log.warning("%s: could not fetch missing seqs in %d..%d (%s); not acking yet", stream, start, top, exc)
                 complete = False
         if not await self._write(stream, rows):
+            written.difference_update(rows.seq)
             return None
+        written.update(rows.seq)  # the seqs _fill added
         stats = self.stats[stream]
         stats.recorded += len(msgs)
         stats.batches += 1
         stats.batch_seconds.observe(time.perf_counter() - started)
         if not complete:
             return None
-        self.recorded_through[stream] = max(self.recorded_through[stream], top)
+        self.recorded_through[stream] = through = max(self.recorded_through[stream], top)
+        self.written_above[stream] = {seq for seq in written if seq > through}
         return highest
 
     async def _write(self, stream: str, rows: store.Columns) -> bool:
@@ -349,12 +364,14 @@ class Recorder:
 
     # -- holes ----------------------------------------------------------------------------------
 
-    async def _fill(self, stream: str, start: int, top: int, rows: store.Columns) -> None:
-        """Fetch seqs start..top that ``rows`` lacks directly from the stream (module header)."""
+    async def _fill(self, stream: str, start: int, top: int, rows: store.Columns,
+                    written: set[int] | frozenset[int] = frozenset()) -> None:
+        """Fetch seqs start..top that neither ``rows`` nor the file (``written``) has directly
+        from the stream (module header)."""
         first = (await self.js.stream_info(stream)).state.first_seq
         if start < first:
             log.warning("%s seqs %d..%d were dropped by retention before they were recorded", stream, start, first - 1)
-        present = set(rows.seq)
+        present = set(rows.seq) | written
         stats = self.stats[stream]
         for seq in range(max(start, first), top + 1):
             if seq in present:
