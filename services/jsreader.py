@@ -30,8 +30,8 @@ Theory of operation.
   stored message by seq (``STREAM.MSG.GET``, for holes in a delivery) with the same exact time.
 * **Exactly once, in order.** ``InOrder`` turns deliveries into envelopes for a fold that must
   see every seq once: a redelivered seq is dropped, a hole (messages delivered but lost on the
-  way, e.g. across a reconnect) is fetched directly. (The recorder needs no such thing: its
-  inserts are idempotent, and it checks for holes against the database before acking.)
+  way, e.g. across a reconnect) is fetched directly. (The recorder keeps its own account of
+  what its file holds, by batch, and fetches a hole before acking past it: services/recorder.py.)
 """
 
 from __future__ import annotations
