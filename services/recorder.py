@@ -326,7 +326,7 @@ class Recorder:
             return None
         written.update(rows.seq)  # the seqs _fill added
         stats = self.stats[stream]
-        stats.recorded += len(msgs)
+        stats.recorded += len(rows)  # rows committed: a redelivered message is not one
         stats.batches += 1
         stats.batch_seconds.observe(time.perf_counter() - started)
         if not complete:

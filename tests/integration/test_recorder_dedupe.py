@@ -57,6 +57,7 @@ async def test_a_batch_delivered_again_is_recorded_once(nats_url: str, tmp_path:
     assert await recorder._commit(sj.EVENTS_STREAM, msgs[:30]) is msgs[29]  # all of it again
     assert seqs(recorder.con) == list(range(1, 31))
     assert recorder.recorded_through[sj.EVENTS_STREAM] == 30 and not recorder.written_above[sj.EVENTS_STREAM]
+    assert recorder.stats[sj.EVENTS_STREAM].recorded == 30  # laswrr_recorder_rows_written: rows, not deliveries
     await recorder.nc.close()
 
 
