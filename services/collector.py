@@ -47,6 +47,7 @@ from laswrr.schemas import subjects as sj
 from laswrr.services import settings as common
 from laswrr.services.natsbus import NatsAuth, StreamLimits, connect, ensure_streams, redact_url
 from laswrr.services.service_metrics import serve_metrics
+from laswrr.services.tasks import stop_task
 
 log = logging.getLogger("laswrr.collector")
 
@@ -82,9 +83,7 @@ async def _until_stopped(start: Coroutine[Any, Any, Client], stop: asyncio.Event
         stopped.cancel()
     if task.done():
         return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await stop_task(task)  # cancelled until it ends: one cancel inside nats-py's connect can be lost
     return None
 
 
@@ -149,9 +148,7 @@ async def serve(nats_url: str, nodes: list[Node], settings: Settings,
         await collector.run(stop)
     finally:
         if follower is not None:
-            follower.cancel()
-            with contextlib.suppress(BaseException):
-                await follower
+            await stop_task(follower)
         if runner is not None:
             await runner.cleanup()
         # bounded: a drain with NATS gone would wait for ever; 5 s, half of the stop timeout that

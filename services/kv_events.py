@@ -59,6 +59,7 @@ from laswrr.schemas.kvcache import CACHE_ENCODER, CacheChanged
 from laswrr.services import settings as common
 from laswrr.services.natsbus import NatsAuth, connect, redact_url
 from laswrr.services.service_metrics import serve_metrics
+from laswrr.services.tasks import stop_task
 
 log = logging.getLogger("laswrr.kv_events")
 
@@ -237,11 +238,7 @@ class KvEventsService:
             log.exception("node %s: KV events feed failed", feed.node)
 
     async def close(self) -> None:
-        for _, task in self.feeds.values():
-            task.cancel()
-        for _, task in self.feeds.values():
-            with contextlib.suppress(BaseException):
-                await task
+        await asyncio.gather(*(stop_task(task) for _, task in self.feeds.values()))
         self.feeds.clear()
         self.ctx.term()
 

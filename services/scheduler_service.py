@@ -87,6 +87,7 @@ from laswrr.services.natsbus import (MSG_ID, NatsAuth, StreamLimits, Throttled, 
 from laswrr.services.output_writer import OutputWriter, highest_published_seq
 from laswrr.services.service_metrics import (BATCH_BUCKETS, Buckets, Metric, counter, gauge, histogram, lag,
                                              render, serve_metrics)
+from laswrr.services.tasks import stop_task
 
 log = logging.getLogger("laswrr.scheduler")
 
@@ -264,9 +265,7 @@ class SchedulerService:
                         ticker = asyncio.create_task(self._tick_loop(stop))
         finally:
             if ticker is not None:
-                ticker.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await ticker
+                await stop_task(ticker)  # a cancel inside a JetStream publish can be lost (services/tasks.py)
             for task in list(self._tick_tasks):
                 task.cancel()
             await self._shutdown()

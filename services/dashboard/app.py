@@ -48,7 +48,7 @@ from laswrr.services import settings
 from laswrr.services.dashboard.board import MS, S, Board, Push
 from laswrr.services.jsreader import parse_ack_subject
 from laswrr.services.natsbus import NatsAuth, connect, redact_url
-from laswrr.services.proxy.tasks import stop_task
+from laswrr.services.tasks import stop_task
 
 log = logging.getLogger("laswrr.dashboard")
 

@@ -100,7 +100,7 @@ from laswrr.scheduler.routing.router import AdmitRequest, Refusal, Router, score
 from laswrr.schemas.outputs import WeightSnapshot
 from laswrr.schemas.refusals import ANSWERS
 from laswrr.schemas.words import Band, HoldCause, RefusalCause
-from laswrr.services.proxy.tasks import stop_task
+from laswrr.services.tasks import stop_task
 from laswrr.services.proxy.tokens import MIN_THREAD_CHARS, PromptTokenizer
 from laswrr.services.proxy.upstream import (
     REQUEST_ID_HEADER,
@@ -604,7 +604,7 @@ async def _resources(state: ProxyState) -> AsyncIterator[None]:
         state.events.stopped()
         if not await state.events.flush(EVENT_FLUSH_TIMEOUT_S):
             log.warning("%d event(s) not published at shutdown (NATS unreachable?)", state.events.buffered)
-        await stop_task(publisher)  # stop_task: a single cancel may be lost (services.proxy.tasks)
+        await stop_task(publisher)  # stop_task: a single cancel may be lost (services.tasks)
         await state.catalog.close()
         await state.bus.close()  # stops the watch, then drains NATS
         await engines.close()

@@ -93,7 +93,7 @@ from laswrr.services.service_metrics import Buckets
 from laswrr.services.proxy.events import EventPublisher
 from laswrr.scheduler.routing.router import Router
 from laswrr.scheduler.routing.table import Offered
-from laswrr.services.proxy.tasks import bounded, stop_task
+from laswrr.services.tasks import bounded, stop_task
 
 log = logging.getLogger("laswrr.proxy.bus")
 

@@ -59,7 +59,7 @@ from laswrr.scheduler.routing.prompt import RequestSize
 from laswrr.scheduler.routing.latency import Objective
 from laswrr.scheduler.routing.router import AdmitRequest, Admission, Refusal, Router
 from laswrr.schemas.words import Band, HoldCause, RefusalCause
-from laswrr.services.proxy.tasks import stop_task
+from laswrr.services.tasks import stop_task
 from laswrr.services.service_metrics import Buckets
 
 TICK_S = 0.05  # while anything is held: expiries, the no-node wait, and a pump for snapshots

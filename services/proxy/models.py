@@ -22,7 +22,7 @@ from multidict import CIMultiDict
 
 from laswrr.services.proxy.keys import UpstreamAuth
 from laswrr.scheduler.routing.router import Router
-from laswrr.services.proxy.tasks import stop_task
+from laswrr.services.tasks import stop_task
 from laswrr.services.proxy.transport import EngineTransport, list_models
 
 log = logging.getLogger("laswrr.proxy.models")

@@ -26,7 +26,7 @@ from proxy_support import wait_for
 from laswrr.services.proxy import app
 from laswrr.services.proxy.bus import BusLink
 from laswrr.services.proxy.config import ProxyConfig
-from laswrr.services.proxy.tasks import bounded, stop_task
+from laswrr.services.tasks import bounded, stop_task
 
 DELAYS_S = (0.0, 0.001, 0.002, 0.003, 0.004, 0.006)
 EXIT_WITHIN_S = 5.0

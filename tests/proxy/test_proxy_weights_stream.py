@@ -16,7 +16,7 @@ from proxy_support import CoreDriver, StartProxy, wait_for, wait_seq
 from laswrr.schemas import subjects as sj
 from laswrr.services.natsbus import ensure_streams
 from laswrr.services.proxy.bus import WEIGHTS_STREAM
-from laswrr.services.proxy.tasks import stop_task
+from laswrr.services.tasks import stop_task
 
 CHAT = "/v1/chat/completions"
 

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-log = logging.getLogger("laswrr.proxy")
+log = logging.getLogger("laswrr.tasks")
 
 RECANCEL_S = 0.05
 
