@@ -314,15 +314,20 @@ class Recorder:
                 continue
             rows.append(seq, info.ts_ns, msg.subject, msg.data)
             written.add(seq)  # taken back below if the write fails
-        complete = True
-        if not is_contiguous(rows.seq, start, top) and not all(seq in written for seq in range(start, top + 1)):
-            try:
-                await self._fill(stream, start, top, rows, written)
-            except Exception as exc:  # noqa: BLE001 - NATS trouble: keep the rows, do not ack
-                log.warning("%s: could not fetch missing seqs in %d..%d (%s); not acking yet", stream, start, top, exc)
-                complete = False
-        if not await self._write(stream, rows):
-            written.difference_update(rows.seq)
+        complete, wrote = True, False
+        try:
+            if not is_contiguous(rows.seq, start, top) and not all(seq in written for seq in range(start, top + 1)):
+                try:
+                    await self._fill(stream, start, top, rows, written)
+                except Exception as exc:  # noqa: BLE001 - NATS trouble: keep the rows, do not ack
+                    log.warning("%s: could not fetch missing seqs in %d..%d (%s); not acking yet", stream, start, top,
+                                exc)
+                    complete = False
+            wrote = await self._write(stream, rows)
+        finally:
+            if not wrote:  # not in the file (given up at a stop, or an error on its way up)
+                written.difference_update(rows.seq)
+        if not wrote:
             return None
         written.update(rows.seq)  # the seqs _fill added
         stats = self.stats[stream]
