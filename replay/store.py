@@ -13,7 +13,7 @@ recorder opens it; a reader of such a file (read-only), or of an old Parquet exp
 ``executemany`` (docs/evidence/code-choices.md) and needs neither pyarrow nor pandas. It inserts
 what it is given: a row already in the file is the writer's to leave out (the recorder drops
 every seq it has recorded, services/recorder.py). The table has no primary key: DuckDB keeps a
-key's index (an ART) in memory beyond its ``memory_limit``, about 130 bytes a row, so a
+key's index (an ART) in memory beyond its ``memory_limit``, about 180 bytes a row, so a
 recorder's memory grew with the log for as long as it ran (docs/evidence/soak.md). A file made
 with the key (``(stream, seq)``, before 2026-12) keeps it and works as before; ``has_key`` says
 which a file is.

@@ -145,7 +145,7 @@ class Recorder:
                                              self.options.memory_limit_mb or None)
         if await self._db(store.has_key, self.con):
             log.info("%s was made with a primary key on (stream, seq): its index grows the recorder's memory by "
-                     "about 130 bytes a row (docs/analysts.md, \"A file made with the key\")", self.options.db_path)
+                     "about 180 bytes a row (docs/analysts.md, \"A file made with the key\")", self.options.db_path)
         try:
             await ensure_streams(self.js, StreamLimits(replicas=self.options.stream_replicas))
             for stream in self.stats:
