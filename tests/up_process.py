@@ -30,14 +30,25 @@ STARTED: list[asyncio.subprocess.Process] = []
 
 
 def exited(pid: int) -> bool:
-    """The process ``pid`` is gone or a zombie: it has exited and its sockets are closed.
+    """The process ``pid`` is gone, or all that is left of it is its zombie: it has exited and its
+    sockets are closed.
 
-    Its /proc entry can vanish between the open and the read (ProcessLookupError): gone too."""
+    Its main thread alone is not enough: a zombie main thread's process can still have other
+    threads (an executor's) on their way out, and its files (its listening socket) close with the
+    last of them. So every thread must be gone or a zombie. Its /proc entries can vanish between
+    the listing and the read (an OSError): gone too."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] in ("Z", "X")
+        threads = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return True
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                if stat.read().rpartition(")")[2].split()[0] not in ("Z", "X"):
+                    return False
+        except OSError:
+            continue
+    return True
 
 
 async def interrupt(proc: asyncio.subprocess.Process, timeout_s: float = 60.0) -> None:
