@@ -25,6 +25,8 @@ import struct
 
 import msgspec
 
+from laswrr.schemas.words import Band
+
 
 def pack_keys(keys: list[int]) -> bytes:
     return struct.pack(f"<{len(keys)}I", *keys)
@@ -55,8 +57,8 @@ class PeerState(msgspec.Struct, kw_only=True, frozen=True, array_like=True, omit
     ts_ns: int  # the sender's wall clock: compared with the snapshot's ts_ns (newer than its view)
     inflight: dict[str, int] = {}  # node -> the sender's own live requests on it (> 0 only)
     backlog: dict[str, int] = {}  # node -> the sender's prefill backlog on it, tokens (> 0 only)
-    held: dict[str, int] = {}  # band -> requests the sender's flow control holds (> 0 only)
-    held_oldest_ms: dict[str, int] = {}  # band -> age of the oldest held one
+    held: dict[Band, int] = {}  # band -> requests the sender's flow control holds (> 0 only)
+    held_oldest_ms: dict[Band, int] = {}  # band -> age of the oldest held one
     prefixes: list[PrefixRecord] = []
 
 

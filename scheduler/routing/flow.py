@@ -122,10 +122,10 @@ def reserved_limit(limit: int, reserve: float) -> int:
     return max(1, limit - max(math.floor(share), 1 if share >= 0.5 else 0))
 
 
-def defer_to_peers(band: Band, peer_held: Mapping[str, int], free: int | None, reserved_free: int = 0) -> bool:
+def defer_to_peers(band: Band, peer_held: Mapping[Band, int], free: int | None, reserved_free: int = 0) -> bool:
     """True when a request of ``band`` must leave the pool's ``free`` slots it may use (None:
     unlimited) to the requests the other proxies hold in more urgent bands (``peer_held``: band
-    name -> count). ``reserved_free``: the free slots of the interactive reserve besides, which only
+    -> count). ``reserved_free``: the free slots of the interactive reserve besides, which only
     interactive requests may use; the peers' interactive requests are counted into them first."""
     if free is None or band is Band.INTERACTIVE or not peer_held:
         return False

@@ -38,7 +38,7 @@ from laswrr.scheduler.policies.affinity import PrefixIndex, grid_positions
 from laswrr.scheduler.routing.route import PeerView, PoolRoute
 from laswrr.scheduler.routing.table import RoutingTable
 from laswrr.schemas.peers import PeerDelta, PeerMessage, PeerState, PrefixRecord, pack_keys, unpack_keys
-from laswrr.schemas.words import Phase
+from laswrr.schemas.words import Band, Phase
 
 PEER_STALE_S = 2.0  # a peer's message is used this long after it arrived (its heartbeat: every second)
 PEER_FULL_S = 5.0  # a busy proxy's messages carry its whole view at least this often (else only changes)
@@ -68,7 +68,7 @@ class PeerChannel:
         self.changed: set[str] = set()  # pools whose own counts or records changed since their last message
         self.picked: set[str] = set()  # the pick outbox: pools with an admission not told yet (``picks``)
         # pool -> (band -> requests flow control holds that any node may take, band -> oldest age ms)
-        self.held: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
+        self.held: dict[str, tuple[dict[Band, int], dict[Band, int]]] = {}
         self._seq: dict[str, int] = {}  # pool -> its messages' counter
         self._sent_at: dict[str, float] = {}  # pool -> when its last message went
         self._full_at: dict[str, float] = {}  # pool -> when its last whole view went
@@ -166,7 +166,7 @@ class PeerChannel:
         return PeerDelta(seq=seq, ts_ns=ts_ns, inflight=_changes(told[0], inflight), backlog=_changes(told[1], backlog),
                          prefixes=records)
 
-    def note_held(self, pool: str, held: dict[str, int], oldest_ms: dict[str, int]) -> None:
+    def note_held(self, pool: str, held: dict[Band, int], oldest_ms: dict[Band, int]) -> None:
         """Flow control's held requests of ``pool`` per band (> 0 only) and the oldest one's age,
         for the next message; a changed count makes the pool ``changed`` (sent within one interval)."""
         before = self.held.get(pool)
@@ -225,10 +225,10 @@ class PeerChannel:
                 self.table.repeer(route)
         return gone
 
-    def peer_held(self, pool: str) -> dict[str, int]:
+    def peer_held(self, pool: str) -> dict[Band, int]:
         """Per band, the requests the fresh peers' flow control holds for ``pool`` (summed): the
         ones any node of the pool may take (``scheduler.routing.flow.defer_to_peers``)."""
-        held: dict[str, int] = {}
+        held: dict[Band, int] = {}
         route = self.table.route(pool)
         for view in route.peers.values() if route is not None else ():
             for band, count in view.held.items():

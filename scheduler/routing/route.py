@@ -26,7 +26,7 @@ from laswrr.scheduler.policies.affinity import PrefixIndex
 from laswrr.scheduler.routing.work import PrefillSpeeds
 from laswrr.schemas.outputs import NodeView, WeightSnapshot
 from laswrr.schemas.peers import PrefixRecord
-from laswrr.schemas.words import NodeRole, PdProtocol, Phase
+from laswrr.schemas.words import Band, NodeRole, PdProtocol, Phase
 
 
 @dataclass(slots=True)
@@ -39,8 +39,8 @@ class PeerView:
     received_at: float  # the receiver's monotonic seconds
     inflight: dict[str, int]
     backlog: dict[str, int]
-    held: dict[str, int]
-    held_oldest_ms: dict[str, int]
+    held: dict[Band, int]
+    held_oldest_ms: dict[Band, int]
 
 
 @dataclass(slots=True)

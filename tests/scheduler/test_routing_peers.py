@@ -15,6 +15,7 @@ from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
 from laswrr.scheduler.policies.affinity import grid_positions
 from laswrr.schemas.peers import PEER_DECODER, PEER_ENCODER, PeerDelta, PeerState, PrefixRecord, pack_keys, unpack_keys
 from laswrr.schemas import subjects as sj
+from laswrr.schemas.words import Band
 
 LOAD = LoadView(queue=0, running=0, kv=0, npu=0, latency=0, load=0, sample_age_ms=None, stale=False)
 NODES = ("a", "b", "c", "d")
@@ -215,17 +216,21 @@ def test_held_counts_travel_and_the_free_slots_are_the_pool_wide_ones() -> None:
     b.table.offer(wide, now=0.0)
     assert (b.admitter.free_slots("wide"), b.admitter.free_slots("wide", reserve=0.1)) == (40, 36)  # 9 of each 10 outside the reserve
     a.channel.changed.clear()
-    a.channel.note_held(DEFAULT_POOL, {"interactive": 2, "batch": 7}, {"interactive": 40, "batch": 900})
+    a.channel.note_held(DEFAULT_POOL, {Band.INTERACTIVE: 2, Band.BATCH: 7}, {Band.INTERACTIVE: 40, Band.BATCH: 900})
     assert DEFAULT_POOL in a.channel.changed  # a changed count goes out within one interval
     for _ in range(3):
         ask(a, "x")
     state = a.channel.message(DEFAULT_POOL, "boot-a", 1, ts_ns=10)
     assert state is not None and state.held == {"interactive": 2, "batch": 7}
     assert state.held_oldest_ms == {"interactive": 40, "batch": 900}
-    a.channel.note_held(DEFAULT_POOL, {"interactive": 2, "batch": 7}, {"interactive": 60, "batch": 950})
+    a.channel.note_held(DEFAULT_POOL, {Band.INTERACTIVE: 2, Band.BATCH: 7}, {Band.INTERACTIVE: 60, Band.BATCH: 950})
     assert DEFAULT_POOL not in a.channel.changed  # only the ages moved: the next message or heartbeat carries them
     assert b.channel.receive("A", DEFAULT_POOL, PEER_DECODER.decode(PEER_ENCODER.encode(state)), now=0.01)
     assert b.channel.peer_held(DEFAULT_POOL) == {"interactive": 2, "batch": 7}
+    assert all(type(band) is Band for band in b.channel.peer_held(DEFAULT_POOL))  # decoded as the enum
+    unknown = PEER_ENCODER.encode(msgspec.structs.replace(state, held={"urgent": 1}))  # type: ignore[dict-item]
+    with pytest.raises(msgspec.ValidationError):  # a band this proxy does not know: a bad message (skipped)
+        PEER_DECODER.decode(unknown)
     assert b.admitter.free_slots(DEFAULT_POOL) == 5  # A's three requests, counted through its message
     a.channel.note_held(DEFAULT_POOL, {}, {})
     assert DEFAULT_POOL in a.channel.changed and a.channel.message(DEFAULT_POOL, "boot-a", 2, ts_ns=20).held == {}  # type: ignore[union-attr]
