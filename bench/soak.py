@@ -12,7 +12,11 @@ recorder's consumer has acknowledged, which it does only after committing, and t
 oldest message not yet acknowledged) and the DuckDB file's size (with its write-ahead log). It writes ``DIR/soak.jsonl``
 (one line per sample) and ``DIR/soak.json``, and prints the verdict on the soak's goals:
 
-* each process's RSS at the end is at most 10 % above its RSS at the end of the warm-up;
+* each process's RSS at the end is at most 10 % above its RSS at the end of the warm-up, each
+  read as the median of a window of samples (``--window-min``, 5 minutes; the first window after
+  the warm-up, the last window of the run), not one sample each: a garbage-collected heap's
+  sawtooth (nats-server's Go heap swings 15-17 MB) or one busy moment must not decide it; the
+  last window's slope is printed too (``trend_pct_per_h``: still growing, or flat);
 * each process's open fds at the end are at most its count at the end of the warm-up + 8;
 * the recorder's lag at the end is at most 1 s (and its largest lag over the run is printed);
 * bytes of DuckDB file per request served.
@@ -29,6 +33,7 @@ import contextlib
 import itertools
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -47,6 +52,7 @@ from laswrr.services.up import DEFAULT_SIMS, Stack
 RSS_GROWTH = 0.10
 FD_SLACK = 8
 LAG_GOAL_S = 1.0
+WINDOW_S = 300.0  # the RSS windows compared: the first after the warm-up, the last of the run
 
 
 def rss_kb(pid: int) -> int | None:
@@ -83,10 +89,43 @@ async def recorder_lag(js: Any) -> tuple[int | None, float | None]:
     return last - acked, None if age is None else round(age, 3)
 
 
-def verdict(samples: list[dict[str, Any]], warmup_s: float, requests: int, db_bytes: int) -> dict[str, Any]:
+def _median(values: list[int]) -> int | None:
+    return round(statistics.median(values)) if values else None
+
+
+def _slope_pct_per_h(points: list[tuple[float, int]]) -> float | None:
+    """Least-squares slope of (seconds, kB), as % of the mean per hour; None under two points."""
+    if len(points) < 2 or len({t for t, _ in points}) < 2:
+        return None
+    slope = statistics.linear_regression([t for t, _ in points], [v for _, v in points]).slope
+    return round(100 * slope * 3600 / statistics.fmean(v for _, v in points), 1)
+
+
+def rss_windows(samples: list[dict[str, Any]], warmup_s: float, window_s: float) -> dict[str, dict[str, Any]]:
+    """Per process: the median RSS of the first ``window_s`` after the warm-up (``warm_kb``) and of
+    the last ``window_s`` (``end_kb``), the samples each holds, and the last window's trend. The
+    two windows never overlap: on a short run each is at most half of what follows the warm-up."""
+    after = [s for s in samples if s["t_s"] >= warmup_s] or samples[-1:]
+    span = after[-1]["t_s"] - after[0]["t_s"]
+    width = min(window_s, span / 2)
+    first = [s for s in after if s["t_s"] <= after[0]["t_s"] + width] or after[:1]
+    last = [s for s in after if s["t_s"] >= after[-1]["t_s"] - width and s not in first] or after[-1:]
+    out = {}
+    for name in samples[-1]["rss_kb"]:
+        warm = [s["rss_kb"][name] for s in first if s["rss_kb"].get(name)]
+        end = [s["rss_kb"][name] for s in last if s["rss_kb"].get(name)]
+        out[name] = {"warm_kb": _median(warm), "end_kb": _median(end), "samples": [len(warm), len(end)],
+                     "end_range_kb": [min(end), max(end)] if end else None,
+                     "trend_pct_per_h": _slope_pct_per_h([(s["t_s"], s["rss_kb"][name]) for s in last
+                                                          if s["rss_kb"].get(name)])}
+    return out
+
+
+def verdict(samples: list[dict[str, Any]], warmup_s: float, requests: int, db_bytes: int,
+            window_s: float = WINDOW_S) -> dict[str, Any]:
     after = [s for s in samples if s["t_s"] >= warmup_s] or samples[-1:]
     first, last = after[0], samples[-1]
-    rss = {name: {"warm_kb": first["rss_kb"].get(name), "end_kb": last["rss_kb"].get(name)} for name in last["rss_kb"]}
+    rss = rss_windows(samples, warmup_s, window_s)
     rss_ok = all(v["warm_kb"] and v["end_kb"] and v["end_kb"] <= v["warm_kb"] * (1 + RSS_GROWTH) for v in rss.values())
     fds = {name: {"warm": first["fds"].get(name), "end": last["fds"].get(name),
                   "max": max(s["fds"].get(name) or 0 for s in after)} for name in last["fds"]}
@@ -102,7 +141,8 @@ def verdict(samples: list[dict[str, Any]], warmup_s: float, requests: int, db_by
             "ok": rss_ok and fds_ok and lag_ok}
 
 
-async def soak(out: Path, duration_s: float, warmup_s: float, load: float, sample_s: float, trace: str) -> dict[str, Any]:
+async def soak(out: Path, duration_s: float, warmup_s: float, load: float, sample_s: float, trace: str,
+               window_s: float = WINDOW_S) -> dict[str, Any]:
     workload = load_workload(TraceWindow(trace))
     slots = sum(spec[2] for spec in DEFAULT_SIMS)
     clients = max(1, round(load * slots))
@@ -151,7 +191,7 @@ async def soak(out: Path, duration_s: float, warmup_s: float, load: float, sampl
         await stack.stop()
     db_bytes = (stack.data_dir / DB_FILE).stat().st_size
     result = {"duration_s": duration_s, "warmup_s": warmup_s, "clients": clients, "slots": slots, **counts,
-              **verdict(samples, warmup_s, counts["served"], db_bytes)}
+              **verdict(samples, warmup_s, counts["served"], db_bytes, window_s)}
     (out / "soak.json").write_text(json.dumps(result, indent=1))
     return result
 
@@ -163,14 +203,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-min", type=float, default=10.0)
     parser.add_argument("--load", type=float, default=0.6, help="share of the pool's slots kept busy (default 0.6)")
     parser.add_argument("--sample-s", type=float, default=10.0)
+    parser.add_argument("--window-min", type=float, default=WINDOW_S / 60,
+                        help="RSS is compared as the median of this long a window, after the warm-up and at the end")
     parser.add_argument("--trace", default="mooncake_conversation_first300s.jsonl")
     parser.add_argument("--out", default=None, help="default: a new temporary directory")
     args = parser.parse_args(argv)
-    if args.duration_min <= 0 or not 0 <= args.warmup_min < args.duration_min or not 0 < args.load <= 2:
-        parser.error("need --duration-min > --warmup-min >= 0 and 0 < --load <= 2")
+    if args.duration_min <= 0 or not 0 <= args.warmup_min < args.duration_min or not 0 < args.load <= 2 \
+            or args.window_min <= 0 or args.sample_s <= 0:
+        parser.error("need --duration-min > --warmup-min >= 0, 0 < --load <= 2, --window-min > 0 and --sample-s > 0")
     out = Path(args.out or tempfile.mkdtemp(prefix="laswrr-soak-"))
     out.mkdir(parents=True, exist_ok=True)
-    result = asyncio.run(soak(out, args.duration_min * 60, args.warmup_min * 60, args.load, args.sample_s, args.trace))
+    result = asyncio.run(soak(out, args.duration_min * 60, args.warmup_min * 60, args.load, args.sample_s, args.trace,
+                              args.window_min * 60))
     print(json.dumps(result, indent=1))
     print(f"soak: {'all goals met' if result['ok'] else 'GOAL MISSED'} ({out / 'soak.json'})")
     return 0 if result["ok"] else 1

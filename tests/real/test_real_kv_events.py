@@ -67,6 +67,14 @@ async def until(predicate: Any, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.1)
 
 
+async def arrived(changes: list[CacheChanged], timeout_s: float) -> bool:
+    """Whether ``changes`` holds one within ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not changes and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.1)
+    return bool(changes)
+
+
 async def test_the_index_holds_the_requests_blocks_and_is_dropped_on_a_restart(
         kv_engine: tuple[real_vllm.VllmServer, str, str], nats_url: str) -> None:
     engine, pub, replay = kv_engine
@@ -86,7 +94,7 @@ async def test_the_index_holds_the_requests_blocks_and_is_dropped_on_a_restart(
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "What does the guard do?"}]
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
-            async def chat() -> dict[str, Any]:
+            async def chat(messages: list[dict[str, str]] = messages) -> dict[str, Any]:
                 async with http.post(f"{engine.url}/v1/chat/completions", json={
                         "model": real_vllm.MODEL_NAME, "messages": messages, "max_tokens": 4,
                         "temperature": 0}) as resp:
@@ -101,7 +109,13 @@ async def test_the_index_holds_the_requests_blocks_and_is_dropped_on_a_restart(
             assert len(keys) >= 4
             own = PromptTokenizer(real_vllm.model_dir()).encode(messages, None)
             assert own == tokens  # the proxy renders the chat template and tokenizes as the engine does
-            await asyncio.sleep(2.0)  # the service subscribed (a missed first batch is replayed all the same)
+            # the service subscribed: a warm-up prompt's blocks come through (each try a new prompt, so
+            # that it stores blocks again; a batch missed while subscribing is replayed with the next)
+            for attempt in range(10):
+                await chat([{"role": "user", "content": f"warm-up {attempt}: {system[1000:]}"}])
+                if await arrived(changes, 5.0):
+                    break
+            assert changes, "no cache change from the engine after 10 warm-up prompts"
             await chat()
             await until(lambda: set(keys) <= held_after(changes), 30, "the request's blocks in the node's index")
             again = await chat()

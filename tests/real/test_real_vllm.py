@@ -20,10 +20,14 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from nats.js.api import DeliverPolicy
 
 from laswrr.bench import real_vllm
 from laswrr.collectors.prometheus import parse_engine_metrics
 from laswrr.replay.store import open_read
+from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import decode_event
+from laswrr.schemas.events import EngineSampled
 from tests.real.conftest import REAL_TIMEOUT_S, RealStack, real_stack
 from tests.up_process import Load, no_leftover_stack
 
@@ -114,7 +118,7 @@ async def test_collector_reads_the_real_engines_metrics(vllm_engines: Engines, t
                             "messages": [{"role": "user", "content": _prefix_text("metrics", 0)}]}
                     async with http.post(f"{engine.url}/v1/chat/completions", json=body) as resp:
                         assert resp.status == 200
-        await asyncio.sleep(2.5)  # the collector's next scrape
+        await sampled_since(stack, vllm_engines)  # the collector's next scrape, published
         await stack.stop()
     after = {e.name: engine_metrics(e) for e in vllm_engines}
     for name in after:  # the engines' own prefix-cache counters moved
@@ -129,6 +133,29 @@ async def test_collector_reads_the_real_engines_metrics(vllm_engines: Engines, t
     for node, running, waiting, kv, engine, queries, hits in samples:
         assert engine == "vllm" and running == real_vllm_seqs(vllm_engines, node) and waiting > 0 and kv > 0, samples
         assert queries is not None and hits is not None and 128 <= hits <= queries, samples
+
+
+async def sampled_since(stack: RealStack, engines: Engines, timeout_s: float = 30.0) -> None:
+    """Until the collector has published, for each engine, a sample whose prefix-cache hits reach
+    what the engine counts now (a scrape after the requests just made)."""
+    want = {e.name: engine_metrics(e).prefix_cache_hits for e in engines}
+    reached: set[str] = set()
+    done = asyncio.Event()
+
+    async def on_sample(msg: Any) -> None:
+        node, sample = decode_event(msg.subject, msg.data)
+        assert isinstance(sample, EngineSampled)
+        if node in want and (sample.prefix_cache_hits or 0) >= want[node]:
+            reached.add(node)
+            if reached == set(want):
+                done.set()
+
+    sub = await stack.nc.jetstream().subscribe(f"{sj.METRICS_ENGINE}.>", cb=on_sample, ordered_consumer=True,
+                                               deliver_policy=DeliverPolicy.NEW)
+    try:
+        await asyncio.wait_for(done.wait(), timeout_s)
+    finally:
+        await sub.unsubscribe()
 
 
 def real_vllm_seqs(engines: Engines, name: str) -> int:
