@@ -148,6 +148,9 @@ async def wait_ready(watch: SnapshotWatch, capacities: dict[str, int], timeout_s
 # --------------------------------------------------------------------------- timeline
 
 
+RESET_TRIES = 20  # a prefix-cache reset the engine refuses (blocks held) is tried again, 0.5 s apart
+
+
 async def apply_action(action: Action, engine_urls: dict[str, str], http: aiohttp.ClientSession,
                        watch: SnapshotWatch, engine_admin: bool = True, restart: Restart | None = None) -> None:
     """One action: the engine admin change (capacity, slowdown, fail, or the health its npu-smi
@@ -158,6 +161,11 @@ async def apply_action(action: Action, engine_urls: dict[str, str], http: aiohtt
         if restart is None:
             raise RuntimeError(f"{action.node}: a restart needs real engines (--engines vllm)")
         await restart(action.node)
+        return
+    if action.kind == "cache_reset":
+        if engine_admin:
+            raise RuntimeError(f"{action.node}: a prefix-cache reset needs real vLLM engines (--engines vllm)")
+        await reset_prefix_cache(http, engine_urls[action.node], running=True)
         return
     if action.kind == "drain":  # the operator's drain alone: the engine is untouched
         await watch.publish(sj.admin_drain(action.node), DrainRequested())
@@ -240,12 +248,27 @@ async def preemption_counters(http: aiohttp.ClientSession, engine_urls: dict[str
 
 
 async def reset_prefix_caches(http: aiohttp.ClientSession, engine_urls: dict[str, str]) -> None:
-    """Real vLLM engines keep their caches between policies: empty them (POST /reset_prefix_cache,
-    served with VLLM_SERVER_DEV_MODE=1, as bench/real_vllm.py starts them)."""
+    """Real vLLM engines keep their caches between policies: empty them (``reset_prefix_cache``)."""
     for url in engine_urls.values():
-        async with http.post(f"{url}/reset_prefix_cache") as resp:
+        await reset_prefix_cache(http, url)
+
+
+async def reset_prefix_cache(http: aiohttp.ClientSession, url: str, running: bool = False,
+                             tries: int = RESET_TRIES) -> None:
+    """Empty the vLLM engine's prefix cache (POST /reset_prefix_cache, served with
+    VLLM_SERVER_DEV_MODE=1, as bench/real_vllm.py starts them). The engine refuses (``success``
+    false) while blocks are held: ``running`` has it compute its running requests again instead,
+    and a refusal is tried again, ``tries`` times half a second apart."""
+    for _ in range(tries):
+        async with http.post(f"{url}/reset_prefix_cache",
+                             params={"reset_running_requests": "true"} if running else None) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"{url}/reset_prefix_cache -> {resp.status}: {await resp.text()}")
+            answer = await resp.json(content_type=None)
+        if not isinstance(answer, dict) or answer.get("success", True):
+            return
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"{url}/reset_prefix_cache: the engine refused {tries} times (blocks still held)")
 
 
 def counter_deltas(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],

@@ -50,7 +50,10 @@ fault code (its own /health unchanged; a separating code leaves the node no capa
 Warning | Alarm | Critical), which reaches the scheduler only through the collector's npu-smi
 samples, as on real hardware; ``drain`` publishes ``lb.admin.drain.<node>`` only (the engine is
 untouched: a router that reads no drain keeps using it); ``restart`` (real engines only) stops the
-node's engine and starts it again on the same port, its caches empty. Each action also defines the node's *true* capacity for the balance
+node's engine and starts it again on the same port, its caches empty; ``cache_reset`` (real vLLM
+engines only) empties the node's prefix cache and nothing else (``POST /reset_prefix_cache``, the
+requests it runs computed again): a restart's effect on the cache without its downtime, as on a
+host where an engine restarts within seconds. Each action also defines the node's *true* capacity for the balance
 metrics: 0 while its engine refuses (``fail: refuse``) or its NPU is ``Critical`` (docs/ascend.md §1:
 eject now), whichever of the two or both; its slots again once neither holds.
 """
@@ -71,7 +74,7 @@ from laswrr.services.sim_engine.config import HEALTH_STATES
 from laswrr.services.sim_engine.physics import EngineSim
 from laswrr.services.sim_engine.profiles import get_profile
 
-ActionKind = Literal["capacity", "slowdown", "fail", "health", "fault_code", "drain", "restart"]
+ActionKind = Literal["capacity", "slowdown", "fail", "health", "fault_code", "drain", "restart", "cache_reset"]
 ACTION_KINDS: tuple[str, ...] = get_args(ActionKind)
 DOWN_HEALTH = frozenset({NpuHealth.CRITICAL})  # an NPU health that leaves the node no capacity at all
 
@@ -502,8 +505,20 @@ REAL_CACHE_PLAIN = replace(
     description=f"the cache scenario's engines ({REAL_CACHE_BLOCKS}-block KV rooms, KV events) and workload, "
                 "through one proxy, no restart; rows la-swrr+events and la-swrr")
 
+# ``cache-reset``: the cache scenario with vllm-8's prefix cache emptied at 20 s instead of a restart.
+# A restart on this machine takes 36-123 s, longer than it takes to eject the node, and an ejected
+# node's prefixes are forgotten by both views: the restart then tells the estimated view as much as
+# the exact one. A cache emptied while the engine serves on (what a restart within seconds does on a
+# fast host) is told only by the engine's AllBlocksCleared.
+REAL_CACHE_RESET = replace(
+    REAL_CACHE, name="cache-reset", actions=(Action(20.0, "cache_reset", "vllm-8", None,
+                                                    label="vllm-8's prefix cache emptied"),),
+    phases=(Phase("warm", 0.0, 20.0), Phase("after-reset", 20.0, 200.0)), focus_phase="after-reset",
+    description=f"the cache scenario ({REAL_CACHE_BLOCKS}-block KV rooms, KV events, two proxies) with vllm-8's "
+                "prefix cache emptied at 20 s while it serves on, in place of its restart")
+
 REAL_SCENARIOS: dict[str, Scenario] = {s.name: s for s in (REAL_HETEROGENEOUS, REAL_ANNOUNCED_DROP, REAL_CACHE,
-                                                           REAL_CACHE_PLAIN)}
+                                                           REAL_CACHE_PLAIN, REAL_CACHE_RESET)}
 
 
 def get_scenario(name: str) -> Scenario:
