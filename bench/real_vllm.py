@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from laswrr.collectors.nodes import Node
-from laswrr.services.children import preexec
+from laswrr.services.children import exited, preexec
 from laswrr.services.nats_server import free_port
 
 VLLM_VERSION = "0.32.0"
@@ -197,11 +197,7 @@ def process_tree(pid: int) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
+    return not exited(pid)
 
 
 def _wait_gone(pids: Sequence[int], timeout_s: float) -> list[int]:

@@ -29,28 +29,6 @@ import aiohttp
 STARTED: list[asyncio.subprocess.Process] = []
 
 
-def exited(pid: int) -> bool:
-    """The process ``pid`` is gone, or all that is left of it is its zombie: it has exited and its
-    sockets are closed.
-
-    Its main thread alone is not enough: a zombie main thread's process can still have other
-    threads (an executor's) on their way out, and its files (its listening socket) close with the
-    last of them. So every thread must be gone or a zombie. Its /proc entries can vanish between
-    the listing and the read (an OSError): gone too."""
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return True
-    for tid in threads:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
-                if stat.read().rpartition(")")[2].split()[0] not in ("Z", "X"):
-                    return False
-        except OSError:
-            continue
-    return True
-
-
 async def interrupt(proc: asyncio.subprocess.Process, timeout_s: float = 60.0) -> None:
     """Ctrl-C ``proc`` (if still running), as an operator would, and wait; SIGKILL after ``timeout_s``."""
     if proc.returncode is not None:

@@ -49,7 +49,8 @@ from tests.faults.test_nats_cluster_kill import current_in, events_cluster
 from tests.faults.test_proxy_sigterm_held import queue_depth
 from tests.faults.test_rolling_restart import worker_pids
 from tests.faults.test_up_supervision import working_again
-from tests.up_process import LogAudit, UpStderr, audit_log, exited, no_leftover_stack, start_up
+from laswrr.services.children import exited
+from tests.up_process import LogAudit, UpStderr, audit_log, no_leftover_stack, start_up
 
 no_leftover_stack = pytest.fixture(autouse=True)(no_leftover_stack)
 pytestmark = pytest.mark.timeout(300)

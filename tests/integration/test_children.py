@@ -12,7 +12,7 @@ import pytest
 
 from laswrr.services.children import ChildProcesses
 from tests.conftest import Eventually
-from tests.up_process import exited
+from laswrr.services.children import exited
 
 pytestmark = pytest.mark.timeout(60)
 

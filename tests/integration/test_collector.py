@@ -32,7 +32,7 @@ from laswrr.services.nats_server import free_port
 from laswrr.services.sim_engine.app import RunningServer
 from laswrr.services.up import sim_npu_smi_command
 from laswrr.services.sim_engine.config import SimConfig
-from tests.up_process import exited
+from laswrr.services.children import exited
 
 # Generous timeouts: engines run in the test's own event loop and CI machines are shared.
 # keepalive_s=0: every sample published (the tests count them); test_unchanged_samples_... has the keep-alive
