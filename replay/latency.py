@@ -9,6 +9,7 @@ decode is skipped and counted (the core rejected it too).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -18,30 +19,41 @@ from laswrr.replay.replay import fetch_batches
 from laswrr.replay.store import PAYLOAD_SQL
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import SchemaError, decode_batch, decode_event
-from laswrr.scheduler.routing.latency_fold import LatencyFold
+from laswrr.schemas.events import Event
+from laswrr.scheduler.routing.latency_fold import LatencyFold, learned_from_values
 
 _FAMILIES = (sj.REQ_BATCH, sj.REQ_STARTED, sj.REQ_FINISHED, sj.REQ_REFUSED)
-REQUEST_EVENTS_SQL = (f"SELECT subject, {PAYLOAD_SQL} FROM events WHERE stream = '{sj.EVENTS_STREAM}' AND ("
+REQUEST_EVENTS_SQL = (f"SELECT seq, subject, {PAYLOAD_SQL} FROM events WHERE stream = '{sj.EVENTS_STREAM}' AND ("
                       + " OR ".join(f"subject LIKE '{family}.%'" for family in _FAMILIES) + ") ORDER BY seq")
 
 
-def refold(con: duckdb.DuckDBPyConnection, fold: LatencyFold | None = None) -> tuple[LatencyFold, int]:
-    """The fold of the log's request events, and how many did not decode."""
-    fold = fold or LatencyFold()
-    bad = 0
+def request_events(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[int, str | None, Event | None]]:
+    """``(seq, key, event)`` of every request event of the log, in stream order (a batch's events
+    share its seq); ``event`` None for one that did not decode."""
     for rows in fetch_batches(con.cursor().execute(REQUEST_EVENTS_SQL)):
-        for subject, payload in rows:
+        for seq, subject, payload in rows:
             try:
                 if subject.startswith(sj.REQ_BATCH + "."):
                     for item in decode_batch(subject, payload)[1]:
-                        if item.event is None:
-                            bad += 1
-                        else:
-                            fold.apply(item.key, item.event)
+                        yield seq, item.key, item.event
                 else:
-                    fold.apply(*decode_event(subject, payload))
+                    yield (seq, *decode_event(subject, payload))
             except SchemaError:
-                bad += 1
+                yield seq, None, None
+
+
+def refold(con: duckdb.DuckDBPyConnection, fold: LatencyFold | None = None) -> tuple[LatencyFold, int]:
+    """The fold of the log's request events, and how many did not decode. Two passes: the first
+    finds the shared estimates the picks name (``learned_from``), fed from their sequence on."""
+    if fold is None:
+        sources = {learned_from_values(event) for _, _, event in request_events(con) if event is not None}
+        fold = LatencyFold(shared_from=(s for s in sources if s is not None))
+    bad = 0
+    for seq, key, event in request_events(con):
+        if event is None:
+            bad += 1
+        else:
+            fold.apply(key, event, seq)
     return fold, bad
 
 
@@ -49,7 +61,7 @@ def summary(fold: LatencyFold, bad: int) -> dict[str, Any]:
     """The audit and the accuracy as one JSON-able object (``--json``)."""
     accuracy = fold.accuracy()
     return {
-        "proxies": len(fold.models), "picks": fold.picks, "learned": fold.learned, "undecodable": bad,
+        "proxies": len(fold.models), "shared": len(fold.shared), "picks": fold.picks, "learned": fold.learned, "undecodable": bad,
         "checked": dict(fold.checked), "mismatches": fold.mismatches, "unverifiable_refusals": fold.unverifiable,
         "unknown_state": fold.unknown, "unmeasured": fold.unmeasured,
         "first_mismatches": [asdict(m) for m in fold.found[:10]],
@@ -64,7 +76,8 @@ def _cell(value: float | None) -> str:
 def report_lines(fold: LatencyFold, bad: int) -> list[str]:
     """The text report: the audit, then the accuracy table."""
     checked = fold.checked
-    lines = [f"refolded the latency estimates of {len(fold.models)} proxy process(es): {fold.picks} picks with "
+    shared = f" and {len(fold.shared)} shared by the replicas" if fold.shared else ""
+    lines = [f"refolded the latency estimates of {len(fold.models)} proxy process(es){shared}: {fold.picks} picks with "
              f"an estimate, {fold.learned} completed attempts learned from"
              + (f"; {bad} request event(s) did not decode (skipped)" if bad else "")]
     verdict = "every one reproduced" if fold.mismatches == 0 else f"{fold.mismatches} MISMATCH(ES)"

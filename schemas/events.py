@@ -223,6 +223,9 @@ class RequestStarted(Event, frozen=True, kw_only=True):
     # the node's engine slots at the pick (its believed slots, else its capacity): a batch beyond
     # them waits for a slot (scheduler.routing.latency); absent in a log written before it (no wait)
     slots: NonNegInt | UnsetType = UNSET
+    # the LB_EVENTS sequence from which the proxy's estimate learns every proxy's attempts (shared
+    # by the replicas: scheduler.routing.latency_fold.SharedLearner); absent: it learned its own only
+    learned_from: PosInt | UnsetType = UNSET
 
 
 class RequestFinished(Event, frozen=True, kw_only=True):
@@ -292,6 +295,7 @@ class RequestRefused(Event, frozen=True, kw_only=True):
     learned: NonNegInt | UnsetType = UNSET
     max_tokens: NonNegInt | UnsetType = UNSET
     slots: NonNegInt | UnsetType = UNSET
+    learned_from: PosInt | UnsetType = UNSET
 
 
 class RequestQueued(Event, frozen=True, kw_only=True):

@@ -20,7 +20,9 @@ scheduler ``lb.out.>``, ``lb.clock.>``, ``lb.admin.config`` consumes LB_EVENTS; 
          ``$KV.LB_CHECKPOINT.>``                          and updates every stream
 proxy    ``lb.req.>``, ``lb.proxy.>``, ``lb.peer.>``      watches LB_WEIGHTS; ``lb.peer.>``
          (the channel between proxies, core NATS)         (the other proxies' views); ``lb.kv.>``
-                                                          (the engines' cache changes)
+                                                          (the engines' cache changes); an ordered
+                                                          consumer of LB_EVENTS (``lb.req.>``: the
+                                                          latency estimate, shared)
 collector ``lb.metrics.>``, ``lb.health.>``, ``lb.kv.>``  follows ``lb.admin.>`` in LB_EVENTS
          (``laswrr kv-events`` runs as a collector)       and watches LB_WEIGHTS
 recorder replies to ``lb.recorder.snapshot`` requests     consumes LB_EVENTS and LB_OUT
@@ -123,7 +125,7 @@ ROLES: dict[str, Role] = {role.name: role for role in (
                   *[f"$JS.API.STREAM.UPDATE.{s}" for s in STREAMS], *_stream_get(*STREAMS),
                   *_consume(sj.EVENTS_STREAM))),
     Role("proxy", publish=(sj.REQ_ALL, sj.PROXY_ALL, sj.PEER_ALL, *_SERVICE_SETUP, *_stream_get(KV_WEIGHTS),
-                           *_consume(KV_WEIGHTS)),
+                           *_consume(KV_WEIGHTS), *_watch(sj.EVENTS_STREAM)),
          subscribe=(INBOX, sj.PEER_ALL, sj.KV_ALL)),
     Role("collector", publish=(sj.METRICS_ALL, sj.HEALTH_ALL, sj.KV_ALL, *_SERVICE_SETUP, *_consume(sj.EVENTS_STREAM),
                                *_stream_get(KV_WEIGHTS), *_consume(KV_WEIGHTS))),

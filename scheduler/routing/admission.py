@@ -176,7 +176,8 @@ class Admitter:
         queue = load.work_of(node)
         batch = load.load.get(node, 0) + 1  # the figures are never negative: clamped all the same (once per pick)
         return Estimate(node, queue if queue > 0 else 0, uncached if uncached > 0 else 0, batch if batch > 1 else 1,
-                        latency.learned(node), (size.max_tokens or 0) if size is not None else 0, slots_of(view))
+                        latency.learned(node), (size.max_tokens or 0) if size is not None else 0, slots_of(view),
+                        latency.source)
 
     def _objective(self, latency: LatencyModel, picker: Picker, request: AdmitRequest, objective: Objective,
                    exclude: set[str], affinity: Affinity | None) -> Refusal | Estimates | None:
@@ -216,9 +217,10 @@ class Admitter:
     def observed(self, admission: Admission, ttft_ms: float | None, started_ms: float | None,
                  duration_ms: float | None, completion_tokens: int | None) -> None:
         """A completed attempt's recorded figures (``lb.req.finished``'s) teach its node's estimate
-        (``LatencyModel.learn``)."""
+        (``LatencyModel.learn``), unless the estimate is shared (``LatencyModel.source``: it learns
+        every proxy's attempts, this one's included, from the log's stream: ``SharedLearner``)."""
         latency, estimate = self.latency, admission.estimate
-        if latency is None or estimate is None or ttft_ms is None or started_ms is None:
+        if latency is None or latency.source or estimate is None or ttft_ms is None or started_ms is None:
             return
         latency.learn(estimate, ttft_ms, started_ms, duration_ms, completion_tokens)
 

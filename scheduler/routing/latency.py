@@ -241,6 +241,7 @@ class Estimate:
     learned: int  # the attempts on the node the estimate had learned from at the pick
     output: int = 0  # the request's max_tokens (0: not given)
     slots: int = 0  # the node's engine slots at the pick (``slots_of``; 0: not known, no slot wait)
+    learned_from: int = 0  # the estimate's ``LatencyModel.source`` (0: it learned its own proxy's attempts only)
 
     @property
     def ahead(self) -> int:
@@ -264,6 +265,9 @@ class LatencyModel:
 
     half_life: float = DEFAULT_HALF_LIFE
     history: int = 0
+    # 0: it learns its own proxy's attempts (``Admitter.observed``); else the LB_EVENTS sequence
+    # from which it learns every proxy's attempts, in stream order (``latency_fold.SharedLearner``)
+    source: int = 0
     _nodes: dict[str, _Node] = field(default_factory=dict)
     _past: dict[str, deque[_Node]] = field(default_factory=dict)
     _keep: float = field(init=False)  # an observation's weight after one more: 0.5 ** (1 / half_life)
@@ -414,8 +418,14 @@ def estimate_record(estimate: Estimate) -> tuple[int, int, int, int, int]:
 
 
 def estimate_fields(estimate: Estimate | None) -> dict[str, int]:
-    """``estimate_record`` by field name (none without an estimate, so an event without them keeps its bytes)."""
-    return {} if estimate is None else dict(zip(ESTIMATE_FIELDS, estimate_record(estimate)))
+    """``estimate_record`` by field name, and ``learned_from`` when the estimate is shared (none
+    without an estimate, so an event without them keeps its bytes)."""
+    if estimate is None:
+        return {}
+    fields = dict(zip(ESTIMATE_FIELDS, estimate_record(estimate)))
+    if estimate.learned_from:
+        fields["learned_from"] = estimate.learned_from
+    return fields
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,17 @@ batch and ``learned`` count it was made of) is then made again from the node's s
 events, as a held request is recorded after its pick) and compared at the recorded precision
 (``slo_fields``): a **mismatch** is an event lost or altered, or a bug.
 
+**Shared by the replicas.** A proxy that reads the log's stream (``SharedLearner``: from the
+LB_EVENTS sequence ``S`` it started reading at, every proxy's request events in stream order,
+its own included) learns every proxy's completed attempts into one model whose ``source`` is
+``S``, and each of its picks records ``learned_from = S``. Each node's state after ``k`` attempts is
+then the same in every proxy that reads from ``S``, and the refold rebuilds it by feeding the
+same ``SharedLearner`` the log's events from ``S`` on (``shared_from``: the ``S`` values the log
+names, ``learned_from_values``); picks without ``learned_from`` are refolded per process as above.
+An attempt is learned only when its finished event comes within ``OPEN_SPAN`` stream messages of
+its started one (a pick whose end never came, its proxy killed, is forgotten after that), in the
+proxy and in the refold alike.
+
 **Accuracy.** For each completed attempt whose node had been measured at its pick, the TTFT its
 estimate predicted (the refolded one: every pick has its estimate recorded, with or without
 targets) against the TTFT it measured from its own start, ``ttft_ms - started_ms``, the same
@@ -34,6 +45,7 @@ from laswrr.schemas.words import RefusalCause, RequestOutcome
 from laswrr.scheduler.routing.latency import DEFAULT_HALF_LIFE, Estimate, LatencyModel, Prediction, slo_fields
 
 DEFAULT_HISTORY = 1024  # past states kept per node: a pick recorded after this many later attempts is not checked
+OPEN_SPAN = 1_000_000  # stream messages a shared estimate waits for an attempt's end (``SharedLearner``)
 KEEP = 100  # mismatches kept for the report (all are counted)
 _PREDICTED = ("predicted_ttft_ms", "predicted_tpot_ms")
 
@@ -106,13 +118,73 @@ def _recorded(event: ev.RequestStarted | ev.RequestRefused) -> dict[str, float]:
     return found
 
 
+def estimate_of(node: str, event: ev.RequestStarted) -> Estimate | None:
+    """What the pick's prediction was made of, as ``lb.req.started`` records it (None: the proxy
+    had no estimate, a log written before it)."""
+    if not isinstance(event.batch_size, int):
+        return None
+    return Estimate(node, _int(event.queue_tokens), _int(event.uncached_tokens), event.batch_size,
+                    _int(event.learned), event.max_tokens or 0, _int(event.slots), _int(event.learned_from))
+
+
+def lesson(event: ev.RequestFinished) -> tuple[float, float] | None:
+    """``(ttft_ms, started_ms)`` of an attempt the estimate learns from: completed and streamed (a
+    whole answer has no time to first token: it teaches nothing); None otherwise."""
+    ttft_ms, started_ms = event.first_token_ms, event.started_ms
+    if event.outcome is not RequestOutcome.COMPLETED or ttft_ms is None or not isinstance(started_ms, float | int):
+        return None
+    return ttft_ms, started_ms
+
+
+def learned_from_values(event: ev.Event) -> int | None:
+    """The ``learned_from`` a pick or an ``slo_unmeetable`` refusal records (None: none), for
+    ``LatencyFold``'s ``shared_from``."""
+    value = getattr(event, "learned_from", None) if isinstance(event, ev.RequestStarted | ev.RequestRefused) else None
+    return value if isinstance(value, int) else None
+
+
+class SharedLearner:
+    """One estimate learned from every proxy's attempts: feed ``apply`` the request events of the
+    log's stream from sequence ``model.source`` on, in stream order (a proxy as they arrive, a
+    refold as the log holds them: both learn the same)."""
+
+    def __init__(self, model: LatencyModel) -> None:
+        self.model = model
+        self.open: dict[tuple[str, str | None, str], tuple[Estimate, int]] = {}  # in stream order
+        self.last_seq = model.source - 1  # the last sequence applied
+
+    def apply(self, seq: int, node: str | None, event: ev.Event) -> None:
+        """One request event of stream message ``seq`` (several events of one batch share it). The
+        picks older than ``OPEN_SPAN`` messages go first, so whether an attempt is learned depends
+        on its two sequences only, not on which other messages a reader was given."""
+        self.last_seq = seq
+        open_, oldest = self.open, seq - OPEN_SPAN
+        while open_:
+            key = next(iter(open_))
+            if open_[key][1] >= oldest:
+                break
+            del open_[key]
+        if isinstance(event, ev.RequestStarted):
+            estimate = estimate_of(node, event) if node is not None else None
+            if estimate is not None:
+                self.open[(event.proxy, event.boot_id, event.request_id)] = estimate, seq
+        elif isinstance(event, ev.RequestFinished):
+            opened = self.open.pop((event.proxy, event.boot_id, event.request_id), None)
+            taught = lesson(event)
+            if opened is not None and taught is not None:
+                self.model.learn(opened[0], taught[0], taught[1], event.duration_ms, event.completion_tokens)
+
+
 class LatencyFold:
     """Feed ``apply`` every request event of a log in log order; then read the audit (``checked``,
     ``mismatches``, ``found``) and ``accuracy()``."""
 
-    def __init__(self, history: int = DEFAULT_HISTORY, half_life: float = DEFAULT_HALF_LIFE) -> None:
+    def __init__(self, history: int = DEFAULT_HISTORY, half_life: float = DEFAULT_HALF_LIFE,
+                 shared_from: Iterable[int] = ()) -> None:
         self.history, self.half_life = history, half_life
         self.models: dict[tuple[str, str | None], LatencyModel] = {}
+        # the shared estimates the log's picks name (``learned_from``), each fed from its sequence on
+        self.shared = {s: SharedLearner(LatencyModel(half_life, history, source=s)) for s in sorted(set(shared_from))}
         self.open: dict[tuple[str, str | None, str], tuple[Estimate, Prediction | None]] = {}
         self.picks = 0  # lb.req.started events with an estimate
         self.learned = 0  # completed attempts learned from
@@ -132,8 +204,13 @@ class LatencyFold:
             model = self.models[key] = LatencyModel(self.half_life, self.history)
         return model
 
-    def apply(self, node: str | None, event: ev.Event) -> None:
-        """One event of the log (``node``: its subject's key, the node of a started or finished event)."""
+    def apply(self, node: str | None, event: ev.Event, seq: int = 0) -> None:
+        """One event of the log (``node``: its subject's key, the node of a started or finished
+        event; ``seq``: its LB_EVENTS sequence, which the shared estimates need)."""
+        for source, learner in self.shared.items():
+            if source > seq:
+                break
+            learner.apply(seq, node, event)
         if isinstance(event, ev.RequestStarted) and node is not None:
             self._started(node, event)
         elif isinstance(event, ev.RequestFinished):
@@ -142,11 +219,10 @@ class LatencyFold:
             self._refused(event)
 
     def _started(self, node: str, event: ev.RequestStarted) -> None:
-        if not isinstance(event.batch_size, int):  # no estimate at that proxy (a log written before it)
+        estimate = estimate_of(node, event)
+        if estimate is None:  # no estimate at that proxy (a log written before it)
             return
         self.picks += 1
-        estimate = Estimate(node, _int(event.queue_tokens), _int(event.uncached_tokens), event.batch_size,
-                            _int(event.learned), event.max_tokens or 0, _int(event.slots))
         prediction = self._check("pick", event, estimate)
         self.open[(event.proxy, event.boot_id, event.request_id)] = estimate, prediction
 
@@ -155,12 +231,17 @@ class LatencyFold:
             self.unverifiable += 1
             return
         estimate = Estimate(event.predicted_node, _int(event.queue_tokens), _int(event.uncached_tokens),
-                            event.batch_size, _int(event.learned), _int(event.max_tokens), _int(event.slots))
+                            event.batch_size, _int(event.learned), _int(event.max_tokens), _int(event.slots),
+                            _int(event.learned_from))
         self._check("refusal", event, estimate)
 
     def _check(self, kind: str, event: ev.RequestStarted | ev.RequestRefused, estimate: Estimate) -> Prediction | None:
         """The refolded prediction; a recorded one is compared with it."""
-        prediction = self.model(event.proxy, event.boot_id).predict_as_of(estimate)
+        if estimate.learned_from:
+            learner = self.shared.get(estimate.learned_from)
+            prediction = None if learner is None else learner.model.predict_as_of(estimate)
+        else:
+            prediction = self.model(event.proxy, event.boot_id).predict_as_of(estimate)
         if prediction is None:
             self.unknown += 1
         recorded = _recorded(event)
@@ -177,15 +258,14 @@ class LatencyFold:
 
     def _finished(self, event: ev.RequestFinished) -> None:
         opened = self.open.pop((event.proxy, event.boot_id, event.request_id), None)
-        ttft_ms = event.first_token_ms  # None for a whole answer (stream false): it teaches the live estimate nothing
-        if opened is None or event.outcome is not RequestOutcome.COMPLETED or ttft_ms is None:
+        taught = lesson(event)
+        if opened is None or taught is None:
             return
-        started_ms = event.started_ms
-        if not isinstance(started_ms, float | int):
-            return
+        ttft_ms, started_ms = taught
         estimate, prediction = opened
-        self.model(event.proxy, event.boot_id).learn(estimate, ttft_ms, started_ms, event.duration_ms,
-                                                     event.completion_tokens)
+        if not estimate.learned_from:  # a shared estimate learned it already (its SharedLearner)
+            self.model(event.proxy, event.boot_id).learn(estimate, ttft_ms, started_ms, event.duration_ms,
+                                                         event.completion_tokens)
         self.learned += 1
         if prediction is None or prediction.ttft_s is None:
             self.unmeasured += 1

@@ -57,6 +57,16 @@ The exact cache view (with ``--tokenizer``, ``kv_view``): once connected the lin
 ``CacheChanged`` into the table's ``KvIndex`` (``scheduler.routing.kvindex``: the rules, pure);
 a message that does not decode is counted (``kv_rejected``) and skipped.
 
+The latency estimate, shared by the replicas (with latency objectives: the router's admitter has
+a ``LatencyModel``): once connected the link reads LB_EVENTS' request events (``lb.req.>``, an
+ordered consumer) from the stream's next sequence ``S`` on and feeds them, every proxy's, its own
+included, to a ``scheduler.routing.latency_fold.SharedLearner`` whose model (``source`` ``S``)
+then replaces the admitter's: every replica learns every attempt, in stream order, and each pick
+records ``learned_from = S`` so a refold rebuilds it. Until then, or when the stream cannot be
+read (a role without the right: a warning in the proxy's log), the estimate learns this proxy's
+own attempts as before. A message that does not decode is counted (``LatencyFeed.rejected``)
+and skipped.
+
 Stopping: ``start`` runs ``run`` as a task; ``close`` sets ``closing`` (every loop of ``run``
 checks it), stops that task with ``tasks.stop_task`` (which cancels again when Python 3.11's
 ``wait_for`` inside nats-py swallowed a cancel: a run that outlived one cancel would otherwise
@@ -80,17 +90,22 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from laswrr.schemas import subjects as sj
+from laswrr.schemas.codec import SchemaError, decode_batch, decode_event
 from laswrr.schemas.kvcache import CACHE_DECODER
 from laswrr.schemas.outputs import WeightSnapshot
 from laswrr.schemas.peers import PEER_DECODER, PEER_ENCODER, PeerState
+from laswrr.scheduler.routing.latency import LatencyModel
+from laswrr.scheduler.routing.latency_fold import SharedLearner
 from laswrr.scheduler.routing.peers import PeerChannel
 from laswrr.services.natsbus import NatsAuth, StreamLimits, connect, ensure_streams, redact_url
 from laswrr.services.service_metrics import Buckets
 from laswrr.services.proxy.events import EventPublisher
+from laswrr.scheduler.routing.admission import Admitter
 from laswrr.scheduler.routing.router import Router
 from laswrr.scheduler.routing.table import Offered
 from laswrr.services.tasks import bounded, stop_task
@@ -222,6 +237,49 @@ class PeerLink:
             await stop_task(task)
 
 
+class LatencyFeed:
+    """The latency estimate shared by the replicas (module docstring): LB_EVENTS' request events
+    from the stream's next sequence on, fed to a ``SharedLearner`` whose model replaces the
+    admitter's once the consumer is made."""
+
+    def __init__(self, admitter: Admitter) -> None:
+        self.admitter = admitter
+        self.learner: SharedLearner | None = None  # once the stream is read
+        self.rejected = 0  # messages that did not decode
+
+    async def start(self, js: JetStreamContext) -> None:
+        admitter = self.admitter
+        assert admitter.latency is not None
+        try:
+            start = (await js.stream_info(sj.EVENTS_STREAM)).state.last_seq + 1
+            learner = SharedLearner(LatencyModel(admitter.latency.half_life, source=start))
+            await js.subscribe(sj.REQ_ALL, stream=sj.EVENTS_STREAM, cb=functools.partial(self._learn, learner),
+                               ordered_consumer=True, config=ConsumerConfig(
+                                   deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("cannot read the log's request events (%s): the latency estimate learns this proxy's "
+                        "own attempts only", exc or type(exc).__name__)
+            return
+        self.learner = learner
+        admitter.latency = learner.model
+        log.info("latency estimate shared: learning every proxy's attempts from %s seq %d", sj.EVENTS_STREAM, start)
+
+    async def _learn(self, learner: SharedLearner, msg: Msg) -> None:
+        try:
+            seq = msg.metadata.sequence.stream
+            if msg.subject.startswith(sj.REQ_BATCH + "."):
+                for item in decode_batch(msg.subject, msg.data)[1]:
+                    if item.event is not None:
+                        learner.apply(seq, item.key, item.event)
+            else:
+                learner.apply(seq, *decode_event(msg.subject, msg.data))
+        except SchemaError as exc:
+            self.rejected += 1
+            log.debug("request event on %s skipped by the latency estimate: %s", msg.subject, exc)
+
+
 async def _set_event(event: asyncio.Event) -> None:
     """nats-py's ``reconnected_cb``: the connection came back (``BusLink._watch`` re-creates a silent watcher)."""
     event.set()
@@ -260,6 +318,8 @@ class BusLink:
         self.on_view: Callable[[str], None] | None = None
         self.kv_view = kv_view  # fold lb.kv.> into the table's KvIndex
         self.kv_rejected = 0
+        # the latency estimate shared by the replicas (with latency objectives)
+        self.latency = LatencyFeed(router.admitter) if router.admitter.latency is not None else None
         self.peers = PeerLink(router.channel, publisher, peer_interval_s, self._viewed) \
             if router.channel is not None and peer_interval_s > 0 else None
 
@@ -289,6 +349,8 @@ class BusLink:
             await nc.subscribe(sj.KV_ALL, cb=self._kv_changed)
         js = nc.jetstream()
         await self._bootstrap(js)
+        if self.latency is not None:
+            await self.latency.start(js)
         failures = 0
         while not self.closing:
             try:

@@ -289,7 +289,9 @@ class EventPublisher:
                                   max_tokens=None if size is None else size.max_tokens, key_name=key_name,
                                   role=UNSET if role is None else role,
                                   cached_tokens=UNSET if cached is None else cached, queue_tokens=queue,
-                                  uncached_tokens=uncached, batch_size=batch, learned=learned, slots=slots)
+                                  uncached_tokens=uncached, batch_size=batch, learned=learned, slots=slots,
+                                  learned_from=estimate.learned_from if estimate is not None and estimate.learned_from
+                                  else UNSET)
         if objective is not None or predicted is not None:
             event = structs.replace(event, **slo_fields(objective, predicted))
         self._put(_node_heads(node)[0] + encode(event) + b"]")
