@@ -20,7 +20,7 @@ from laswrr.replay.store import PAYLOAD_SQL
 from laswrr.schemas import subjects as sj
 from laswrr.schemas.codec import SchemaError, decode_batch, decode_event
 from laswrr.schemas.events import Event
-from laswrr.scheduler.routing.latency_fold import LatencyFold, learned_from_values
+from laswrr.scheduler.routing.latency_fold import LatencyFold, learned_from_of
 
 _FAMILIES = (sj.REQ_BATCH, sj.REQ_STARTED, sj.REQ_FINISHED, sj.REQ_REFUSED)
 REQUEST_EVENTS_SQL = (f"SELECT seq, subject, {PAYLOAD_SQL} FROM events WHERE stream = '{sj.EVENTS_STREAM}' AND ("
@@ -46,7 +46,7 @@ def refold(con: duckdb.DuckDBPyConnection, fold: LatencyFold | None = None) -> t
     """The fold of the log's request events, and how many did not decode. Two passes: the first
     finds the shared estimates the picks name (``learned_from``), fed from their sequence on."""
     if fold is None:
-        sources = {learned_from_values(event) for _, _, event in request_events(con) if event is not None}
+        sources = {learned_from_of(event) for _, _, event in request_events(con) if event is not None}
         fold = LatencyFold(shared_from=(s for s in sources if s is not None))
     bad = 0
     for seq, key, event in request_events(con):

@@ -19,7 +19,7 @@ its own included) learns every proxy's completed attempts into one model whose `
 ``S``, and each of its picks records ``learned_from = S``. Each node's state after ``k`` attempts is
 then the same in every proxy that reads from ``S``, and the refold rebuilds it by feeding the
 same ``SharedLearner`` the log's events from ``S`` on (``shared_from``: the ``S`` values the log
-names, ``learned_from_values``); picks without ``learned_from`` are refolded per process as above.
+names, ``learned_from_of``); picks without ``learned_from`` are refolded per process as above.
 An attempt is learned only when its finished event comes within ``OPEN_SPAN`` stream messages of
 its started one (a pick whose end never came, its proxy killed, is forgotten after that), in the
 proxy and in the refold alike.
@@ -136,7 +136,7 @@ def lesson(event: ev.RequestFinished) -> tuple[float, float] | None:
     return ttft_ms, started_ms
 
 
-def learned_from_values(event: ev.Event) -> int | None:
+def learned_from_of(event: ev.Event) -> int | None:
     """The ``learned_from`` a pick or an ``slo_unmeetable`` refusal records (None: none), for
     ``LatencyFold``'s ``shared_from``."""
     value = getattr(event, "learned_from", None) if isinstance(event, ev.RequestStarted | ev.RequestRefused) else None

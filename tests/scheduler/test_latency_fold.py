@@ -17,7 +17,7 @@ from laswrr.schemas.codec import decode_event
 from laswrr.schemas.outputs import LoadView, NodeView, WeightSnapshot
 from laswrr.schemas.words import RefusalCause, RequestOutcome
 from laswrr.scheduler.routing.latency import LatencyModel, Objective, estimate_fields, slo_fields
-from laswrr.scheduler.routing.latency_fold import LatencyFold
+from laswrr.scheduler.routing.latency_fold import OPEN_SPAN, LatencyFold, SharedLearner, learned_from_of
 from laswrr.scheduler.routing.prompt import RequestSize
 from laswrr.scheduler.routing.router import DEFAULT_POOL, AdmitRequest, Admission, Refusal, Router, scorer_for
 
@@ -37,6 +37,33 @@ def ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)  # the proxy's rounding (services/proxy/exchange.py)
 
 
+class Stream:
+    """LB_EVENTS as the proxies' shared estimates read it: every message in order, each fed to
+    the learners reading from its sequence on."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[str, bytes]] = []
+        self.learners: list[SharedLearner] = []
+
+    @property
+    def next_seq(self) -> int:
+        return len(self.messages) + 1
+
+    def publish(self, subject: str, data: bytes) -> None:
+        self.messages.append((subject, data))
+        seq = len(self.messages)
+        node, event = decode_event(subject, data)
+        for learner in self.learners:
+            if learner.model.source <= seq:
+                learner.apply(seq, node, event)
+
+    def reader(self) -> LatencyModel:
+        """A proxy starting now: a shared estimate from the next message on."""
+        learner = SharedLearner(LatencyModel(source=self.next_seq))
+        self.learners.append(learner)
+        return learner.model
+
+
 @dataclass
 class Live:
     admission: Admission
@@ -48,8 +75,11 @@ class Live:
 class Proxy:
     """A proxy's routing core and the events it would publish, in order (as JSON, decoded back)."""
 
-    def __init__(self, seed: int) -> None:
-        self.model = LatencyModel()
+    def __init__(self, seed: int, name: str = PROXY, boot: str = BOOT, model: LatencyModel | None = None,
+                 stream: Stream | None = None) -> None:
+        self.name, self.boot = name, boot
+        self.model = model or LatencyModel()
+        self.stream = stream  # the log's stream all proxies publish into (a shared estimate reads it)
         self.router = Router("la-swrr", seed, scorer=scorer_for("prefix"), latency=self.model)
         self.router.table.offer(snap(), 0.0)
         self.log: list[tuple[str, bytes]] = []
@@ -58,11 +88,13 @@ class Proxy:
 
     def publish(self, subject: str, event: ev.Event) -> None:
         self.log.append((subject, msgspec.json.encode(event)))
+        if self.stream is not None:
+            self.stream.publish(subject, self.log[-1][1])
 
     def started(self, live: Live, objective: Objective | None) -> None:
         a = live.admission
         self.publish(f"{sj.REQ_STARTED}.{a.node}", ev.RequestStarted(
-            request_id=live.attempt, proxy=PROXY, boot_id=BOOT, prompt_tokens=live.prompt, max_tokens=live.output,
+            request_id=live.attempt, proxy=self.name, boot_id=self.boot, prompt_tokens=live.prompt, max_tokens=live.output,
             **slo_fields(objective, a.predicted), **estimate_fields(a.estimate)))
 
     def admit(self, objective: Objective | None) -> Live | Refusal:
@@ -73,13 +105,13 @@ class Proxy:
                                                          objective=objective))
         if isinstance(result, Refusal):
             return result
-        return Live(result, f"{PROXY}-{BOOT}-{self.n}", prompt, output)
+        return Live(result, f"{self.name}-{self.boot}-{self.n}", prompt, output)
 
     def refused(self, refusal: Refusal) -> None:
         e = refusal.estimate
         assert e is not None and refusal.cause is RefusalCause.SLO_UNMEETABLE
-        self.publish(f"{sj.REQ_REFUSED}.{PROXY}", ev.RequestRefused(
-            request_id=f"{PROXY}-{BOOT}-{self.n}", proxy=PROXY, boot_id=BOOT, status=429, cause=refusal.cause,
+        self.publish(f"{sj.REQ_REFUSED}.{self.name}", ev.RequestRefused(
+            request_id=f"{self.name}-{self.boot}-{self.n}", proxy=self.name, boot_id=self.boot, status=429, cause=refusal.cause,
             **slo_fields(refusal.objective, refusal.predicted), predicted_node=e.node, max_tokens=e.output,
             **estimate_fields(e)))
 
@@ -93,7 +125,7 @@ class Proxy:
         duration = ttft + (live.output - 1) * (0.02 + 0.002 * e.batch)
         figures = dict(ttft_ms=ms(ttft), duration_ms=ms(duration), completion_tokens=live.output)
         self.publish(f"{sj.REQ_FINISHED}.{a.node}", ev.RequestFinished(
-            request_id=live.attempt, proxy=PROXY, boot_id=BOOT, outcome=RequestOutcome.COMPLETED,
+            request_id=live.attempt, proxy=self.name, boot_id=self.boot, outcome=RequestOutcome.COMPLETED,
             started_ms=ms(started), **figures))
         self.router.admitter.prefilled(a)
         self.router.admitter.release(a)
@@ -191,3 +223,96 @@ def test_an_old_log_decodes_and_is_skipped() -> None:
     assert isinstance(first, ev.RequestStarted) and first.batch_size is UNSET and first.learned is UNSET
     fold = fold_of(events)
     assert (fold.picks, fold.learned, fold.mismatches, fold.unverifiable) == (0, 0, 0, 1)
+
+
+def test_replicas_sharing_one_estimate_are_refolded_from_the_stream() -> None:
+    """Two proxies, the second started later, each learning every attempt from the stream (its own
+    included, never directly): the second's first picks are made from the first one's attempts,
+    and the refold of the stream reproduces every prediction of both."""
+    stream = Stream()
+    first = Proxy(7, "p1", "b1", stream.reader(), stream)
+    for _ in range(60):
+        live = first.admit(None)
+        assert isinstance(live, Live)
+        first.started(live, None)
+        first.finish(live)  # Admitter.observed teaches a shared estimate nothing: the stream does
+    second = Proxy(8, "p2", "b2", stream.reader(), stream)
+    assert second.model.source == 121 and first.model.source == 1
+    proxies, live = [first, second], []
+    for i in range(300):
+        proxy = proxies[i % 2]
+        result = proxy.admit(Objective(ttft_ms=4000.0, tpot_ms=60.0))
+        if isinstance(result, Refusal):
+            proxy.refused(result)
+            continue
+        proxy.started(result, Objective(ttft_ms=4000.0, tpot_ms=60.0))
+        live.append((proxy, result))
+        while len(live) > 6:
+            owner, done = live.pop(first.rng.randrange(len(live)))
+            owner.finish(done)
+    for owner, done in live:
+        owner.finish(done)
+    events = [(seq, *decode_event(subject, data)) for seq, (subject, data) in enumerate(stream.messages, 1)]
+    own_done: dict[str, int] = {}  # per node, p2's attempts ended so far
+    beyond_own = []  # how many more attempts than its own on the node each p2 pick had learned from
+    for _, node, e in events:
+        assert node is not None
+        if isinstance(e, ev.RequestFinished) and e.proxy == "p2":
+            own_done[node] = own_done.get(node, 0) + 1
+        elif isinstance(e, ev.RequestStarted) and e.proxy == "p2":
+            assert e.learned_from == 121 and isinstance(e.learned, int)
+            beyond_own.append(e.learned - own_done.get(node, 0))
+    assert max(beyond_own) > 20  # p1's attempts since p2 started, on the pick's node alone
+    opening = next(e for _, _, e in events if isinstance(e, ev.RequestStarted) and e.proxy == "p2"
+                   and isinstance(e.predicted_ttft_ms, float))
+    assert {learned_from_of(e) for _, _, e in events} == {1, 121, None}  # None: the finished events
+    fold = LatencyFold(shared_from=[1, 121])
+    for seq, node, event in events:
+        fold.apply(node, event, seq)
+    assert fold.mismatches == 0 and fold.checked["pick"] > 250, (fold.checked, [m.describe() for m in fold.found[:3]])
+    assert not fold.models  # no proxy's own estimate: both were shared
+    for learner in stream.learners:  # each live estimate is its refold, node by node
+        refolded = fold.shared[learner.model.source].model
+        for node in SPEEDS:
+            assert learner.model.learned(node) == refolded.learned(node) > 0
+            assert learner.model.prefill_rate(node) == refolded.prefill_rate(node)
+    altered = [(seq, node, msgspec.structs.replace(e, predicted_ttft_ms=e.predicted_ttft_ms + 1.0)
+                if e is opening else e) for seq, node, e in events]
+    again = LatencyFold(shared_from=[1, 121])
+    for seq, node, event in altered:
+        again.apply(node, event, seq)
+    assert again.mismatches == 1 and again.found[0].request_id == opening.request_id
+
+
+def test_a_shared_estimate_learns_an_attempt_only_within_its_span_whatever_else_it_was_given() -> None:
+    """Whether an attempt is learned depends on its two sequences only: a reader given the other
+    messages between them (lb.req.queued, in a proxy's consumer) learns what one given only the
+    request events (a refold's query) learns; an end more than OPEN_SPAN messages after its start
+    is not learned by either."""
+    stream = Stream()
+    proxy = Proxy(3, model=stream.reader(), stream=stream)
+    lives = []
+    for _ in range(3):
+        live = proxy.admit(None)
+        assert isinstance(live, Live)
+        proxy.started(live, None)
+        lives.append(live)
+    proxy.finish(lives[0])
+    started = [(seq, *decode_event(s, d)) for seq, (s, d) in enumerate(stream.messages, 1)]
+    assert len(stream.messages) == 4  # the three starts (seqs 1-3), the first one's end
+    proxy.stream = None  # its further messages are placed by hand
+    proxy.finish(lives[1])
+    proxy.finish(lives[2])
+    (s1, d1), (s2, d2) = proxy.log[-2:]
+    # the second's end exactly OPEN_SPAN after its start (2); the third's (3) one beyond, with another
+    # message between that only one reader is given
+    ends = [(2 + OPEN_SPAN, *decode_event(s1, d1)), (5 + OPEN_SPAN, *decode_event(s2, d2))]
+    queued = ev.RequestQueued(request_id="x", proxy=PROXY, pool=DEFAULT_POOL, band="default", work=1, ttl_ms=1)
+    given_all, given_requests = SharedLearner(LatencyModel(source=1)), SharedLearner(LatencyModel(source=1))
+    for seq, node, event in started + ends[:1] + [(4 + OPEN_SPAN, None, queued)] + ends[1:]:
+        given_all.apply(seq, node, event)
+        if not isinstance(event, ev.RequestQueued):
+            given_requests.apply(seq, node, event)
+    for learner in (given_all, given_requests):
+        assert sum(learner.model.learned(n) for n in SPEEDS) == 2  # the first, and the second (just in time)
+        assert not learner.open  # the third's start was dropped: its end came too late
