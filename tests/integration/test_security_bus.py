@@ -14,12 +14,14 @@ import json
 import ssl
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import nats
 import nats.errors
 import pytest
 from nats.aio.client import Client
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from laswrr.schemas import subjects as sj
 from laswrr.services import accounts
@@ -134,6 +136,27 @@ async def test_the_proxy_publishes_its_batches(bus: SecureBus) -> None:
     async with as_role(bus, "proxy") as nc:
         ack = await nc.jetstream().publish(sj.req_batch("p1"), b'{"events": [["proxy.heartbeat", null, {}]]}')
     assert ack.stream == sj.EVENTS_STREAM and await events_in_log(bus) == 1
+
+
+async def test_a_proxy_reads_the_request_events_back_and_cannot_remove_them(bus: SecureBus) -> None:
+    """The latency estimate shared by the replicas: a proxy reads ``lb.req.>`` of LB_EVENTS with an
+    ordered consumer (services/proxy/bus.py, ``LatencyFeed``), and may not purge the stream."""
+    await set_up_streams(bus)
+    errors = Errors()
+    async with as_role(bus, "proxy", errors) as nc:
+        js = nc.jetstream()
+        await js.publish(sj.req_batch("p1"), b'{"events": [["proxy.heartbeat", null, {}]]}')
+        got: asyncio.Queue[str] = asyncio.Queue()
+
+        async def on_msg(msg: Any) -> None:
+            await got.put(msg.subject)
+
+        await js.subscribe(sj.REQ_ALL, stream=sj.EVENTS_STREAM, cb=on_msg, ordered_consumer=True,
+                           config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=1))
+        assert await asyncio.wait_for(got.get(), 10) == sj.req_batch("p1")
+        with pytest.raises(nats.errors.Error):
+            await js.purge_stream(sj.EVENTS_STREAM)
+    assert await events_in_log(bus) == 1
 
 
 async def test_proxies_talk_on_lb_peer_and_a_collector_cannot(bus: SecureBus) -> None:
