@@ -61,7 +61,8 @@ def summary(fold: LatencyFold, bad: int) -> dict[str, Any]:
     """The audit and the accuracy as one JSON-able object (``--json``)."""
     accuracy = fold.accuracy()
     return {
-        "proxies": len(fold.models), "shared": len(fold.shared), "picks": fold.picks, "learned": fold.learned, "undecodable": bad,
+        "proxies": len(fold.models), "shared": len(fold.shared), "picks": fold.picks, "learned": fold.learned,
+        "undecodable": bad,
         "checked": dict(fold.checked), "mismatches": fold.mismatches, "unverifiable_refusals": fold.unverifiable,
         "unknown_state": fold.unknown, "unmeasured": fold.unmeasured,
         "first_mismatches": [asdict(m) for m in fold.found[:10]],
@@ -77,8 +78,8 @@ def report_lines(fold: LatencyFold, bad: int) -> list[str]:
     """The text report: the audit, then the accuracy table."""
     checked = fold.checked
     shared = f" and {len(fold.shared)} shared by the replicas" if fold.shared else ""
-    lines = [f"refolded the latency estimates of {len(fold.models)} proxy process(es){shared}: {fold.picks} picks with "
-             f"an estimate, {fold.learned} completed attempts learned from"
+    lines = [f"refolded the latency estimates of {len(fold.models)} proxy process(es){shared}: {fold.picks} picks "
+             f"with an estimate, {fold.learned} completed attempts learned from"
              + (f"; {bad} request event(s) did not decode (skipped)" if bad else "")]
     verdict = "every one reproduced" if fold.mismatches == 0 else f"{fold.mismatches} MISMATCH(ES)"
     lines.append(f"audit: {checked['pick']} recorded pick predictions and {checked['refusal']} slo_unmeetable "

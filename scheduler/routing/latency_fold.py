@@ -151,13 +151,11 @@ class SharedLearner:
     def __init__(self, model: LatencyModel) -> None:
         self.model = model
         self.open: dict[tuple[str, str | None, str], tuple[Estimate, int]] = {}  # in stream order
-        self.last_seq = model.source - 1  # the last sequence applied
 
     def apply(self, seq: int, node: str | None, event: ev.Event) -> None:
         """One request event of stream message ``seq`` (several events of one batch share it). The
         picks older than ``OPEN_SPAN`` messages go first, so whether an attempt is learned depends
         on its two sequences only, not on which other messages a reader was given."""
-        self.last_seq = seq
         open_, oldest = self.open, seq - OPEN_SPAN
         while open_:
             key = next(iter(open_))

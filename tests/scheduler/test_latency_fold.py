@@ -94,7 +94,8 @@ class Proxy:
     def started(self, live: Live, objective: Objective | None) -> None:
         a = live.admission
         self.publish(f"{sj.REQ_STARTED}.{a.node}", ev.RequestStarted(
-            request_id=live.attempt, proxy=self.name, boot_id=self.boot, prompt_tokens=live.prompt, max_tokens=live.output,
+            request_id=live.attempt, proxy=self.name, boot_id=self.boot, prompt_tokens=live.prompt,
+            max_tokens=live.output,
             **slo_fields(objective, a.predicted), **estimate_fields(a.estimate)))
 
     def admit(self, objective: Objective | None) -> Live | Refusal:
@@ -111,7 +112,8 @@ class Proxy:
         e = refusal.estimate
         assert e is not None and refusal.cause is RefusalCause.SLO_UNMEETABLE
         self.publish(f"{sj.REQ_REFUSED}.{self.name}", ev.RequestRefused(
-            request_id=f"{self.name}-{self.boot}-{self.n}", proxy=self.name, boot_id=self.boot, status=429, cause=refusal.cause,
+            request_id=f"{self.name}-{self.boot}-{self.n}", proxy=self.name, boot_id=self.boot, status=429,
+            cause=refusal.cause,
             **slo_fields(refusal.objective, refusal.predicted), predicted_node=e.node, max_tokens=e.output,
             **estimate_fields(e)))
 
