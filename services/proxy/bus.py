@@ -57,8 +57,8 @@ The exact cache view (with ``--tokenizer``, ``kv_view``): once connected the lin
 ``CacheChanged`` into the table's ``KvIndex`` (``scheduler.routing.kvindex``: the rules, pure);
 a message that does not decode is counted (``kv_rejected``) and skipped.
 
-The latency estimate, shared by the replicas (with latency objectives: the router's admitter has
-a ``LatencyModel``): once connected the link reads LB_EVENTS' request events (``lb.req.>``, an
+The latency estimate, shared by the replicas (``share_latency``: the proxy's ``--share-latency``, on
+whenever ``--slo-defaults`` sets a target): once connected the link reads LB_EVENTS' request events (``lb.req.>``, an
 ordered consumer) from the stream's next sequence ``S`` on and feeds them, every proxy's, its own
 included, to a ``scheduler.routing.latency_fold.SharedLearner`` whose model (``source`` ``S``)
 then replaces the admitter's: every replica learns every attempt, in stream order, and each pick
@@ -269,12 +269,12 @@ class LatencyFeed:
     async def _learn(self, learner: SharedLearner, msg: Msg) -> None:
         try:
             seq = msg.metadata.sequence.stream
-            if msg.subject.startswith(sj.REQ_BATCH + "."):
-                for item in decode_batch(msg.subject, msg.data)[1]:
+            if msg.subject.startswith(sj.REQ_BATCH + "."):  # the core's path: each name checked once
+                for item in decode_batch(msg.subject, msg.data, core=True)[1]:
                     if item.event is not None:
                         learner.apply(seq, item.key, item.event)
             else:
-                learner.apply(seq, *decode_event(msg.subject, msg.data))
+                learner.apply(seq, *decode_event(msg.subject, msg.data, core=True))
         except SchemaError as exc:
             self.rejected += 1
             log.debug("request event on %s skipped by the latency estimate: %s", msg.subject, exc)
@@ -289,7 +289,8 @@ class BusLink:
     def __init__(self, url: str, name: str, router: Router, publisher: EventPublisher,
                  rewatch_s: float = 10.0, retry_s: float = 0.5, max_retry_s: float = 5.0,
                  stream_check_s: float = 1.0, auth: NatsAuth | None = None,
-                 limits: StreamLimits | None = None, peer_interval_s: float = 0.0, kv_view: bool = False) -> None:
+                 limits: StreamLimits | None = None, peer_interval_s: float = 0.0, kv_view: bool = False,
+                 share_latency: bool = False) -> None:
         self.url = url
         self.limits = limits
         self.auth = auth
@@ -318,8 +319,8 @@ class BusLink:
         self.on_view: Callable[[str], None] | None = None
         self.kv_view = kv_view  # fold lb.kv.> into the table's KvIndex
         self.kv_rejected = 0
-        # the latency estimate shared by the replicas (with latency objectives)
-        self.latency = LatencyFeed(router.admitter) if router.admitter.latency is not None else None
+        # the latency estimate shared by the replicas (``share_latency``)
+        self.latency = LatencyFeed(router.admitter) if share_latency and router.admitter.latency is not None else None
         self.peers = PeerLink(router.channel, publisher, peer_interval_s, self._viewed) \
             if router.channel is not None and peer_interval_s > 0 else None
 
