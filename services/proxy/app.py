@@ -624,7 +624,7 @@ def build_state(config: ProxyConfig) -> ProxyState:
                        bus=BusLink(config.nats_url, f"laswrr-proxy-{config.proxy_id}", router, events,
                                    auth=config.nats_auth, limits=StreamLimits(replicas=config.stream_replicas),
                                    peer_interval_s=config.peer_interval_ms / 1000, kv_view=config.tokenizer is not None,
-                                   share_latency=config.latency_shared),
+                                   share_latency=config.share_latency),
                        keys=keys, upstream_auth=UpstreamAuth(config.forward_authorization, config.upstream_api_key),
                        slo=SloDefaults.parse(config.slo_defaults),
                        tokens=PromptTokenizer(config.tokenizer) if config.tokenizer is not None else None)

@@ -57,8 +57,8 @@ The exact cache view (with ``--tokenizer``, ``kv_view``): once connected the lin
 ``CacheChanged`` into the table's ``KvIndex`` (``scheduler.routing.kvindex``: the rules, pure);
 a message that does not decode is counted (``kv_rejected``) and skipped.
 
-The latency estimate, shared by the replicas (``share_latency``: the proxy's ``--share-latency``, on
-whenever ``--slo-defaults`` sets a target): once connected the link reads LB_EVENTS' request events (``lb.req.>``, an
+The latency estimate, shared by the replicas (``share_latency``: the proxy's ``--share-latency``):
+once connected the link reads LB_EVENTS' request events (``lb.req.>``, an
 ordered consumer) from the stream's next sequence ``S`` on and feeds them, every proxy's, its own
 included, to a ``scheduler.routing.latency_fold.SharedLearner`` whose model (``source`` ``S``)
 then replaces the admitter's: every replica learns every attempt, in stream order, and each pick

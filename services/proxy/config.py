@@ -236,13 +236,8 @@ class ProxyConfig:
     slo_serve_late: bool = setting(False, "when no node is predicted to meet a request's objective, serve it anyway "
                                    "instead of 429 slo_unmeetable", negatable=True, group=SLO_GROUP)
     share_latency: bool = setting(False, "learn the latency estimate from every proxy's attempts (LB_EVENTS' request "
-                                  "events), shared by the replicas; on whenever --slo-defaults sets a target",
+                                  "events), one estimate shared by the replicas; off: from this proxy's own",
                                   negatable=True, group=SLO_GROUP)
-
-    @property
-    def latency_shared(self) -> bool:
-        """The latency estimate is shared by the replicas (``share_latency``, or objectives configured)."""
-        return self.share_latency or bool(self.slo_defaults)
 
     def validate(self) -> "ProxyConfig":
         sj.check_token(self.proxy_id, "proxy name")

@@ -38,7 +38,7 @@ async def test_a_replica_predicts_from_the_other_ones_attempts_and_the_log_refol
                     picks[item.event.proxy].append(item.event)
 
     async with simulated_stack(tmp_path / "stack", NODES, speed=10.0, tick_ms=100,
-                               proxy_args=("--slo-defaults", "batch=60000/")) as stack:
+                               proxy_args=("--slo-defaults", "batch=60000/", "--share-latency")) as stack:
         a = await stack.start_proxy(name="a")
         b = await stack.start_proxy(name="b")
         nc = await connect(stack.role_url("viewer"), "shared-estimate-test", stack.nats_auth)
