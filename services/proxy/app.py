@@ -564,6 +564,10 @@ def health_report(state: ProxyState) -> dict[str, object]:
         kv = table.kv
         report["kv_view"] = {"exact": sorted(n for n in kv.nodes if kv.exact(n)),
                              "stale": sorted(n for n in kv.nodes if not kv.exact(n)), "rejected": state.bus.kv_rejected}
+    feed = state.bus.latency
+    if feed is not None:  # --share-latency: the LB_EVENTS sequence it learns from (None: its own attempts, yet)
+        report["latency_shared"] = {"from_seq": None if feed.learner is None else feed.learner.model.source,
+                                    "rejected": feed.rejected}
     return report
 
 

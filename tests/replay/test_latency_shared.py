@@ -50,6 +50,8 @@ async def test_a_replica_predicts_from_the_other_ones_attempts_and_the_log_refol
                     assert await asyncio.gather(*(ask(http, a, 20 + 100 * i, TARGETS) for i in range(4))) == [200] * 4
                 for _ in range(4):  # then b's
                     assert await ask(http, b, 60, TARGETS) == 200
+                async with http.get(b + "/health") as response:  # the proxy says where its estimate learns from
+                    shared = (await response.json())["latency_shared"]
             deadline = asyncio.get_running_loop().time() + 30
             while len(picks["a"]) + len(picks["b"]) < 20:  # every started event read back from the log's stream
                 assert asyncio.get_running_loop().time() < deadline, picks
@@ -62,7 +64,8 @@ async def test_a_replica_predicts_from_the_other_ones_attempts_and_the_log_refol
     assert isinstance(first.learned, int) and first.learned > 0, [p.learned for p in picks["b"]]
     assert isinstance(first.predicted_ttft_ms, float), first
     assert all(isinstance(p.learned_from, int) for p in picks["a"] + picks["b"])  # every pick says whose estimate
-    assert first.learned_from == picks["b"][-1].learned_from  # from where b started reading
+    assert first.learned_from == picks["b"][-1].learned_from == shared["from_seq"]  # from where b started reading
+    assert shared["rejected"] == 0
 
     db = tmp_path / "stack" / "events.duckdb"
     report = latency_report(db)
