@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -25,10 +26,45 @@ from pathlib import Path
 from laswrr.services.children import preexec
 
 
+PORT_FLOOR = 20_000  # ``free_port`` picks at or above this, below the kernel's ephemeral range
+_GIVEN: deque[int] = deque(maxlen=512)  # ports handed out lately: not handed out again
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range, where ``connect`` takes its local ports."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now, for a server to bind in a moment. Picked below the kernel's
+    ephemeral range when that range leaves room: the port ``bind(0)`` gives comes from that range,
+    where every outgoing connection takes its local port, so one could take it before the server
+    binds it (seen in a test: a worker's admin port taken in the seconds between). Never one
+    handed out lately, so that several picked in a row differ."""
+    low = _ephemeral_low()
+    if low - PORT_FLOOR >= 1000:
+        for _ in range(64):
+            port = PORT_FLOOR + secrets.randbelow(low - PORT_FLOOR)
+            if port not in _GIVEN and _bindable(host, port):
+                _GIVEN.append(port)
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+        port = int(sock.getsockname()[1])
+    _GIVEN.append(port)
+    return port
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> int:
@@ -40,6 +76,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
                 for k in range(count):
                     sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
                     sock.bind((host, first + k))
+            _GIVEN.extend(range(first + 1, first + count))
             return first
         except OSError:
             continue
