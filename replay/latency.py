@@ -27,10 +27,15 @@ REQUEST_EVENTS_SQL = (f"SELECT seq, subject, {PAYLOAD_SQL} FROM events WHERE str
                       + " OR ".join(f"subject LIKE '{family}.%'" for family in _FAMILIES) + ") ORDER BY seq")
 
 
-def request_events(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[int, str | None, Event | None]]:
-    """``(seq, key, event)`` of every request event of the log, in stream order (a batch's events
-    share its seq); ``event`` None for one that did not decode."""
-    for rows in fetch_batches(con.cursor().execute(REQUEST_EVENTS_SQL)):
+# the messages that may name a shared estimate (the text, or bytes that are not UTF-8, kept raw)
+NAMING_SQL = REQUEST_EVENTS_SQL.replace(" ORDER BY seq", " AND (raw IS NOT NULL OR data LIKE '%\"learned_from\"%') ORDER BY seq")
+
+
+def request_events(con: duckdb.DuckDBPyConnection, sql: str = REQUEST_EVENTS_SQL
+                   ) -> Iterator[tuple[int, str | None, Event | None]]:
+    """``(seq, key, event)`` of every request event ``sql`` selects, in stream order (a batch's
+    events share its seq); ``event`` None for one that did not decode."""
+    for rows in fetch_batches(con.cursor().execute(sql)):
         for seq, subject, payload in rows:
             try:
                 if subject.startswith(sj.REQ_BATCH + "."):
@@ -43,10 +48,11 @@ def request_events(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[int, str | 
 
 
 def refold(con: duckdb.DuckDBPyConnection, fold: LatencyFold | None = None) -> tuple[LatencyFold, int]:
-    """The fold of the log's request events, and how many did not decode. Two passes: the first
-    finds the shared estimates the picks name (``learned_from``), fed from their sequence on."""
+    """The fold of the log's request events, and how many did not decode. Two passes: the first,
+    over the messages whose text names it, finds the shared estimates the picks name
+    (``learned_from``), fed from their sequence on."""
     if fold is None:
-        sources = {learned_from_of(event) for _, _, event in request_events(con) if event is not None}
+        sources = {learned_from_of(event) for _, _, event in request_events(con, NAMING_SQL) if event is not None}
         fold = LatencyFold(shared_from=(s for s in sources if s is not None))
     bad = 0
     for seq, key, event in request_events(con):
