@@ -28,7 +28,8 @@ REQUEST_EVENTS_SQL = (f"SELECT seq, subject, {PAYLOAD_SQL} FROM events WHERE str
 
 
 # the messages that may name a shared estimate (the text, or bytes that are not UTF-8, kept raw)
-NAMING_SQL = REQUEST_EVENTS_SQL.replace(" ORDER BY seq", " AND (raw IS NOT NULL OR data LIKE '%\"learned_from\"%') ORDER BY seq")
+NAMING_SQL = REQUEST_EVENTS_SQL.replace(
+    " ORDER BY seq", " AND (raw IS NOT NULL OR data LIKE '%\"learned_from\"%') ORDER BY seq")
 
 
 def request_events(con: duckdb.DuckDBPyConnection, sql: str = REQUEST_EVENTS_SQL
