@@ -53,13 +53,12 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 def fill(path: Path) -> int:
     """Write ``path`` until the filesystem is full; the bytes written."""
-    written = 0
-    with open(path, "wb") as sink:
+    written, block = 0, b"\0" * 65536
+    # unbuffered: a buffered writer keeps what a partial write left and fails again on close
+    with open(path, "wb", buffering=0) as sink:
         with contextlib.suppress(OSError):
-            while True:
-                sink.write(b"\0" * 65536)
-                sink.flush()
-                written += 65536
+            while step := sink.write(block):
+                written += step
     return written
 
 

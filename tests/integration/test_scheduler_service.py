@@ -370,9 +370,9 @@ async def test_an_idle_scheduler_tries_no_tick_until_an_input_then_ticks_again(
     service.scheduler.tick_changes = lambda now_ns: trials.append(now_ns) or try_tick(now_ns)  # type: ignore[method-assign]
     await js.publish("lb.admin.node.a", b'{"url": "http://a", "capacity": 8}')
 
-    async def quiet() -> bool:  # eased to its target: a trial said a tick changes nothing now
-        gate = service._gate
-        return gate.quiet is not None and gate.quiet[0] == service.applied_seq
+    async def quiet() -> bool:  # eased to its target: a trial said no tick changes anything until an input
+        gate = service._gate  # (during the slow start a trial may say "nothing now", but "ask again next period")
+        return gate.quiet is not None and gate.quiet[0] == service.applied_seq and gate.quiet[2] is None
 
     await wait_for(quiet)
     tried = len(trials)
