@@ -71,7 +71,15 @@ PEER_START_TIMEOUT_S = 60.0
 # whose engine then prefills them itself (``--pd-local-prefill``; docs/proxy.md, "Short prompts: the decode node alone").
 VARIANTS: dict[str, tuple[str, ...]] = {"flow": ("--flow-control",), "cap": ("--inflight-cap-per-capacity", "1"),
                                         "flow-noreserve": ("--flow-control", "--interactive-reserve", "0"),
-                                        "no-status": (), "events": (), "decode-only": ("--pd-decode-only-tokens", "512")}
+                                        "no-status": (), "events": (), "decode-only": ("--pd-decode-only-tokens", "512"),
+                                        "events-stored": ("--no-kv-in-flight",)}
+EXACT_VIEW = ("events", "events-stored")  # the variants with the exact cache view (the engines' KV events)
+
+
+def exact_view(policy: str) -> bool:
+    """The row routes on the engines' KV events: ``+events``, or ``+events-stored`` (the view of
+    what they stored alone, without counting the blocks of requests in flight)."""
+    return policy.partition("+")[2] in EXACT_VIEW
 
 
 def sim_tokenizer(out: Path) -> Path:
@@ -154,7 +162,7 @@ async def start(scenario: Scenario, policy: str, run_dir: Path, config_path: Pat
     ``model``: the id they serve; ``workers``: each replica's ``--workers`` (their /metrics on
     consecutive admin ports); ``tokenizer``: their model's directory, for a ``+events`` row.
     A peer router runs the scenario's ``proxies`` instances (the load's entries), which share nothing."""
-    events = policy.endswith("+events")
+    events = exact_view(policy)
     if events and tokenizer is None and engines is not None:
         raise ValueError(f"{policy}: the exact cache view needs the engines' tokenizer")
     if events and engines is None:  # simulated engines publish their KV events in the tiny model's tokens

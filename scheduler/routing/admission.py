@@ -16,7 +16,9 @@
   ``scheduler.routing.work``, "The exact view"); then ``policy.pick(PickContext(load, exclude,
   affinity))``. The admission of a request with ``tokens`` carries the prompt tokens the view
   predicted cached on the node picked (``cached``: the engine's count for a node with an exact
-  view, else the estimate's; None without tokens or without affinity).
+  view, else the estimate's; None without tokens or without affinity), and the exact view counts
+  that prompt's blocks as held on the node until the admission is released (``KvIndex.expect``,
+  "In flight").
 * **Admission binds.** The ``Admission`` holds the node's URL from the snapshot in force *at
   admission*; later snapshots (weight change, drain, capacity 0, removal) never touch it; only
   ``release`` ends it. ``prefilled`` takes its prompt out of the node's prefill backlog when the
@@ -37,6 +39,7 @@ from laswrr.scheduler.policies.affinity import Affinity
 from laswrr.scheduler.routing.flow import reserved_limit
 from laswrr.scheduler.routing.latency import Estimate, LatencyModel, Objective, Prediction, meets, slots_of
 from laswrr.scheduler.routing.models import listed
+from laswrr.scheduler.routing.kvindex import Expected, KvIndex
 from laswrr.scheduler.routing.peers import PeerChannel
 from laswrr.scheduler.routing.prompt import RequestSize
 from laswrr.scheduler.routing.route import Picker, PoolRoute
@@ -81,6 +84,7 @@ class Admission:
     cached: int | None = None  # the prompt tokens the router's view predicted cached on the node (None: unknown)
     estimate: Estimate | None = None  # with a latency model: what the node's prediction is made of (its record)
     predicted: Prediction | None = None  # the node's prediction, when the pick made one (a request with targets)
+    expected: Expected | None = None  # its prompt's blocks counted as held on the node until it ends (KvIndex.expect)
 
 
 Estimates = dict[str, tuple[Estimate, Prediction]]  # per node left: what its prediction is made of, and it
@@ -152,6 +156,8 @@ class Admitter:
         table.load.bind(node, backlog)
         admission = self._admission(route, picker, view, request.size, backlog)
         admission.cached = predicted
+        if request.tokens:
+            admission.expected = table.kv.expect(node, request.tokens)
         if picked is not None:
             admission.estimate, admission.predicted = picked
         if picker.speeds is not None and affinity is not None:
@@ -260,6 +266,9 @@ class Admitter:
         """The admission ended: its node's in-flight, and its prompt if not prefilled yet, leave."""
         self.table.load.unbind(admission.node, admission.backlog)
         admission.backlog = 0
+        if admission.expected is not None:
+            KvIndex.settle(admission.expected)
+            admission.expected = None
         if self.channel is not None:
             self.channel.touch(admission.pool)
 

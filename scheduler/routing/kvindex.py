@@ -16,6 +16,17 @@ restarted with an empty cache before its first event says so (a restarted engine
 only with the first blocks it stores): its keys are dropped, its counter kept, so the view says
 it holds nothing, and the next changes are taken. Pure: no clock, no socket; two proxies fed the same changes
 hold the same view.
+
+**In flight** (``in_flight``, on by default: ``--no-kv-in-flight`` turns it off). Between a pick
+and the engine's ``BlockStored`` for it the events cannot know what the engine is about to hold:
+a second request of the same system prompt or conversation, picked while the first still waits
+in the engine's queue or prefills, would find the prefix on that node when the engine schedules
+it (FCFS), but the events say "not held". So ``expect(node, token_ids)`` counts the whole blocks
+of a picked request's prompt as held on its node (``NodeBlocks.pending``, a count per key) from
+the pick until ``settle`` at the attempt's end. Over that span the blocks are about to be stored
+(queued) or held (a running request's blocks are referenced and cannot be evicted; only a
+preemption frees them); by its end the engine's events have said "stored" if it stored them.
+Each proxy counts only its own picks (a replica's are in its events once stored).
 """
 
 from __future__ import annotations
@@ -32,13 +43,23 @@ class NodeBlocks:
     block_size: int = 0
     last_n: int = 0
     stale: bool = False
+    pending: dict[int, int] = field(default_factory=dict)  # key -> this proxy's picks in flight whose prompt has it
+
+
+@dataclass(slots=True, eq=False)
+class Expected:
+    """A pick's prompt blocks counted as held on its node until ``KvIndex.settle``."""
+
+    blocks: NodeBlocks
+    keys: list[int]
 
 
 class KvIndex:
-    __slots__ = ("nodes",)
+    __slots__ = ("nodes", "in_flight")
 
-    def __init__(self) -> None:
+    def __init__(self, in_flight: bool = True) -> None:
         self.nodes: dict[str, NodeBlocks] = {}
+        self.in_flight = in_flight  # count the blocks of picks in flight as held (module docstring)
 
     def apply(self, node: str, change: CacheChanged) -> bool:
         """Fold one change; False when it could not be taken (the node is stale since a lost one)."""
@@ -72,6 +93,32 @@ class KvIndex:
         if blocks is not None:
             blocks.keys.clear()
 
+    def expect(self, node: str, token_ids: Sequence[int]) -> Expected | None:
+        """``node`` was picked for a prompt of ``token_ids``: its whole blocks count as held there
+        until ``settle`` (None: not counted: ``in_flight`` off, or no exact view of the node)."""
+        if not self.in_flight or not token_ids or not self.exact(node):
+            return None
+        blocks = self.nodes[node]
+        keys = chain_keys(token_ids, blocks.block_size)
+        if not keys:
+            return None
+        pending = blocks.pending
+        for key in keys:
+            pending[key] = pending.get(key, 0) + 1
+        return Expected(blocks, keys)
+
+    @staticmethod
+    def settle(expected: Expected) -> None:
+        """The attempt of ``expected`` ended: its blocks count no more (the events say what is held)."""
+        pending = expected.blocks.pending
+        for key in expected.keys:
+            left = pending.get(key, 0) - 1
+            if left > 0:
+                pending[key] = left
+            else:
+                pending.pop(key, None)
+        expected.keys = []  # a second settle is a no-op
+
     def depths(self, token_ids: Sequence[int], nodes: Iterable[str]) -> dict[str, int]:
         """For each of ``nodes`` with an exact view: the leading whole blocks of ``token_ids`` it
         holds (nodes without one are left out). Keys are computed once per block size."""
@@ -85,8 +132,9 @@ class KvIndex:
             if keys is None:
                 keys = keys_by_size[blocks.block_size] = chain_keys(token_ids, blocks.block_size)
             depth = 0
+            held, pending = blocks.keys, blocks.pending
             for key in keys:
-                if key not in blocks.keys:
+                if key not in held and key not in pending:
                     break
                 depth += 1
             out[node] = depth

@@ -53,12 +53,12 @@ class Router:
                  share: bool = False, peer_stale_s: float = PEER_STALE_S, peer_max_keys: int = PEER_MAX_KEYS,
                  peer_full_s: float = PEER_FULL_S, peer_grid: int = PEER_GRID, peer_stagger_s: float = PEER_STAGGER_S,
                  peer_pick_s: float = PEER_PICK_S, latency: LatencyModel | None = None,
-                 serve_late: bool = False) -> None:
+                 serve_late: bool = False, kv_in_flight: bool = True) -> None:
         if isinstance(scorer, type):
             scorer = scorer()  # the default: prefix affinity with its default index size
         if scorer is not None and not make_policy(policy, seed).uses_affinity:
             scorer = None  # a policy that reads no affinity keeps no prefix index
-        self.table = RoutingTable(policy, seed, proxy_id, scorer)
+        self.table = RoutingTable(policy, seed, proxy_id, scorer, kv_in_flight)
         self.channel = PeerChannel(self.table, peer_stale_s, peer_max_keys, peer_full_s, peer_grid, peer_stagger_s,
                                    peer_pick_s) if share and proxy_id is not None else None
         self.admitter = Admitter(self.table, inflight_cap_per_capacity, flow_limits, self.channel, latency, serve_late)

@@ -47,7 +47,7 @@ class Offered(IntEnum):
 
 class RoutingTable:
     def __init__(self, policy: str, seed: int, proxy_id: str | None = None,
-                 scorer: PrefixScorer | None = None) -> None:
+                 scorer: PrefixScorer | None = None, kv_in_flight: bool = True) -> None:
         make_policy(policy, seed)  # fail fast on an unknown name
         self.policy_name = policy
         self.seed = seed
@@ -57,7 +57,7 @@ class RoutingTable:
         self.views = 0  # counts the snapshots installed and the pools forgotten: what a cache of plans keys on
         self.load = Load()
         self.speeds = PrefillSpeeds()
-        self.kv = KvIndex()  # the exact view of the nodes whose engines publish KV events (lb.kv.<node>)
+        self.kv = KvIndex(kv_in_flight)  # the exact view of the nodes whose engines publish KV events (lb.kv.<node>)
 
     def offer(self, snapshot: WeightSnapshot, now: float) -> Offered:
         """Install ``snapshot`` if it is newer than the pool's current one (or that one is superseded)."""

@@ -620,7 +620,7 @@ def build_state(config: ProxyConfig) -> ProxyState:
                     scorer_for(config.affinity, config.affinity_blocks), proxy_id=config.proxy_id, flow_limits=config.flow_control,
                     share=config.peer_interval_ms > 0, peer_stale_s=config.peer_stale_ms / 1000,
                     peer_stagger_s=config.peer_stagger_ms / 1000, peer_pick_s=config.peer_pick_ms / 1000,
-                    latency=LatencyModel(), serve_late=config.slo_serve_late)
+                    latency=LatencyModel(), serve_late=config.slo_serve_late, kv_in_flight=config.kv_in_flight)
     events = EventPublisher(config.proxy_id, capacity=config.event_buffer, batch_max=config.event_batch_max,
                             flush_s=config.event_flush_ms / 1000)
     keys = ApiKeys.load(config.api_keys_file, config.key_max_inflight) if config.api_keys_file else None

@@ -196,10 +196,14 @@ def _kv_families(router: Router) -> Iterator[Metric]:
                               labels=["node"])
     blocks = GaugeMetricFamily("laswrr_proxy_kv_view_blocks", "KV blocks the node's engine holds, by its events",
                                labels=["node"])
+    pending = GaugeMetricFamily("laswrr_proxy_kv_view_in_flight_blocks", "KV blocks of this proxy's requests in "
+                                "flight on the node, counted as held until they end (--kv-in-flight)",
+                                labels=["node"])
     for node, held in sorted(kv.nodes.items()):
         exact.add_metric([node], 1 if kv.exact(node) else 0)
         blocks.add_metric([node], len(held.keys))
-    yield from (exact, blocks)
+        pending.add_metric([node], len(held.pending))
+    yield from (exact, blocks, pending)
 
 
 def _pool_families(router: Router) -> Iterator[Metric]:

@@ -75,3 +75,53 @@ async def test_the_engine_s_view_takes_the_request(engines, core: CoreDriver, st
     assert f'laswrr_proxy_kv_view_exact{{node="{other}"}} 0.0' in metrics  # routed on the estimated view, visibly
     async with http.get(proxy.url + "/health") as resp:
         assert (await resp.json())["kv_view"]["stale"] == [other]
+
+
+async def _metric_value(http: aiohttp.ClientSession, url: str, name: str) -> float | None:
+    async with http.get(url + "/metrics") as resp:
+        for line in (await resp.text()).splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return None
+
+
+@pytest.mark.parametrize("in_flight", [True, False])
+async def test_a_request_in_flight_counts_its_prompt_as_held_on_its_node(
+        engines, core: CoreDriver, start_proxy: StartProxy, http: aiohttp.ClientSession, nc: Any, tap: EventTap,
+        model_dir: Path, in_flight: bool) -> None:
+    """Both engines' views exact and empty. While the first request of a system prompt is still
+    streaming on its node (the engine has not said it stored anything), a second of the same
+    prompt is predicted to find the prompt's whole blocks there and goes there; the count ends
+    with the first request. ``--no-kv-in-flight``: the second is predicted to find nothing."""
+    a, b = await engines("a"), await engines("b")
+    proxy = await start_proxy(tokenizer=str(model_dir), kv_in_flight=in_flight)
+    await core.register("a", a.url)
+    await wait_seq(proxy, "default", await core.register("b", b.url))
+    for node in ("a", "b"):
+        change = CacheChanged(n=1, seq=0, block_size=BLOCK, stored=pack_block_keys([]), cleared=True, reason="cleared")
+        await nc.publish(sj.kv(node), CACHE_ENCODER.encode(change))
+    kv = proxy.state.router.table.kv
+    await wait_for(lambda: kv.exact("a") and kv.exact("b"), what="both nodes' exact views")
+    messages = [{"role": "system", "content": "A held prefix is worth a queue of one. " * 12},
+                {"role": "user", "content": "Where does the second go?"}]
+    tokens = PromptTokenizer(model_dir).encode(messages, None)
+    assert tokens is not None
+    whole = len(chain_keys(tokens[:-1], BLOCK)) * BLOCK
+    slow = {"model": "m", "stream": True, "messages": messages, "test": {"chunks": 20, "delay": 0.1}}
+    async with http.post(proxy.url + CHAT, json=slow) as first:  # streaming for ~2 s
+        assert first.status == 200
+        await first.content.readline()
+        node = "a" if a.received else "b"
+        gauge = f'laswrr_proxy_kv_view_in_flight_blocks{{node="{node}"}}'
+        assert await _metric_value(http, proxy.url, gauge) == (len(chain_keys(tokens, BLOCK)) if in_flight else 0)
+        await _chat(http, proxy.url, messages)
+        await wait_for(lambda: len(tap.of(sj.REQ_STARTED)) == 2, what="two started events")
+        (_, one), (subject, two) = tap.of(sj.REQ_STARTED)
+        assert one["cached_tokens"] == 0
+        if in_flight:
+            assert subject.endswith("." + node) and two["cached_tokens"] == whole > 0
+        else:
+            assert two["cached_tokens"] == 0
+        await first.read()
+    await wait_for(lambda: not kv.nodes[node].pending, what="the count ended with the requests")
+    assert await _metric_value(http, proxy.url, gauge) == 0

@@ -73,3 +73,30 @@ def test_an_ejected_node_is_held_empty_until_its_engine_tells_more() -> None:
     table.offer(snapshot(3, "recovering"), 2.0)
     assert table.kv.apply("a", change(2, [3]))  # its next change is taken: the counter was kept
     assert table.kv.nodes["a"].keys == {3}
+
+
+def test_a_pick_s_blocks_count_as_held_until_its_attempt_ends() -> None:
+    from laswrr.schemas.kvcache import chain_keys
+
+    prompt = tuple(range(10))  # 5 whole blocks of 2
+    keys = chain_keys(prompt, 2)
+    index = KvIndex()
+    assert index.apply("a", change(1, keys[:1], cleared=True)) and index.apply("b", change(1, cleared=True))
+    assert index.depths(prompt, ["a", "b"]) == {"a": 1, "b": 0}
+    first, second = index.expect("b", prompt), index.expect("b", prompt[:6])  # two picks in flight on b
+    assert first is not None and second is not None
+    assert index.depths(prompt, ["a", "b"]) == {"a": 1, "b": 5}  # b will have stored them when it takes the next
+    assert index.cached(prompt, ["b"]) == {"b": 8}  # never the prompt's last token
+    KvIndex.settle(first)
+    KvIndex.settle(first)  # a second settle changes nothing
+    assert index.depths(prompt, ["b"]) == {"b": 3}  # the second pick's three blocks still in flight
+    assert index.apply("b", change(2, keys[:2]))  # the engine stored two of them
+    KvIndex.settle(second)
+    assert index.depths(prompt, ["b"]) == {"b": 2} and not index.nodes["b"].pending
+    assert KvIndex(in_flight=False).expect("b", prompt) is None  # --no-kv-in-flight
+    assert index.expect("c", prompt) is None  # no exact view of c: nothing counted
+    dropped = index.expect("a", prompt)
+    index.drop("a")  # the node left while the pick was in flight: its settle touches nothing left
+    assert dropped is not None
+    KvIndex.settle(dropped)
+    assert index.apply("a", change(1, cleared=True)) and index.depths(prompt, ["a"]) == {"a": 0}
