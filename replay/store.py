@@ -154,7 +154,7 @@ def create_views(con: duckdb.DuckDBPyConnection) -> None:
 def open_writer(path: str | os.PathLike[str], memory_limit_mb: int | None = None) -> duckdb.DuckDBPyConnection:
     """Open (or create) the log for writing; the caller is the file's one writer.
 
-    ``memory_limit_mb`` caps DuckDB's memory on this connection (its ``memory_limit``). Without it
+    ``memory_limit_mb`` caps DuckDB's memory on this connection (``set_memory_limit``). Without it
     DuckDB keeps every block it wrote or read in its buffer cache up to 80 % of RAM, so a writer's
     RSS may grow with the file; with it, DuckDB evicts cached blocks past the cap (they are re-read
     from the file when needed)."""
@@ -164,9 +164,33 @@ def open_writer(path: str | os.PathLike[str], memory_limit_mb: int | None = None
     except duckdb.IOException as exc:
         raise StoreError(f"cannot open {path} for writing: {first_line(exc)}") from None
     if memory_limit_mb is not None:
-        con.execute(f"SET memory_limit = '{int(memory_limit_mb)}MB'")
+        set_memory_limit(con, memory_limit_mb)
     create_schema(con)
     return con
+
+
+def set_memory_limit(con: duckdb.DuckDBPyConnection, mb: int) -> None:
+    """DuckDB's ``memory_limit`` of ``mb``, and a checkpoint once the WAL holds a quarter of it:
+    what DuckDB cannot evict is the data written since its last checkpoint, so its default
+    threshold (16 MB) would let that alone fill a small limit (docs/evidence/soak.md)."""
+    con.execute(f"SET memory_limit = '{int(mb)}MB'")
+    con.execute(f"SET checkpoint_threshold = '{max(1, int(mb) // 4)}MB'")
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """DuckDB refused for want of memory under its ``memory_limit``: raised as such, or as the
+    commit's or the checkpoint's failure it caused ("failed to pin block ... Increasing the memory
+    limit": DuckDB says so only in the message; a full disk's says "No space left on device")."""
+    return isinstance(exc, duckdb.OutOfMemoryException) or "memory" in str(exc).lower()
+
+
+def has_rows(con: duckdb.DuckDBPyConnection, stream: str, seqs: Sequence[int]) -> bool:
+    """Every one of ``seqs`` of ``stream`` is in the file (one transaction's rows: all or none)."""
+    if not seqs:
+        return True
+    row = con.execute("SELECT count(DISTINCT seq) FROM events WHERE stream = ? AND seq >= ? AND seq <= ? "
+                      "AND list_contains(?, seq)", [stream, min(seqs), max(seqs), list(seqs)]).fetchone()
+    return bool(row) and row[0] == len(set(seqs))
 
 
 def insert_rows(con: duckdb.DuckDBPyConnection, batches: Sequence[Columns]) -> None:

@@ -100,7 +100,7 @@ class RecorderOptions:
     durable: str = "recorder"
     stream_replicas: int = StreamLimits.replicas  # of the streams it creates where missing (a cluster)
     stop_catch_up_s: float = 10.0  # on SIGTERM/SIGINT: longest time to record up to the streams' last seqs
-    memory_limit_mb: int = 0  # DuckDB's memory on the writer (store.open_writer); 0: DuckDB's default, 80 % of RAM
+    memory_limit_mb: int = 16  # DuckDB's memory on the writer, raised as commits need (``_write``); 0: DuckDB's own
 
     @property
     def db_path(self) -> Path:
@@ -137,12 +137,13 @@ class Recorder:
         self._stop_deadline = 0.0  # monotonic time the catch-up on stop gives up
         self._stop_targets_read = asyncio.Event()  # _plan_stop has read them (or given up)
         self._readers: list[PullReader] = []
+        self.memory_limit_mb = options.memory_limit_mb  # in force; raised when DuckDB needs more (``_write``)
+        self.memory_raised = 0  # times it was
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.con = await asyncio.to_thread(store.open_writer, self.options.db_path,
-                                             self.options.memory_limit_mb or None)
+        self.con = await asyncio.to_thread(store.open_writer, self.options.db_path, self.memory_limit_mb or None)
         if await self._db(store.has_key, self.con):
             log.info("%s was made with a primary key on (stream, seq): its index grows the recorder's memory by "
                      "about 180 bytes a row (docs/analysts.md, \"A file made with the key\")", self.options.db_path)
@@ -350,7 +351,12 @@ class Recorder:
         while True:
             try:
                 await self._db(store.insert_rows, self.con, [rows])
-            except (duckdb.IOException, duckdb.TransactionException) as exc:
+            except (duckdb.IOException, duckdb.TransactionException, duckdb.OutOfMemoryException,
+                    duckdb.FatalException) as exc:
+                if await self._db(self._recover_writer, exc, stream, rows.seq):
+                    return True  # committed before DuckDB failed its checkpoint
+                if store.out_of_memory(exc) and self.memory_limit_mb:
+                    continue  # the limit was raised: again at once
                 failures += 1
                 stats.write_failures += 1
                 stats.failing = True
@@ -366,6 +372,35 @@ class Recorder:
                 stats.failing = False
                 log.warning("%s: writing to %s again after %d failed attempt(s)", stream, self.options.db_path, failures)
             return True
+
+    def _recover_writer(self, exc: BaseException, stream: str, seqs: list[int]) -> bool:
+        """After a failed write (in the DuckDB thread, under the lock): whether ``seqs`` are in
+        the file all the same. Out of memory under our limit: the limit is doubled (DuckDB pins
+        what it wrote since its last checkpoint, and one commit of large payloads can need more
+        than a small pool's; docs/evidence/soak.md). A fatal error (DuckDB failed its
+        checkpoint after a durable commit) invalidates the connection: it is opened again. The
+        rows are then looked for, so a commit that did land is neither lost nor written twice."""
+        fatal = isinstance(exc, duckdb.FatalException)
+        raised = store.out_of_memory(exc) and self.memory_limit_mb > 0
+        if raised:
+            self.memory_limit_mb *= 2
+            self.memory_raised += 1
+            log.warning("%s: DuckDB needed more memory than its limit (%s); limit raised to %d MB", stream,
+                        store.first_line(exc), self.memory_limit_mb)
+        if fatal:
+            with contextlib.suppress(duckdb.Error):
+                assert self.con is not None
+                self.con.close()
+            self.con = store.open_writer(self.options.db_path, self.memory_limit_mb or None)
+            log.warning("%s: reopened %s after DuckDB's fatal error (%s)", stream, self.options.db_path,
+                        store.first_line(exc))
+        elif raised:
+            assert self.con is not None
+            store.set_memory_limit(self.con, self.memory_limit_mb)
+        if not (fatal or raised):
+            return False  # a refused commit (a full disk): rolled back, nothing written
+        assert self.con is not None
+        return store.has_rows(self.con, stream, seqs)
 
     # -- holes ----------------------------------------------------------------------------------
 
@@ -467,6 +502,10 @@ def _families(recorder: Recorder, recorded: dict[str, int]) -> Iterator[Metric]:
         batch.add_metric([stream], stats.batch_seconds.exposition(), stats.batch_seconds.total)
     yield from families.values()
     yield batch
+    limit = GaugeMetricFamily("laswrr_recorder_memory_limit_bytes", "DuckDB's memory limit on the writer in force "
+                              "(--memory-limit-mb, raised when a commit needed more); 0: DuckDB's own")
+    limit.add_metric([], recorder.memory_limit_mb << 20)
+    yield limit
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -493,12 +532,11 @@ def register(subparsers: Any) -> None:
                                           "the stop for at most S, then log what is left (default %(default)s; "
                                           "0: stop at once)")
     parser.add_argument("--memory-limit-mb", type=int, default=RecorderOptions.memory_limit_mb, metavar="MB",
-                        help="DuckDB's memory limit on the log's writer: past it DuckDB evicts the blocks it "
-                             "keeps cached (read back from the file when needed), so the recorder's RSS stops "
-                             "growing with the file; but DuckDB pins the large payloads written since its last "
-                             "checkpoint, and a commit or checkpoint that needs more fails (fatal): safe only "
-                             "for small payloads, e.g. a pool of a few nodes (docs/evidence/soak.md) (default %(default)s: "
-                             "DuckDB's own limit, 80 %% of RAM)")
+                        help="DuckDB's memory limit on the log's writer, at start: past it DuckDB evicts the "
+                             "blocks it keeps cached (read back from the file when needed), so the recorder's RSS "
+                             "stops growing with the file; a commit or checkpoint that needs more (large "
+                             "snapshots, a backlog) doubles it, and the batch is written once all the same "
+                             "(docs/evidence/soak.md) (default %(default)s; 0: DuckDB's own limit, 80 %% of RAM)")
     settings.add_stream_replicas(parser)
     settings.add_metrics_port(parser)
     settings.add_logging(parser)
