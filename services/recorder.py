@@ -132,7 +132,7 @@ class Recorder:
         self.ready = asyncio.Event()
         self._db_lock = asyncio.Lock()
         self.copies = CopyDesk(options.db_path, options.data_dir, self.js, self._db, self._db_lock,
-                               lambda: self.con)  # lb.recorder.snapshot (services/recorder_copy.py)
+                               lambda: self.con, lambda: self.memory_limit_mb)  # lb.recorder.snapshot (services/recorder_copy.py)
         self._stop_targets: dict[str, int] = {}  # stream -> its last seq when the stop came
         self._stop_deadline = 0.0  # monotonic time the catch-up on stop gives up
         self._stop_targets_read = asyncio.Event()  # _plan_stop has read them (or given up)

@@ -43,9 +43,11 @@ class CopyDesk:
     """The recorder's side of ``lb.recorder.snapshot`` (module header)."""
 
     def __init__(self, db_path: Path, data_dir: Path, js: JetStreamContext, run_db: RunDb, db_lock: asyncio.Lock,
-                 connection: Callable[[], duckdb.DuckDBPyConnection | None]) -> None:
+                 connection: Callable[[], duckdb.DuckDBPyConnection | None],
+                 memory_limit_mb: Callable[[], int] = lambda: 0) -> None:
         self.db_path, self.data_dir, self.js = db_path, data_dir, js
         self._run_db, self._db_lock, self._connection = run_db, db_lock, connection
+        self._memory_limit_mb = memory_limit_mb  # the writer's DuckDB limit in force (0: DuckDB's own)
         self.gate = asyncio.Event()  # cleared while a copy waits for LB_EVENTS: LB_OUT commits wait
         self.gate.set()
         self.pending: list[tuple[int, Path, asyncio.Future[dict[str, str]]]] = []
@@ -93,7 +95,7 @@ class CopyDesk:
             self.pending.remove(item)
             _, target, future = item
             try:
-                await self._run_db(copy_database, self._connection(), target)
+                await self._run_db(copy_database, self._connection(), target, self._memory_limit_mb())
                 future.set_result({"path": str(target)})
                 log.info("copied the log to %s for a reader", target)
             except Exception as exc:  # noqa: BLE001 - reported to the reader, never fatal here
@@ -108,21 +110,34 @@ class CopyDesk:
                 future.set_result({"error": "recorder stopping"})
 
 
-def copy_database(con: duckdb.DuckDBPyConnection, target: Path) -> None:
+COPY_MEMORY_MB = 64  # DuckDB's limit while it copies (one thread): 32 MB copied an hour's log of 116 MB, 16 failed
+
+
+def copy_database(con: duckdb.DuckDBPyConnection, target: Path, memory_limit_mb: int = 0) -> None:
     """Copy the whole database into a new file at ``target`` through DuckDB itself.
 
     Never open the live file a second time from this process (e.g. ``shutil.copyfile``): POSIX
     record locks are per process, and closing any descriptor of the file drops the write lock
-    that keeps other processes out.
+    that keeps other processes out. ``memory_limit_mb``: the writer's limit in force (0: none);
+    below ``COPY_MEMORY_MB`` the copy runs on one thread under that much, then the limit is
+    restored (the copy's memory does not grow with the file).
     """
     literal = str(target).replace("'", "''")
     source = con.execute("SELECT current_database()").fetchone()
     assert source is not None
+    tight = 0 < memory_limit_mb < COPY_MEMORY_MB
+    threads = con.execute("SELECT current_setting('threads')").fetchone()
+    if tight:
+        con.execute("SET threads = 1")
+        con.execute(f"SET memory_limit = '{COPY_MEMORY_MB}MB'")
     con.execute(f"ATTACH '{literal}' AS laswrr_copy")
     try:
         con.execute(f'COPY FROM DATABASE "{source[0]}" TO laswrr_copy')
     finally:
         con.execute("DETACH laswrr_copy")
+        if tight and threads is not None:
+            con.execute(f"SET threads = {int(threads[0])}")
+            store.set_memory_limit(con, memory_limit_mb)
 
 
 # -- the reader's side ----------------------------------------------------------------------------

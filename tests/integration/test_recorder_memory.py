@@ -102,3 +102,29 @@ async def test_a_checkpoint_that_fails_after_a_durable_commit_loses_and_repeats_
     assert recorder.memory_raised >= 1 and recorder.stats[sj.EVENTS_STREAM].write_failures == 0
     assert "reopened" in caplog.text  # the fatal path: the durable commit found in the file, not written again
     assert (count, distinct, top) == (8000, 8000, 8000)
+
+
+def test_the_analysts_copy_fits_beside_a_small_limit(tmp_path: Path) -> None:
+    """``lb.recorder.snapshot``'s copy (``copy_database``) of a live log under the recorder's
+    16 MB limit: DuckDB's copy needs more (on three minutes of a 16-node pool's log it failed at
+    once, "failed to allocate data of size 8.0 MiB"), so it runs on one thread under
+    COPY_MEMORY_MB, and the writer's limit and threads are restored after."""
+    import subprocess
+    import sys
+
+    from laswrr.services.recorder_copy import copy_database
+
+    live = tmp_path / "live.duckdb"
+    subprocess.run([sys.executable, "-m", "laswrr.bench.month_log", "--out", str(live), "--hours", "0.05",
+                    "--min-free-gb", "0"], check=True, capture_output=True)
+    con = store.open_writer(live, 16)
+    try:
+        rows = con.execute("SELECT count(*) FROM events").fetchone()
+        before = con.execute("SELECT current_setting('memory_limit'), current_setting('threads')").fetchone()
+        copy_database(con, tmp_path / "copy.duckdb", 16)
+        after = con.execute("SELECT current_setting('memory_limit'), current_setting('threads')").fetchone()
+    finally:
+        con.close()
+    with store.open_read(tmp_path / "copy.duckdb") as copy:
+        assert copy.execute("SELECT count(*) FROM events").fetchone() == rows
+    assert after == before
