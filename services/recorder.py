@@ -139,6 +139,7 @@ class Recorder:
         self._readers: list[PullReader] = []
         self.memory_limit_mb = options.memory_limit_mb  # in force; raised when DuckDB needs more (``_write``)
         self.memory_raised = 0  # times it was
+        self._reopen_needed = False  # a fatal error invalidated ``con``: open the file again before the next write
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -350,12 +351,16 @@ class Recorder:
         stats, failures = self.stats[stream], 0
         while True:
             try:
+                if self._reopen_needed:  # invalidated by a fatal error, and not opened again yet
+                    await self._db(self._reopen)
+                    if await self._db(store.has_rows, self.con, stream, rows.seq):
+                        break  # the commit before the fatal error had landed
                 await self._db(store.insert_rows, self.con, [rows])
             except (duckdb.IOException, duckdb.TransactionException, duckdb.OutOfMemoryException,
-                    duckdb.FatalException) as exc:
+                    duckdb.FatalException, duckdb.ConnectionException, store.StoreError) as exc:
                 if await self._db(self._recover_writer, exc, stream, rows.seq):
-                    return True  # committed before DuckDB failed its checkpoint
-                if store.out_of_memory(exc) and self.memory_limit_mb:
+                    break  # committed before DuckDB failed its checkpoint
+                if store.out_of_memory(exc) and self.memory_limit_mb and not self._reopen_needed:
                     continue  # the limit was raised: again at once
                 failures += 1
                 stats.write_failures += 1
@@ -368,39 +373,54 @@ class Recorder:
                     return False
                 await asyncio.sleep(min(WRITE_RETRY_MAX_S, 0.5 * 2 ** (failures - 1)))
                 continue
-            if stats.failing:
-                stats.failing = False
-                log.warning("%s: writing to %s again after %d failed attempt(s)", stream, self.options.db_path, failures)
-            return True
+            break
+        if stats.failing:
+            stats.failing = False
+            log.warning("%s: writing to %s again after %d failed attempt(s)", stream, self.options.db_path, failures)
+        return True
 
     def _recover_writer(self, exc: BaseException, stream: str, seqs: list[int]) -> bool:
         """After a failed write (in the DuckDB thread, under the lock): whether ``seqs`` are in
         the file all the same. Out of memory under our limit: the limit is doubled (DuckDB pins
         what it wrote since its last checkpoint, and one commit of large payloads can need more
         than a small pool's; docs/evidence/soak.md). A fatal error (DuckDB failed its
-        checkpoint after a durable commit) invalidates the connection: it is opened again. The
-        rows are then looked for, so a commit that did land is neither lost nor written twice."""
-        fatal = isinstance(exc, duckdb.FatalException)
+        checkpoint after a durable commit) invalidates the connection: it is opened again (or,
+        if that fails too, before the next try). The rows are then looked for, so a commit that
+        did land is neither lost nor written twice."""
         raised = store.out_of_memory(exc) and self.memory_limit_mb > 0
         if raised:
             self.memory_limit_mb *= 2
             self.memory_raised += 1
             log.warning("%s: DuckDB needed more memory than its limit (%s); limit raised to %d MB", stream,
                         store.first_line(exc), self.memory_limit_mb)
-        if fatal:
-            with contextlib.suppress(duckdb.Error):
-                assert self.con is not None
-                self.con.close()
-            self.con = store.open_writer(self.options.db_path, self.memory_limit_mb or None)
-            log.warning("%s: reopened %s after DuckDB's fatal error (%s)", stream, self.options.db_path,
-                        store.first_line(exc))
+        if isinstance(exc, duckdb.FatalException):
+            self._reopen_needed = True
+            log.warning("%s: DuckDB's fatal error invalidated %s (%s); opening it again", stream,
+                        self.options.db_path, store.first_line(exc))
+        if self._reopen_needed:
+            try:
+                self._reopen()
+            except (duckdb.Error, store.StoreError) as again:
+                log.error("%s: cannot open %s again (%s)", stream, self.options.db_path, store.first_line(again))
+                return False
         elif raised:
             assert self.con is not None
             store.set_memory_limit(self.con, self.memory_limit_mb)
-        if not (fatal or raised):
+        elif not isinstance(exc, duckdb.FatalException):
             return False  # a refused commit (a full disk): rolled back, nothing written
         assert self.con is not None
         return store.has_rows(self.con, stream, seqs)
+
+    def _reopen(self) -> None:
+        """Open the log again after a fatal error (the old connection is unusable); raises when it cannot."""
+        if self.con is not None:
+            with contextlib.suppress(duckdb.Error):
+                self.con.close()
+            self.con = None
+        self.con = store.open_writer(self.options.db_path, self.memory_limit_mb or None)
+        self._reopen_needed = False
+        log.warning("reopened %s (DuckDB memory limit %s)", self.options.db_path,
+                    f"{self.memory_limit_mb} MB" if self.memory_limit_mb else "DuckDB's own")
 
     # -- holes ----------------------------------------------------------------------------------
 
