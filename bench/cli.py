@@ -149,9 +149,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--engines", choices=("sim", "vllm"), default="sim",
                         help="sim: simulated engines (default); vllm: three real vLLM servers (CPU build, a tiny "
                              "model; --max-num-seqs 8, 4, 2), built and started by bench/real_vllm.py, for "
-                             "the heterogeneous, announced-drop, cache, cache-plain and cache-reset scenarios (--scenario takes "
-                             "a comma-separated list of them; the cache scenarios run their own rows, "
-                             "la-swrr+events, la-swrr, rr, sglang-router:cache_aware)")
+                             "the heterogeneous, announced-drop, cache, cache-plain, cache-reset and cache-busy scenarios "
+                             "(--scenario takes a comma-separated list of them; the cache scenarios run their own rows, "
+                             "la-swrr+events, la-swrr, rr, sglang-router:cache_aware; cache-busy la-swrr+events and "
+                             "la-swrr+events-stored)")
     parser.add_argument("--repeats", type=int, default=1, metavar="N",
                         help="--engines vllm: run the scenarios N times on the same engines (default 1)")
     parser.add_argument("--no-contention", action="store_true",
