@@ -26,9 +26,10 @@ row (``KvTimeline``: every ``lb.kv.<node>`` message with its arrival time, folde
   events said the node held exactly what it reported at some moment between the pick and the
   request's first byte (when the engine scheduled it), not at the pick: blocks another request
   stored meanwhile (often a request of the same prefix still in prefill at the pick), or evicted;
-* ``in flight at pick``: the prediction counted more than the events said the node held around
-  the pick, the blocks of this proxy's requests in flight there (``KvIndex``, "In flight"), and
-  the engine did not find them all (it had not stored them yet, or freed them);
+* ``ahead of the events at pick``: the prediction counted more than the events said the node
+  held around the pick: with ``--kv-in-flight`` the blocks of this proxy's requests in flight
+  there (``KvIndex``, "In flight") that the engine did not find (not stored yet, or freed), else
+  the proxy's view ahead of the bench's copy of the events;
 * ``view at pick``: the prediction is not what the events said the node held around the pick
   (the proxy's view lagged, was emptied by an ejection, or stale);
 * ``unexplained``: none of these (no events received for the node, or a cause outside them: the
@@ -183,8 +184,8 @@ def cause(pick: Pick, served: str | None, reported: int, timeline: KvTimeline | 
     around, near = timeline.depths(pick.node, token_ids, pick.ts_ns - PICK_SLACK_NS, pick.ts_ns + PICK_SLACK_NS)
     if around is None:
         return "unexplained"
-    if pick.predicted not in near:  # more than the events said: blocks of requests in flight counted held
-        return "in flight at pick" if near and pick.predicted > max(near) else "view at pick"
+    if pick.predicted not in near:  # more than the events said: with --kv-in-flight, blocks of requests in flight
+        return "ahead of the events at pick" if near and pick.predicted > max(near) else "view at pick"
     _, later = timeline.depths(pick.node, token_ids, pick.ts_ns, end)
     if reported in later:
         return "stored before prefill" if reported > pick.predicted else "evicted before prefill"

@@ -152,7 +152,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                              "the heterogeneous, announced-drop, cache, cache-plain, cache-reset and cache-busy scenarios "
                              "(--scenario takes a comma-separated list of them; the cache scenarios run their own rows, "
                              "la-swrr+events, la-swrr, rr, sglang-router:cache_aware; cache-busy la-swrr+events and "
-                             "la-swrr+events-stored)")
+                             "la-swrr+events-in-flight)")
     parser.add_argument("--repeats", type=int, default=1, metavar="N",
                         help="--engines vllm: run the scenarios N times on the same engines (default 1)")
     parser.add_argument("--no-contention", action="store_true",

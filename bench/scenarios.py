@@ -522,9 +522,9 @@ REAL_CACHE_RESET = replace(
 # the rows are the exact view with and without the blocks of requests in flight (KvIndex, "In flight").
 REAL_CACHE_BUSY = replace(
     REAL_CACHE_PLAIN, name="cache-busy", chat=replace(REAL_CHAT, conversations_per_s=1.2),
-    rows=("la-swrr+events", "la-swrr+events-stored"),
+    rows=("la-swrr+events", "la-swrr+events-in-flight"),
     description=f"the cache-plain scenario ({REAL_CACHE_BLOCKS}-block KV rooms, KV events, one proxy) at three times "
-                "the conversations, so the engines queue; rows la-swrr+events and la-swrr+events-stored")
+                "the conversations, so the engines queue; rows la-swrr+events and la-swrr+events-in-flight")
 
 REAL_SCENARIOS: dict[str, Scenario] = {s.name: s for s in (REAL_HETEROGENEOUS, REAL_ANNOUNCED_DROP, REAL_CACHE,
                                                            REAL_CACHE_PLAIN, REAL_CACHE_RESET, REAL_CACHE_BUSY)}

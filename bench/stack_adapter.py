@@ -72,13 +72,13 @@ PEER_START_TIMEOUT_S = 60.0
 VARIANTS: dict[str, tuple[str, ...]] = {"flow": ("--flow-control",), "cap": ("--inflight-cap-per-capacity", "1"),
                                         "flow-noreserve": ("--flow-control", "--interactive-reserve", "0"),
                                         "no-status": (), "events": (), "decode-only": ("--pd-decode-only-tokens", "512"),
-                                        "events-stored": ("--no-kv-in-flight",)}
-EXACT_VIEW = ("events", "events-stored")  # the variants with the exact cache view (the engines' KV events)
+                                        "events-in-flight": ("--kv-in-flight",)}
+EXACT_VIEW = ("events", "events-in-flight")  # the variants with the exact cache view (the engines' KV events)
 
 
 def exact_view(policy: str) -> bool:
-    """The row routes on the engines' KV events: ``+events``, or ``+events-stored`` (the view of
-    what they stored alone, without counting the blocks of requests in flight)."""
+    """The row routes on the engines' KV events: ``+events``, or ``+events-in-flight`` (which also
+    counts the blocks of the proxy's requests in flight as held, ``--kv-in-flight``)."""
     return policy.partition("+")[2] in EXACT_VIEW
 
 

@@ -17,7 +17,7 @@ only with the first blocks it stores): its keys are dropped, its counter kept, s
 it holds nothing, and the next changes are taken. Pure: no clock, no socket; two proxies fed the same changes
 hold the same view.
 
-**In flight** (``in_flight``, on by default: ``--no-kv-in-flight`` turns it off). Between a pick
+**In flight** (``in_flight``: the proxy's ``--kv-in-flight``, off by default). Between a pick
 and the engine's ``BlockStored`` for it the events cannot know what the engine is about to hold:
 a second request of the same system prompt or conversation, picked while the first still waits
 in the engine's queue or prefills, would find the prefix on that node when the engine schedules
@@ -57,7 +57,7 @@ class Expected:
 class KvIndex:
     __slots__ = ("nodes", "in_flight")
 
-    def __init__(self, in_flight: bool = True) -> None:
+    def __init__(self, in_flight: bool = False) -> None:
         self.nodes: dict[str, NodeBlocks] = {}
         self.in_flight = in_flight  # count the blocks of picks in flight as held (module docstring)
 

@@ -53,7 +53,7 @@ class Router:
                  share: bool = False, peer_stale_s: float = PEER_STALE_S, peer_max_keys: int = PEER_MAX_KEYS,
                  peer_full_s: float = PEER_FULL_S, peer_grid: int = PEER_GRID, peer_stagger_s: float = PEER_STAGGER_S,
                  peer_pick_s: float = PEER_PICK_S, latency: LatencyModel | None = None,
-                 serve_late: bool = False, kv_in_flight: bool = True) -> None:
+                 serve_late: bool = False, kv_in_flight: bool = False) -> None:
         if isinstance(scorer, type):
             scorer = scorer()  # the default: prefix affinity with its default index size
         if scorer is not None and not make_policy(policy, seed).uses_affinity:

@@ -47,7 +47,7 @@ class Offered(IntEnum):
 
 class RoutingTable:
     def __init__(self, policy: str, seed: int, proxy_id: str | None = None,
-                 scorer: PrefixScorer | None = None, kv_in_flight: bool = True) -> None:
+                 scorer: PrefixScorer | None = None, kv_in_flight: bool = False) -> None:
         make_policy(policy, seed)  # fail fast on an unknown name
         self.policy_name = policy
         self.seed = seed

@@ -166,9 +166,10 @@ class ProxyConfig:
         None, "the exact cache view: the model's tokenizer directory (tokenizer.json, tokenizer_config.json); the "
         "nodes whose engines publish KV events (laswrr kv-events) are matched on its tokens", metavar="DIR",
         default_text="none: the estimated view alone")
-    kv_in_flight: bool = setting(True, "the exact cache view counts the prompt blocks of this proxy's requests in "
+    kv_in_flight: bool = setting(False, "the exact cache view counts the prompt blocks of this proxy's requests in "
                                  "flight on a node as held there until they end (the engine stores them when it "
-                                 "prefills)", negatable=True)
+                                 "prefills); measured no better on this project's real-vLLM scenarios "
+                                 "(docs/evidence/cache-view.md, Requests in flight)", negatable=True)
     nats_auth: NatsAuth | None = setting(None, "NATS credential files (--nats-creds, --nats-nkey, --nats-tls-*, "
                                          "shared by every service)", flag=None, default_text="$NATS_CREDS, ...")
     api_keys_file: str | None = setting(

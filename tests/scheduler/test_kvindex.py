@@ -80,7 +80,7 @@ def test_a_pick_s_blocks_count_as_held_until_its_attempt_ends() -> None:
 
     prompt = tuple(range(10))  # 5 whole blocks of 2
     keys = chain_keys(prompt, 2)
-    index = KvIndex()
+    index = KvIndex(in_flight=True)  # --kv-in-flight
     assert index.apply("a", change(1, keys[:1], cleared=True)) and index.apply("b", change(1, cleared=True))
     assert index.depths(prompt, ["a", "b"]) == {"a": 1, "b": 0}
     first, second = index.expect("b", prompt), index.expect("b", prompt[:6])  # two picks in flight on b
@@ -93,7 +93,7 @@ def test_a_pick_s_blocks_count_as_held_until_its_attempt_ends() -> None:
     assert index.apply("b", change(2, keys[:2]))  # the engine stored two of them
     KvIndex.settle(second)
     assert index.depths(prompt, ["b"]) == {"b": 2} and not index.nodes["b"].pending
-    assert KvIndex(in_flight=False).expect("b", prompt) is None  # --no-kv-in-flight
+    assert KvIndex().expect("b", prompt) is None  # the default: not counted
     assert index.expect("c", prompt) is None  # no exact view of c: nothing counted
     dropped = index.expect("a", prompt)
     index.drop("a")  # the node left while the pick was in flight: its settle touches nothing left
