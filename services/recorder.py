@@ -66,6 +66,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -89,6 +90,10 @@ from laswrr.services.service_metrics import BATCH_BUCKETS, Buckets, Metric, lag,
 log = logging.getLogger("laswrr.recorder")
 WRITE_RETRY_MAX_S = 5.0  # the longest wait between two attempts of a commit DuckDB refused (_write)
 TRICKLE_PER_S = 10  # a fetch that brought at most this many messages a second of its wait: wait longer next
+
+
+# the most the recorder raises DuckDB's limit to: half the host's memory (then a refusal waits and retries)
+MEMORY_LIMIT_MAX_MB = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2) >> 20
 
 
 @dataclass
@@ -358,9 +363,10 @@ class Recorder:
                 await self._db(store.insert_rows, self.con, [rows])
             except (duckdb.IOException, duckdb.TransactionException, duckdb.OutOfMemoryException,
                     duckdb.FatalException, duckdb.ConnectionException, store.StoreError) as exc:
+                raised = self.memory_raised
                 if await self._db(self._recover_writer, exc, stream, rows.seq):
                     break  # committed before DuckDB failed its checkpoint
-                if store.out_of_memory(exc) and self.memory_limit_mb and not self._reopen_needed:
+                if self.memory_raised > raised and not self._reopen_needed:
                     continue  # the limit was raised: again at once
                 failures += 1
                 stats.write_failures += 1
@@ -387,7 +393,7 @@ class Recorder:
         checkpoint after a durable commit) invalidates the connection: it is opened again (or,
         if that fails too, before the next try). The rows are then looked for, so a commit that
         did land is neither lost nor written twice."""
-        raised = store.out_of_memory(exc) and self.memory_limit_mb > 0
+        raised = store.out_of_memory(exc) and 0 < self.memory_limit_mb < MEMORY_LIMIT_MAX_MB
         if raised:
             self.memory_limit_mb *= 2
             self.memory_raised += 1
@@ -555,7 +561,7 @@ def register(subparsers: Any) -> None:
                         help="DuckDB's memory limit on the log's writer, at start: past it DuckDB evicts the "
                              "blocks it keeps cached (read back from the file when needed), so the recorder's RSS "
                              "stops growing with the file; a commit or checkpoint that needs more (large "
-                             "snapshots, a backlog) doubles it, and the batch is written once all the same "
+                             "snapshots, a backlog) doubles it, up to half the host's memory, and the batch is written once all the same "
                              "(docs/evidence/soak.md) (default %(default)s; 0: DuckDB's own limit, 80 %% of RAM)")
     settings.add_stream_replicas(parser)
     settings.add_metrics_port(parser)
