@@ -412,7 +412,7 @@ class Recorder:
         elif raised:
             assert self.con is not None
             store.set_memory_limit(self.con, self.memory_limit_mb)
-        elif not isinstance(exc, duckdb.FatalException):
+        else:
             return False  # a refused commit (a full disk): rolled back, nothing written
         assert self.con is not None
         return store.has_rows(self.con, stream, seqs)
