@@ -126,7 +126,8 @@ def copy_database(con: duckdb.DuckDBPyConnection, target: Path, memory_limit_mb:
     source = con.execute("SELECT current_database()").fetchone()
     assert source is not None
     tight = 0 < memory_limit_mb < COPY_MEMORY_MB
-    threads = con.execute("SELECT current_setting('threads')").fetchone()
+    row = con.execute("SELECT current_setting('threads')").fetchone() if tight else None
+    threads = row[0] if row else 1
     if tight:
         con.execute("SET threads = 1")
         con.execute(f"SET memory_limit = '{COPY_MEMORY_MB}MB'")
@@ -135,8 +136,8 @@ def copy_database(con: duckdb.DuckDBPyConnection, target: Path, memory_limit_mb:
         con.execute(f'COPY FROM DATABASE "{source[0]}" TO laswrr_copy')
     finally:
         con.execute("DETACH laswrr_copy")
-        if tight and threads is not None:
-            con.execute(f"SET threads = {int(threads[0])}")
+        if tight:
+            con.execute(f"SET threads = {int(threads)}")
             store.set_memory_limit(con, memory_limit_mb)
 
 

@@ -33,8 +33,8 @@ def payload(rnd: random.Random, n: int) -> bytes:
 async def test_large_payloads_raise_the_memory_limit_and_are_recorded_once(nats_url: str, tmp_path: Path,
                                                                            backlog: int) -> None:
     """``backlog``: messages in the stream before the recorder starts (its first commits hold
-    thousands: a commit fails for want of memory); 0: all published while it records (small
-    commits: DuckDB's checkpoint fails after one, fatally, and the file is opened again)."""
+    thousands); 0: all published while it records. Either way a commit fails for want of memory
+    and the limit is raised (the fatal checkpoint path: the next test)."""
     nc = await connect(nats_url, "test")
     js = nc.jetstream()
     await ensure_streams(js)
